@@ -1,0 +1,69 @@
+"""Admission to the model: one generation at a time, a bounded FIFO of waiters, a wait timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+
+from .errors import QueueFull, Unavailable
+
+
+class Admission:
+    """`with admission.slot() as waited:` runs its body alone; at most `queue_size` others wait.
+
+    A request beyond the queue is refused at once (429, Retry-After); one that waits longer than
+    `timeout` seconds gets a 503. Waiters are served first come, first served.
+    """
+
+    def __init__(self, queue_size: int, timeout: float, retry_after: int = 2):
+        self.queue_size = queue_size
+        self.timeout = timeout
+        self.retry_after = retry_after
+        self._lock = threading.Lock()
+        self._busy = False
+        self._waiters: deque[threading.Event] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    @contextmanager
+    def slot(self, timeout: float | None = None):
+        start = time.perf_counter()
+        self._acquire(self.timeout if timeout is None else timeout)
+        try:
+            yield time.perf_counter() - start
+        finally:
+            self._release()
+
+    def _acquire(self, timeout: float) -> None:
+        with self._lock:
+            if not self._busy and not self._waiters:
+                self._busy = True
+                return
+            if len(self._waiters) >= self.queue_size:
+                raise QueueFull(f"the server is busy: {len(self._waiters)} requests are already waiting; "
+                                "retry shortly", headers={"Retry-After": str(self.retry_after)})
+            turn = threading.Event()
+            self._waiters.append(turn)
+        if turn.wait(timeout):
+            return  # _release handed the model to us
+        with self._lock:
+            if turn.is_set():  # handed over just as we timed out
+                return
+            self._waiters.remove(turn)
+        raise Unavailable(f"timed out after {timeout:.0f} s waiting for the model; retry later",
+                          code="queue_timeout", headers={"Retry-After": str(self.retry_after)})
+
+    def _release(self) -> None:
+        with self._lock:
+            if self._waiters:
+                self._waiters.popleft().set()  # ownership passes directly: _busy stays True
+            else:
+                self._busy = False

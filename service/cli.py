@@ -1,0 +1,116 @@
+"""Command line: `python -m service chat|make-model ...`. Flags override environment settings."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+
+def _settings_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("settings (override the environment variables of the same name)")
+    g.add_argument("--model-path", help="Qwen3-VL checkpoint directory (MODEL_PATH); default: embedded random model")
+    g.add_argument("--quantization", choices=["int8", "fp32"], help="QUANTIZATION (default int8)")
+    g.add_argument("--threads", type=int, help="THREADS: torch threads (default: the CPUs this process may use)")
+    g.add_argument("--image-max-pixels", type=int, help="IMAGE_MAX_PIXELS: pixel budget per image")
+    g.add_argument("--max-new-tokens", type=int, help="MAX_NEW_TOKENS: cap on generated tokens")
+    g.add_argument("--context-limit", type=int, help="CONTEXT_LIMIT: prompt + answer tokens")
+    g.add_argument("--cache-dir", help="CACHE_DIR: where the embedded model is built")
+
+
+def _settings(args):
+    from .settings import load_settings
+
+    names = ["model_path", "quantization", "threads", "image_max_pixels", "max_new_tokens", "context_limit",
+             "cache_dir"]
+    return load_settings(**{n: getattr(args, n, None) for n in names})
+
+
+def _peak_rss_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+def cmd_chat(args) -> int:
+    from .checkpoints import RANDOM_MODEL_WARNING
+    from .engine import Completion, Engine, GenerationRequest, SamplingParams
+    from .errors import ServiceError
+    from .images import decode_image
+    from .loading import load_model
+    from .prompts import ChatMessage, ImagePart, TextPart
+
+    settings = _settings(args)
+    loaded = load_model(settings)
+    if loaded.is_random:
+        print(f"\n*** {RANDOM_MODEL_WARNING} ***\n", file=sys.stderr)
+    engine = Engine(loaded, settings)
+    try:
+        t0 = time.perf_counter()
+        parts = [ImagePart(decode_image(Path(p).read_bytes(), loaded.image_limits)) for p in args.image]
+        decode_seconds = time.perf_counter() - t0
+        parts.append(TextPart(args.prompt))
+        messages = ([ChatMessage("system", [TextPart(args.system)])] if args.system else []) + \
+            [ChatMessage("user", parts)]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+        request = GenerationRequest(messages, params, image_decode_seconds=decode_seconds, received_at=t0)
+        for event in engine.generate(request):
+            if isinstance(event, Completion):
+                done = event
+            else:
+                print(event.text, end="", flush=True)
+    except (ServiceError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    t = done.timings
+    print("\n")
+    print(f"load {loaded.load_seconds:.2f} s | image decode {t['image_decode'] * 1000:.1f} ms | "
+          f"vision encode {t['vision_encode']:.2f} s | prefill {t['prefill']:.2f} s | "
+          f"time to first token {t['time_to_first_token']:.2f} s | decode {t['decode_tokens_per_s']:.1f} tok/s | "
+          f"{done.prompt_tokens} prompt + {done.completion_tokens} new tokens ({done.finish_reason}) | "
+          f"peak RSS {_peak_rss_gib():.2f} GiB", file=sys.stderr)
+    return 0
+
+
+def cmd_make_model(args) -> int:
+    from .checkpoints import RANDOM_MODEL_WARNING, make_checkpoint
+
+    t0 = time.perf_counter()
+    out = make_checkpoint(args.preset, args.out_dir)
+    print(f"wrote the {args.preset} random-weight Qwen3-VL checkpoint to {out} in {time.perf_counter() - t0:.1f} s")
+    print(f"note: {RANDOM_MODEL_WARNING}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m service", description="Qwen3-VL CPU inference service")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    chat = sub.add_parser("chat", help="answer one question about images, streaming to the terminal")
+    chat.add_argument("prompt")
+    chat.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
+    chat.add_argument("--system", help="a system prompt")
+    chat.add_argument("--max-tokens", type=int)
+    chat.add_argument("--temperature", type=float, help="0 = greedy (default: the checkpoint's setting)")
+    chat.add_argument("--top-p", type=float)
+    chat.add_argument("--top-k", type=int)
+    chat.add_argument("--seed", type=int)
+    chat.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    _settings_flags(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    make = sub.add_parser("make-model", help="write a random-weight Qwen3-VL checkpoint (tests, benchmarks)")
+    make.add_argument("--preset", choices=["tiny", "2b"], default="tiny")
+    make.add_argument("out_dir")
+    make.set_defaults(func=cmd_make_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)

@@ -1,0 +1,62 @@
+"""The service's one error type. Each failure a client can cause carries its HTTP status here;
+the HTTP layer maps it to OpenAI-shaped JSON in one handler."""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """A failure with a status, an OpenAI error `type`, a machine-readable `code` and the bad `param`."""
+
+    status = 400
+    type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 status: int | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+        self.headers = headers or {}
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(ServiceError):
+    status, code = 400, "invalid_request"
+
+
+class ImageError(ServiceError):
+    """Bytes that are not a decodable image of a supported format."""
+
+    status, code = 400, "invalid_image"
+
+
+class TooLarge(ServiceError):
+    status, code = 413, "too_large"
+
+
+class UnsupportedMediaType(ServiceError):
+    status, code = 415, "unsupported_media_type"
+
+
+class PromptTooLong(ServiceError):
+    status, code = 422, "context_length_exceeded"
+
+
+class QueueFull(ServiceError):
+    status, type, code = 429, "rate_limit_error", "queue_full"
+
+
+class Unavailable(ServiceError):
+    status, type, code = 503, "service_unavailable", "unavailable"
+
+
+class Cancelled(ServiceError):
+    """The client went away or the request was stopped; never sent to anyone."""
+
+    status, code = 499, "cancelled"

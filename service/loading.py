@@ -1,0 +1,156 @@
+"""Load a Qwen3-VL checkpoint directory (or the embedded tiny one): processor and model, fp32 or INT8."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoints import RANDOM_MODEL_WARNING, embedded_model_dir, is_random_test_model
+from .images import ImageLimits
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    processor: object
+    path: Path
+    name: str
+    quantization: str
+    is_random: bool
+    load_seconds: float
+    image_limits: ImageLimits
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+
+def _processor_class():
+    from transformers import Qwen3VLProcessor
+
+    class VideoLessQwen3VLProcessor(Qwen3VLProcessor):
+        """Qwen3VLProcessor without a video processor (transformers' one needs torchvision).
+
+        The stock class type-checks every attribute and rejects None; only that check is relaxed.
+        """
+
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    return VideoLessQwen3VLProcessor
+
+
+def load_processor(path: Path):
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    image_processor = AutoImageProcessor.from_pretrained(path)
+    chat_template = tokenizer.chat_template
+    template_file = path / "chat_template.jinja"
+    if chat_template is None and template_file.exists():
+        chat_template = template_file.read_text()
+    if chat_template is None:
+        raise ValueError(f"{path} has no chat template (chat_template.jinja or tokenizer_config.json)")
+    return _processor_class()(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                              chat_template=chat_template)
+
+
+def image_limits_for(processor, settings: Settings) -> ImageLimits:
+    """The decode limits, with the budget clipped to what the processor itself would allow."""
+    ip = processor.image_processor
+    size = ip.size
+    factor = ip.patch_size * ip.merge_size
+    max_pixels = min(settings.image_max_pixels, size.longest_edge or settings.image_max_pixels)
+    min_pixels = min(size.shortest_edge or factor * factor, max_pixels)
+    # Make the processor's own resize rule agree with ours, so it never resizes a second time.
+    ip.size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    return ImageLimits(max_bytes=settings.image_max_bytes, max_decoded_pixels=settings.image_max_decoded_pixels,
+                       max_pixels=max_pixels, min_pixels=min_pixels, factor=factor)
+
+
+def _quantize_blocks(model: nn.Module) -> None:
+    """INT8-quantize every nn.Linear, one block at a time, so at most one block is fp32 at once."""
+    from torch.ao.quantization import quantize_dynamic
+
+    visual = model.model.visual
+    blocks = [*visual.blocks, visual.merger, *getattr(visual, "deepstack_merger_list", []),
+              *model.model.language_model.layers]
+    for block in blocks:
+        block.float()
+        quantize_dynamic(block, {nn.Linear}, dtype=torch.qint8, inplace=True)
+        gc.collect()
+    # lm_head is a bare Linear (tied to the embeddings): quantize it through a wrapper, in place.
+    wrapper = nn.Sequential(model.lm_head.float())
+    quantize_dynamic(wrapper, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    model.lm_head = wrapper[0]
+    gc.collect()
+
+
+class _OnceWarnings:
+    """Collects library warnings during a phase and logs each distinct one once."""
+
+    def __enter__(self):
+        self._ctx = warnings.catch_warnings(record=True)
+        self._records = self._ctx.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        for message in sorted({str(r.message).splitlines()[0] for r in self._records}):
+            log.info("library warning (shown once): %s", message)
+        return False
+
+
+def load_model(settings: Settings) -> LoadedModel:
+    """Load MODEL_PATH (or build and load the embedded tiny model) as settings say."""
+    from transformers import Qwen3VLForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(settings.threads)
+    start = time.perf_counter()
+    path = settings.model_path or embedded_model_dir(settings.cache_dir)
+    processor = load_processor(path)
+    hf_logging.set_verbosity_error()
+    with _OnceWarnings():
+        # The checkpoint's own dtype (bf16 for Qwen's releases): no whole fp32 copy before quantizing.
+        dtype = "auto" if settings.quantization == "int8" else torch.float32
+        model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=dtype)
+        model.eval()
+        if settings.quantization == "int8":
+            model.requires_grad_(False)
+            _quantize_blocks(model)
+        model.float()  # embeddings, norms, patch embedding: fp32 compute (bf16 is slow on these CPUs)
+    model.requires_grad_(False)
+    is_random = is_random_test_model(model.config)
+    if is_random:
+        log.warning(RANDOM_MODEL_WARNING)
+    eos = model.generation_config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    tok = processor.tokenizer
+    for token in ("<|im_end|>", "<|endoftext|>"):
+        tid = tok.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid >= 0 and tid not in eos_ids:
+            eos_ids.append(tid)
+    loaded = LoadedModel(
+        model=model, processor=processor, path=path,
+        name="embedded-random-tiny-qwen3-vl" if settings.model_path is None else path.name,
+        quantization=settings.quantization, is_random=is_random,
+        load_seconds=time.perf_counter() - start,
+        image_limits=image_limits_for(processor, settings), eos_token_ids=eos_ids,
+    )
+    log.info("loaded %s (%s) from %s in %.1f s", loaded.name, loaded.quantization, path, loaded.load_seconds)
+    return loaded

@@ -1,0 +1,46 @@
+"""Shared fixtures: the real embedded tiny checkpoint, loaded through the public loader."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from service.checkpoints import embedded_model_dir  # noqa: E402
+from service.engine import Engine  # noqa: E402
+from service.loading import load_model  # noqa: E402
+from service.settings import load_settings  # noqa: E402
+
+# Tests use the embedded model built in a cache of their own, never a user's MODEL_PATH.
+os.environ.pop("MODEL_PATH", None)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(cache_dir) -> Path:
+    return embedded_model_dir(cache_dir)
+
+
+def make_settings(cache_dir, **overrides):
+    return load_settings(cache_dir=cache_dir, threads=2, **overrides)
+
+
+@pytest.fixture(scope="session", params=["fp32", "int8"])
+def engine(request, cache_dir, tiny_dir) -> Engine:
+    settings = make_settings(cache_dir, quantization=request.param)
+    return Engine(load_model(settings), settings)
+
+
+@pytest.fixture(scope="session")
+def fp32_engine(cache_dir, tiny_dir) -> Engine:
+    settings = make_settings(cache_dir, quantization="fp32")
+    return Engine(load_model(settings), settings)

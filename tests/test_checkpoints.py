@@ -1,0 +1,76 @@
+"""The embedded model: deterministic, a real checkpoint, loads fp32 and int8 through the public loader."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import subprocess
+import sys
+
+from torch import nn
+
+from conftest import ROOT, make_settings
+from service.checkpoints import make_checkpoint
+from service.loading import load_model
+
+
+def test_checkpoint_creation_is_deterministic(tmp_path):
+    a, b = make_checkpoint("tiny", tmp_path / "a"), make_checkpoint("tiny", tmp_path / "b")
+    names = sorted(p.name for p in a.iterdir())
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "preprocessor_config.json", "chat_template.jinja", "generation_config.json"} <= set(names)
+    match, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    assert mismatch == [] and errors == []
+
+
+def test_embedded_model_is_marked_random_and_uses_real_qwen_token_layout(tiny_dir):
+    config = json.loads((tiny_dir / "config.json").read_text())
+    assert config["model_type"] == "qwen3_vl" and config["random_test_model"] is True
+    vocab = json.loads((tiny_dir / "tokenizer.json").read_text())["added_tokens"]
+    ids = {t["content"]: t["id"] for t in vocab}
+    assert config["image_token_id"] == ids["<|image_pad|>"]
+    assert config["vision_start_token_id"] == ids["<|vision_start|>"]
+
+
+def test_loads_fp32_and_int8_through_the_public_loader(cache_dir, tiny_dir):
+    fp32 = load_model(make_settings(cache_dir, quantization="fp32"))
+    int8 = load_model(make_settings(cache_dir, quantization="int8"))
+    assert fp32.is_random and int8.is_random
+    q_proj = int8.model.model.language_model.layers[0].self_attn.q_proj
+    assert type(q_proj).__module__.startswith("torch.ao.nn.quantized.dynamic")
+    assert type(int8.model.lm_head).__module__.startswith("torch.ao.nn.quantized.dynamic")
+    assert type(int8.model.model.visual.blocks[0].mlp.linear_fc1).__module__.startswith("torch.ao.nn.quantized")
+    plain = [n for n, m in int8.model.named_modules() if type(m) is nn.Linear]
+    assert plain == []  # every Linear, vision and text, is INT8
+    assert type(fp32.model.lm_head) is nn.Linear
+
+
+def test_cli_chat_streams_an_answer_and_prints_timings(cache_dir, tiny_dir, tmp_path):
+    from imaging import encode, pattern
+
+    photo = tmp_path / "photo.jpg"
+    photo.write_bytes(encode(pattern(640, 480), ".jpg"))
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "chat", "--image", str(photo), "--image", str(photo),
+         "What is in this picture?", "--max-tokens", "12", "--temperature", "0", "--cache-dir", str(cache_dir)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "RANDOM-WEIGHT" in result.stderr  # says loudly that the answer is noise
+    for label in ("load", "image decode", "vision encode", "time to first token", "tok/s", "peak RSS"):
+        assert label in result.stderr
+    assert "12 new tokens" in result.stderr
+
+
+def test_cli_reports_bad_settings_readably(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "service", "chat", "hi", "--model-path", str(tmp_path / "nope")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "MODEL_PATH" in result.stderr and "is not a directory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_make_model_writes_a_checkpoint(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "service", "make-model", "--preset", "tiny", str(tmp_path / "m")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "m" / "model.safetensors").exists()

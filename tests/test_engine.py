@@ -1,0 +1,161 @@
+"""Generation on the real tiny model, fp32 and int8: streaming, sampling, stop strings, cancellation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from imaging import encode, pattern
+from service.engine import Completion, GenerationRequest, SamplingParams, TextDelta
+from service.errors import BadRequest, PromptTooLong
+from service.images import decode_image
+from service.prompts import ChatMessage, ImagePart, TextPart
+
+
+def image(engine, width=448, height=448, seed=0):
+    return decode_image(encode(pattern(width, height, seed=seed), ".png"), engine.loaded.image_limits)
+
+
+def ask(engine, parts, **params) -> tuple[list[str], Completion]:
+    messages = [ChatMessage("user", parts)]
+    deltas, done = [], None
+    for event in engine.generate(GenerationRequest(messages, SamplingParams(**params))):
+        if isinstance(event, TextDelta):
+            deltas.append(event.text)
+        else:
+            done = event
+    return deltas, done
+
+
+def generation_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("generate-")]
+
+
+def test_answer_streams_in_several_deltas_and_reports_usage(engine):
+    deltas, done = ask(engine, [ImagePart(image(engine)), TextPart("What is in this picture?")],
+                       max_tokens=24, temperature=0)
+    assert len(deltas) >= 2
+    assert "".join(deltas) == done.text
+    assert done.completion_tokens == 24 and done.finish_reason == "length"
+    assert done.prompt_tokens > 196  # 196 visual tokens for a 448x448 image plus the text
+    for key in ("queue_wait", "image_decode", "vision_encode", "prefill", "time_to_first_token",
+                "decode_tokens_per_s"):
+        assert key in done.timings
+
+
+def test_streamed_text_equals_plain_generate_for_same_seed(engine):
+    """The streaming path must produce exactly what model.generate gives without a streamer."""
+    parts = [ImagePart(image(engine)), TextPart("Describe the colors.")]
+    _, done = ask(engine, parts, max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    prompt = engine.prepare(GenerationRequest([ChatMessage("user", parts)]))
+    model = engine.model
+    model.model.rope_deltas = None
+    torch.manual_seed(1234)
+    with torch.inference_mode():
+        out = model.generate(input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
+                             mm_token_type_ids=prompt.mm_token_type_ids, image_grid_thw=prompt.image_grid_thw,
+                             pixel_values=torch.cat(prompt.pixel_values),
+                             generation_config=engine._generation_config(SamplingParams(
+                                 temperature=0.9, top_p=0.9, top_k=50), 20))
+    new = out[0, prompt.num_tokens:]
+    assert done.text == engine.processor.tokenizer.decode(new, skip_special_tokens=True)
+
+
+def test_same_seed_same_answer_other_seed_other_answer(engine):
+    parts = [TextPart("Tell me a story about a red square.")]
+    a = ask(engine, parts, max_tokens=24, temperature=1.0, seed=7)[1].text
+    b = ask(engine, parts, max_tokens=24, temperature=1.0, seed=7)[1].text
+    c = ask(engine, parts, max_tokens=24, temperature=1.0, seed=8)[1].text
+    assert a == b
+    assert a != c
+
+
+def test_greedy_answer_unchanged_after_a_request_with_another_image_size(engine):
+    """A stale `rope_deltas` from the previous request would shift positions silently."""
+    parts = [ImagePart(image(engine, 448, 448)), TextPart("What is this?")]
+    before = ask(engine, parts, max_tokens=16, temperature=0)[1].text
+    ask(engine, [ImagePart(image(engine, 640, 256, seed=3)), TextPart("And this?")], max_tokens=8, temperature=0)
+    ask(engine, [TextPart("No picture now.")], max_tokens=8, temperature=0)
+    after = ask(engine, parts, max_tokens=16, temperature=0)[1].text
+    assert before == after
+
+
+def test_pixel_budget_bounds_visual_tokens(engine):
+    photo = decode_image(encode(pattern(1920, 1080), ".jpg"), engine.loaded.image_limits)
+    prompt = engine.prepare(GenerationRequest([ChatMessage("user", [ImagePart(photo), TextPart("hi")])]))
+    visual = int(prompt.mm_token_type_ids.sum())
+    assert visual <= engine.settings.image_max_pixels // (32 * 32)
+    assert visual == int(prompt.image_grid_thw.prod()) // 4
+
+
+def test_stop_string_ends_the_answer_before_it(fp32_engine):
+    parts = [TextPart("Count for me, please.")]
+    full = ask(fp32_engine, parts, max_tokens=30, temperature=0)[1].text
+    assert len(full) > 6
+    stop = full[4:7]
+    deltas, done = ask(fp32_engine, parts, max_tokens=30, temperature=0, stop=[stop])
+    assert done.finish_reason == "stop"
+    assert done.text == full[: full.find(stop)]
+    assert stop not in "".join(deltas)
+
+
+def test_cancel_stops_within_one_token_and_leaves_no_thread(engine):
+    request = GenerationRequest([ChatMessage("user", [TextPart("Go on forever.")])],
+                                SamplingParams(max_tokens=400, temperature=0))
+    stream = engine.generate(request)
+    seen, at_cancel = 0, None
+    for event in stream:
+        seen += 1
+        if seen == 3:
+            request.cancel.set()
+            at_cancel = request.generated_tokens  # read after setting: counts all tokens made before it
+        if isinstance(event, Completion):
+            done = event
+    assert done.finish_reason == "cancelled"
+    assert done.completion_tokens <= at_cancel + 1
+    assert generation_threads() == []
+
+
+def test_closing_the_stream_early_cancels_and_joins_the_thread(engine):
+    request = GenerationRequest([ChatMessage("user", [TextPart("Go on forever.")])],
+                                SamplingParams(max_tokens=400, temperature=0))
+    stream = engine.generate(request)
+    next(stream), next(stream)
+    stream.close()  # what a WSGI server does when the client goes away
+    assert request.cancel.is_set()
+    assert generation_threads() == []
+    assert not engine.admission.busy  # the model is free for the next request at once
+
+
+def test_prompt_beyond_context_limit_is_refused(engine):
+    words = "many words " * (engine.settings.context_limit)
+    with pytest.raises(PromptTooLong):
+        engine.prepare(GenerationRequest([ChatMessage("user", [TextPart(words)])]))
+
+
+@pytest.mark.parametrize("params", [dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(top_k=-2)])
+def test_bad_sampling_parameters_are_refused(fp32_engine, params):
+    with pytest.raises(BadRequest):
+        fp32_engine.prepare(GenerationRequest([ChatMessage("user", [TextPart("hi")])], SamplingParams(**params)))
+
+
+def test_one_generation_at_a_time(fp32_engine):
+    """Two concurrent requests never overlap inside the model."""
+    spans = []
+
+    def run():
+        request = GenerationRequest([ChatMessage("user", [TextPart("hello")])],
+                                    SamplingParams(max_tokens=30, temperature=0))
+        t0 = None
+        for event in fp32_engine.generate(request):
+            t0 = t0 or time.perf_counter()
+        spans.append((t0, time.perf_counter()))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    (a0, a1), (b0, b1) = sorted(spans)
+    assert a1 <= b0

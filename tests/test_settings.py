@@ -1,0 +1,46 @@
+"""Settings: environment variables, overrides, and messages a user understands."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.settings import SettingsError, load_settings
+
+
+def test_environment_variables_are_read(monkeypatch, tmp_path):
+    monkeypatch.setenv("QUANTIZATION", "fp32")
+    monkeypatch.setenv("MAX_NEW_TOKENS", "77")
+    monkeypatch.setenv("IMAGE_MAX_PIXELS", "65536")
+    s = load_settings(cache_dir=tmp_path)
+    assert (s.quantization, s.max_new_tokens, s.image_max_pixels) == ("fp32", 77, 65536)
+
+
+def test_overrides_win_over_the_environment(monkeypatch):
+    monkeypatch.setenv("QUANTIZATION", "fp32")
+    assert load_settings(quantization="int8").quantization == "int8"
+
+
+def test_defaults_are_int8_and_a_cpu_sized_pixel_budget(monkeypatch):
+    monkeypatch.delenv("QUANTIZATION", raising=False)
+    monkeypatch.delenv("IMAGE_MAX_PIXELS", raising=False)
+    s = load_settings()
+    assert s.quantization == "int8" and s.model_path is None
+    assert s.image_max_pixels <= 512 * 512
+
+
+@pytest.mark.parametrize("env,value,words", [
+    ("QUANTIZATION", "int4", "QUANTIZATION"),
+    ("THREADS", "zero", "THREADS"),
+    ("MODEL_PATH", "/definitely/not/here", "is not a directory"),
+])
+def test_bad_values_give_readable_errors(monkeypatch, env, value, words):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert words in str(info.value)
+
+
+def test_model_dir_without_config_is_explained(monkeypatch, tmp_path):
+    monkeypatch.setenv("MODEL_PATH", str(tmp_path))
+    with pytest.raises(SettingsError, match="no config.json"):
+        load_settings()
