@@ -1,0 +1,47 @@
+"""Prometheus metrics, correct with several Gunicorn workers (prometheus_client multiprocess mode
+when PROMETHEUS_MULTIPROC_DIR is set, which gunicorn.conf.py does before workers import this)."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import multiprocess
+
+_LATENCY = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+_TOKEN_GAP = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
+
+REQUESTS = Counter("qwen3vl_requests_total", "HTTP requests by endpoint and status", ["endpoint", "status"])
+QUEUE_DEPTH = Gauge("qwen3vl_queue_depth", "requests waiting for the model", multiprocess_mode="livesum")
+GENERATING = Gauge("qwen3vl_generating", "generations running now", multiprocess_mode="livesum")
+TTFT = Histogram("qwen3vl_time_to_first_token_seconds", "request arrival to first token", buckets=_LATENCY)
+INTER_TOKEN = Histogram("qwen3vl_inter_token_seconds", "mean gap between streamed tokens per request",
+                        buckets=_TOKEN_GAP)
+QUEUE_WAIT = Histogram("qwen3vl_queue_wait_seconds", "time waiting for the model", buckets=_LATENCY)
+IMAGE_DECODE = Histogram("qwen3vl_image_decode_seconds", "image decoding per request", buckets=_LATENCY)
+VISION_ENCODE = Histogram("qwen3vl_vision_encode_seconds", "vision encoder per request", buckets=_LATENCY)
+PROMPT_TOKENS = Counter("qwen3vl_prompt_tokens_total", "prompt tokens processed or reused")
+GENERATED_TOKENS = Counter("qwen3vl_generated_tokens_total", "tokens generated")
+FINISHED = Counter("qwen3vl_generations_total", "generations by how they ended", ["finish_reason"])
+RSS = Gauge("qwen3vl_process_rss_bytes", "resident memory of each worker", ["pid"], multiprocess_mode="liveall")
+
+# Caches (conversation KV and vision features)
+CACHE_HITS = Counter("qwen3vl_cache_hits_total", "cache lookups that reused something", ["cache"])
+CACHE_MISSES = Counter("qwen3vl_cache_misses_total", "cache lookups that reused nothing", ["cache"])
+CACHE_REUSED_TOKENS = Counter("qwen3vl_cache_reused_tokens_total", "prompt tokens taken from the KV cache")
+CACHE_EVICTIONS = Counter("qwen3vl_cache_evictions_total", "entries evicted", ["cache", "reason"])
+CACHE_BYTES = Gauge("qwen3vl_cache_bytes", "bytes held by each cache", ["cache"], multiprocess_mode="livesum")
+CACHE_ENTRIES = Gauge("qwen3vl_cache_entries", "entries held by each cache", ["cache"], multiprocess_mode="livesum")
+
+
+def render() -> tuple[bytes, str]:
+    """The exposition text of every worker (multiprocess) or of this process."""
+    RSS.labels(pid=str(os.getpid())).set(psutil.Process().memory_info().rss)
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), "text/plain; version=0.0.4; charset=utf-8"
+    from prometheus_client import REGISTRY
+
+    return generate_latest(REGISTRY), "text/plain; version=0.0.4; charset=utf-8"
