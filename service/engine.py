@@ -17,7 +17,6 @@ from typing import Iterator
 
 import torch
 from transformers import GenerationConfig
-from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from .admission import Admission
 from .errors import BadRequest, PromptTooLong
@@ -25,6 +24,7 @@ from .loading import LoadedModel
 from .prompts import ChatMessage, PreparedPrompt, prepare_prompt
 from .settings import Settings
 from .streaming import CancelOnEvent, StopStringMatcher, TokenStreamer
+from .vision import TorchVisionEncoder, as_mm_encoder_outputs
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class Engine:
         self.processor = loaded.processor
         self.admission = Admission(settings.queue_size, settings.queue_timeout)
         self._defaults = loaded.model.generation_config
+        self.vision_encoder = TorchVisionEncoder(loaded.model)
 
     # -- request path -------------------------------------------------------------------------
 
@@ -150,10 +151,8 @@ class Engine:
         """Vision encoder for the prompt's images → `mm_encoder_outputs` for generate."""
         if not prompt.pixel_values:
             return None
-        out = self.model.model.get_image_features(torch.cat(prompt.pixel_values), prompt.image_grid_thw)
-        return {"image": BaseModelOutputWithDeepstackFeatures(
-            pooler_output=list(out.pooler_output),
-            deepstack_features=[list(layer) for layer in out.deepstack_features])}
+        features = self.vision_encoder(torch.cat(prompt.pixel_values), prompt.image_grid_thw)
+        return as_mm_encoder_outputs(features)
 
     def _run(self, request: GenerationRequest, prompt: PreparedPrompt, waited: float) -> Iterator[TextDelta | Completion]:
         params = request.params
