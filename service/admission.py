@@ -35,12 +35,17 @@ class Admission:
 
     @contextmanager
     def slot(self, timeout: float | None = None):
+        waited = self.acquire(timeout)
+        try:
+            yield waited
+        finally:
+            self.release()
+
+    def acquire(self, timeout: float | None = None) -> float:
+        """Wait for the model; returns the seconds waited. Pair with release()."""
         start = time.perf_counter()
         self._acquire(self.timeout if timeout is None else timeout)
-        try:
-            yield time.perf_counter() - start
-        finally:
-            self._release()
+        return time.perf_counter() - start
 
     def _acquire(self, timeout: float) -> None:
         with self._lock:
@@ -53,7 +58,7 @@ class Admission:
             turn = threading.Event()
             self._waiters.append(turn)
         if turn.wait(timeout):
-            return  # _release handed the model to us
+            return  # release() handed the model to us
         with self._lock:
             if turn.is_set():  # handed over just as we timed out
                 return
@@ -61,7 +66,7 @@ class Admission:
         raise Unavailable(f"timed out after {timeout:.0f} s waiting for the model; retry later",
                           code="queue_timeout", headers={"Retry-After": str(self.retry_after)})
 
-    def _release(self) -> None:
+    def release(self) -> None:
         with self._lock:
             if self._waiters:
                 self._waiters.popleft().set()  # ownership passes directly: _busy stays True

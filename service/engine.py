@@ -91,6 +91,31 @@ class Completion:
     images: int = 0
 
 
+class Generation:
+    """An admitted generation: iterate for events; close() (or exhaustion) frees the model."""
+
+    def __init__(self, events: Iterator[TextDelta | Completion], release):
+        self._events = events
+        self._release = release
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> TextDelta | Completion:
+        try:
+            return next(self._events)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Cancel (if running) and free the model slot; safe to call more than once."""
+        self._events.close()
+        release, self._release = self._release, None
+        if release:
+            release()
+
+
 class Engine:
     """One model, one generation at a time; see the module docstring."""
 
@@ -116,6 +141,13 @@ class Engine:
         prompt = prompt or self.prepare(request)
         with self.admission.slot() as waited:
             yield from self._run(request, prompt, waited)
+
+    def start(self, request: GenerationRequest, prompt: PreparedPrompt | None = None) -> "Generation":
+        """Prepare and admit now — so 4xx, 429 and 503 are raised before any byte is sent — and
+        return the event stream. The model slot is released when the stream ends or is closed."""
+        prompt = prompt or self.prepare(request)
+        waited = self.admission.acquire()
+        return Generation(self._run(request, prompt, waited), self.admission.release)
 
     # -- inside the model slot ----------------------------------------------------------------
 
