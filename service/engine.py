@@ -56,7 +56,7 @@ class SamplingParams:
                 raise BadRequest(f"{name} {message}", param=name)
 
 
-@dataclass
+@dataclass(eq=False)
 class GenerationRequest:
     messages: list[ChatMessage]
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -125,6 +125,7 @@ class Engine:
         self.model = loaded.model
         self.processor = loaded.processor
         self.admission = Admission(settings.queue_size, settings.queue_timeout)
+        self._active: set[GenerationRequest] = set()
         self._defaults = loaded.model.generation_config
         self.vision_encoder = TorchVisionEncoder(loaded.model)
 
@@ -147,7 +148,18 @@ class Engine:
         return the event stream. The model slot is released when the stream ends or is closed."""
         prompt = prompt or self.prepare(request)
         waited = self.admission.acquire()
-        return Generation(self._run(request, prompt, waited), self.admission.release)
+        self._active.add(request)
+
+        def release():
+            self._active.discard(request)
+            self.admission.release()
+
+        return Generation(self._run(request, prompt, waited), release)
+
+    def cancel_all(self) -> None:
+        """Stop every admitted generation at its next token (graceful shutdown)."""
+        for request in list(self._active):
+            request.cancel.set()
 
     # -- inside the model slot ----------------------------------------------------------------
 

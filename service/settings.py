@@ -41,7 +41,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(25 * 1024 * 1024, ge=1024, description="largest request body")
     queue_size: int = Field(8, ge=0, description="requests waiting for the model beyond the one running")
     queue_timeout: float = Field(120.0, gt=0, description="seconds a request may wait for the model")
-    allow_remote_images: bool = Field(False, description="never fetched; kept False (the server fetches nothing)")
+    conversation_history_max: int = Field(1024, ge=1, description="native-endpoint conversations remembered")
+    conversation_history_ttl: float = Field(1800.0, gt=0, description="seconds an idle conversation is remembered")
 
     @field_validator("model_path")
     @classmethod
