@@ -1,0 +1,68 @@
+"""Gunicorn settings for one service instance. A flag on the command line (e.g. --bind) wins.
+
+Cores: one instance = one Gunicorn master with ONE worker process that owns the model and uses
+THREADS torch threads (default: every CPU the process may use — pin instances with taskset and
+each gets its own cores). Its `threads` are HTTP threads (gthread, needed for streaming): one
+runs the generation, up to QUEUE_SIZE wait for the model, the rest answer /health, /ready and
+/metrics and refuse extra requests with 429 at once. To use more cores, run more instances
+(entrypoint / Nginx), not more workers: a second worker would load a second model.
+"""
+
+import os
+import shutil
+import tempfile
+
+from service.settings import load_settings
+
+_settings = load_settings()
+
+bind = os.environ.get("BIND", f"{_settings.host}:{_settings.port}")
+workers = int(os.environ.get("WORKERS", "1"))
+worker_class = "gthread"
+threads = _settings.queue_size + 4
+# gthread heartbeats from its main loop, so `timeout` never kills a long generation; it only
+# restarts a worker whose main loop is stuck.
+timeout = 120
+graceful_timeout = int(os.environ.get("GRACEFUL_TIMEOUT", "30"))
+keepalive = 5
+preload_app = False  # torch in a forked master can hang: each worker loads its own model
+accesslog = "-" if os.environ.get("ACCESS_LOG", "0") == "1" else None
+errorlog = "-"
+loglevel = os.environ.get("LOG_LEVEL", "info")
+forwarded_allow_ips = "127.0.0.1"
+
+# Prometheus multiprocess mode: every worker writes its metrics to files in this directory.
+if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="qwen3vl-metrics-")
+    _own_metrics_dir = True
+else:
+    os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
+    _own_metrics_dir = False
+
+
+def child_exit(server, worker):
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)
+
+
+def post_worker_init(worker):
+    """On SIGTERM, let in-flight streams run, then cancel them cleanly before the grace period ends."""
+    import signal
+    import threading
+
+    original = worker.handle_exit
+
+    def handle_exit(sig, frame):
+        engine = worker.wsgi.extensions["qwen3vl"].engine
+        if engine is not None:
+            threading.Timer(max(1.0, graceful_timeout * 0.8), engine.cancel_all).start()
+        original(sig, frame)
+
+    worker.handle_exit = handle_exit
+    signal.signal(signal.SIGTERM, handle_exit)
+
+
+def on_exit(server):
+    if _own_metrics_dir:
+        shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)

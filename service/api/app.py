@@ -1,0 +1,141 @@
+"""The Flask app factory: state, request ids, the one error handler, and the blueprints."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+
+from flask import Flask, current_app, g, jsonify, request
+from pydantic import ValidationError
+from werkzeug.exceptions import HTTPException
+
+from .. import metrics
+from ..engine import Engine
+from ..errors import ServiceError, Unavailable
+from ..settings import Settings
+
+log = logging.getLogger("service.api")
+_SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
+
+
+class AppState:
+    """What the routes share: settings, the engine once loaded, the conversation histories."""
+
+    def __init__(self, settings: Settings):
+        from ..conversations import ConversationStore
+
+        self.settings = settings
+        self.engine: Engine | None = None
+        self.load_error: str | None = None
+        self.conversations = ConversationStore(settings.conversation_history_max,
+                                               settings.conversation_history_ttl)
+        self.loaded = threading.Event()
+
+    def load(self) -> None:
+        from ..loading import load_model
+
+        try:
+            self.engine = Engine(load_model(self.settings), self.settings)
+        except Exception as exc:  # reported by /ready and every request, not a dead worker
+            log.exception("model failed to load")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.loaded.set()
+
+    def require_engine(self) -> Engine:
+        if self.engine is not None:
+            return self.engine
+        if self.load_error:
+            raise Unavailable(f"the model failed to load: {self.load_error}", code="model_load_failed")
+        raise Unavailable("the model is still loading; retry shortly", code="model_loading",
+                          headers={"Retry-After": "5"})
+
+
+def state() -> AppState:
+    return current_app.extensions["qwen3vl"]
+
+
+def error_response(exc: ServiceError):
+    response = jsonify(exc.to_dict())
+    response.status_code = exc.status
+    for name, value in exc.headers.items():
+        response.headers[name] = value
+    return response
+
+
+def _validation_error(exc: ValidationError) -> ServiceError:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return ServiceError(f"{where}: {first['msg']}" if where else first["msg"], param=where or None,
+                        code="invalid_field")
+
+
+def _http_error(exc: HTTPException) -> ServiceError:
+    codes = {404: "not_found", 405: "method_not_allowed", 413: "too_large", 415: "unsupported_media_type"}
+    messages = {413: f"request body is larger than the limit of {current_app.config['MAX_CONTENT_LENGTH']} bytes"}
+    err = ServiceError(messages.get(exc.code, exc.description or exc.name), status=exc.code,
+                       code=codes.get(exc.code, "http_error"))
+    if exc.code == 405 and exc.valid_methods:
+        err.headers["Allow"] = ", ".join(exc.valid_methods)
+    return err
+
+
+def create_app(settings: Settings, load_in_background: bool = True) -> Flask:
+    """A new app with its own state; the model loads in a thread so /health answers at once."""
+    from .native_routes import native
+    from .openai_routes import openai_api
+    from .ops_routes import ops
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = Flask("service")
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.config["MAX_FORM_MEMORY_SIZE"] = settings.max_body_bytes
+    app.json.sort_keys = False
+    app.json.ensure_ascii = False
+    app_state = AppState(settings)
+    app.extensions["qwen3vl"] = app_state
+    for blueprint in (openai_api, native, ops):
+        app.register_blueprint(blueprint)
+
+    @app.before_request
+    def _request_id():
+        incoming = request.headers.get("X-Request-Id", "")
+        g.request_id = incoming if _SANE_REQUEST_ID.match(incoming) else "req-" + uuid.uuid4().hex[:24]
+        g.received_at = time.perf_counter()
+
+    @app.after_request
+    def _tag(response):
+        response.headers["X-Request-Id"] = g.get("request_id", "")
+        endpoint = request.url_rule.rule if request.url_rule else "unmatched"
+        metrics.REQUESTS.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    @app.errorhandler(ServiceError)
+    def _service_error(exc: ServiceError):
+        if exc.status >= 500 and exc.status != 503:
+            log.error("%s %s", g.get("request_id"), exc.message)
+        return error_response(exc)
+
+    @app.errorhandler(ValidationError)
+    def _invalid(exc: ValidationError):
+        return error_response(_validation_error(exc))
+
+    @app.errorhandler(HTTPException)
+    def _http(exc: HTTPException):
+        return error_response(_http_error(exc))
+
+    @app.errorhandler(Exception)
+    def _bug(exc: Exception):
+        log.exception("%s unhandled error", g.get("request_id"))
+        return error_response(ServiceError(f"internal error; see the server log for request {g.get('request_id')}",
+                                           status=500, type="server_error", code="internal_error"))
+
+    if load_in_background:
+        threading.Thread(target=app_state.load, name="model-loader", daemon=True).start()
+    else:
+        app_state.load()
+    return app

@@ -1,0 +1,117 @@
+"""POST /v1/chat — the curl-first endpoint: JSON or multipart in, JSON lines out.
+
+Stateful by `conversation_id`: a client sends only its new message; the server keeps the history
+(and the KV cache of it). Lines: a first one with ids, one per text delta, a last one with
+`"done": true`, usage and timings.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from flask import Blueprint, Response, g, jsonify, request
+
+from ..engine import Completion, TextDelta
+from ..errors import BadRequest, ServiceError, UnsupportedMediaType
+from ..prompts import ChatMessage, TextPart
+from . import protocol
+from .app import state
+from .inputs import decode_base64_image, decode_data_url, decode_file, to_chat_messages, user_message
+from .requests import generation_request, json_body
+from .serving import EventStream, admit, collect
+
+native = Blueprint("native", __name__)
+ENDPOINT = "/v1/chat"
+_FORM_FIELDS = {"prompt", "conversation_id", "max_tokens", "temperature", "top_p", "top_k", "seed",
+                "repetition_penalty", "stream"}
+
+
+def _line(obj: dict) -> bytes:
+    return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+
+
+def _from_form(limits) -> tuple[protocol.NativeChatRequest, list[ChatMessage], float]:
+    form, files = request.form, request.files
+    unknown = set(form) - _FORM_FIELDS - {"stop"}
+    if unknown:
+        raise BadRequest(f"unknown form field(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+    for name in _FORM_FIELDS:
+        if len(form.getlist(name)) > 1:
+            raise BadRequest(f"form field {name!r} was sent more than once", param=name)
+    unknown_files = set(files) - {"image"}
+    if unknown_files:
+        raise BadRequest(f"unknown file field(s): {', '.join(sorted(unknown_files))}; send images as -F image=@file",
+                         param=sorted(unknown_files)[0])
+    fields = {k: form[k] for k in _FORM_FIELDS if k in form}
+    if form.getlist("stop"):
+        fields["stop"] = form.getlist("stop")
+    body = protocol.NativeChatRequest.model_validate(fields)
+    if body.prompt is None:
+        raise BadRequest("the form needs a prompt field: -F prompt='your question'", param="prompt")
+    t0 = time.perf_counter()
+    images = [decode_file(f.read(), limits, f"image[{i}]") for i, f in enumerate(files.getlist("image"))]
+    return body, [user_message(body.prompt, images)], time.perf_counter() - t0
+
+
+def _from_json(limits) -> tuple[protocol.NativeChatRequest, list[ChatMessage], float]:
+    body = protocol.NativeChatRequest.model_validate(json_body())
+    if (body.messages is None) == (body.prompt is None):
+        raise BadRequest("send either messages (OpenAI format) or prompt (+ images), not both or neither",
+                         param="messages")
+    if body.messages is not None:
+        if body.images:
+            raise BadRequest("images go inside messages when messages are sent", param="images")
+        messages, seconds = to_chat_messages(body.messages, limits)
+        return body, messages, seconds
+    t0 = time.perf_counter()
+    images = [decode_data_url(s, limits, f"images[{i}]") if s[:5].lower() == "data:"
+              else decode_base64_image(s, limits, f"images[{i}]") for i, s in enumerate(body.images or [])]
+    return body, [user_message(body.prompt, images)], time.perf_counter() - t0
+
+
+@native.post(ENDPOINT)
+def chat():
+    app_state = state()
+    engine = app_state.require_engine()
+    limits = engine.loaded.image_limits
+    if request.mimetype in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        body, new_messages, decode_seconds = _from_form(limits)
+    elif request.is_json:
+        body, new_messages, decode_seconds = _from_json(limits)
+    else:
+        raise UnsupportedMediaType("send application/json or multipart/form-data (curl -F prompt=... -F image=@file)")
+    conversation_id = body.conversation_id or app_state.conversations.new_id()
+    history = app_state.conversations.history(conversation_id) if body.conversation_id else []
+    if history and new_messages[0].role == "system":
+        raise BadRequest("a system message can only open a conversation", param="messages")
+    messages = history + new_messages
+    gen_request = generation_request(messages, body.sampling(), decode_seconds, conversation_id)
+    generation = admit(engine, gen_request)
+    model = engine.loaded.name
+    head = {"id": g.request_id, "model": model, "conversation_id": conversation_id,
+            "created": int(time.time()), "random_model": engine.loaded.is_random}
+
+    def remember(done: Completion) -> None:
+        answer = ChatMessage("assistant", [TextPart(done.text)])
+        app_state.conversations.save(conversation_id, messages + [answer])
+
+    if not body.stream:
+        done = collect(generation, gen_request, ENDPOINT)
+        remember(done)
+        return jsonify({**head, **protocol.native_done(done)})
+
+    def encode(event):
+        if event is None:
+            yield _line(head)
+        elif isinstance(event, TextDelta):
+            yield _line({"delta": event.text})
+        elif isinstance(event, Completion):
+            remember(event)
+            yield _line({"id": head["id"], "conversation_id": conversation_id, **protocol.native_done(event)})
+        elif isinstance(event, ServiceError):
+            yield _line({**event.to_dict(), "done": True})
+
+    stream = EventStream(generation, gen_request, request.environ, ENDPOINT, encode)
+    return Response(stream, mimetype="application/x-ndjson",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,46 @@
+"""Operational endpoints: models, liveness, readiness, Prometheus metrics."""
+
+from __future__ import annotations
+
+from flask import Blueprint, Response, jsonify
+
+from .. import metrics
+from ..checkpoints import RANDOM_MODEL_WARNING
+from ..errors import ServiceError
+from .app import error_response, state
+
+ops = Blueprint("ops", __name__)
+
+
+@ops.get("/health")
+def health():
+    """Alive: the worker answers, whatever the model is doing."""
+    return jsonify({"status": "ok"})
+
+
+@ops.get("/ready")
+def ready():
+    """Ready to serve: the model is loaded (503 while loading or after a failed load)."""
+    app_state = state()
+    try:
+        engine = app_state.require_engine()
+    except ServiceError as exc:  # loading, or the load failed
+        return error_response(exc)
+    return jsonify({"status": "ready", "model": engine.loaded.name, "random_model": engine.loaded.is_random})
+
+
+@ops.get("/v1/models")
+def models():
+    engine = state().require_engine()
+    loaded = engine.loaded
+    card = {"id": loaded.name, "object": "model", "created": 0, "owned_by": "local",
+            "quantization": loaded.quantization, "random_test_model": loaded.is_random}
+    if loaded.is_random:
+        card["warning"] = RANDOM_MODEL_WARNING
+    return jsonify({"object": "list", "data": [card]})
+
+
+@ops.get("/metrics")
+def prometheus():
+    body, content_type = metrics.render()
+    return Response(body, content_type=content_type)

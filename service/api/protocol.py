@@ -1,0 +1,124 @@
+"""Request schemas (OpenAI Chat Completions and the native endpoint) and response shapes."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from ..engine import Completion, SamplingParams
+
+MAX_TEXT = 1_000_000  # characters in one text field; the token limit bites long before
+
+
+class _Lenient(BaseModel):
+    # OpenAI clients send fields we do not use (logprobs, metadata, …): ignore them, don't fail.
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageURL(_Lenient):
+    url: Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]
+    detail: str | None = None
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: Annotated[str, StringConstraints(max_length=MAX_TEXT)]
+
+
+class ImageURLPart(_Lenient):
+    type: Literal["image_url"]
+    image_url: ImageURL | Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]
+
+
+ContentPart = Annotated[Union[TextPart, ImageURLPart], Field(discriminator="type")]
+
+
+class Message(_Lenient):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str, StringConstraints(max_length=MAX_TEXT)] | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _Sampling(_Lenient):
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: Annotated[str, StringConstraints(max_length=256)] | list[
+        Annotated[str, StringConstraints(max_length=256)]] | None = None
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+
+    def sampling(self, max_tokens: int | None = None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(max_tokens=max_tokens or self.max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop,
+                              repetition_penalty=self.repetition_penalty)
+
+
+class ChatCompletionRequest(_Sampling):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Annotated[str, StringConstraints(max_length=256)] | None = None
+    n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
+    tools: list | None = None
+
+
+class NativeChatRequest(_Sampling):
+    """`messages` in the OpenAI format — or `prompt` (+ `images` as base64/data URLs) for short curl lines."""
+
+    messages: list[Message] | None = None
+    prompt: Annotated[str, StringConstraints(max_length=MAX_TEXT)] | None = None
+    images: list[Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]] | None = None
+    conversation_id: Annotated[str, StringConstraints(min_length=1, max_length=128,
+                                                      pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
+    stream: bool = True
+
+
+def usage(done: Completion) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+
+def openai_finish_reason(done: Completion) -> str:
+    return "length" if done.finish_reason == "length" else "stop"
+
+
+def chat_completion(request_id: str, model: str, done: Completion) -> dict:
+    return {
+        "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
+                     "logprobs": None, "finish_reason": openai_finish_reason(done)}],
+        "usage": usage(done),
+    }
+
+
+def chat_chunk(request_id: str, model: str, created: int, delta: dict | None,
+               finish_reason: str | None = None, usage_: dict | None = None) -> dict:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish_reason}]
+    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": choices}
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def native_done(done: Completion) -> dict:
+    return {
+        "done": True, "finish_reason": done.finish_reason, "text": done.text,
+        "usage": {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+                  "cached_tokens": done.cached_tokens},
+        "vision_cache_hits": done.vision_cache_hits, "images": done.images,
+        "timings": {k: round(v, 4) for k, v in done.timings.items()},
+    }

@@ -1,0 +1,31 @@
+"""Reading request bodies: JSON with a clear 400/415, and the engine request every endpoint builds."""
+
+from __future__ import annotations
+
+import json
+
+from flask import g, request
+
+from ..engine import GenerationRequest, SamplingParams
+from ..errors import BadRequest, UnsupportedMediaType
+from ..prompts import ChatMessage
+
+
+def json_body() -> dict:
+    """The body as a JSON object; 415 for another content type, 400 for malformed JSON."""
+    if not request.is_json:
+        raise UnsupportedMediaType(f"expected Content-Type: application/json, got {request.mimetype or 'none'!r}")
+    try:
+        body = json.loads(request.get_data(cache=False))
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"malformed JSON: {str(exc)[:200]}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the JSON body must be an object", code="invalid_json")
+    return body
+
+
+def generation_request(messages: list[ChatMessage], params: SamplingParams, decode_seconds: float,
+                       conversation_id: str | None) -> GenerationRequest:
+    return GenerationRequest(messages=messages, params=params, received_at=g.received_at,
+                             image_decode_seconds=decode_seconds, request_id=g.request_id,
+                             conversation_id=conversation_id)

@@ -1,0 +1,125 @@
+"""What both chat endpoints share: admit a request to the engine, stream its events while the
+client is still there, record metrics and one log line when it ends."""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+from typing import Callable, Iterator
+
+from .. import metrics
+from ..engine import Completion, Engine, Generation, GenerationRequest, TextDelta
+from ..errors import ServiceError
+
+log = logging.getLogger("service.requests")
+
+
+def client_gone(environ) -> bool:
+    """True once the client closed its connection (EOF is readable on the socket Gunicorn gives us)."""
+    sock = environ.get("gunicorn.socket")
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
+def admit(engine: Engine, request: GenerationRequest) -> Generation:
+    """Prepare and admit, keeping the queue-depth gauge right; raises 4xx/429/503 ServiceErrors."""
+    prompt = engine.prepare(request)
+    metrics.QUEUE_DEPTH.inc()
+    try:
+        return engine.start(request, prompt)
+    finally:
+        metrics.QUEUE_DEPTH.dec()
+
+
+def record(request: GenerationRequest, done: Completion | None, endpoint: str) -> None:
+    """Metrics and the request's log line; `done` is None when the client left mid-stream."""
+    if done is None:
+        metrics.FINISHED.labels("cancelled").inc()
+        metrics.GENERATED_TOKENS.inc(request.generated_tokens)
+        log.info("%s %s client gone after %d tokens", request.request_id, endpoint, request.generated_tokens)
+        return
+    t = done.timings
+    metrics.FINISHED.labels(done.finish_reason).inc()
+    metrics.GENERATED_TOKENS.inc(done.completion_tokens)
+    metrics.PROMPT_TOKENS.inc(done.prompt_tokens)
+    metrics.QUEUE_WAIT.observe(t.get("queue_wait", 0.0))
+    metrics.IMAGE_DECODE.observe(t.get("image_decode", 0.0))
+    metrics.VISION_ENCODE.observe(t.get("vision_encode", 0.0))
+    if done.completion_tokens:
+        metrics.TTFT.observe(t.get("time_to_first_token", 0.0))
+    if done.completion_tokens > 1:
+        metrics.INTER_TOKEN.observe(t.get("decode", 0.0) / (done.completion_tokens - 1))
+    log.info("%s %s %s prompt=%d cached=%d completion=%d queue=%.3fs decode_img=%.3fs vision=%.3fs "
+             "prefill=%.3fs ttft=%.3fs tok/s=%.1f total=%.3fs", request.request_id, endpoint, done.finish_reason,
+             done.prompt_tokens, done.cached_tokens, done.completion_tokens, t.get("queue_wait", 0),
+             t.get("image_decode", 0), t.get("vision_encode", 0), t.get("prefill", 0),
+             t.get("time_to_first_token", 0), t.get("decode_tokens_per_s", 0), t.get("total", 0))
+
+
+def collect(generation: Generation, request: GenerationRequest, endpoint: str) -> Completion:
+    """Run a non-streaming request to its end."""
+    done = None
+    try:
+        metrics.GENERATING.inc()
+        for event in generation:
+            if isinstance(event, Completion):
+                done = event
+    finally:
+        metrics.GENERATING.dec()
+        generation.close()
+        record(request, done, endpoint)
+    return done
+
+
+class EventStream:
+    """A WSGI response body: encodes engine events with `encode`, stops generating as soon as the
+    client is gone, and frees the model on close() even if never iterated."""
+
+    def __init__(self, generation: Generation, request: GenerationRequest, environ, endpoint: str,
+                 encode: Callable[[TextDelta | Completion | ServiceError | None], Iterator[bytes]]):
+        self.generation = generation
+        self.request = request
+        self.environ = environ
+        self.endpoint = endpoint
+        self.encode = encode
+        self.done: Completion | None = None
+        self._body = self._chunks()
+        self._closed = False
+        metrics.GENERATING.inc()  # admitted: it holds the model until close()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> bytes:
+        return next(self._body)
+
+    def _chunks(self) -> Iterator[bytes]:
+        try:
+            yield from self.encode(None)  # the opening line / role chunk
+            for event in self.generation:
+                if client_gone(self.environ):
+                    return
+                if isinstance(event, Completion):
+                    self.done = event
+                yield from self.encode(event)
+        except ServiceError as exc:
+            yield from self.encode(exc)
+        except Exception:
+            log.exception("%s %s failed mid-stream", self.request.request_id, self.endpoint)
+            yield from self.encode(ServiceError("internal error; see the server log for request "
+                                                f"{self.request.request_id}", status=500, code="internal_error"))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._body.close()
+        self.generation.close()
+        metrics.GENERATING.dec()
+        record(self.request, self.done, self.endpoint)

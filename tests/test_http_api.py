@@ -1,0 +1,256 @@
+"""The HTTP API on a real Gunicorn with the embedded model, through requests and the openai client."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+import requests
+
+from imaging import encode, pattern
+from servers import gunicorn_server, metric
+
+SERVER_ENV = {"QUEUE_SIZE": "1", "MAX_BODY_BYTES": str(3 * 1024 * 1024), "IMAGE_MAX_BYTES": str(1024 * 1024),
+              "CONTEXT_LIMIT": "1024", "MAX_NEW_TOKENS": "600", "QUEUE_TIMEOUT": "60"}
+
+
+@pytest.fixture(scope="module")
+def server(cache_dir, tiny_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "gunicorn.log"
+    with gunicorn_server({**SERVER_ENV, "CACHE_DIR": str(cache_dir)}, log) as (base, proc):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def data_url(img_bytes: bytes, mime="image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(img_bytes).decode()
+
+
+PNG = encode(pattern(320, 256), ".png")
+
+
+def image_message(text="What is in this picture?", png=PNG):
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png)}},
+                                         {"type": "text", "text": text}]}]
+
+
+def ndjson(response) -> list[tuple[float, dict]]:
+    return [(time.perf_counter(), json.loads(line)) for line in response.iter_lines() if line]
+
+
+# -- OpenAI client --------------------------------------------------------------------------------
+
+def test_openai_client_non_streaming_with_an_image(client):
+    reply = client.chat.completions.create(model="anything", messages=image_message(), max_tokens=12,
+                                           temperature=0)
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.prompt_tokens > 80  # 80 visual tokens for 320x256, plus the text
+
+
+def test_openai_client_streaming_equals_non_streaming(client):
+    kwargs = dict(model="m", messages=image_message("Describe it."), max_tokens=16, temperature=0)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].choices == []
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_openai_sse_ends_with_done(server):
+    r = requests.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                            "max_tokens": 4, "stream": True}, stream=True)
+    assert r.headers["Content-Type"].startswith("text/event-stream")
+    events = [line for line in r.iter_lines() if line]
+    assert events[-1] == b"data: [DONE]"
+    assert json.loads(events[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_openai_client_sees_errors_as_exceptions(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.jpg"}}]}])
+    assert info.value.body["code"] == "remote_image_refused"
+
+
+def test_models_endpoint_says_the_model_is_random(client):
+    models = client.models.list().data
+    assert len(models) == 1
+    assert models[0].model_extra["random_test_model"] is True
+
+
+# -- native endpoint --------------------------------------------------------------------------------
+
+def test_native_stream_arrives_incrementally_with_ids_first_and_done_last(server):
+    t0 = time.perf_counter()
+    with requests.post(server + "/v1/chat", json={"prompt": "Tell me everything.", "max_tokens": 300,
+                                                 "temperature": 0}, stream=True) as r:
+        assert r.headers["Content-Type"].startswith("application/x-ndjson")
+        lines = ndjson(r)
+    first_delta = next(t for t, obj in lines if "delta" in obj)
+    (t_done, done) = lines[-1]
+    assert {"id", "model", "conversation_id"} <= set(lines[0][1])
+    assert done["done"] is True and done["usage"]["completion_tokens"] == 300
+    assert set(done["usage"]) == {"prompt_tokens", "completion_tokens", "cached_tokens"}
+    for key in ("queue_wait", "image_decode", "vision_encode", "prefill", "time_to_first_token",
+                "decode_tokens_per_s"):
+        assert key in done["timings"]
+    assert sum(1 for _, obj in lines if "delta" in obj) > 10
+    assert first_delta - t0 < 0.5 * (t_done - t0)  # the first token came well before the last
+
+
+def test_native_multipart_with_two_images_and_a_follow_up(server):
+    files = [("image", ("a.png", PNG, "image/png")), ("image", ("b.jpg", encode(pattern(256, 256, seed=2), ".jpg"),
+                                                                "image/jpeg"))]
+    first = requests.post(server + "/v1/chat", files=files, data={"prompt": "Compare them.", "max_tokens": "8",
+                                                                  "temperature": "0", "stream": "false"}).json()
+    assert first["images"] == 2 and first["usage"]["completion_tokens"] == 8
+    follow = requests.post(server + "/v1/chat", data={"prompt": "And then?", "max_tokens": "4", "stream": "false",
+                                                      "conversation_id": first["conversation_id"]}).json()
+    # The server remembered the images and the answer: the second prompt holds the whole first turn.
+    assert follow["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+    assert follow["conversation_id"] == first["conversation_id"]
+
+
+def test_native_json_messages_and_request_id_passthrough(server):
+    r = requests.post(server + "/v1/chat", json={"messages": image_message(), "max_tokens": 3, "stream": False},
+                      headers={"X-Request-Id": "my-trace-42"})
+    assert r.status_code == 200
+    assert r.headers["X-Request-Id"] == "my-trace-42" and r.json()["id"] == "my-trace-42"
+    assert r.json()["text"] is not None
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+ERROR_CASES = [
+    ("malformed JSON", "/v1/chat/completions", dict(data=b'{"messages": [', headers={"Content-Type": "application/json"}), 400),
+    ("bad field", "/v1/chat/completions", dict(json={"messages": [{"role": "user", "content": "x"}], "temperature": 9}), 400),
+    ("wrong type", "/v1/chat/completions", dict(json={"messages": "hello"}), 400),
+    ("no messages", "/v1/chat/completions", dict(json={"messages": []}), 400),
+    ("unsupported part", "/v1/chat/completions", dict(json={"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}), 400),
+    ("undecodable image", "/v1/chat/completions", dict(json={"messages": image_message(png=b"not an image at all")}), 400),
+    ("base64 that is not", "/v1/chat", dict(json={"prompt": "x", "images": ["%%%not-base64%%%"]}), 400),
+    ("file url", "/v1/chat/completions", dict(json={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]}), 400),
+    ("remote url", "/v1/chat", dict(json={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "http://10.0.0.1/x.png"}]}]}), 400),
+    ("n > 1", "/v1/chat/completions", dict(json={"messages": [{"role": "user", "content": "x"}], "n": 2}), 400),
+    ("multipart without prompt", "/v1/chat", dict(files=[("image", ("a.png", PNG, "image/png"))]), 400),
+    ("duplicate prompt", "/v1/chat", dict(files=[("prompt", (None, "a")), ("prompt", (None, "b"))]), 400),
+    ("unknown path", "/v1/nothing", dict(json={}), 404),
+    ("body too large", "/v1/chat/completions", dict(data=b"x" * (4 * 1024 * 1024), headers={"Content-Type": "application/json"}), 413),
+    ("image too large", "/v1/chat", dict(files=[("image", ("big.bmp", encode(pattern(700, 700), ".bmp"), "image/bmp"))], data={"prompt": "x"}), 413),
+    ("wrong content type", "/v1/chat/completions", dict(data=b"hello", headers={"Content-Type": "text/plain"}), 415),
+    ("native wrong content type", "/v1/chat", dict(data=b"hello", headers={"Content-Type": "text/plain"}), 415),
+    ("prompt too long", "/v1/chat/completions", dict(json={"messages": [{"role": "user", "content": "word " * 3000}]}), 422),
+]
+
+
+@pytest.mark.parametrize("name,path,kwargs,status", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_bad_requests_get_openai_shaped_errors_and_the_server_keeps_serving(server, name, path, kwargs, status):
+    r = requests.post(server + path, timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    ok = requests.post(server + "/v1/chat", json={"prompt": "still there?", "max_tokens": 2, "stream": False})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_wrong_method_is_405_json(server):
+    r = requests.get(server + "/v1/chat")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert "POST" in r.headers["Allow"]
+
+
+# -- admission, disconnects, metrics --------------------------------------------------------------
+
+def _open_stream(server, max_tokens=400):
+    """A raw socket streaming a long answer; returns the socket after the headers and two chunks."""
+    body = json.dumps({"prompt": "Go on and on.", "max_tokens": max_tokens, "temperature": 0}).encode()
+    sock = socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1])))
+    sock.sendall(b"POST /v1/chat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    received = b""
+    while received.count(b"\n{") < 2:  # the head line and at least one delta line
+        received += sock.recv(4096)
+    return sock
+
+
+def test_client_disconnect_stops_generation_and_frees_the_model(server):
+    cancelled_before = metric(server, "qwen3vl_generations_total", 'finish_reason="cancelled"')
+    tokens_before = metric(server, "qwen3vl_generated_tokens_total")
+    sock = _open_stream(server, max_tokens=600)
+    sock.close()
+    deadline = time.monotonic() + 10
+    while metric(server, "qwen3vl_generations_total", 'finish_reason="cancelled"') == cancelled_before:
+        assert time.monotonic() < deadline, "generation was not cancelled"
+        time.sleep(0.05)
+    assert metric(server, "qwen3vl_generated_tokens_total") - tokens_before < 600  # stopped early
+    t0 = time.perf_counter()
+    r = requests.post(server + "/v1/chat", json={"prompt": "next", "max_tokens": 2, "stream": False})
+    assert r.json()["timings"]["queue_wait"] < 0.5  # the next request started at once
+    assert time.perf_counter() - t0 < 5
+
+
+def test_requests_beyond_the_queue_get_429_with_retry_after(server):
+    running = _open_stream(server, max_tokens=600)  # holds the model
+    waiter_result = {}
+
+    def wait_in_queue():
+        waiter_result["status"] = requests.post(server + "/v1/chat", json={"prompt": "w", "max_tokens": 2,
+                                                                          "stream": False}).status_code
+
+    waiter = threading.Thread(target=wait_in_queue)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while metric(server, "qwen3vl_queue_depth") < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r = requests.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 429 and r.headers["Retry-After"]
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    running.close()
+    waiter.join(30)
+    assert waiter_result["status"] == 200
+
+
+def test_metrics_move(server):
+    before = metric(server, "qwen3vl_requests_total", 'endpoint="/v1/chat",status="200"')
+    tokens = metric(server, "qwen3vl_generated_tokens_total")
+    requests.post(server + "/v1/chat", json={"prompt": "count me", "max_tokens": 5, "stream": False})
+    assert metric(server, "qwen3vl_requests_total", 'endpoint="/v1/chat",status="200"') == before + 1
+    assert metric(server, "qwen3vl_generated_tokens_total") == tokens + 5
+    assert metric(server, "qwen3vl_time_to_first_token_seconds_count") >= 1
+    assert metric(server, "qwen3vl_process_rss_bytes") > 50e6
+
+
+def test_health_and_ready(server):
+    assert requests.get(server + "/health").json() == {"status": "ok"}
+    ready = requests.get(server + "/ready").json()
+    assert ready["status"] == "ready" and ready["random_model"] is True
+
+
+def test_a_model_that_fails_to_load_is_reported_by_ready_and_requests(cache_dir, tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "qwen3_vl", "text_config": "garbage"}')
+    with gunicorn_server({"MODEL_PATH": str(broken), "CACHE_DIR": str(cache_dir)}, tmp_path / "log",
+                         ready_path="/health") as (base, _):
+        deadline = time.monotonic() + 60
+        while (r := requests.get(base + "/ready")).json()["error"]["code"] == "model_loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
+        chat = requests.post(base + "/v1/chat", json={"prompt": "hi"})
+        assert chat.status_code == 503 and requests.get(base + "/health").status_code == 200
