@@ -56,7 +56,9 @@ def post_worker_init(worker):
     def handle_exit(sig, frame):
         engine = worker.wsgi.extensions["qwen3vl"].engine
         if engine is not None:
-            threading.Timer(max(1.0, graceful_timeout * 0.8), engine.cancel_all).start()
+            timer = threading.Timer(max(1.0, graceful_timeout * 0.8), engine.cancel_all)
+            timer.daemon = True  # an idle worker exits at once instead of waiting for the timer
+            timer.start()
         original(sig, frame)
 
     worker.handle_exit = handle_exit
