@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 from .admission import Admission
 from .errors import BadRequest, PromptTooLong
 from .loading import LoadedModel
-from .prompts import ChatMessage, PreparedPrompt, prepare_prompt
+from .prompts import ChatMessage, PreparedPrompt, PromptLimits, prepare_prompt
 from .settings import Settings
 from .streaming import CancelOnEvent, StopStringMatcher, TokenStreamer
 from .vision import TorchVisionEncoder, as_mm_encoder_outputs
@@ -41,10 +41,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     repetition_penalty: float | None = None
 
-    def validate(self) -> None:
+    def validate(self, max_stop_strings: int = 4) -> None:
         checks = [
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (self.temperature is None or 0 <= self.temperature <= 2, "temperature", "must be between 0 and 2"),
+            (len(self.stop) <= max_stop_strings, "stop", f"may hold at most {max_stop_strings} strings"),
             (self.top_p is None or 0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (self.top_k is None or self.top_k >= 0, "top_k", "must be 0 (off) or more"),
             (self.repetition_penalty is None or 0 < self.repetition_penalty <= 10, "repetition_penalty",
@@ -133,8 +134,8 @@ class Engine:
 
     def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         """Tokenize and patchify; raises 4xx errors before the request queues for the model."""
-        request.params.validate()
-        return prepare_prompt(self.processor, request.messages, self.settings.context_limit)
+        request.params.validate(self.settings.max_stop_strings)
+        return prepare_prompt(self.processor, request.messages, PromptLimits.from_settings(self.settings))
 
     def generate(self, request: GenerationRequest, prompt: PreparedPrompt | None = None) -> Iterator[TextDelta | Completion]:
         """Yield TextDelta events as tokens arrive, then one Completion. Admission happens on the

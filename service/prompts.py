@@ -32,6 +32,21 @@ class ChatMessage:
         return [p.image for p in self.parts if isinstance(p, ImagePart)]
 
 
+@dataclass(frozen=True)
+class PromptLimits:
+    """Per-request bounds (settings): refused with a 4xx before the request waits for the model."""
+
+    context_limit: int
+    max_prompt_tokens: int
+    max_messages: int = 64
+    max_images: int = 8
+
+    @classmethod
+    def from_settings(cls, settings) -> "PromptLimits":
+        return cls(settings.context_limit, settings.max_prompt_tokens, settings.max_messages,
+                   settings.max_images_per_request)
+
+
 @dataclass
 class PreparedPrompt:
     """Everything `generate` needs, plus per-image data the caches key on."""
@@ -63,9 +78,16 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
     return rendered
 
 
-def validate_conversation(messages: list[ChatMessage]) -> None:
+def validate_conversation(messages: list[ChatMessage], limits: PromptLimits) -> None:
     if not messages:
         raise BadRequest("messages must not be empty", param="messages")
+    if len(messages) > limits.max_messages:
+        raise BadRequest(f"{len(messages)} messages (history included); the limit is {limits.max_messages}",
+                         param="messages", code="too_many_messages")
+    images = sum(len(m.images) for m in messages)
+    if images > limits.max_images:
+        raise BadRequest(f"{images} images (history included); the limit is {limits.max_images} per request",
+                         param="messages", code="too_many_images")
     if messages[-1].role not in ("user", "system"):
         raise BadRequest("the last message must be from the user", param="messages")
     for i, m in enumerate(messages):
@@ -73,17 +95,17 @@ def validate_conversation(messages: list[ChatMessage]) -> None:
             raise BadRequest("a system message is accepted only first", param=f"messages[{i}]")
 
 
-def prepare_prompt(processor, messages: list[ChatMessage], context_limit: int) -> PreparedPrompt:
+def prepare_prompt(processor, messages: list[ChatMessage], limits: PromptLimits) -> PreparedPrompt:
     """Render the chat template, tokenize, expand image pads and patchify the (pre-sized) images."""
-    validate_conversation(messages)
+    validate_conversation(messages, limits)
     text = processor.apply_chat_template(_template_messages(messages), tokenize=False, add_generation_prompt=True)
     images = [img for m in messages for img in m.images]
     kwargs = {"images": [img.pixels for img in images]} if images else {}
     batch = processor(text=[text], return_tensors="pt", **kwargs)
     input_ids = batch["input_ids"]
-    if input_ids.shape[1] >= context_limit:
-        raise PromptTooLong(f"the prompt is {input_ids.shape[1]} tokens; the context limit is {context_limit} "
-                            "(prompt and answer together)", param="messages")
+    if input_ids.shape[1] > limits.max_prompt_tokens:
+        raise PromptTooLong(f"the prompt is {input_ids.shape[1]} tokens; the limit is {limits.max_prompt_tokens} "
+                            f"(and {limits.context_limit} for prompt and answer together)", param="messages")
     grid = batch.get("image_grid_thw")
     pixel_values: list[torch.Tensor] = []
     if images:

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -24,6 +24,8 @@ class Settings(BaseSettings):
     quantization: Literal["int8", "fp32"] = Field("int8", description="int8 = dynamic INT8 Linear layers")
     threads: int = Field(default_factory=_available_cores, ge=1, le=512, description="torch threads")
     cache_dir: Path = Field(Path(os.path.expanduser("~/.cache/qwen3vl-service")), description="embedded model, exports")
+    max_memory_mb: int | None = Field(None, ge=1, description="memory budget in MiB (RSS minus file-backed pages); "
+                                      "unset = none. Near it caches are evicted, over it requests get 503")
 
     # Images
     image_max_pixels: int = Field(448 * 448, ge=32 * 32, le=16_777_216, description="pixel budget an image is resized into")
@@ -35,6 +37,14 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(256, ge=1, description="tokens generated when a request names no limit")
     context_limit: int = Field(8192, ge=64, description="prompt + new tokens, at most")
 
+    # Caches (per process): conversation KV cache and vision-feature cache
+    cache_enabled: bool = Field(True, description="False turns both caches off (every prompt computed in full)")
+    conversation_cache_max_bytes: int = Field(2 * 1024**3, ge=0, description="KV bytes kept across turns; 0 = off")
+    conversation_cache_max_entries: int = Field(64, ge=0, description="KV caches kept (one per conversation)")
+    vision_cache_max_bytes: int = Field(256 * 1024**2, ge=0, description="vision-encoder output bytes kept; 0 = off")
+    vision_cache_max_entries: int = Field(512, ge=0, description="images whose features are kept")
+    cache_ttl_seconds: float = Field(1800.0, gt=0, description="idle seconds before a cache entry is dropped")
+
     # HTTP and admission
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -43,6 +53,24 @@ class Settings(BaseSettings):
     queue_timeout: float = Field(120.0, gt=0, description="seconds a request may wait for the model")
     conversation_history_max: int = Field(1024, ge=1, description="native-endpoint conversations remembered")
     conversation_history_ttl: float = Field(1800.0, gt=0, description="seconds an idle conversation is remembered")
+    conversation_history_max_bytes: int = Field(512 * 1024**2, ge=0, description="bytes of remembered histories")
+
+    # Deployment (python -m service.deploy): Nginx in front of instances on HOST:PORT, PORT+1, ...
+    instances: int = Field(0, ge=0, description="Gunicorn instances, each pinned to its own cores; 0 = as many as fit")
+    nginx_listen: str = Field("127.0.0.1:8080", description="the address Nginx listens on")
+    proxy_read_timeout: float = Field(900.0, gt=0, description="seconds Nginx waits for an instance's next byte")
+
+    # Security and per-request limits
+    api_keys: SecretStr = Field(SecretStr(""), description="comma-separated keys; empty = no authentication")
+    max_images_per_request: int = Field(8, ge=0, description="images in one request, history included")
+    max_messages: int = Field(64, ge=1, description="messages in one request, history included")
+    max_prompt_tokens: int = Field(6144, ge=1, description="prompt tokens (clipped to CONTEXT_LIMIT - 1)")
+    max_stop_strings: int = Field(4, ge=0, description="stop strings in one request")
+    request_deadline: float = Field(600.0, gt=0, description="seconds a generation may run before it is ended")
+
+    @property
+    def api_key_list(self) -> list[str]:
+        return [k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip()]
 
     @field_validator("model_path")
     @classmethod
@@ -60,6 +88,7 @@ class Settings(BaseSettings):
     def _consistent(self) -> "Settings":
         if self.default_max_tokens > self.max_new_tokens:
             self.default_max_tokens = self.max_new_tokens
+        self.max_prompt_tokens = min(self.max_prompt_tokens, self.context_limit - 1)
         if self.max_new_tokens >= self.context_limit:
             raise ValueError(f"MAX_NEW_TOKENS ({self.max_new_tokens}) must be below CONTEXT_LIMIT ({self.context_limit})")
         return self

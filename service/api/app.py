@@ -16,6 +16,7 @@ from .. import metrics
 from ..engine import Engine
 from ..errors import ServiceError, Unavailable
 from ..settings import Settings
+from .auth import check_api_key
 
 log = logging.getLogger("service.api")
 _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
@@ -31,7 +32,8 @@ class AppState:
         self.engine: Engine | None = None
         self.load_error: str | None = None
         self.conversations = ConversationStore(settings.conversation_history_max,
-                                               settings.conversation_history_ttl)
+                                               settings.conversation_history_ttl,
+                                               settings.conversation_history_max_bytes)
         self.loaded = threading.Event()
 
     def load(self) -> None:
@@ -98,6 +100,7 @@ def create_app(settings: Settings, load_in_background: bool = True) -> Flask:
     app.json.ensure_ascii = False
     app_state = AppState(settings)
     app.extensions["qwen3vl"] = app_state
+    api_keys = settings.api_key_list
     for blueprint in (openai_api, native, ops):
         app.register_blueprint(blueprint)
 
@@ -107,6 +110,7 @@ def create_app(settings: Settings, load_in_background: bool = True) -> Flask:
         g.request_id = incoming if _SANE_REQUEST_ID.match(incoming) else "req-" + uuid.uuid4().hex[:24]
         g.received_at = time.perf_counter()
 
+        check_api_key(api_keys)
     @app.after_request
     def _tag(response):
         response.headers["X-Request-Id"] = g.get("request_id", "")

@@ -52,6 +52,15 @@ def decode_file(data: bytes, limits: ImageLimits, param: str) -> DecodedImage:
         raise
 
 
+def checked_text(text: str, param: str) -> str:
+    """Text the tokenizer can take: lone surrogates (legal in JSON escapes) are refused."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest("text is not valid Unicode (it holds a lone surrogate)", param=param) from None
+    return text
+
+
 def to_chat_messages(messages: list[Message], limits: ImageLimits) -> tuple[list[ChatMessage], float]:
     """OpenAI-format messages → ChatMessages, and the seconds spent decoding their images."""
     out: list[ChatMessage] = []
@@ -59,7 +68,7 @@ def to_chat_messages(messages: list[Message], limits: ImageLimits) -> tuple[list
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
         if m.content is None or isinstance(m.content, str):
-            out.append(ChatMessage(role, [TextPart(m.content or "")]))
+            out.append(ChatMessage(role, [TextPart(checked_text(m.content or "", f"messages[{i}].content"))]))
             continue
         parts = []
         for j, part in enumerate(m.content):
@@ -69,11 +78,11 @@ def to_chat_messages(messages: list[Message], limits: ImageLimits) -> tuple[list
                 parts.append(ImagePart(decode_data_url(url, limits, f"messages[{i}].content[{j}]")))
                 decode_seconds += time.perf_counter() - t0
             else:
-                parts.append(TextPart(part.text))
+                parts.append(TextPart(checked_text(part.text, f"messages[{i}].content[{j}]")))
         out.append(ChatMessage(role, parts))
     return out, decode_seconds
 
 
 def user_message(prompt: str, images: list[DecodedImage]) -> ChatMessage:
     """The native endpoint's short form: images first, then the question (Qwen's recommended order)."""
-    return ChatMessage("user", [*(ImagePart(img) for img in images), TextPart(prompt)])
+    return ChatMessage("user", [*(ImagePart(img) for img in images), TextPart(checked_text(prompt, "prompt"))])

@@ -8,6 +8,7 @@ from .. import metrics
 from ..checkpoints import RANDOM_MODEL_WARNING
 from ..errors import ServiceError
 from .app import error_response, state
+from .openapi import openapi_document
 
 ops = Blueprint("ops", __name__)
 
@@ -34,10 +35,16 @@ def models():
     engine = state().require_engine()
     loaded = engine.loaded
     card = {"id": loaded.name, "object": "model", "created": 0, "owned_by": "local",
-            "quantization": loaded.quantization, "random_test_model": loaded.is_random}
+            "quantization": loaded.quantization, "random_test_model": loaded.is_random,
+            "image_max_pixels": loaded.image_limits.max_pixels}  # clients may downscale before upload
     if loaded.is_random:
         card["warning"] = RANDOM_MODEL_WARNING
     return jsonify({"object": "list", "data": [card]})
+
+
+@ops.get("/openapi.json")
+def openapi():
+    return jsonify(openapi_document())
 
 
 @ops.get("/metrics")

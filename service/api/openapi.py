@@ -1,0 +1,85 @@
+"""The service's OpenAPI 3.1 document, built from the same pydantic schemas that validate requests."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from .protocol import ChatCompletionRequest, NativeChatRequest
+
+_REF = "#/components/schemas/{model}"
+
+
+def _schema(model, components: dict) -> dict:
+    schema = model.model_json_schema(ref_template=_REF)
+    components.update(schema.pop("$defs", {}))
+    components[model.__name__] = schema
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
+_ERROR = {"description": "error", "content": {"application/json": {"schema": {"$ref": _REF.format(model="Error")}}}}
+_ERROR_SCHEMA = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+_FORM = {
+    "type": "object", "required": ["prompt"],
+    "properties": {
+        "prompt": {"type": "string"},
+        "image": {"type": "array", "items": {"type": "string", "format": "binary"}},
+        "conversation_id": {"type": "string", "pattern": "^[A-Za-z0-9._:-]+$", "maxLength": 128},
+        "max_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0,
+                                                                         "maximum": 2},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "top_k": {"type": "integer", "minimum": 0},
+        "seed": {"type": "integer", "minimum": 0}, "stop": {"type": "array", "items": {"type": "string"}},
+        "stream": {"type": "boolean"},
+    },
+}
+
+
+def _errors(*codes: int) -> dict:
+    return {str(c): _ERROR for c in codes}
+
+
+@lru_cache(maxsize=1)
+def openapi_document() -> dict:
+    components: dict = {"Error": _ERROR_SCHEMA}
+    openai_ref = _schema(ChatCompletionRequest, components)
+    native_ref = _schema(NativeChatRequest, components)
+    chat_errors = _errors(400, 401, 413, 415, 422, 429, 503)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Qwen3-VL CPU service", "version": "1.0.0",
+                 "description": "OpenAI-compatible chat completions and a curl-first JSON-lines endpoint."},
+        "paths": {
+            "/v1/chat/completions": {"post": {
+                "summary": "OpenAI Chat Completions (SSE when stream is true)",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": openai_ref}}},
+                "responses": {"200": {"description": "a chat.completion, or text/event-stream chunks",
+                                      "content": {"application/json": {"schema": {"type": "object"}},
+                                                  "text/event-stream": {"schema": {"type": "string"}}}},
+                              **chat_errors}}},
+            "/v1/chat": {"post": {
+                "summary": "Native endpoint: JSON lines (application/x-ndjson), stateful by conversation_id",
+                "requestBody": {"required": True, "content": {
+                    "application/json": {"schema": native_ref},
+                    "multipart/form-data": {"schema": _FORM}}},
+                "responses": {"200": {"description": "JSON lines, or one JSON object when stream is false",
+                                      "content": {"application/x-ndjson": {"schema": {"type": "string"}},
+                                                  "application/json": {"schema": {"type": "object"}}}},
+                              **chat_errors}}},
+            "/v1/models": {"get": {"summary": "the loaded model",
+                                   "responses": {"200": {"description": "model list",
+                                                         "content": {"application/json": {"schema": {
+                                                             "type": "object"}}}}, **_errors(401, 503)}}},
+            "/health": {"get": {"summary": "liveness", "responses": {"200": {"description": "alive"}}}},
+            "/ready": {"get": {"summary": "readiness (503 while loading)",
+                               "responses": {"200": {"description": "ready"}, **_errors(401, 503)}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics",
+                                 "responses": {"200": {"description": "exposition text"}, **_errors(401)}}},
+        },
+        "components": {"schemas": components,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{}, {"bearer": []}],
+    }
