@@ -90,10 +90,11 @@ def create_app(settings: Settings, load_in_background: bool = True) -> Flask:
     from .native_routes import native
     from .openai_routes import openai_api
     from .ops_routes import ops
+    from .web_routes import web
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = Flask("service")
+    app = Flask("service", static_folder=None)  # web_routes serves the page's files
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config["MAX_FORM_MEMORY_SIZE"] = settings.max_body_bytes
     app.json.sort_keys = False
@@ -101,7 +102,7 @@ def create_app(settings: Settings, load_in_background: bool = True) -> Flask:
     app_state = AppState(settings)
     app.extensions["qwen3vl"] = app_state
     api_keys = settings.api_key_list
-    for blueprint in (openai_api, native, ops):
+    for blueprint in (openai_api, native, ops, web):
         app.register_blueprint(blueprint)
 
     @app.before_request

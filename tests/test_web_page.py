@@ -1,0 +1,316 @@
+"""The try-it page at GET / in a real browser (Debian's headless Chromium driven by Playwright)
+against a real Gunicorn serving the embedded model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from playwright.sync_api import Page, expect, sync_playwright
+
+from imaging import encode, pattern
+from servers import ROOT, gunicorn_server, metric
+
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's package: Playwright's own browser download is not used
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = ROOT / "artifacts"
+README_SCREENSHOT = ROOT / "docs" / "screenshot.png"  # rewritten when UPDATE_SCREENSHOT=1
+DEMO_PNG = (ROOT / "tests" / "data" / "demo.png").read_bytes()
+SERVER_ENV = {"QUEUE_SIZE": "2", "MAX_NEW_TOKENS": "1500", "CONTEXT_LIMIT": "4096", "QUEUE_TIMEOUT": "60"}
+CACHE_LANDED = importlib.util.find_spec("service.caches") is not None
+
+
+@pytest.fixture(scope="module")
+def server(cache_dir, tiny_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "gunicorn.log"
+    with gunicorn_server({**SERVER_ENV, "CACHE_DIR": str(cache_dir)}, log) as (base, proc):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.exists():
+        pytest.fail("the browser tests need Debian's Chromium: apt-get install -y chromium chromium-driver")
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    """The page, loaded; fails the test on a script error or a request leaving the origin."""
+    context = browser.new_context(viewport={"width": 1000, "height": 900})
+    tab = context.new_page()
+    script_errors, foreign = [], []
+    tab.on("pageerror", lambda error: script_errors.append(error))
+    tab.on("request", lambda r: None if r.url.startswith((server + "/", "data:", "blob:")) else foreign.append(r.url))
+    tab.goto(server + "/")
+    yield tab
+    context.close()
+    assert not script_errors, script_errors
+    assert not foreign, f"the page fetched from elsewhere: {foreign}"
+
+
+def pick(page: Page, name: str, data: bytes, mime: str = "image/png") -> None:
+    """Choose a file in the page's picture picker."""
+    page.get_by_label("Pictures", exact=True).set_input_files(files=[{"name": name, "mimeType": mime, "buffer": data}])
+
+
+def show_options(page: Page, shown: bool = True) -> None:
+    if page.locator("#options").evaluate("details => details.open") != shown:
+        page.locator("summary", has_text="Options").click()
+
+
+def set_options(page: Page, max_tokens: int | None = None, temperature: float | None = None) -> None:
+    show_options(page)
+    if max_tokens is not None:
+        page.get_by_label("Max new tokens").fill(str(max_tokens))
+    if temperature is not None:
+        page.get_by_label("Temperature").fill(str(temperature))
+    show_options(page, False)
+
+
+def ask(page: Page, question: str) -> None:
+    """Type a question and press Enter, as a user does."""
+    box = page.get_by_label("Question")
+    box.fill(question)
+    box.press("Enter")
+
+
+def finished_turn(page: Page, number: int, timeout: float = 60_000):
+    """The `number`-th turn (1-based) once its answer is complete (usage line shown)."""
+    turn = page.locator(".turn").nth(number - 1)
+    expect(turn.locator(".usage")).to_be_visible(timeout=timeout)
+    return turn
+
+
+def usage_numbers(turn) -> dict[str, int]:
+    text = turn.locator(".usage").inner_text()
+    found = re.search(r"(\d+) tokens, finish: \w+ · prompt (\d+) tokens, (\d+) from cache", text)
+    assert found, text
+    completion, prompt, cached = map(int, found.groups())
+    return {"completion": completion, "prompt": prompt, "cached": cached}
+
+
+def record_answer_lengths(page: Page) -> None:
+    """Keep, in the page, the length of the last answer at every change, and whether it was done."""
+    page.evaluate("""() => {
+        window.answerLengths = [];
+        new MutationObserver(() => {
+            const turn = document.querySelector('.turn:last-of-type');
+            const answer = turn && turn.querySelector('.answer');
+            if (answer) window.answerLengths.push([answer.textContent.length, !!turn.querySelector('.usage')]);
+        }).observe(document.getElementById('transcript'), {subtree: true, childList: true, characterData: true});
+    }""")
+
+
+def upload_bytes(request) -> int:
+    """The body size of a sent request (Chromium does not hand multipart bodies with files to Playwright)."""
+    return int(request.all_headers()["content-length"])
+
+
+def save_screenshot(page: Page, name: str, for_readme: bool = False) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / name
+    page.screenshot(path=str(path), full_page=True)
+    if for_readme and os.environ.get("UPDATE_SCREENSHOT") == "1":
+        README_SCREENSHOT.parent.mkdir(exist_ok=True)
+        shutil.copyfile(path, README_SCREENSHOT)
+    return path
+
+
+# -- the page and its files ---------------------------------------------------------------------
+
+def test_page_and_its_files_are_served_with_types_and_revalidation(server):
+    page = requests.get(server + "/")
+    assert page.status_code == 200 and page.headers["Content-Type"] == "text/html; charset=utf-8"
+    assert "default-src 'self'" in page.headers["Content-Security-Policy"]  # no CDN could load
+    for name, content_type in [("app.js", "text/javascript; charset=utf-8"), ("style.css", "text/css; charset=utf-8")]:
+        r = requests.get(f"{server}/static/{name}")
+        assert r.status_code == 200 and r.headers["Content-Type"] == content_type
+        assert r.headers["Cache-Control"] == "no-cache" and r.headers["X-Content-Type-Options"] == "nosniff"
+        again = requests.get(f"{server}/static/{name}", headers={"If-None-Match": r.headers["ETag"]})
+        assert again.status_code == 304 and not again.content
+    for missing in ("/static/nothing.js", "/static/../api/app.py", "/static/index.txt"):
+        r = requests.get(server + missing)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_the_random_model_is_announced_at_the_top(page):
+    banner = page.locator("#random-banner")
+    expect(banner).to_be_visible()
+    expect(banner).to_contain_text("RANDOM-WEIGHT test model: its answers are noise")
+    assert banner.bounding_box()["y"] < 100
+
+
+# -- asking ---------------------------------------------------------------------------------------
+
+def test_a_large_picture_is_scaled_down_in_the_browser_before_upload(page, server):
+    budget = requests.get(server + "/v1/models").json()["data"][0]["image_max_pixels"]
+    big = encode(pattern(1280, 960), ".png")
+    pick(page, "big.png", big)
+    size = page.locator(".preview .size")
+    expect(size).to_contain_text("sent as")
+    found = re.search(r"1280×960 · 1\.\d MB → sent as (\d+)×(\d+)", size.inner_text())
+    assert found, size.inner_text()
+    width, height = map(int, found.groups())
+    assert width * height <= budget and abs(width / height - 4 / 3) < 0.01
+    expect(page.get_by_alt_text("Preview of big.png")).to_be_visible()
+    set_options(page, max_tokens=4)
+    with page.expect_request("**/v1/chat") as sent:
+        ask(page, "What is in this picture?")
+    assert upload_bytes(sent.value) < len(big) / 4
+    assert usage_numbers(finished_turn(page, 1))["prompt"] > width * height // 1024  # the image's tokens
+
+
+def test_the_answer_streams_in_and_the_timings_are_shown(page):
+    pick(page, "gradient.png", encode(pattern(480, 360, seed=1), ".png"))
+    expect(page.locator(".preview .size")).to_contain_text("480×360")
+    set_options(page, max_tokens=300, temperature=0)
+    record_answer_lengths(page)
+    ask(page, "What is in this picture?")
+    turn = finished_turn(page, 1)
+    assert usage_numbers(turn)["completion"] >= 50  # a long answer (the random model may end it early)
+    while_streaming = {length for length, done in page.evaluate("window.answerLengths") if length and not done}
+    assert len(while_streaming) >= 2, "the answer did not appear in steps"
+    timings = turn.get_by_label("Timings").inner_text()
+    for shown in ("queue", "image decode", "vision encode", "prefill", "first token", "tok/s", "total"):
+        assert shown in timings
+    expect(turn.locator(".usage")).to_contain_text("1 picture in the prompt")
+
+
+def test_a_follow_up_continues_the_conversation(page):
+    pick(page, "demo.png", DEMO_PNG)
+    set_options(page, max_tokens=40, temperature=0)
+    with page.expect_response("**/v1/chat") as first_response:
+        ask(page, "What is in this picture?")
+    first = usage_numbers(finished_turn(page, 1))
+    conversation_id = json.loads(first_response.value.text().splitlines()[0])["conversation_id"]
+
+    box = page.get_by_label("Question")
+    box.fill("And the colours?")
+    box.press("Shift+Enter")  # a new line, not a send
+    box.press_sequentially("Name them.")
+    assert box.input_value() == "And the colours?\nName them."
+    assert page.locator(".turn").count() == 1
+    with page.expect_request("**/v1/chat") as sent:
+        box.press("Enter")
+    second = finished_turn(page, 2)
+    assert sent.value.headers["x-conversation-id"] == conversation_id  # Nginx's affinity key
+    assert upload_bytes(sent.value) < len(DEMO_PNG) / 4  # only the new question: the server has the picture
+    expect(second.locator(".question")).to_have_text("And the colours?\nName them.")
+    # The server answered with the first turn in the prompt: picture, question and answer.
+    assert usage_numbers(second)["prompt"] > first["prompt"] + first["completion"]
+    save_screenshot(page, "web-page.png", for_readme=True)
+
+
+@pytest.mark.skipif(not CACHE_LANDED, reason="the conversation KV cache (service/caches.py, issue 4) is not there yet")
+def test_a_follow_up_shows_the_tokens_that_came_from_the_cache(page):
+    pick(page, "seed3.png", encode(pattern(320, 256, seed=3), ".png"))
+    set_options(page, max_tokens=12)
+    ask(page, "Describe it.")
+    first = usage_numbers(finished_turn(page, 1))
+    ask(page, "More.")
+    second = usage_numbers(finished_turn(page, 2))
+    assert second["cached"] > first["prompt"] // 2  # at least the picture's tokens were reused
+    expect(page.locator(".turn").nth(1).locator(".usage")).to_contain_text(f"{second['cached']} from cache")
+
+
+def test_a_new_conversation_forgets_the_old_one(page):
+    set_options(page, max_tokens=4)
+    ask(page, "Hello.")
+    first = usage_numbers(finished_turn(page, 1))
+    page.get_by_role("button", name="New conversation").click()
+    expect(page.locator(".turn")).to_have_count(0)
+    with page.expect_request("**/v1/chat") as sent:
+        ask(page, "Hello.")
+    again = usage_numbers(finished_turn(page, 1))
+    assert "x-conversation-id" not in sent.value.headers
+    assert again["prompt"] == first["prompt"]  # the same prompt alone: no history in front of it
+
+
+def test_stop_ends_the_generation_on_the_server_and_the_next_question_is_answered(page, server):
+    cancelled_before = metric(server, "qwen3vl_generations_total", 'finish_reason="cancelled"')
+    tokens_before = metric(server, "qwen3vl_generated_tokens_total")
+    set_options(page, max_tokens=1400, temperature=0)
+    ask(page, "Tell me everything.")
+    answer = page.locator(".turn .answer").first
+    expect(answer).not_to_be_empty()
+    stop = page.get_by_role("button", name="Stop")
+    expect(stop).to_be_enabled()
+    stop.click()
+    expect(page.locator(".turn .note")).to_contain_text("Stopped")
+    expect(stop).to_be_disabled()
+    expect(page.get_by_role("button", name="Send")).to_be_enabled()
+    assert page.locator(".turn .usage").count() == 0
+    shown = len(answer.inner_text())
+    deadline = time.monotonic() + 10
+    while metric(server, "qwen3vl_generations_total", 'finish_reason="cancelled"') == cancelled_before:
+        assert time.monotonic() < deadline, "the server did not stop generating"
+        time.sleep(0.05)
+    assert metric(server, "qwen3vl_generated_tokens_total") - tokens_before < 1400
+    assert len(answer.inner_text()) == shown  # nothing arrived after the stop
+
+    set_options(page, max_tokens=5)
+    ask(page, "Still there?")
+    assert usage_numbers(finished_turn(page, 2, timeout=20_000))["completion"] == 5
+
+
+def test_a_file_that_is_not_a_picture_gets_the_servers_message(page, server):
+    notes = b"shopping list: milk, eggs\n"
+    expected = requests.post(server + "/v1/chat", files=[("image", ("notes.txt", notes, "text/plain"))],
+                             data={"prompt": "x"}).json()["error"]["message"]
+    pick(page, "notes.txt", notes, "text/plain")
+    expect(page.locator(".preview .note")).to_contain_text("cannot read this as a picture")
+    ask(page, "What is this?")
+    error = page.get_by_role("alert")
+    expect(error).to_contain_text(f"“notes.txt”: {expected}")
+    expect(error).to_contain_text("HTTP 400")
+    expect(page.get_by_role("button", name="Send")).to_be_enabled()
+
+
+def test_the_api_key_is_sent_as_a_bearer_token_and_kept_in_this_tab_only(page, browser, server):
+    show_options(page)
+    key = page.get_by_label("API key")
+    expect(key).to_have_attribute("type", "password")
+    key.fill("sk-try-123")
+    with page.expect_request("**/v1/models") as models:
+        key.press("Tab")  # "change": the page re-reads the model with the key
+    assert models.value.headers["authorization"] == "Bearer sk-try-123"
+    set_options(page, max_tokens=2)
+    with page.expect_request("**/v1/chat") as sent:
+        ask(page, "Hello?")
+    assert sent.value.headers["authorization"] == "Bearer sk-try-123"
+    assert page.evaluate("[sessionStorage.length, localStorage.length]") == [1, 0]
+    page.reload()
+    expect(page.get_by_label("API key")).to_have_value("sk-try-123")
+    other = browser.new_context().new_page()
+    other.goto(server + "/")
+    expect(other.get_by_label("API key")).to_have_value("")
+    other.context.close()
+
+
+def test_the_page_reads_on_a_phone_and_every_control_has_a_label(page):
+    page.set_viewport_size({"width": 375, "height": 740})
+    pick(page, "a-picture-with-a-rather-long-file-name-that-must-wrap-on-a-small-screen.png", DEMO_PNG)
+    set_options(page, max_tokens=60)
+    ask(page, "What is in this picture?")
+    finished_turn(page, 1)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 375
+    unlabelled = page.evaluate("""[...document.querySelectorAll('input, textarea, select')]
+        .filter(e => e.labels.length === 0).map(e => e.id)""")
+    assert unlabelled == []
+    send = page.get_by_role("button", name="Send")
+    send.scroll_into_view_if_needed()
+    box = send.bounding_box()
+    assert box["x"] >= 0 and box["x"] + box["width"] <= 375
+    save_screenshot(page, "web-page-phone.png")
