@@ -36,6 +36,14 @@ def server(cache_dir, tiny_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def keyed_server(cache_dir, tiny_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "gunicorn-keyed.log"
+    with gunicorn_server({**SERVER_ENV, "CACHE_DIR": str(cache_dir), "API_KEYS": "sk-right"}, log,
+                         ready_path="/health") as (base, proc):
+        yield base
+
+
+@pytest.fixture(scope="module")
 def browser():
     if not CHROMIUM.exists():
         pytest.fail("the browser tests need Debian's Chromium: apt-get install -y chromium chromium-driver")
@@ -314,3 +322,24 @@ def test_the_page_reads_on_a_phone_and_every_control_has_a_label(page):
     box = send.bounding_box()
     assert box["x"] >= 0 and box["x"] + box["width"] <= 375
     save_screenshot(page, "web-page-phone.png")
+
+
+def test_on_a_server_with_api_keys_the_page_asks_for_one_and_then_answers(browser, keyed_server):
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(keyed_server + "/")
+    expect(page.locator("#model-info")).to_contain_text("needs an API key", timeout=60_000)
+    key = page.get_by_label("API key")
+    expect(key).to_be_visible()  # the options opened by themselves
+    key.fill("sk-wrong")
+    key.press("Tab")
+    ask(page, "Hello?")
+    expect(page.get_by_role("alert")).to_contain_text("missing or invalid API key")
+    assert "sk-wrong" not in page.get_by_role("alert").inner_text()
+    key.fill("sk-right")
+    key.press("Tab")
+    expect(page.locator("#random-banner")).to_be_visible(timeout=60_000)
+    set_options(page, max_tokens=3)
+    ask(page, "Hello?")
+    assert usage_numbers(finished_turn(page, 2))["completion"] == 3
+    context.close()
