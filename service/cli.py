@@ -1,4 +1,4 @@
-"""Command line: `python -m service chat|make-model ...`. Flags override environment settings."""
+"""Command line: `python -m service chat|make-model|quantize ...`. Flags override environment settings."""
 
 from __future__ import annotations
 
@@ -85,6 +85,16 @@ def cmd_make_model(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    from .quantized import write_quantized
+
+    t0 = time.perf_counter()
+    out = write_quantized(args.src, args.dst)
+    print(f"wrote the INT8 checkpoint {out} in {time.perf_counter() - t0:.1f} s (peak RSS {_peak_rss_gib():.2f} GiB); "
+          f"serve it with MODEL_PATH={out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m service", description="Qwen3-VL CPU inference service")
     parser.add_argument("--log-level", default="INFO")
@@ -107,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--preset", choices=["tiny", "2b"], default="tiny")
     make.add_argument("out_dir")
     make.set_defaults(func=cmd_make_model)
+
+    quantize = sub.add_parser("quantize", help="write a pre-quantized INT8 checkpoint that loads in seconds")
+    quantize.add_argument("src", help="a Qwen3-VL checkpoint directory (bf16 or fp32 safetensors)")
+    quantize.add_argument("dst", help="the new INT8 checkpoint directory (must not exist or be empty)")
+    quantize.set_defaults(func=cmd_quantize)
     return parser
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 import warnings
@@ -14,6 +13,8 @@ from torch import nn
 
 from .checkpoints import RANDOM_MODEL_WARNING, embedded_model_dir, is_random_test_model
 from .images import ImageLimits
+from .memory import MemoryGuard
+from .quantized import load_quantized, quantize_in_place, quantized_marker
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ class LoadedModel:
     load_seconds: float
     image_limits: ImageLimits
     eos_token_ids: list[int] = field(default_factory=list)
+    prequantized: bool = False  # loaded from an INT8 checkpoint (`python -m service quantize`)
+    weights_mapped: bool = False  # Linear weights memory-mapped: the model did not fit MAX_MEMORY_MB
 
     @property
     def tokenizer(self):
@@ -81,24 +84,6 @@ def image_limits_for(processor, settings: Settings) -> ImageLimits:
                        max_pixels=max_pixels, min_pixels=min_pixels, factor=factor)
 
 
-def _quantize_blocks(model: nn.Module) -> None:
-    """INT8-quantize every nn.Linear, one block at a time, so at most one block is fp32 at once."""
-    from torch.ao.quantization import quantize_dynamic
-
-    visual = model.model.visual
-    blocks = [*visual.blocks, visual.merger, *getattr(visual, "deepstack_merger_list", []),
-              *model.model.language_model.layers]
-    for block in blocks:
-        block.float()
-        quantize_dynamic(block, {nn.Linear}, dtype=torch.qint8, inplace=True)
-        gc.collect()
-    # lm_head is a bare Linear (tied to the embeddings): quantize it through a wrapper, in place.
-    wrapper = nn.Sequential(model.lm_head.float())
-    quantize_dynamic(wrapper, {nn.Linear}, dtype=torch.qint8, inplace=True)
-    model.lm_head = wrapper[0]
-    gc.collect()
-
-
 class _OnceWarnings:
     """Collects library warnings during a phase and logs each distinct one once."""
 
@@ -125,15 +110,22 @@ def load_model(settings: Settings) -> LoadedModel:
     path = settings.model_path or embedded_model_dir(settings.cache_dir)
     processor = load_processor(path)
     hf_logging.set_verbosity_error()
+    prequantized, mapped = quantized_marker(path) is not None, False
+    if prequantized and settings.quantization != "int8":
+        raise ValueError(f"{path} is an INT8 checkpoint (made by `python -m service quantize`): use "
+                         "QUANTIZATION=int8, or point MODEL_PATH at the original checkpoint for fp32")
     with _OnceWarnings():
-        # The checkpoint's own dtype (bf16 for Qwen's releases): no whole fp32 copy before quantizing.
-        dtype = "auto" if settings.quantization == "int8" else torch.float32
-        model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=dtype)
-        model.eval()
-        if settings.quantization == "int8":
-            model.requires_grad_(False)
-            _quantize_blocks(model)
-        model.float()  # embeddings, norms, patch embedding: fp32 compute (bf16 is slow on these CPUs)
+        if prequantized:
+            model, mapped = load_quantized(path, settings.threads, MemoryGuard.from_settings(settings))
+        else:
+            # The checkpoint's own dtype (bf16 for Qwen's releases): no whole fp32 copy before quantizing.
+            dtype = "auto" if settings.quantization == "int8" else torch.float32
+            model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=dtype)
+            model.eval()
+            if settings.quantization == "int8":
+                model.requires_grad_(False)
+                quantize_in_place(model)
+            model.float()  # embeddings, norms, patch embedding: fp32 compute (bf16 is slow on these CPUs)
     model.requires_grad_(False)
     is_random = is_random_test_model(model.config)
     if is_random:
@@ -151,6 +143,8 @@ def load_model(settings: Settings) -> LoadedModel:
         quantization=settings.quantization, is_random=is_random,
         load_seconds=time.perf_counter() - start,
         image_limits=image_limits_for(processor, settings), eos_token_ids=eos_ids,
+        prequantized=prequantized, weights_mapped=mapped,
     )
-    log.info("loaded %s (%s) from %s in %.1f s", loaded.name, loaded.quantization, path, loaded.load_seconds)
+    log.info("loaded %s (%s%s) from %s in %.1f s", loaded.name, loaded.quantization,
+             ", pre-quantized" if prequantized else "", path, loaded.load_seconds)
     return loaded

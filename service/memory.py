@@ -1,0 +1,116 @@
+"""The memory budget (MAX_MEMORY_MB): watch the process's RSS, evict caches near the budget, refuse work over it.
+
+The budget counts memory the OS cannot take back: RSS minus file-backed pages. Memory-mapped
+weights are file-backed and clean, so the kernel drops and re-reads them under pressure instead
+of killing the process; they do not count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import logging
+from typing import Callable
+
+import psutil
+
+from .errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+
+# Evict cache entries once usage passes this share of the budget; refuse only past the budget itself.
+EVICT_AT = 0.9
+
+EvictCallback = Callable[[int], object]  # called with the bytes wanted back; frees what it can
+
+
+def _malloc_trim() -> Callable[[], None]:
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim
+        return lambda: None
+    trim.argtypes = [ctypes.c_size_t]
+    return lambda: trim(0)
+
+
+_trim = _malloc_trim()
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc keeps them otherwise)."""
+    gc.collect()
+    _trim()
+
+
+def unreclaimable_bytes(process: psutil.Process | None = None) -> int:
+    """RSS minus file-backed pages: what the process would lose to the OOM killer."""
+    info = (process or psutil.Process()).memory_info()
+    return info.rss - getattr(info, "shared", 0)
+
+
+def kv_cache_bytes(config, tokens: int, bytes_per_value: int = 4) -> int:
+    """Bytes of an fp32 KV cache holding `tokens` tokens for this (Qwen3-VL) config."""
+    text = getattr(config, "text_config", config)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return tokens * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * bytes_per_value
+
+
+class MemoryGuard:
+    """Keeps the process within a memory budget.
+
+    `check(needed)` runs before a request takes the model: past EVICT_AT of the budget it calls
+    the eviction callbacks (caches register theirs) until usage is back under that mark, and if
+    usage plus `needed` would still exceed the budget it raises Unavailable (HTTP 503).
+    With no budget every check passes.
+    """
+
+    def __init__(self, budget_bytes: int | None, evict_callbacks: list[EvictCallback] | None = None):
+        self.budget_bytes = budget_bytes
+        self.evict_callbacks: list[EvictCallback] = list(evict_callbacks or [])
+        self._process = psutil.Process()
+
+    @classmethod
+    def from_settings(cls, settings, evict_callbacks: list[EvictCallback] | None = None) -> "MemoryGuard":
+        mb = getattr(settings, "max_memory_mb", None)
+        return cls(mb * MIB if mb else None, evict_callbacks)
+
+    def add_evict_callback(self, callback: EvictCallback) -> None:
+        """Register a cache's eviction hook: `callback(bytes_wanted)` drops entries (oldest first)."""
+        self.evict_callbacks.append(callback)
+
+    def used_bytes(self) -> int:
+        return unreclaimable_bytes(self._process)
+
+    def fits(self, extra_bytes: int) -> bool:
+        """Whether `extra_bytes` more would stay within the budget (always, with no budget)."""
+        return self.budget_bytes is None or self.used_bytes() + extra_bytes <= self.budget_bytes
+
+    def check(self, needed_bytes: int = 0) -> None:
+        """Evict caches if near the budget; raise Unavailable if `needed_bytes` more would not fit."""
+        if self.budget_bytes is None:
+            return
+        used = self.used_bytes()
+        target = int(self.budget_bytes * EVICT_AT)
+        if used + needed_bytes > target and self.evict_callbacks:
+            for callback in self.evict_callbacks:
+                callback(used + needed_bytes - target)
+                release_memory()
+                used = self.used_bytes()
+                if used + needed_bytes <= target:
+                    break
+            log.info("memory budget: evicted caches, now %.0f MiB of %.0f MiB", used / MIB, self.budget_bytes / MIB)
+        if used + needed_bytes > self.budget_bytes:
+            raise Unavailable(
+                f"out of memory budget: the server uses {used / MIB:.0f} MiB of its MAX_MEMORY_MB="
+                f"{self.budget_bytes / MIB:.0f} and this request needs about {needed_bytes / MIB:.0f} MiB more "
+                "(caches already evicted); retry later, shorten the request, or raise MAX_MEMORY_MB",
+                code="memory_budget", headers={"Retry-After": "5"})
+
+    def status(self) -> dict:
+        """Usage and budget in MiB, for health and metrics."""
+        return {"used_mb": round(self.used_bytes() / MIB, 1),
+                "budget_mb": None if self.budget_bytes is None else round(self.budget_bytes / MIB, 1)}

@@ -1,0 +1,485 @@
+"""INT8 weights: quantizing a model in place, and pre-quantized checkpoints that load without fp32 weights.
+
+Both paths use the same math (torch's per-channel dynamic qconfig: symmetric int8 per output
+channel, activations quantized per call), so a pre-quantized checkpoint answers exactly like
+quantizing at load time. The input embedding is stored as int8 rows with per-row scales — for
+Qwen3-VL's tied embeddings that is the lm_head's own INT8 weight — and dequantized on lookup.
+
+A checkpoint written by `python -m service quantize SRC DST` holds:
+  config.json             SRC's config plus QUANTIZED_MARKER (how it was made, and its files)
+  int8-NNNNN.safetensors  every nn.Linear: `<name>.weight` int8 [out, in], `<name>.weight_scale`
+                          fp32 [out] (zero point 0), `<name>.bias` fp32
+  resident.safetensors    memory-mapped while serving: the embedding as int8 rows + `weight_scale`,
+                          and every other (small) tensor in fp32
+  every other file of SRC (tokenizer, chat template, preprocessor and generation configs), copied
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .memory import MIB, MemoryGuard, release_memory
+
+log = logging.getLogger(__name__)
+
+QUANTIZED_MARKER = "service_int8"
+FORMAT = "qwen3-vl-service-int8"
+FORMAT_VERSION = 1
+RESIDENT_FILE = "resident.safetensors"
+SHARD_BYTES = 256 * MIB  # small shards: loading maps one at a time, so its pages never pile up
+ROWS_PER_CHUNK = 16384  # per-row quantization is exact in chunks: the 151936-row embedding never goes fp32 whole
+GEMV_ROWS = 4  # MappedInt8Linear: up to this many tokens use the int8 GEMV kernel (decode)
+MAPPED_SLICE = 4096  # MappedInt8Linear: output rows dequantized at once for prefill (bounded scratch memory)
+_SCALE = ".weight_scale"
+_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64,
+           "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+def int8_qconfig():
+    """The one qconfig both paths use: int8 weights, symmetric per output channel."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig
+
+    return per_channel_dynamic_qconfig
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 rows and fp32 per-row scales, computed exactly as quantize_dynamic does for a Linear."""
+    from torch.ao.nn.quantized.modules.utils import _quantize_weight
+
+    rows, scales = [], []
+    for start in range(0, weight.shape[0], ROWS_PER_CHUNK):
+        chunk = weight[start:start + ROWS_PER_CHUNK].float()
+        observer = int8_qconfig().weight()
+        observer(chunk)
+        q = _quantize_weight(chunk, observer)
+        rows.append(q.int_repr())
+        scales.append(q.q_per_channel_scales().float())
+        del chunk, q
+    return (rows[0], scales[0]) if len(rows) == 1 else (torch.cat(rows), torch.cat(scales))
+
+
+def empty_qweight(shape: tuple[int, int], scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An uninitialised per-row qint8 weight, and an int8 view of its memory to fill it through."""
+    qweight = torch._empty_per_channel_affine_quantized(
+        shape, scales=scales.double(), zero_points=torch.zeros(shape[0], dtype=torch.long), axis=0, dtype=torch.qint8)
+    rows = torch.empty(0, dtype=torch.int8).set_(qweight.untyped_storage(), 0, shape, (shape[1], 1))
+    return qweight, rows
+
+
+def dynamic_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """A torch dynamic-quantized Linear packed from a qint8 weight (packing copies it)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    module = DynamicLinear(1, 1, bias_=False)  # a 1×1 placeholder: no full-size dummy to pack and discard
+    module.out_features, module.in_features = qweight.shape
+    module.set_weight_bias(qweight, None if bias is None else bias.float().clone())
+    return module
+
+
+class Int8Embedding(nn.Module):
+    """Embedding lookup from int8 rows and per-row scales, dequantized for the looked-up ids only."""
+
+    def __init__(self, rows: torch.Tensor, scales: torch.Tensor, padding_idx: int | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = rows.shape
+        self.padding_idx = padding_idx
+        self.register_buffer("rows", rows)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def from_dynamic_linear(cls, linear: nn.Module, padding_idx: int | None = None) -> "Int8Embedding":
+        """Share a quantized lm_head's INT8 weight (tied embeddings) as the embedding table."""
+        weight, _ = linear._weight_bias()
+        return cls(weight.int_repr(), weight.q_per_channel_scales().float(), padding_idx)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows[ids].float() * self.scales[ids].unsqueeze(-1)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows"
+
+
+class MappedInt8Linear(nn.Module):
+    """Int8 Linear computing from memory-mapped weights (weight-only int8, fp32 activations).
+
+    Used when the packed model would not fit MAX_MEMORY_MB: nothing is copied, so the kernel can
+    drop the weight pages under pressure and read them back from disk; slower than the packed kernel.
+    """
+
+    def __init__(self, rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = rows.shape
+        self.register_buffer("rows", rows)
+        self.register_buffer("scales", scales.float())
+        self.register_buffer("bias", None if bias is None else bias.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        if flat.shape[0] <= GEMV_ROWS:
+            y = torch._weight_int8pack_mm(flat, self.rows, self.scales)
+        else:  # that kernel is very slow for many rows: dequantize a slice of the weight at a time
+            y = torch.cat([nn.functional.linear(flat, self.rows[i:i + MAPPED_SLICE].float()
+                                                * self.scales[i:i + MAPPED_SLICE, None])
+                           for i in range(0, self.out_features, MAPPED_SLICE)], dim=1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+# -- the model's structure ------------------------------------------------------------------
+
+def quantization_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each unit quantized at once: vision blocks, mergers, decoder layers, lm_head."""
+    names = {id(m): n for n, m in model.named_modules()}
+    visual = model.model.visual
+    blocks = [*visual.blocks, visual.merger, *getattr(visual, "deepstack_merger_list", []),
+              *model.model.language_model.layers, model.lm_head]
+    return [(names[id(b)], b) for b in blocks]
+
+
+def _linear_names(name: str, block: nn.Module) -> list[str]:
+    return [f"{name}.{n}" if n else name for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _embedding_name(model: nn.Module) -> str:
+    embed = model.get_input_embeddings()
+    return next(n for n, m in model.named_modules() if m is embed)
+
+
+def _replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    parent, _, attr = name.rpartition(".")
+    module = model.get_submodule(parent) if parent else model
+    if attr in module._buffers:
+        module._buffers[attr] = tensor
+    else:
+        module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+
+
+def skeleton(config) -> nn.Module:
+    """The model with every parameter on the meta device (no memory) and real rotary buffers."""
+    from accelerate import init_empty_weights
+    from transformers import Qwen3VLForConditionalGeneration
+
+    with init_empty_weights(include_buffers=False):
+        return Qwen3VLForConditionalGeneration(config)
+
+
+def quantize_in_place(model: nn.Module) -> None:
+    """INT8-quantize every nn.Linear one block at a time (at most one block is fp32 at once), and
+    turn the embedding into int8 rows (the lm_head's when tied)."""
+    from torch.ao.quantization import quantize_dynamic
+
+    spec = {nn.Linear: int8_qconfig()}
+    embed_name = _embedding_name(model)
+    embed = model.get_submodule(embed_name)
+    tied = model.lm_head.weight is embed.weight
+    for _, block in quantization_blocks(model)[:-1]:
+        block.float()
+        quantize_dynamic(block, spec, dtype=torch.qint8, inplace=True)
+        release_memory()
+    # lm_head is a bare Linear: quantize it through a wrapper, in place.
+    wrapper = nn.Sequential(model.lm_head.float())
+    quantize_dynamic(wrapper, spec, dtype=torch.qint8, inplace=True)
+    model.lm_head = wrapper[0]
+    if tied:
+        table = Int8Embedding.from_dynamic_linear(model.lm_head, embed.padding_idx)
+    else:
+        table = Int8Embedding(*quantize_rows(embed.weight), embed.padding_idx)
+    _replace_module(model, embed_name, table)
+    release_memory()
+
+
+# -- writing --------------------------------------------------------------------------------
+
+class _SourceTensors:
+    """Per-tensor reads from a checkpoint's safetensors; files are opened per call, so the pages
+    read are unmapped (and leave RSS) as soon as the caller drops the tensors."""
+
+    def __init__(self, path: Path):
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            self.file_of = json.loads(index.read_text())["weight_map"]
+        else:
+            from safetensors import safe_open
+
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{path} has no safetensors weights")
+            self.file_of = {}
+            for file in files:
+                with safe_open(file, "pt") as f:
+                    self.file_of.update(dict.fromkeys(f.keys(), file.name))
+        self.path = path
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        missing = [n for n in names if n not in self.file_of]
+        if missing:
+            raise KeyError(f"{self.path} lacks tensors {missing[:3]}: is it a Qwen3-VL checkpoint?")
+        out = {}
+        for file in sorted({self.file_of[n] for n in names}):
+            with safe_open(self.path / file, "pt") as f:
+                for n in names:
+                    if self.file_of[n] == file:
+                        out[n] = f.get_tensor(n)
+        return out
+
+
+class _ShardWriter:
+    def __init__(self, dst: Path, limit: int):
+        self.dst, self.limit = dst, limit
+        self.pending: dict[str, torch.Tensor] = {}
+        self.files: list[str] = []
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.pending.update(tensors)
+        if sum(t.numel() * t.element_size() for t in self.pending.values()) >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.pending:
+            name = f"int8-{len(self.files) + 1:05d}.safetensors"
+            save_file(self.pending, self.dst / name, metadata={"format": "pt"})
+            self.files.append(name)
+            self.pending = {}
+            release_memory()
+
+
+def _quantized_linear(source: _SourceTensors, name: str, weight_name: str, has_bias: bool) -> dict:
+    tensors = source.read([weight_name] + ([f"{name}.bias"] if has_bias else []))
+    rows, scales = quantize_rows(tensors[weight_name])
+    out = {f"{name}.weight": rows, f"{name}{_SCALE}": scales}
+    if has_bias:
+        out[f"{name}.bias"] = tensors[f"{name}.bias"].to(torch.float32, copy=True)
+    return out
+
+
+def write_quantized(src: str | Path, dst: str | Path, progress: bool = True) -> Path:
+    """Write an INT8 checkpoint of the Qwen3-VL checkpoint `src` to `dst`, one block at a time.
+
+    Each tensor is read on its own from SRC's safetensors and quantized in row chunks, and freed
+    memory goes back to the OS after every block, so the whole fp32 model never exists.
+    """
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoConfig
+
+    src, dst = Path(src), Path(dst)
+    config = AutoConfig.from_pretrained(src)
+    if getattr(config, QUANTIZED_MARKER, None):
+        raise ValueError(f"{src} is already an INT8 checkpoint")
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} exists and is not empty")
+    dst.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    model = skeleton(config)
+    source = _SourceTensors(src)
+    embed_name = _embedding_name(model)
+    tied = f"{embed_name}.weight" if bool(getattr(config, "tie_word_embeddings", False)) else None
+    shards = _ShardWriter(dst, SHARD_BYTES)
+    linear_params: set[str] = set()
+    embedding: dict[str, torch.Tensor] = {}
+    for name, block in tqdm(quantization_blocks(model), desc="quantizing", unit="block", disable=not progress):
+        for linear in _linear_names(name, block):
+            module = model.get_submodule(linear)
+            weight_name = f"{linear}.weight"
+            if weight_name not in source and linear == "lm_head" and tied:
+                weight_name = tied  # tied lm_head: SRC stores the embedding only
+            tensors = _quantized_linear(source, linear, weight_name, module.bias is not None)
+            if linear == "lm_head" and weight_name == tied:
+                embedding = {f"{embed_name}.weight": tensors["lm_head.weight"],
+                             f"{embed_name}{_SCALE}": tensors[f"lm_head{_SCALE}"]}
+            shards.add(tensors)
+            linear_params.update({f"{linear}.weight", f"{linear}.bias"})
+        release_memory()
+    shards.flush()
+    if not embedding:
+        rows, scales = quantize_rows(source.read([f"{embed_name}.weight"])[f"{embed_name}.weight"])
+        embedding = {f"{embed_name}.weight": rows, f"{embed_name}{_SCALE}": scales}
+    rest = [n for n, _ in model.named_parameters() if n not in linear_params and not n.startswith(embed_name + ".")]
+    resident = {n: t.to(torch.float32, copy=True) for n, t in source.read(rest).items()}
+    save_file({**embedding, **resident}, dst / RESIDENT_FILE, metadata={"format": "pt"})
+    del embedding, resident
+    release_memory()
+    for file in src.iterdir():
+        if file.is_file() and file.suffix != ".safetensors" and file.name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy2(file, dst / file.name)
+    config_dict = json.loads((src / "config.json").read_text())
+    config_dict[QUANTIZED_MARKER] = {
+        "format": FORMAT, "version": FORMAT_VERSION,
+        "weights": "int8, symmetric per output channel (torch per_channel_dynamic_qconfig), zero point 0",
+        "activations": "quantized per call to uint8 (torch dynamic quantized Linear)",
+        "embedding": "int8 rows with per-row scales" + (" = the tied lm_head's INT8 weight" if tied else ""),
+        "other_tensors": "float32",
+        "made_by": "python -m service quantize", "source": str(src.resolve()),
+        "source_dtype": str(config_dict.get("dtype") or config_dict.get("torch_dtype")),
+        "torch": torch.__version__, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "linear_shards": shards.files, "resident": RESIDENT_FILE,
+    }
+    # config.json last: a half-written directory has none, so it cannot be mistaken for a checkpoint.
+    (dst / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+    log.info("wrote INT8 checkpoint %s from %s in %.1f s", dst, src, time.perf_counter() - start)
+    return dst
+
+
+# -- loading --------------------------------------------------------------------------------
+
+class _SafetensorsReader:
+    """Reads tensors of one safetensors file with pread into memory the caller owns.
+
+    Used for the weights that get packed: packing copies them anyway, and a read (unlike a mapping)
+    leaves no file pages in RSS, so the peak stays near the final size. Safe from several threads.
+    """
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDONLY)
+        (length,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        self.entries = json.loads(os.pread(self.fd, length, 8))
+        self.entries.pop("__metadata__", None)
+        self.data_start = 8 + length
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        begin, end = self.entries[name]["data_offsets"]
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        if len(view) != end - begin:
+            raise ValueError(f"{name}: {end - begin} bytes in the file, {len(view)} expected")
+        done = 0
+        while done < len(view):  # pread may return less than asked for very large reads
+            done += os.preadv(self.fd, [view[done:]], self.data_start + begin + done)
+        return out
+
+    def read(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        return self.read_into(name, torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]]))
+
+
+def _packed_linear(reader: _SafetensorsReader, name: str) -> nn.Module:
+    qweight, rows = empty_qweight(reader.shape(f"{name}.weight"), reader.read(f"{name}{_SCALE}"))
+    reader.read_into(f"{name}.weight", rows)
+    bias = reader.read(f"{name}.bias") if f"{name}.bias" in reader.entries else None
+    return dynamic_linear(qweight, bias)
+
+
+def quantized_marker(path: Path) -> dict | None:
+    """The QUANTIZED_MARKER of the checkpoint at `path`, or None for an ordinary checkpoint."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get(QUANTIZED_MARKER)
+
+
+def _linear_bytes(path: Path, marker: dict) -> int:
+    return sum((path / f).stat().st_size for f in marker["linear_shards"])
+
+
+def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None) -> tuple[nn.Module, bool]:
+    """Build the model from an INT8 checkpoint: (model, weights_mapped).
+
+    Linear weights are read (pread) straight into qint8 tensors and packed into torch's
+    dynamic-quantized Linear on `threads` threads; no fp32 weight is made. The embedding and the
+    small tensors stay memory-mapped. If the packed weights would not fit the memory budget, the
+    Linear weights stay memory-mapped too (MappedInt8Linear): the server still serves, slower.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig, GenerationConfig
+
+    path = Path(path)
+    marker = quantized_marker(path)
+    if not marker or marker.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an INT8 checkpoint written by `python -m service quantize`")
+    if marker.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{path} has INT8 format version {marker.get('version')}; this service reads "
+                         f"{FORMAT_VERSION}: re-run `python -m service quantize`")
+    config = AutoConfig.from_pretrained(path)
+    model = skeleton(config)
+    packed_bytes = _linear_bytes(path, marker)
+    mapped = memory is not None and not memory.fits(packed_bytes)
+    if mapped:
+        log.warning("the INT8 weights need %.1f MiB resident, more than MAX_MEMORY_MB leaves (%.0f MiB used of "
+                    "%.0f): serving them memory-mapped from %s instead. %s", packed_bytes / MIB,
+                    memory.used_bytes() / MIB, memory.budget_bytes / MIB, path, mapped_slowdown(threads))
+    # Kept open for the process's life: these tensors are views of the mapped file.
+    resident = safe_open(path / marker["resident"], "pt")
+    embed_name = _embedding_name(model)
+    for name in resident.keys():
+        if name.endswith(_SCALE):
+            continue
+        module_name = name.rpartition(".")[0]
+        if module_name == embed_name:
+            padding_idx = model.get_submodule(embed_name).padding_idx
+            table = Int8Embedding(resident.get_tensor(name), resident.get_tensor(f"{module_name}{_SCALE}"), padding_idx)
+            _replace_module(model, embed_name, table)
+        else:
+            _set_tensor(model, name, resident.get_tensor(name))
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:  # packing releases the GIL
+        for shard in marker["linear_shards"]:
+            if mapped:
+                with safe_open(path / shard, "pt") as f:
+                    keys = set(f.keys())
+                    for name in [k[:-len(_SCALE)] for k in keys if k.endswith(_SCALE)]:
+                        bias = f.get_tensor(f"{name}.bias") if f"{name}.bias" in keys else None
+                        _replace_module(model, name, MappedInt8Linear(
+                            f.get_tensor(f"{name}.weight"), f.get_tensor(f"{name}{_SCALE}"), bias))
+                continue
+            reader = _SafetensorsReader(path / shard)
+            names = [k[:-len(_SCALE)] for k in reader.entries if k.endswith(_SCALE)]
+            for name, module in zip(names, pool.map(lambda n: _packed_linear(reader, n), names)):
+                _replace_module(model, name, module)
+            reader.close()
+            release_memory()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{path} is incomplete: no weights for {left[:3]} (and {max(0, len(left) - 3)} more)")
+    if (path / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.eval()
+    model.requires_grad_(False)
+    return model, mapped
+
+
+def mapped_slowdown(threads: int) -> str:
+    """Measure (in ~0.2 s) how much slower the memory-mapped kernel is than the packed one here."""
+    torch.set_num_threads(threads)
+    rows = torch.randint(-127, 128, (4096, 2048), dtype=torch.int8)
+    scales = torch.full((4096,), 1e-3)
+    x = torch.randn(1, 2048)
+    timings = []
+    qweight, view = empty_qweight(tuple(rows.shape), scales)
+    view.copy_(rows)
+    for module in (dynamic_linear(qweight, None), MappedInt8Linear(rows, scales, None)):
+        module(x)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            module(x)
+        timings.append(time.perf_counter() - t0)
+    return (f"Expect decode about {timings[1] / timings[0]:.1f}x slower (mapped vs packed kernel, measured now), "
+            "and slower still whenever the OS has to read dropped weight pages back from disk.")
