@@ -70,6 +70,17 @@ def _from_json(limits) -> tuple[protocol.NativeChatRequest, list[ChatMessage], f
     return body, [user_message(body.prompt, images)], time.perf_counter() - t0
 
 
+def _conversation_id(body: protocol.NativeChatRequest) -> str | None:
+    """The body's conversation_id, else the X-Conversation-Id header: the key Nginx routes a
+    conversation by, so a client behind Nginx can send the id once, as that header."""
+    header = request.headers.get("X-Conversation-Id")
+    if header is None:
+        return body.conversation_id
+    if body.conversation_id is not None and body.conversation_id != header:
+        raise BadRequest("conversation_id and the X-Conversation-Id header differ", param="conversation_id")
+    return protocol.NativeChatRequest(conversation_id=header).conversation_id
+
+
 @native.post(ENDPOINT)
 def chat():
     app_state = state()
@@ -81,8 +92,9 @@ def chat():
         body, new_messages, decode_seconds = _from_json(limits)
     else:
         raise UnsupportedMediaType("send application/json or multipart/form-data (curl -F prompt=... -F image=@file)")
-    conversation_id = body.conversation_id or app_state.conversations.new_id()
-    history = app_state.conversations.history(conversation_id) if body.conversation_id else []
+    given_id = _conversation_id(body)
+    conversation_id = given_id or app_state.conversations.new_id()
+    history = app_state.conversations.history(conversation_id) if given_id else []
     if history and new_messages[0].role == "system":
         raise BadRequest("a system message can only open a conversation", param="messages")
     messages = history + new_messages

@@ -1,0 +1,18 @@
+"""`python -m service.deploy.healthcheck`: exit 0 when the service behind Nginx (NGINX_LISTEN) is
+ready, else 1: the Docker HEALTHCHECK. Sends the first of API_KEYS when keys are set."""
+
+import sys
+
+from ..settings import load_settings
+from .supervisor import client_url, get_status
+
+
+def main() -> int:
+    settings = load_settings()
+    key = settings.api_key_list[0] if settings.api_key_list else None
+    status, _ = get_status(client_url(settings.nginx_listen) + "/ready", key)
+    return 0 if status == 200 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
