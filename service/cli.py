@@ -95,6 +95,31 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_export_onnx(args) -> int:
+    from tqdm import tqdm
+
+    from .onnx_vision import EXPORT_STEPS, default_export_dir, export_vision_onnx
+    from .settings import load_settings
+
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        print(f"error: {model_dir} is not a Hugging Face checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out_dir) if args.out_dir else default_export_dir(
+        model_dir, load_settings(cache_dir=args.cache_dir).cache_dir)
+    t0 = time.perf_counter()
+    with tqdm(total=len(EXPORT_STEPS), desc="export-onnx", unit="step") as bar:
+        def step_done(step: str) -> None:
+            bar.set_postfix_str(step)
+            bar.update()
+        export_vision_onnx(model_dir, out_dir, progress=step_done)
+    where = f" VISION_ONNX_DIR={out_dir}" if args.out_dir else ""
+    print(f"wrote the ONNX vision encoder (fp32 and int8) of {model_dir} to {out_dir} in "
+          f"{time.perf_counter() - t0:.1f} s (peak RSS {_peak_rss_gib():.2f} GiB); "
+          f"use it with VISION_BACKEND=onnxruntime{where}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m service", description="Qwen3-VL CPU inference service")
     parser.add_argument("--log-level", default="INFO")
@@ -122,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("src", help="a Qwen3-VL checkpoint directory (bf16 or fp32 safetensors)")
     quantize.add_argument("dst", help="the new INT8 checkpoint directory (must not exist or be empty)")
     quantize.set_defaults(func=cmd_quantize)
+
+    export = sub.add_parser("export-onnx", help="export the vision encoder to ONNX (fp32 and INT8) for ONNX Runtime")
+    export.add_argument("model_dir", help="a Qwen3-VL checkpoint directory (bf16 or fp32 weights)")
+    export.add_argument("out_dir", nargs="?",
+                        help="where to write it; default: the cache directory the service looks in for this checkpoint")
+    export.add_argument("--cache-dir", help="CACHE_DIR, for the default out_dir")
+    export.set_defaults(func=cmd_export_onnx)
     return parser
 
 

@@ -24,7 +24,7 @@ from .loading import LoadedModel
 from .prompts import ChatMessage, PreparedPrompt, PromptLimits, prepare_prompt
 from .settings import Settings
 from .streaming import CancelOnEvent, StopStringMatcher, TokenStreamer
-from .vision import TorchVisionEncoder, as_mm_encoder_outputs
+from .vision import as_mm_encoder_outputs, make_vision_encoder
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class Engine:
         self.admission = Admission(settings.queue_size, settings.queue_timeout)
         self._active: set[GenerationRequest] = set()
         self._defaults = loaded.model.generation_config
-        self.vision_encoder = TorchVisionEncoder(loaded.model)
+        self.vision_encoder = make_vision_encoder(loaded, settings)
 
     # -- request path -------------------------------------------------------------------------
 

@@ -24,6 +24,9 @@ class Settings(BaseSettings):
     quantization: Literal["int8", "fp32"] = Field("int8", description="int8 = dynamic INT8 Linear layers")
     threads: int = Field(default_factory=_available_cores, ge=1, le=512, description="torch threads")
     cache_dir: Path = Field(Path(os.path.expanduser("~/.cache/qwen3vl-service")), description="embedded model, exports")
+    vision_backend: Literal["torch", "onnxruntime"] = Field(
+        "torch", description="vision encoder: torch, or onnxruntime (an export made by `export-onnx`)")
+    vision_onnx_dir: Path | None = Field(None, description="ONNX export to use; unset = CACHE_DIR/onnx-vision/<checkpoint>")
     max_memory_mb: int | None = Field(None, ge=1, description="memory budget in MiB (RSS minus file-backed pages); "
                                       "unset = none. Near it caches are evicted, over it requests get 503")
 
@@ -83,6 +86,11 @@ class Settings(BaseSettings):
         if not (path / "config.json").is_file():
             raise ValueError(f"MODEL_PATH {str(path)!r} has no config.json: is it a Hugging Face checkpoint?")
         return path
+
+    @field_validator("vision_onnx_dir", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value):
+        return None if value == "" else value
 
     @model_validator(mode="after")
     def _consistent(self) -> "Settings":

@@ -40,6 +40,18 @@ class TorchVisionEncoder:
                 for i, p in enumerate(out.pooler_output)]
 
 
+def make_vision_encoder(loaded, settings):
+    """The encoder VISION_BACKEND names for this checkpoint. `onnxruntime` needs an export made
+    beforehand (`python -m service export-onnx`); without a current one it warns and uses torch."""
+    if settings.vision_backend == "onnxruntime":
+        from .onnx_vision import load_onnx_encoder
+
+        encoder = load_onnx_encoder(loaded.path, settings)
+        if encoder is not None:
+            return encoder
+    return TorchVisionEncoder(loaded.model)
+
+
 def as_mm_encoder_outputs(features: list[VisionFeatures]) -> dict:
     """Per-image features in the container `generate(..., mm_encoder_outputs=...)` expects."""
     depth = len(features[0].deepstack)
