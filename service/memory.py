@@ -59,6 +59,24 @@ def kv_cache_bytes(config, tokens: int, bytes_per_value: int = 4) -> int:
     return tokens * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * bytes_per_value
 
 
+def lru_evictor(lru) -> EvictCallback:
+    """An eviction callback for a cache with `keys()` (least recently used first), `pop` and `nbytes`:
+    drops its oldest entries until the bytes wanted are freed or it is empty."""
+
+    def evict(bytes_wanted: int) -> int:
+        freed = 0
+        with lru.lock:
+            for key in lru.keys():
+                if freed >= bytes_wanted:
+                    break
+                before = lru.nbytes
+                lru.pop(key)
+                freed += before - lru.nbytes
+        return freed
+
+    return evict
+
+
 class MemoryGuard:
     """Keeps the process within a memory budget.
 

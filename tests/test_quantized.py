@@ -1,0 +1,132 @@
+"""Pre-quantized INT8 checkpoints on the real tiny model: the quantize command, what it writes, and
+that loading it answers exactly like quantizing at load time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+from conftest import ROOT, make_settings
+from imaging import encode, pattern
+from service.engine import Completion, Engine, GenerationRequest, SamplingParams
+from service.images import decode_image
+from service.loading import load_model
+from service.prompts import ChatMessage, ImagePart, TextPart
+from service.quantized import FORMAT, QUANTIZED_MARKER, Int8Embedding, write_quantized
+
+PROMPTS = ["Describe the colors.", "What is in this picture?", "Tell me a story about a red square."]
+
+
+@pytest.fixture(scope="module")
+def int8_dir(tiny_dir, tmp_path_factory):
+    """The tiny checkpoint quantized by the command a user runs."""
+    dst = tmp_path_factory.mktemp("int8") / "tiny-int8"
+    run = subprocess.run([sys.executable, "-m", "service", "quantize", str(tiny_dir), str(dst)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "quantizing" in run.stderr and "block" in run.stderr  # the tqdm progress bar
+    assert f"MODEL_PATH={dst}" in run.stdout
+    return dst
+
+
+@pytest.fixture(scope="module")
+def prequantized_engine(cache_dir, int8_dir) -> Engine:
+    settings = make_settings(cache_dir, model_path=int8_dir)
+    return Engine(load_model(settings), settings)
+
+
+@pytest.fixture(scope="module")
+def load_time_engine(cache_dir, tiny_dir) -> Engine:
+    settings = make_settings(cache_dir, quantization="int8", cache_enabled=False)
+    return Engine(load_model(settings), settings)
+
+
+def greedy(engine: Engine, text: str, with_image: bool) -> Completion:
+    parts = [TextPart(text)]
+    if with_image:
+        img = decode_image(encode(pattern(448, 320, seed=len(text)), ".png"), engine.loaded.image_limits)
+        parts.insert(0, ImagePart(img))
+    events = list(engine.generate(GenerationRequest([ChatMessage("user", parts)],
+                                                    SamplingParams(max_tokens=24, temperature=0))))
+    return events[-1]
+
+
+def first_logits(model, tokenizer, text: str) -> torch.Tensor:
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    model.model.rope_deltas = None
+    with torch.inference_mode():
+        return model(input_ids=ids).logits[0]
+
+
+def test_quantized_checkpoint_holds_int8_weights_per_channel_scales_and_the_loader_files(int8_dir, tiny_dir):
+    marker = json.loads((int8_dir / "config.json").read_text())[QUANTIZED_MARKER]
+    assert marker["format"] == FORMAT and "per output channel" in marker["weights"]
+    assert marker["source"] == str(tiny_dir.resolve())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
+                 "generation_config.json"):
+        assert (int8_dir / name).read_bytes() == (tiny_dir / name).read_bytes()
+    with safe_open(int8_dir / marker["linear_shards"][0], "pt") as f:
+        weight = f.get_tensor("model.language_model.layers.0.mlp.down_proj.weight")
+        scales = f.get_tensor("model.language_model.layers.0.mlp.down_proj.weight_scale")
+    assert weight.dtype == torch.int8 and scales.dtype == torch.float32
+    assert scales.shape == (weight.shape[0],)  # one scale per output channel
+    assert len(set(scales.tolist())) > 1
+    with safe_open(int8_dir / marker["resident"], "pt") as f:
+        assert f.get_tensor("model.language_model.embed_tokens.weight").dtype == torch.int8
+        assert all(f.get_tensor(k).dtype in (torch.int8, torch.float32) for k in f.keys())
+
+
+def test_loading_builds_dynamic_int8_modules_and_no_float_linear(prequantized_engine):
+    loaded = prequantized_engine.loaded
+    assert loaded.prequantized and not loaded.weights_mapped and loaded.quantization == "int8"
+    modules = list(loaded.model.modules())
+    assert not any(type(m) is nn.Linear for m in modules)
+    dynamic = [m for m in modules if isinstance(m, DynamicLinear)]
+    assert len(dynamic) > 20
+    assert isinstance(loaded.model.get_input_embeddings(), Int8Embedding)
+
+
+@pytest.mark.parametrize("with_image", [True, False])
+def test_prequantized_checkpoint_answers_exactly_like_quantizing_at_load(prequantized_engine, load_time_engine,
+                                                                         with_image):
+    for text in PROMPTS:
+        a, b = greedy(prequantized_engine, text, with_image), greedy(load_time_engine, text, with_image)
+        assert a.completion_tokens == b.completion_tokens == 24
+        assert a.text == b.text
+
+
+def test_prequantized_logits_are_bit_identical_to_quantize_at_load(prequantized_engine, load_time_engine):
+    tok = load_time_engine.processor.tokenizer
+    for text in PROMPTS:
+        a = first_logits(prequantized_engine.model, tok, text)
+        b = first_logits(load_time_engine.model, tok, text)
+        assert torch.equal(a, b)
+
+
+def test_int8_logits_stay_close_to_fp32(load_time_engine, fp32_engine):
+    tok = fp32_engine.processor.tokenizer
+    for text in PROMPTS:
+        q, f = first_logits(load_time_engine.model, tok, text), first_logits(fp32_engine.model, tok, text)
+        assert torch.nn.functional.cosine_similarity(q, f, dim=-1).min() > 0.98
+        assert not torch.equal(q, f)
+
+
+def test_fp32_setting_on_an_int8_checkpoint_is_refused_with_the_way_out(cache_dir, int8_dir):
+    with pytest.raises(ValueError, match="INT8 checkpoint.*QUANTIZATION=int8"):
+        load_model(make_settings(cache_dir, model_path=int8_dir, quantization="fp32"))
+
+
+def test_quantize_refuses_a_non_empty_destination_and_an_int8_source(tiny_dir, int8_dir, tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        write_quantized(tiny_dir, tmp_path, progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+    with pytest.raises(ValueError, match="already an INT8 checkpoint"):
+        write_quantized(int8_dir, tmp_path / "again", progress=False)
