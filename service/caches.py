@@ -124,6 +124,15 @@ class BudgetedLRU(Generic[V]):
         with self.lock:
             return self._remove(key, None).value
 
+    def shrink(self, bytes_wanted: int, reason: str = "memory") -> int:
+        """Evict least recently used entries until `bytes_wanted` are freed (or none is left);
+        the bytes freed. For a memory budget that spans several caches."""
+        freed = 0
+        with self.lock:
+            while self._slots and freed < bytes_wanted:
+                freed += self._remove(next(iter(self._slots)), reason).nbytes
+        return freed
+
     def sweep(self) -> None:
         """Drop entries idle for longer than the TTL."""
         with self.lock:
@@ -227,8 +236,11 @@ class ConversationCache:
     name = "conversation"
 
     def __init__(self, model_config, max_bytes: int, max_entries: int, ttl_seconds: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 min_tokens: int = 16, clock: Callable[[], float] = time.monotonic):
         self.model_config = model_config
+        # A few shared tokens (the chat template's opening) save nothing worth a copy, and under INT8
+        # any reuse shifts the numerics a little (activation scales are per batch).
+        self.min_tokens = min_tokens
         self.entries: BudgetedLRU[KVEntry] = BudgetedLRU(self.name, max_bytes, max_entries, ttl_seconds, clock)
         self._anonymous = itertools.count()
 
@@ -236,8 +248,10 @@ class ConversationCache:
     def enabled(self) -> bool:
         return self.entries.enabled
 
-    def take(self, token_ids: torch.Tensor, images: list[ImageSpan], conversation_id: str | None) -> KVReuse | None:
+    def take(self, token_ids: torch.Tensor, images: list[ImageSpan], conversation_id: str | None,
+             cuts: list[int] | None = None) -> KVReuse | None:
         """The KV cache of the longest reusable prefix of `token_ids` (1-D), or None on a miss.
+        With `cuts`, the prefix must end at one of those positions.
 
         The entry itself is handed over (no copy) when this request supersedes it — it continues the
         entry's own answer, or it is the same conversation — and cropped to the prefix; otherwise the
@@ -251,10 +265,12 @@ class ConversationCache:
             for key in reversed(self.entries.keys()):  # most recent first: it wins ties
                 entry = self.entries.peek(key)
                 n = reusable_prefix(entry, token_ids, images)
+                if cuts is not None:
+                    n = max((c for c in cuts if c <= n), default=0)
                 same = conversation_id is not None and entry.conversation_id == conversation_id
                 if n > best or (n == best and n > 0 and same):
                     best_key, best = key, n
-            if best_key is None:
+            if best_key is None or best < self.min_tokens:
                 metrics.CACHE_MISSES.labels(cache=self.name).inc()
                 return None
             entry = self.entries.get(best_key)

@@ -8,6 +8,7 @@ generator (client gone) cancels the thread within one token and joins it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -16,14 +17,16 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
 from .admission import Admission
+from .caches import ConversationCache, ImageSpan, VisionFeatureCache
 from .errors import BadRequest, PromptTooLong
 from .loading import LoadedModel
 from .prompts import ChatMessage, PreparedPrompt, PromptLimits, prepare_prompt
 from .settings import Settings
 from .streaming import CancelOnEvent, StopStringMatcher, TokenStreamer
+from .turns import assistant_header_ids, turn_ends
 from .vision import as_mm_encoder_outputs, make_vision_encoder
 
 log = logging.getLogger(__name__)
@@ -129,6 +132,21 @@ class Engine:
         self._active: set[GenerationRequest] = set()
         self._defaults = loaded.model.generation_config
         self.vision_encoder = make_vision_encoder(loaded, settings)
+        on = settings.cache_enabled
+        self.conversation_cache = ConversationCache(
+            loaded.model.config, settings.conversation_cache_max_bytes if on else 0,
+            settings.conversation_cache_max_entries, settings.cache_ttl_seconds)
+        self.vision_cache = VisionFeatureCache(settings.vision_cache_max_bytes if on else 0,
+                                               settings.vision_cache_max_entries, settings.cache_ttl_seconds)
+        ip = self.processor.image_processor
+        # Everything besides the pixels that shapes the encoder's input: part of every vision-cache key.
+        self._vision_settings = hashlib.blake2b(repr((
+            ip.patch_size, ip.merge_size, ip.temporal_patch_size, list(ip.image_mean), list(ip.image_std),
+            dict(ip.size))).encode(), digest_size=8).hexdigest()
+        # INT8 scales activations per forward call, so a token's keys and values depend on the tokens
+        # computed with it. There prompts are prefilled turn by turn and the KV cache is reused only
+        # up to the end of an earlier turn's prompt: exactly what a cache-free engine computes.
+        self._turn_header = assistant_header_ids(self.processor) if loaded.quantization == "int8" else None
 
     # -- request path -------------------------------------------------------------------------
 
@@ -192,40 +210,107 @@ class Engine:
             config.temperature = config.top_p = config.top_k = None
         return config
 
-    def _encode_images(self, prompt: PreparedPrompt) -> dict | None:
-        """Vision encoder for the prompt's images → `mm_encoder_outputs` for generate."""
-        if not prompt.pixel_values:
-            return None
-        features = self.vision_encoder(torch.cat(prompt.pixel_values), prompt.image_grid_thw)
-        return as_mm_encoder_outputs(features)
+    @staticmethod
+    def _image_spans(prompt: PreparedPrompt) -> list[ImageSpan]:
+        """Each image's token span, named by its pixels and grid (what the KV cache must match)."""
+        spans = []
+        grids = prompt.image_grid_thw if prompt.image_grid_thw is not None else []
+        for (start, end), digest, grid in zip(prompt.image_spans, prompt.image_digests, grids):
+            t, h, w = grid.tolist()
+            spans.append(ImageSpan(start, end, f"{digest}:{t}x{h}x{w}"))
+        return spans
+
+    def _encode_images(self, prompt: PreparedPrompt, images: list[ImageSpan], reused: int) -> tuple[dict, int]:
+        """Features of each image after the first `reused` tokens (the rest are in the KV cache), by
+        image index, from the vision cache or the encoder; and how many came from the cache.
+
+        One image per encoder call, so an image's features never depend on what it was batched with
+        (INT8 quantizes activations per batch) and a cached result equals a fresh one."""
+        features, hits = {}, 0
+        for i, span in enumerate(images):
+            if span.start < reused:
+                continue
+            key = f"{self.vision_encoder.name}:{self._vision_settings}:{span.key}"
+            cached = self.vision_cache.get(key)
+            if cached is None:
+                cached = self.vision_encoder(prompt.pixel_values[i], prompt.image_grid_thw[i:i + 1])[0]
+                self.vision_cache.put(key, cached)
+            else:
+                hits += 1
+            features[i] = cached
+        return features, hits
+
+    def _model_inputs(self, prompt: PreparedPrompt, images: list[ImageSpan], features: dict, start: int,
+                      end: int) -> dict:
+        """generate's inputs for computing tokens [start, end) of the prompt after a KV cache of
+        `start` tokens: ids, token types and ALL image grids up to `end` (positions need them), and
+        the features of the images in [start, end) only."""
+        inside = [i for i, span in enumerate(images) if span.end <= end]
+        kwargs = dict(input_ids=prompt.input_ids[:, :end], attention_mask=torch.ones_like(prompt.input_ids[:, :end]),
+                      mm_token_type_ids=prompt.mm_token_type_ids[:, :end])
+        if inside:
+            kwargs["image_grid_thw"] = prompt.image_grid_thw[: len(inside)]
+        new = [features[i] for i in inside if images[i].start >= start]
+        if new:
+            kwargs["mm_encoder_outputs"] = as_mm_encoder_outputs(new)
+        return kwargs
+
+    def _prefill_plan(self, prompt: PreparedPrompt, images: list[ImageSpan], features: dict, reused: int,
+                      cuts: list[int] | None, cache: DynamicCache) -> tuple[list[dict], dict]:
+        """generate's inputs after a cache of `reused` tokens: the pieces to prefill first (under INT8
+        each earlier turn's prompt not in the cache, one forward each), then the rest of the prompt."""
+        ends = [c for c in cuts or [] if c > reused] + [prompt.num_tokens]
+        starts = [reused, *ends[:-1]]
+        one_forward = self._generation_config(SamplingParams(temperature=0), 1)
+        prefills = [dict(self._model_inputs(prompt, images, features, start, end), cache=cache,
+                         generation_config=one_forward) for start, end in zip(starts[:-1], ends[:-1])]
+        return prefills, dict(self._model_inputs(prompt, images, features, starts[-1], ends[-1]), cache=cache)
+
+    def _keep_cache(self, request: GenerationRequest, prompt: PreparedPrompt, images: list[ImageSpan],
+                    result) -> None:
+        """Store the generation's KV cache for the next turn: it covers the prompt and the answer
+        except its last token (never fed back to the model)."""
+        cache = getattr(result, "cache", None)
+        if cache is None:
+            return
+        if self._turn_header is not None:  # INT8 reuses whole turns only: the answer's KV is no use
+            cache.crop(prompt.num_tokens - cache.get_seq_length())
+        covered = result.sequences[0, :cache.get_seq_length()]
+        self.conversation_cache.put(request.conversation_id, covered, images, prompt.num_tokens, cache)
 
     def _run(self, request: GenerationRequest, prompt: PreparedPrompt, waited: float) -> Iterator[TextDelta | Completion]:
         params = request.params
         max_new_tokens = self._max_new_tokens(prompt, params)
         config = self._generation_config(params, max_new_tokens)
         timings = {"queue_wait": waited, "image_decode": request.image_decode_seconds}
-        # A stale value from another request gives silently wrong positions (DESIGN.md).
+        # A stale value from another request gives silently wrong positions (DESIGN.md); with None,
+        # generate recomputes them from the full ids and ALL images' grids, cached prefix included.
         self.model.model.rope_deltas = None
         t0 = time.perf_counter()
+        images = self._image_spans(prompt)
+        cuts = turn_ends(prompt.input_ids[0], self._turn_header) if self._turn_header is not None else None
+        reuse = self.conversation_cache.take(prompt.input_ids[0], images, request.conversation_id, cuts)
+        reused = reuse.tokens if reuse else 0
+        t1 = time.perf_counter()
         with torch.inference_mode():
-            mm_encoder_outputs = self._encode_images(prompt)
-        timings["vision_encode"] = time.perf_counter() - t0
+            features, vision_hits = self._encode_images(prompt, images, reused)
+        timings["cache_lookup"] = t1 - t0
+        timings["vision_encode"] = time.perf_counter() - t1
         if request.cancel.is_set():
+            if reuse is not None:  # hand the reused prefix back for the client's retry
+                self.conversation_cache.put(request.conversation_id, prompt.input_ids[0, :reused], images, reused,
+                                            reuse.cache)
             return
         streamer = request.streamer = TokenStreamer(self.processor.tokenizer, timeout=None)
-        kwargs = dict(
-            input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
-            mm_token_type_ids=prompt.mm_token_type_ids, generation_config=config, streamer=streamer,
-            stopping_criteria=[CancelOnEvent(request.cancel)], return_dict_in_generate=True,
-        )
-        if prompt.image_grid_thw is not None:
-            kwargs["image_grid_thw"] = prompt.image_grid_thw
-        if mm_encoder_outputs is not None:
-            kwargs["mm_encoder_outputs"] = mm_encoder_outputs
+        # The request owns the cache: generate extends it in place.
+        cache = reuse.cache if reuse is not None else DynamicCache(config=self.model.config)
+        prefills, kwargs = self._prefill_plan(prompt, images, features, reused, cuts, cache)
+        kwargs.update(generation_config=config, streamer=streamer, stopping_criteria=[CancelOnEvent(request.cancel)],
+                      return_dict_in_generate=True)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         outcome: dict = {}
         prefill_start = time.perf_counter()
-        thread = threading.Thread(target=self._generate_thread, args=(kwargs, seed, outcome, streamer),
+        thread = threading.Thread(target=self._generate_thread, args=(prefills, kwargs, seed, outcome, streamer),
                                   name=f"generate-{request.request_id or id(request)}", daemon=True)
         thread.start()
         stopper = StopStringMatcher(params.stop)
@@ -251,6 +336,8 @@ class Engine:
             # Client gone (GeneratorExit) or error: stop the thread within a token and wait for it.
             request.cancel.set()
             thread.join()
+            if "result" in outcome:
+                self._keep_cache(request, prompt, images, outcome["result"])
         ids = streamer.token_ids
         end = time.perf_counter()
         first = streamer.first_token_at or end
@@ -271,13 +358,18 @@ class Engine:
             total=end - request.received_at,
         )
         yield Completion(text="".join(parts), finish_reason=finish, prompt_tokens=prompt.num_tokens,
-                         completion_tokens=len(ids), cached_tokens=0, timings=timings,
-                         images=len(prompt.pixel_values))
+                         completion_tokens=len(ids), cached_tokens=reused, timings=timings,
+                         vision_cache_hits=vision_hits, images=len(prompt.pixel_values))
 
-    def _generate_thread(self, kwargs: dict, seed: int, outcome: dict, streamer: TokenStreamer) -> None:
+    def _generate_thread(self, prefills: list[dict], kwargs: dict, seed: int, outcome: dict,
+                         streamer: TokenStreamer) -> None:
         try:
             torch.manual_seed(seed)
             with torch.inference_mode():
+                for prefill in prefills:  # fills the cache with a piece of the prompt; its token is dropped
+                    self.model.model.rope_deltas = None
+                    self.model.generate(**prefill)
+                self.model.model.rope_deltas = None
                 outcome["result"] = self.model.generate(**kwargs)
         except Exception as exc:  # re-raised in the request's thread, which logs it with its id
             outcome["error"] = exc
