@@ -26,7 +26,7 @@ from .loading import LoadedModel
 from .prompts import ChatMessage, PreparedPrompt, PromptLimits, prepare_prompt
 from .settings import Settings
 from .streaming import CancelOnEvent, StopStringMatcher, TokenStreamer
-from .turns import assistant_header_ids, turn_ends
+from .turns import assistant_header_ids, cut_points
 from .vision import as_mm_encoder_outputs, make_vision_encoder
 
 log = logging.getLogger(__name__)
@@ -144,8 +144,9 @@ class Engine:
             ip.patch_size, ip.merge_size, ip.temporal_patch_size, list(ip.image_mean), list(ip.image_std),
             dict(ip.size))).encode(), digest_size=8).hexdigest()
         # INT8 scales activations per forward call, so a token's keys and values depend on the tokens
-        # computed with it. There prompts are prefilled turn by turn and the KV cache is reused only
-        # up to the end of an earlier turn's prompt: exactly what a cache-free engine computes.
+        # computed with it. There a prompt is prefilled piece by piece, cut after each earlier turn
+        # and each image, and a KV cache is reused only up to such a cut: then reuse computes
+        # exactly what a cache-free engine computes.
         self._turn_header = assistant_header_ids(self.processor) if loaded.quantization == "int8" else None
 
     # -- request path -------------------------------------------------------------------------
@@ -258,7 +259,7 @@ class Engine:
     def _prefill_plan(self, prompt: PreparedPrompt, images: list[ImageSpan], features: dict, reused: int,
                       cuts: list[int] | None, cache: DynamicCache) -> tuple[list[dict], dict]:
         """generate's inputs after a cache of `reused` tokens: the pieces to prefill first (under INT8
-        each earlier turn's prompt not in the cache, one forward each), then the rest of the prompt."""
+        one forward per piece between cuts), then the rest of the prompt."""
         ends = [c for c in cuts or [] if c > reused] + [prompt.num_tokens]
         starts = [reused, *ends[:-1]]
         one_forward = self._generation_config(SamplingParams(temperature=0), 1)
@@ -273,7 +274,7 @@ class Engine:
         cache = getattr(result, "cache", None)
         if cache is None:
             return
-        if self._turn_header is not None:  # INT8 reuses whole turns only: the answer's KV is no use
+        if self._turn_header is not None:  # INT8 reuses up to cuts only: the answer's KV is no use
             cache.crop(prompt.num_tokens - cache.get_seq_length())
         covered = result.sequences[0, :cache.get_seq_length()]
         self.conversation_cache.put(request.conversation_id, covered, images, prompt.num_tokens, cache)
@@ -288,7 +289,8 @@ class Engine:
         self.model.model.rope_deltas = None
         t0 = time.perf_counter()
         images = self._image_spans(prompt)
-        cuts = turn_ends(prompt.input_ids[0], self._turn_header) if self._turn_header is not None else None
+        cuts = None if self._turn_header is None else cut_points(prompt.input_ids[0], self._turn_header,
+                                                                 [span.end for span in images])
         reuse = self.conversation_cache.take(prompt.input_ids[0], images, request.conversation_id, cuts)
         reused = reuse.tokens if reuse else 0
         t1 = time.perf_counter()

@@ -1,8 +1,10 @@
-"""Where the turns of a chat prompt end, in tokens: the positions right after each assistant header.
+"""Where a chat prompt may be cut, in tokens: after each earlier turn's assistant header and after
+each image.
 
 The prompt of turn k is a token prefix of the prompt of turn k+1, ending with the chat template's
-assistant header (`<|im_start|>assistant\\n` for Qwen). Those ends are where INT8 prefill is cut
-and where INT8 KV reuse may stop (see `Engine`).
+assistant header (`<|im_start|>assistant\\n` for Qwen); a picture ends at its `<|vision_end|>`.
+Under INT8 the engine prefills a prompt piece by piece between these cuts and reuses KV caches
+only up to one of them (see `Engine`), so the cuts depend on the tokens alone.
 """
 
 from __future__ import annotations
@@ -27,3 +29,8 @@ def turn_ends(token_ids: torch.Tensor, header: list[int]) -> list[int]:
     header_t = torch.tensor(header, dtype=token_ids.dtype)
     starts = (token_ids[: len(token_ids) - n] == header[0]).nonzero().flatten().tolist()
     return [s + n for s in starts if torch.equal(token_ids[s:s + n], header_t)]
+
+
+def cut_points(token_ids: torch.Tensor, header: list[int], image_ends: list[int]) -> list[int]:
+    """Earlier turns' ends and images' ends, ascending, each leaving at least one token after it."""
+    return sorted({*turn_ends(token_ids, header), *(e for e in image_ends if e < len(token_ids))})

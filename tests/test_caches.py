@@ -2,8 +2,8 @@
 
 The contract is exactness: with greedy decoding an engine with caches answers token for token
 what an engine without them answers, while reporting (and doing) less work. fp32 reuses any
-prefix; INT8 (whose activation scales depend on the tokens computed together) prefills turn by
-turn and reuses whole earlier turns, and so is exact too.
+prefix; INT8 (whose activation scales depend on the tokens computed together) prefills in pieces
+cut after each earlier turn and each image, reuses only up to such a cut, and so is exact too.
 """
 
 from __future__ import annotations
@@ -187,6 +187,16 @@ def test_repeated_image_in_a_new_conversation_skips_the_vision_encoder(engines):
     done = engines.ask([user("Another question.", a, "Which colours?")], "c9")
     assert counter.images == 1 and done.vision_cache_hits == 1
     assert done.cached_tokens == 0  # the vision cache's hit alone
+
+
+def test_same_picture_opening_a_new_conversation_reuses_its_keys_and_values(engines):
+    e = engines.cached
+    e.vision_encoder = counter = CountingEncoder(e.vision_encoder)
+    a = image(e)
+    engines.ask([user(a, "What is in this picture?")], "c10")
+    done = engines.ask([user(a, "Which colours do you see?")], "c11")
+    assert done.cached_tokens >= image_end(e, [user(a, "x")])
+    assert counter.images == 1
 
 
 def test_cached_vision_features_equal_the_encoders(engines):
