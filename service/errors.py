@@ -36,6 +36,12 @@ class ImageError(ServiceError):
     status, code = 400, "invalid_image"
 
 
+class VideoError(ServiceError):
+    """Bytes that are not a readable clip of a supported container, or a clip with no usable frames."""
+
+    status, code = 400, "invalid_video"
+
+
 class TooLarge(ServiceError):
     status, code = 413, "too_large"
 

@@ -1,4 +1,4 @@
-"""Chat messages (text and decoded images) → the token ids and pixel patches Qwen3-VL takes."""
+"""Chat messages (text, decoded images and videos) → the token ids and pixel patches Qwen3-VL takes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from .errors import BadRequest, PromptTooLong
 from .images import DecodedImage
+from .video import DecodedVideo, video_patches, video_prompt_text
 
 ROLES = ("system", "user", "assistant")
 
@@ -22,14 +23,23 @@ class ImagePart:
     image: DecodedImage
 
 
+@dataclass(frozen=True)
+class VideoPart:
+    video: DecodedVideo
+
+
 @dataclass
 class ChatMessage:
     role: str
-    parts: list[TextPart | ImagePart]
+    parts: list[TextPart | ImagePart | VideoPart]
 
     @property
     def images(self) -> list[DecodedImage]:
         return [p.image for p in self.parts if isinstance(p, ImagePart)]
+
+    @property
+    def videos(self) -> list[DecodedVideo]:
+        return [p.video for p in self.parts if isinstance(p, VideoPart)]
 
 
 @dataclass(frozen=True)
@@ -40,11 +50,12 @@ class PromptLimits:
     max_prompt_tokens: int
     max_messages: int = 64
     max_images: int = 8
+    max_videos: int = 2
 
     @classmethod
     def from_settings(cls, settings) -> "PromptLimits":
         return cls(settings.context_limit, settings.max_prompt_tokens, settings.max_messages,
-                   settings.max_images_per_request)
+                   settings.max_images_per_request, settings.max_videos_per_request)
 
 
 @dataclass
@@ -57,6 +68,10 @@ class PreparedPrompt:
     pixel_values: list[torch.Tensor]  # one patch tensor per image
     image_digests: list[str]
     image_spans: list[tuple[int, int]]  # [start, end) token range of each image, <|vision_start|> … <|vision_end|>
+    video_grid_thw: torch.Tensor | None = None  # n_videos × 3
+    pixel_values_videos: list[torch.Tensor] = field(default_factory=list)  # one patch tensor per video
+    video_digests: list[str] = field(default_factory=list)
+    video_spans: list[tuple[int, int]] = field(default_factory=list)  # first frame's <|vision_start|> … last <|vision_end|>
     images_decode_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -65,15 +80,18 @@ class PreparedPrompt:
         return int(self.input_ids.shape[1])
 
 
+_PART_TYPES = {ImagePart: "image", VideoPart: "video"}
+
+
 def _template_messages(messages: list[ChatMessage]) -> list[dict]:
     rendered = []
     for m in messages:
         if m.role not in ROLES:
             raise BadRequest(f"unsupported role {m.role!r}: use one of {', '.join(ROLES)}", param="messages")
-        content = [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+        content = [{"type": _PART_TYPES[type(p)]} if type(p) in _PART_TYPES else {"type": "text", "text": p.text}
                    for p in m.parts]
-        if m.role != "user" and any(isinstance(p, ImagePart) for p in m.parts):
-            raise BadRequest(f"images are accepted in user messages only, not {m.role}", param="messages")
+        if m.role != "user" and any(type(p) in _PART_TYPES for p in m.parts):
+            raise BadRequest(f"images and videos are accepted in user messages only, not {m.role}", param="messages")
         rendered.append({"role": m.role, "content": content})
     return rendered
 
@@ -88,6 +106,10 @@ def validate_conversation(messages: list[ChatMessage], limits: PromptLimits) -> 
     if images > limits.max_images:
         raise BadRequest(f"{images} images (history included); the limit is {limits.max_images} per request",
                          param="messages", code="too_many_images")
+    videos = sum(len(m.videos) for m in messages)
+    if videos > limits.max_videos:
+        raise BadRequest(f"{videos} videos (history included); the limit is {limits.max_videos} per request",
+                         param="messages", code="too_many_videos")
     if messages[-1].role not in ("user", "system"):
         raise BadRequest("the last message must be from the user", param="messages")
     for i, m in enumerate(messages):
@@ -96,12 +118,17 @@ def validate_conversation(messages: list[ChatMessage], limits: PromptLimits) -> 
 
 
 def prepare_prompt(processor, messages: list[ChatMessage], limits: PromptLimits) -> PreparedPrompt:
-    """Render the chat template, tokenize, expand image pads and patchify the (pre-sized) images."""
+    """Render the chat template, tokenize, expand image and video pads and patchify the (pre-sized)
+    images and frames."""
     validate_conversation(messages, limits)
     text = processor.apply_chat_template(_template_messages(messages), tokenize=False, add_generation_prompt=True)
     images = [img for m in messages for img in m.images]
-    kwargs = {"images": [img.pixels for img in images]} if images else {}
-    batch = processor(text=[text], return_tensors="pt", **kwargs)
+    videos = [v for m in messages for v in m.videos]
+    if videos:
+        batch = _tokenize_with_videos(processor, text, images, videos)
+    else:
+        kwargs = {"images": [img.pixels for img in images]} if images else {}
+        batch = processor(text=[text], return_tensors="pt", **kwargs)
     input_ids = batch["input_ids"]
     if input_ids.shape[1] > limits.max_prompt_tokens:
         raise PromptTooLong(f"the prompt is {input_ids.shape[1]} tokens; the limit is {limits.max_prompt_tokens} "
@@ -113,13 +140,58 @@ def prepare_prompt(processor, messages: list[ChatMessage], limits: PromptLimits)
     mm = batch.get("mm_token_type_ids")
     if mm is None:
         mm = torch.zeros_like(input_ids)
+    video_grid = batch.get("video_grid_thw")
+    image_spans, video_spans = _vision_spans(mm[0], video_grid)
     return PreparedPrompt(
         input_ids=input_ids, mm_token_type_ids=mm, image_grid_thw=grid, pixel_values=pixel_values,
-        image_digests=[img.digest for img in images], image_spans=_image_spans(processor, input_ids[0]),
+        image_digests=[img.digest for img in images], image_spans=image_spans,
+        video_grid_thw=video_grid, pixel_values_videos=batch.get("pixel_values_videos", []),
+        video_digests=[v.digest for v in videos], video_spans=video_spans,
     )
 
 
-def _image_spans(processor, ids: torch.Tensor) -> list[tuple[int, int]]:
-    starts = (ids == processor.vision_start_token_id).nonzero().flatten().tolist()
-    ends = (ids == processor.vision_end_token_id).nonzero().flatten().tolist()
-    return list(zip(starts, [e + 1 for e in ends]))
+def _tokenize_with_videos(processor, text: str, images: list[DecodedImage], videos: list[DecodedVideo]) -> dict:
+    """What `processor(text, images, videos)` returns, with the videos prepared by service/video.py
+    (transformers' video processor needs torchvision). The image part is the processor's own."""
+    # Qwen's processor replaces the template's whole <|vision_start|><|video_pad|><|vision_end|> by
+    # the per-frame layout (each frame brings its own start/end); transformers 5.24 would replace only
+    # the pad, so it is handed the bare pad, as Qwen's processor accepts too.
+    text = text.replace(processor.vision_start_token + processor.video_token + processor.vision_end_token,
+                        processor.video_token)
+    if text.count(processor.video_token) != len(videos) or text.count(processor.image_token) != len(images):
+        raise BadRequest("the text holds image or video placeholder tokens", param="messages")
+    image_inputs = processor.image_processor(images=[img.pixels for img in images], return_tensors="pt") \
+        if images else {}
+    temporal = processor.image_processor.temporal_patch_size
+    patches = [video_patches(v, processor.image_processor) for v in videos]
+    video_text = [video_prompt_text(processor, grid[0], v.timestamps(temporal)) for v, (_, grid) in zip(videos, patches)]
+    image_text = [processor.replace_image_token(image_inputs, image_idx=i) for i in range(len(images))]
+    (text,), _ = processor.get_text_with_replacements([text], image_text, video_text)
+    input_ids = processor.tokenizer([text], return_tensors="pt", return_token_type_ids=False)["input_ids"]
+    return {**image_inputs, "input_ids": input_ids,
+            "mm_token_type_ids": torch.tensor(processor.create_mm_token_type_ids(input_ids)),
+            "pixel_values_videos": [p for p, _ in patches], "video_grid_thw": torch.cat([g for _, g in patches])}
+
+
+def _vision_spans(mm_token_type_ids: torch.Tensor, video_grid_thw: torch.Tensor | None
+                  ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """[start, end) of each image and each video, <|vision_start|> to <|vision_end|> included.
+
+    Runs of pads are found as the model finds them (by token type: 1 image, 2 video); a video is
+    as many consecutive runs as its temporal patches, timestamps between them inside its span."""
+    types = mm_token_type_ids.tolist()
+    runs, i = [], 0
+    while i < len(types):
+        j = i
+        while j < len(types) and types[j] == types[i]:
+            j += 1
+        if types[i]:
+            runs.append((types[i], i - 1, j + 1))
+        i = j
+    images = [(start, end) for kind, start, end in runs if kind == 1]
+    frames = [(start, end) for kind, start, end in runs if kind == 2]
+    videos, k = [], 0
+    for t in (video_grid_thw[:, 0].tolist() if video_grid_thw is not None else []):
+        videos.append((frames[k][0], frames[k + t - 1][1]))
+        k += t
+    return images, videos

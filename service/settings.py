@@ -35,6 +35,16 @@ class Settings(BaseSettings):
     image_max_bytes: int = Field(20 * 1024 * 1024, ge=1024, description="largest encoded image accepted")
     image_max_decoded_pixels: int = Field(64_000_000, ge=1024, description="largest width*height decoded (bomb guard)")
 
+    # Video (frames sampled with OpenCV; each frame at most IMAGE_MAX_PIXELS)
+    video_fps: float = Field(2.0, gt=0, le=30, description="frames sampled per second of video")
+    video_max_frames: int = Field(32, ge=2, le=768, description="frames sampled from one video, at most")
+    video_max_visual_tokens: int = Field(1024, ge=16, description="prompt tokens one video may take; frames "
+                                         "are shrunk to fit")
+    video_max_bytes: int = Field(20 * 1024 * 1024, ge=1024, description="largest video file accepted")
+    video_max_seconds: float = Field(120.0, gt=0, description="longest video accepted (from its metadata)")
+    video_max_source_pixels: int = Field(3840 * 2160, ge=1024, description="largest width*height of a video's frames")
+    max_videos_per_request: int = Field(2, ge=0, description="videos in one request, history included")
+
     # Generation
     max_new_tokens: int = Field(1024, ge=1, description="cap on tokens generated per request")
     default_max_tokens: int = Field(256, ge=1, description="tokens generated when a request names no limit")
@@ -99,6 +109,9 @@ class Settings(BaseSettings):
         self.max_prompt_tokens = min(self.max_prompt_tokens, self.context_limit - 1)
         if self.max_new_tokens >= self.context_limit:
             raise ValueError(f"MAX_NEW_TOKENS ({self.max_new_tokens}) must be below CONTEXT_LIMIT ({self.context_limit})")
+        if self.video_max_visual_tokens < 4 * -(-self.video_max_frames // 2):
+            raise ValueError(f"VIDEO_MAX_VISUAL_TOKENS ({self.video_max_visual_tokens}) must give each pair of the "
+                             f"VIDEO_MAX_FRAMES ({self.video_max_frames}) frames at least 4 tokens")
         return self
 
 

@@ -1,0 +1,33 @@
+"""Test clips written with OpenCV's VideoWriter: a red square moving across a gradient."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+# Containers and codecs OpenCV's wheel writes here (it has no H.264 encoder; it decodes H.264).
+WRITABLE = {"mp4": "mp4v", "avi": "MJPG", "webm": "VP90"}
+
+
+def moving_square(index: int, width: int, height: int) -> np.ndarray:
+    """Frame `index` (BGR): the square's position tells the frames apart."""
+    frame = np.zeros((height, width, 3), np.uint8)
+    frame[..., 1] = np.linspace(0, 200, width, dtype=np.uint8)[None, :]
+    side = max(4, min(width, height) // 4)
+    x = (index * 3) % max(1, width - side)
+    frame[height // 3:height // 3 + side, x:x + side] = (0, 0, 255)
+    return frame
+
+
+def write_clip(path: Path, frames: int = 40, fps: float = 10.0, size: tuple[int, int] = (160, 120),
+               container: str | None = None) -> bytes:
+    """Write a clip (container from the suffix unless given) and return its bytes."""
+    container = container or path.suffix[1:]
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*WRITABLE[container]), fps, size)
+    assert writer.isOpened(), f"OpenCV cannot write {container}"
+    for i in range(frames):
+        writer.write(moving_square(i, *size))
+    writer.release()
+    return path.read_bytes()
