@@ -1,15 +1,26 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
-.PHONY: install test demo
+.PHONY: install test demo run nginx
 
 # torch first, alone: its CPU wheel (anything else resolves to a multi-GB CUDA build).
 install:
 	$(PIP) install --disable-pip-version-check -q torch==2.13.0
 	$(PIP) install --disable-pip-version-check -q -r requirements.txt
 
+# Nginx for `make run` and the deployment tests: installed with apt-get when missing (as root).
+nginx:
+	@command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || { \
+	  [ "$$(id -u)" = 0 ] || { echo "nginx is missing: sudo apt-get install nginx" >&2; exit 1; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx >/dev/null; }
+
+# The README's first command: the service (embedded random model unless MODEL_PATH is set) behind
+# Nginx on localhost:8080, one pinned Gunicorn instance per core as memory allows; Ctrl-C stops it.
+run: install nginx
+	$(PYTHON) -m service.deploy
+
 # The README's test command: the whole suite on the embedded tiny model.
-test: install
+test: install nginx
 	$(PYTHON) -m pytest -q tests
 
 # Answer a question about a generated picture with the embedded (random!) model.

@@ -20,7 +20,7 @@ import requests
 from safetensors import safe_open
 
 from imaging import encode, pattern
-from servers import deployment, free_port, metric, nginx_proxy
+from servers import deployment, free_port, gunicorn_server, metric, nginx_proxy
 import service.engine
 from service.deploy.planning import checkpoint_parameters, instance_bytes, plan_instances
 from service.settings import SettingsError, load_settings
@@ -31,6 +31,8 @@ STACK_ENV = {"MAX_BODY_BYTES": str(MAX_BODY), "IMAGE_MAX_PIXELS": str(SLOW_SIDE 
              "MAX_NEW_TOKENS": "600", "QUEUE_SIZE": "2", "GRACEFUL_TIMEOUT": "10"}
 CHAT_OK = 'endpoint="/v1/chat",status="200"'
 CACHE_LANDED = hasattr(service.engine, "ConversationCache")
+# Long enough that turn 1 leaves more than the few tokens the conversation cache ignores.
+LONG_QUESTION = "Describe a cat in some detail: its fur, its eyes, its tail, and the way it moves about."
 
 
 @pytest.fixture(scope="module")
@@ -163,17 +165,18 @@ def test_a_conversation_sticks_to_the_instance_that_holds_its_history(stack):
 def test_turn_two_reuses_the_kv_cache_of_its_instance(stack):
     for k in range(4):
         conversation = f"cached-{k}-{uuid.uuid4().hex[:8]}"
-        chat(stack.url, conversation, prompt="Describe a cat.", max_tokens=8)
-        assert chat(stack.url, conversation, prompt="And a dog?", max_tokens=4)["usage"]["cached_tokens"] > 0
+        first = chat(stack.url, conversation, prompt=LONG_QUESTION, max_tokens=24)
+        second = chat(stack.url, conversation, prompt="And a dog?", max_tokens=4)
+        assert second["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
     # The OpenAI endpoint is stateless; a client sets the header once, on the client.
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=30,
                            default_headers={"X-Conversation-Id": "openai-" + uuid.uuid4().hex[:8]})
-    history = [{"role": "user", "content": "Describe a cat."}]
-    first = client.chat.completions.create(model="m", messages=history, max_tokens=8, temperature=0)
+    history = [{"role": "user", "content": LONG_QUESTION}]
+    first = client.chat.completions.create(model="m", messages=history, max_tokens=24, temperature=0)
     history += [{"role": "assistant", "content": first.choices[0].message.content},
                 {"role": "user", "content": "And a dog?"}]
     second = client.chat.completions.create(model="m", messages=history, max_tokens=4, temperature=0)
-    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
 
 
 def test_requests_without_a_conversation_are_spread_over_the_instances(stack):
@@ -237,6 +240,21 @@ def test_a_slow_prefill_passes_the_configured_read_timeout_and_a_shorter_one_wou
         r = requests.post(short + "/v1/chat", files=[("image", ("slow.png", slow_image(3), "image/png"))],
                           data={"prompt": "What is it?", "max_tokens": "4", "stream": "false"}, timeout=30)
         assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+
+
+def test_an_instance_that_cannot_serve_hands_its_requests_to_the_next(stack, cache_dir, tmp_path, logs):
+    broken = tmp_path / "broken-model"  # answers 503 like an instance still loading its model
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "qwen3_vl", "text_config": "garbage"}')
+    with gunicorn_server({"MODEL_PATH": str(broken), "CACHE_DIR": str(cache_dir)}, logs / "broken.log",
+                         ready_path="/health") as (unready, _):
+        with nginx_proxy([unready.removeprefix("http://"), f"127.0.0.1:{stack.ports[0]}"],
+                         logs / "retry-nginx.log") as url:
+            before = served_by(stack, 0)
+            for k in range(8):
+                chat(url, f"retry-{k}-{uuid.uuid4().hex[:6]}", prompt="hi", max_tokens=1)
+            assert served_by(stack, 0) == before + 8
+        assert metric(unready, "qwen3vl_requests_total", 'endpoint="/v1/chat",status="503"') > 0  # it was tried
 
 
 def test_killing_an_instance_ends_its_streams_and_the_others_take_new_conversations(stack):
