@@ -180,12 +180,13 @@ def skeleton(config) -> nn.Module:
         return Qwen3VLForConditionalGeneration(config)
 
 
-def quantize_in_place(model: nn.Module) -> None:
+def quantize_in_place(model: nn.Module, qconfig=None, int8_embedding: bool = True) -> None:
     """INT8-quantize every nn.Linear one block at a time (at most one block is fp32 at once), and
-    turn the embedding into int8 rows (the lm_head's when tied)."""
+    turn the embedding into int8 rows (the lm_head's when tied). The defaults are what the service
+    and `quantize` use; the other choices exist for the fidelity benchmark."""
     from torch.ao.quantization import quantize_dynamic
 
-    spec = {nn.Linear: int8_qconfig()}
+    spec = {nn.Linear: qconfig or int8_qconfig()}
     embed_name = _embedding_name(model)
     embed = model.get_submodule(embed_name)
     tied = model.lm_head.weight is embed.weight
@@ -197,11 +198,10 @@ def quantize_in_place(model: nn.Module) -> None:
     wrapper = nn.Sequential(model.lm_head.float())
     quantize_dynamic(wrapper, spec, dtype=torch.qint8, inplace=True)
     model.lm_head = wrapper[0]
-    if tied:
-        table = Int8Embedding.from_dynamic_linear(model.lm_head, embed.padding_idx)
-    else:
-        table = Int8Embedding(*quantize_rows(embed.weight), embed.padding_idx)
-    _replace_module(model, embed_name, table)
+    if int8_embedding:
+        table = (Int8Embedding.from_dynamic_linear(model.lm_head, embed.padding_idx) if tied
+                 else Int8Embedding(*quantize_rows(embed.weight), embed.padding_idx))
+        _replace_module(model, embed_name, table)
     release_memory()
 
 
