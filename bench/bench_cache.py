@@ -1,0 +1,194 @@
+"""Conversation KV cache and vision-feature cache, through the HTTP API: time to first token.
+
+Two Gunicorn servers in turn, one with the caches and one with CACHE_ENABLED=false (the same
+checkpoint, quantization and threads). On each: a conversation whose second turn is ~500 tokens
+holding one 448x448 picture (native endpoint, `conversation_id`, streaming); the second turn's
+time to first token is the figure. Then, on the caching server only, new conversations opening
+with the picture already seen versus a picture never seen, the picture first (its KV prefix can
+be reused) and after some text (only its vision features can). Times are measured by the client
+(request sent → first text line) and by the server (`timings.time_to_first_token`). Prints and
+appends the table to bench/RESULTS.md.
+
+    flock /tmp/heavy.lock python -m bench.bench_cache     # the 2B-shaped random checkpoint, int8, 2 threads
+    python -m bench.bench_cache --model-path /path/to/Qwen3-VL-2B-Instruct --threads 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import requests
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from servers import gunicorn_server  # noqa: E402
+
+from bench.results import append_section, markdown_table  # noqa: E402
+
+DEFAULT_MODEL = Path("/work/cache/qwen3vl-2b-random")
+SENTENCE = ("The harbour was quiet in the early morning, boats resting on grey water while gulls "
+            "circled above the old stone pier and a few fishermen mended their nets. ")
+
+
+def picture(seed: int, size: int = 448) -> str:
+    """A structured test picture (gradients, a block, noise) as a PNG data URL."""
+    rng = np.random.default_rng(seed)
+    img = np.zeros((size, size, 3), np.float32)
+    img[..., 0] = np.linspace(0, 1, size)[None, :]
+    img[..., 1] = np.linspace(0, 1, size)[:, None]
+    img[..., 2] = rng.random((size, size))
+    img[: size // 3, : size // 3] = rng.random(3)
+    ok, png = cv2.imencode(".png", (img * 255).astype(np.uint8))
+    assert ok
+    return "data:image/png;base64," + base64.b64encode(png.tobytes()).decode()
+
+
+def user(*parts) -> dict:
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": p}} if p.startswith("data:")
+                                        else {"type": "text", "text": p} for p in parts]}
+
+
+def text_of_tokens(model_path: Path, tokens: int) -> str:
+    """Repeated prose of about `tokens` tokens in this checkpoint's tokenizer."""
+    from service.loading import load_processor
+
+    tokenizer = load_processor(model_path).tokenizer
+    words = (SENTENCE * (tokens // 4 + 1)).split()
+    lo, hi = 1, len(words)
+    while lo < hi:  # the most words within the token count
+        mid = (lo + hi + 1) // 2
+        if len(tokenizer(" ".join(words[:mid]))["input_ids"]) <= tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(words[:lo])
+
+
+def chat(base: str, messages: list[dict], conversation_id: str, max_tokens: int) -> dict:
+    """One streamed native-endpoint request: client time to first text line, and the done line."""
+    body = {"messages": messages, "conversation_id": conversation_id, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    first, done = None, None
+    with requests.post(base + "/v1/chat", json=body, stream=True, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line:
+                continue
+            event = json.loads(line)
+            if first is None and "delta" in event:
+                first = time.perf_counter() - t0
+            if event.get("done"):
+                done = event
+    if done is None or "error" in done:
+        raise RuntimeError(f"request failed: {done}")
+    done["client_ttft"] = first if first is not None else time.perf_counter() - t0
+    return done
+
+
+def run_server(env: dict, log: Path, steps: list[tuple[str, list[dict], str, int]], bar: tqdm) -> dict[str, dict]:
+    """Start a server with `env`, warm it up, run the named steps in order; their done lines."""
+    results = {}
+    with gunicorn_server(env, log, timeout=900) as (base, _):
+        chat(base, [user(picture(999, 224), "Warm-up.")], "warm-up", 2)  # first-call costs, not measured
+        bar.update()
+        for name, messages, conversation_id, max_tokens in steps:
+            results[name] = chat(base, messages, conversation_id, max_tokens)
+            bar.update()
+        results["metrics"] = requests.get(base + "/metrics", timeout=30).text
+    return results
+
+
+def cache_counters(metrics_text: str) -> str:
+    keep = ("qwen3vl_cache_hits_total", "qwen3vl_cache_misses_total", "qwen3vl_cache_reused_tokens_total")
+    lines = [line for line in metrics_text.splitlines() if line.startswith(keep)]
+    return "; ".join(line.replace("qwen3vl_cache_", "") for line in lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--quantization", default="int8", choices=["int8", "fp32"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=500, help="size of the second turn's prompt")
+    p.add_argument("--first-answer-tokens", type=int, default=24, help="max_tokens of the first turn")
+    p.add_argument("--measured-tokens", type=int, default=4, help="max_tokens of the measured requests")
+    args = p.parse_args(argv)
+    if not (args.model_path / "config.json").exists():
+        p.error(f"{args.model_path} is no checkpoint; make it with: python -m service make-model --preset 2b "
+                f"{args.model_path}")
+
+    seen, never_seen_first, never_seen_later = picture(1), picture(2), picture(3)
+    follow_up = "Now tell me which part of the picture is the brightest, and why."
+    intro = "Look at this photograph from my holiday, please."
+    # Turn 1 = picture + prose + question; turn 2 adds the answer and a follow-up: ~prompt_tokens in all.
+    prose = text_of_tokens(args.model_path, args.prompt_tokens - 196 - args.first_answer_tokens - 40)
+    conversation = [
+        ("turn 1", [user(seen, prose + " What is in this picture?")], "bench-conversation", args.first_answer_tokens),
+        ("turn 2", [user(follow_up)], "bench-conversation", args.measured_tokens),
+    ]
+    openings = [
+        ("seen picture first", [user(seen, "Describe the colours you see.")], "bench-seen-first", args.measured_tokens),
+        ("new picture first", [user(never_seen_first, "Describe the colours you see.")], "bench-new-first",
+         args.measured_tokens),
+        ("seen picture after text", [user(intro, seen, "Describe the colours.")], "bench-seen-later",
+         args.measured_tokens),
+        ("new picture after text", [user(intro, never_seen_later, "Describe the colours.")], "bench-new-later",
+         args.measured_tokens),
+    ]
+    env = {"MODEL_PATH": str(args.model_path), "QUANTIZATION": args.quantization, "THREADS": str(args.threads),
+           "LOG_LEVEL": "warning"}
+    logs = Path(tempfile.mkdtemp(prefix="bench-cache-"))
+    bar = tqdm(total=2 + len(conversation) * 2 + len(openings), desc="requests", unit="req")
+    on = run_server({**env, "CACHE_ENABLED": "true"}, logs / "cached.log", conversation + openings, bar)
+    off = run_server({**env, "CACHE_ENABLED": "false"}, logs / "uncached.log", conversation, bar)
+    bar.close()
+
+    def row(label, done, baseline=None):
+        ratio = baseline["client_ttft"] / done["client_ttft"] if baseline else ""
+        server_ratio = (baseline["timings"]["time_to_first_token"] / done["timings"]["time_to_first_token"]
+                        if baseline else "")
+        return [label, done["usage"]["prompt_tokens"], done["usage"]["cached_tokens"], done["vision_cache_hits"],
+                done["client_ttft"], done["timings"]["time_to_first_token"], done["timings"].get("vision_encode", 0.0),
+                done["timings"]["prefill"], ratio, server_ratio]
+
+    header = ["request", "prompt tokens", "cached tokens", "vision cache hits", "TTFT client (s)", "TTFT server (s)",
+              "vision encode (s)", "prefill (s)", "speed-up (client)", "speed-up (server)"]
+    rows = [
+        row("turn 2, caching disabled", off["turn 2"]),
+        row("turn 2, reusing turn 1", on["turn 2"], off["turn 2"]),
+        row("new conversation, never-seen picture first", on["new picture first"]),
+        row("new conversation, seen picture first", on["seen picture first"], on["new picture first"]),
+        row("new conversation, never-seen picture after text", on["new picture after text"]),
+        row("new conversation, seen picture after text", on["seen picture after text"], on["new picture after text"]),
+    ]
+    second_turn = off["turn 2"]["client_ttft"] / on["turn 2"]["client_ttft"]
+    repeated = on["new picture first"]["client_ttft"] / on["seen picture first"]["client_ttft"]
+    body = markdown_table(header, rows) + (
+        f"\n\nTargets (client TTFT ratios, this run): second turn {second_turn:.1f}x (target >= 20x, "
+        f"{'met' if second_turn >= 20 else 'missed'}); repeated picture {repeated:.1f}x (target >= 5x, "
+        f"{'met' if repeated >= 5 else 'missed'}). Turn 1 answered {on['turn 1']['usage']['completion_tokens']} "
+        f"tokens (cached) / {off['turn 1']['usage']['completion_tokens']} (uncached); the same greedy tokens: "
+        f"{on['turn 1']['text'] == off['turn 1']['text'] and on['turn 2']['text'] == off['turn 2']['text']}.\n"
+        f"Caching server's /metrics after the run: {cache_counters(on['metrics'])}.")
+    settings = {"MODEL_PATH": args.model_path.name, "QUANTIZATION": args.quantization, "THREADS": args.threads,
+                "first-turn max_tokens": args.first_answer_tokens, "measured max_tokens": args.measured_tokens,
+                "client": "requests, streaming NDJSON, loopback"}
+    append_section("Conversation and vision caches: time to first token (bench/bench_cache.py)", settings, body,
+                   threads=args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
