@@ -197,7 +197,6 @@ class KVReuse:
 
     cache: DynamicCache
     tokens: int
-    copied: bool
 
 
 def reusable_prefix(entry: KVEntry, token_ids: torch.Tensor, images: list[ImageSpan]) -> int:
@@ -238,8 +237,7 @@ class ConversationCache:
     def __init__(self, model_config, max_bytes: int, max_entries: int, ttl_seconds: float,
                  min_tokens: int = 16, clock: Callable[[], float] = time.monotonic):
         self.model_config = model_config
-        # A few shared tokens (the chat template's opening) save nothing worth a copy, and under INT8
-        # any reuse shifts the numerics a little (activation scales are per batch).
+        # A few shared tokens (the chat template's opening) save next to nothing: not counted as a hit.
         self.min_tokens = min_tokens
         self.entries: BudgetedLRU[KVEntry] = BudgetedLRU(self.name, max_bytes, max_entries, ttl_seconds, clock)
         self._anonymous = itertools.count()
@@ -273,7 +271,7 @@ class ConversationCache:
             if best_key is None or best < self.min_tokens:
                 metrics.CACHE_MISSES.labels(cache=self.name).inc()
                 return None
-            entry = self.entries.get(best_key)
+            entry = self.entries.peek(best_key)
             supersedes = best >= entry.prompt_tokens or (
                 conversation_id is not None and entry.conversation_id == conversation_id)
             if supersedes:
@@ -281,10 +279,11 @@ class ConversationCache:
                 cache = entry.cache
                 cache.crop(best - cache.get_seq_length())
             else:
+                self.entries.get(best_key)  # now the most recently used
                 cache = copy_prefix(entry.cache, best, self.model_config)
         metrics.CACHE_HITS.labels(cache=self.name).inc()
         metrics.CACHE_REUSED_TOKENS.inc(best)
-        return KVReuse(cache=cache, tokens=best, copied=not supersedes)
+        return KVReuse(cache=cache, tokens=best)
 
     def put(self, conversation_id: str | None, token_ids: torch.Tensor, images: list[ImageSpan],
             prompt_tokens: int, cache: DynamicCache) -> bool:

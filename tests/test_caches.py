@@ -153,6 +153,20 @@ def test_edited_and_branched_history_is_cropped_never_misused(engines):
     assert done.cached_tokens <= prompt_of(e, rewritten).image_spans[0][0]
 
 
+def test_branch_from_another_conversation_leaves_it_its_cache(engines):
+    e = engines.cached
+    history = [user(image(e), "What is in this picture?")]
+    first = engines.ask(history, "c12")
+    history += [assistant(first.text), user("Tell me more.")]
+    second = engines.ask(history, "c12")
+    # Another client starts from the same first question (a copy of the shared prefix serves it)...
+    other = engines.ask(history[:1] + [assistant("Nothing."), user("Really?")], "c13")
+    assert other.cached_tokens >= first.prompt_tokens - 1
+    # ...and c12's own next turn still finds its whole history.
+    history += [assistant(second.text), user("Go on.")]
+    assert engines.ask(history, "c12").cached_tokens >= second.prompt_tokens - 1
+
+
 def test_turn_after_another_conversation_with_another_image_size_answers_the_same(engines):
     e = engines.cached
     history = [user(image(e), "What is in this picture?")]
