@@ -14,6 +14,7 @@ from .prompts import ChatMessage
 
 def _nbytes(messages: list[ChatMessage]) -> int:
     return sum(img.pixels.nbytes for m in messages for img in m.images) + \
+        sum(video.nbytes for m in messages for video in m.videos) + \
         sum(len(getattr(p, "text", "")) for m in messages for p in m.parts)
 
 

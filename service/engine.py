@@ -27,6 +27,7 @@ from .prompts import ChatMessage, PreparedPrompt, PromptLimits, prepare_prompt
 from .settings import Settings
 from .streaming import CancelOnEvent, StopStringMatcher, TokenStreamer
 from .turns import assistant_header_ids, cut_points
+from .video import VideoLimits, encode_video
 from .vision import as_mm_encoder_outputs, make_vision_encoder
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class GenerationRequest:
     cancel: threading.Event = field(default_factory=threading.Event)
     received_at: float = field(default_factory=time.perf_counter)
     image_decode_seconds: float = 0.0
+    video_decode_seconds: float = 0.0
     request_id: str = ""
     conversation_id: str | None = None
     streamer: TokenStreamer | None = None  # set while generating: live token count for callers
@@ -93,6 +95,7 @@ class Completion:
     timings: dict[str, float]
     vision_cache_hits: int = 0
     images: int = 0
+    videos: int = 0
 
 
 class Generation:
@@ -139,6 +142,7 @@ class Engine:
         self.vision_cache = VisionFeatureCache(settings.vision_cache_max_bytes if on else 0,
                                                settings.vision_cache_max_entries, settings.cache_ttl_seconds)
         ip = self.processor.image_processor
+        self.video_limits = VideoLimits.from_settings(settings, loaded.image_limits, ip.temporal_patch_size)
         # Everything besides the pixels that shapes the encoder's input: part of every vision-cache key.
         self._vision_settings = hashlib.blake2b(repr((
             ip.patch_size, ip.merge_size, ip.temporal_patch_size, list(ip.image_mean), list(ip.image_std),
@@ -221,51 +225,71 @@ class Engine:
             spans.append(ImageSpan(start, end, f"{digest}:{t}x{h}x{w}"))
         return spans
 
+    @staticmethod
+    def _video_spans(prompt: PreparedPrompt) -> list[ImageSpan]:
+        """Each video's token span (all its frames and timestamps), named by its frames and grid."""
+        grids = prompt.video_grid_thw if prompt.video_grid_thw is not None else []
+        return [ImageSpan(start, end, "video:{}:{}x{}x{}".format(digest, *grid.tolist()))
+                for (start, end), digest, grid in zip(prompt.video_spans, prompt.video_digests, grids)]
+
     def _encode_images(self, prompt: PreparedPrompt, images: list[ImageSpan], reused: int) -> tuple[dict, int]:
         """Features of each image after the first `reused` tokens (the rest are in the KV cache), by
         image index, from the vision cache or the encoder; and how many came from the cache.
 
         One image per encoder call, so an image's features never depend on what it was batched with
         (INT8 quantizes activations per batch) and a cached result equals a fresh one."""
+        return self._cached_features(images, reused, lambda i: self.vision_encoder(
+            prompt.pixel_values[i], prompt.image_grid_thw[i:i + 1])[0])
+
+    def _encode_videos(self, prompt: PreparedPrompt, videos: list[ImageSpan], reused: int) -> tuple[dict, int]:
+        """The same for videos, each encoded a frame pair at a time (service/video.py)."""
+        return self._cached_features(videos, reused, lambda i: encode_video(
+            self.vision_encoder, prompt.pixel_values_videos[i], prompt.video_grid_thw[i:i + 1]))
+
+    def _cached_features(self, spans: list[ImageSpan], reused: int, encode) -> tuple[dict, int]:
         features, hits = {}, 0
-        for i, span in enumerate(images):
+        for i, span in enumerate(spans):
             if span.start < reused:
                 continue
             key = f"{self.vision_encoder.name}:{self._vision_settings}:{span.key}"
             cached = self.vision_cache.get(key)
             if cached is None:
-                cached = self.vision_encoder(prompt.pixel_values[i], prompt.image_grid_thw[i:i + 1])[0]
+                cached = encode(i)
                 self.vision_cache.put(key, cached)
             else:
                 hits += 1
             features[i] = cached
         return features, hits
 
-    def _model_inputs(self, prompt: PreparedPrompt, images: list[ImageSpan], features: dict, start: int,
-                      end: int) -> dict:
+    def _model_inputs(self, prompt: PreparedPrompt, spans: dict, features: dict, start: int, end: int) -> dict:
         """generate's inputs for computing tokens [start, end) of the prompt after a KV cache of
-        `start` tokens: ids, token types and ALL image grids up to `end` (positions need them), and
-        the features of the images in [start, end) only."""
-        inside = [i for i, span in enumerate(images) if span.end <= end]
+        `start` tokens: ids, token types and ALL image and video grids up to `end` (positions need
+        them), and the features of the images and videos in [start, end) only. `spans` and
+        `features` are by modality ("image", "video")."""
         kwargs = dict(input_ids=prompt.input_ids[:, :end], attention_mask=torch.ones_like(prompt.input_ids[:, :end]),
                       mm_token_type_ids=prompt.mm_token_type_ids[:, :end])
-        if inside:
-            kwargs["image_grid_thw"] = prompt.image_grid_thw[: len(inside)]
-        new = [features[i] for i in inside if images[i].start >= start]
-        if new:
-            kwargs["mm_encoder_outputs"] = as_mm_encoder_outputs(new)
+        encoder_outputs = {}
+        for modality, grids in (("image", prompt.image_grid_thw), ("video", prompt.video_grid_thw)):
+            inside = [i for i, span in enumerate(spans[modality]) if span.end <= end]
+            if inside:
+                kwargs[f"{modality}_grid_thw"] = grids[: len(inside)]
+            new = [features[modality][i] for i in inside if spans[modality][i].start >= start]
+            if new:
+                encoder_outputs.update(as_mm_encoder_outputs(new, modality))
+        if encoder_outputs:
+            kwargs["mm_encoder_outputs"] = encoder_outputs
         return kwargs
 
-    def _prefill_plan(self, prompt: PreparedPrompt, images: list[ImageSpan], features: dict, reused: int,
+    def _prefill_plan(self, prompt: PreparedPrompt, spans: dict, features: dict, reused: int,
                       cuts: list[int] | None, cache: DynamicCache) -> tuple[list[dict], dict]:
         """generate's inputs after a cache of `reused` tokens: the pieces to prefill first (under INT8
         one forward per piece between cuts), then the rest of the prompt."""
         ends = [c for c in cuts or [] if c > reused] + [prompt.num_tokens]
         starts = [reused, *ends[:-1]]
         one_forward = self._generation_config(SamplingParams(temperature=0), 1)
-        prefills = [dict(self._model_inputs(prompt, images, features, start, end), cache=cache,
+        prefills = [dict(self._model_inputs(prompt, spans, features, start, end), cache=cache,
                          generation_config=one_forward) for start, end in zip(starts[:-1], ends[:-1])]
-        return prefills, dict(self._model_inputs(prompt, images, features, starts[-1], ends[-1]), cache=cache)
+        return prefills, dict(self._model_inputs(prompt, spans, features, starts[-1], ends[-1]), cache=cache)
 
     def _keep_cache(self, request: GenerationRequest, prompt: PreparedPrompt, images: list[ImageSpan],
                     result) -> None:
@@ -283,19 +307,23 @@ class Engine:
         params = request.params
         max_new_tokens = self._max_new_tokens(prompt, params)
         config = self._generation_config(params, max_new_tokens)
-        timings = {"queue_wait": waited, "image_decode": request.image_decode_seconds}
+        timings = {"queue_wait": waited, "image_decode": request.image_decode_seconds,
+                   "video_decode": request.video_decode_seconds}
         # A stale value from another request gives silently wrong positions (DESIGN.md); with None,
         # generate recomputes them from the full ids and ALL images' grids, cached prefix included.
         self.model.model.rope_deltas = None
         t0 = time.perf_counter()
-        images = self._image_spans(prompt)
+        spans = {"image": self._image_spans(prompt), "video": self._video_spans(prompt)}
+        images = spans["image"] + spans["video"]  # what the KV cache matches: the same for both
         cuts = None if self._turn_header is None else cut_points(prompt.input_ids[0], self._turn_header,
                                                                  [span.end for span in images])
         reuse = self.conversation_cache.take(prompt.input_ids[0], images, request.conversation_id, cuts)
         reused = reuse.tokens if reuse else 0
         t1 = time.perf_counter()
         with torch.inference_mode():
-            features, vision_hits = self._encode_images(prompt, images, reused)
+            image_features, image_hits = self._encode_images(prompt, spans["image"], reused)
+            video_features, video_hits = self._encode_videos(prompt, spans["video"], reused)
+        features, vision_hits = {"image": image_features, "video": video_features}, image_hits + video_hits
         timings["cache_lookup"] = t1 - t0
         timings["vision_encode"] = time.perf_counter() - t1
         if request.cancel.is_set():
@@ -306,7 +334,7 @@ class Engine:
         streamer = request.streamer = TokenStreamer(self.processor.tokenizer, timeout=None)
         # The request owns the cache: generate extends it in place.
         cache = reuse.cache if reuse is not None else DynamicCache(config=self.model.config)
-        prefills, kwargs = self._prefill_plan(prompt, images, features, reused, cuts, cache)
+        prefills, kwargs = self._prefill_plan(prompt, spans, features, reused, cuts, cache)
         kwargs.update(generation_config=config, streamer=streamer, stopping_criteria=[CancelOnEvent(request.cancel)],
                       return_dict_in_generate=True)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
@@ -361,7 +389,8 @@ class Engine:
         )
         yield Completion(text="".join(parts), finish_reason=finish, prompt_tokens=prompt.num_tokens,
                          completion_tokens=len(ids), cached_tokens=reused, timings=timings,
-                         vision_cache_hits=vision_hits, images=len(prompt.pixel_values))
+                         vision_cache_hits=vision_hits, images=len(prompt.pixel_values),
+                         videos=len(prompt.pixel_values_videos))
 
     def _generate_thread(self, prefills: list[dict], kwargs: dict, seed: int, outcome: dict,
                          streamer: TokenStreamer) -> None:

@@ -52,9 +52,9 @@ def make_vision_encoder(loaded, settings):
     return TorchVisionEncoder(loaded.model)
 
 
-def as_mm_encoder_outputs(features: list[VisionFeatures]) -> dict:
-    """Per-image features in the container `generate(..., mm_encoder_outputs=...)` expects."""
+def as_mm_encoder_outputs(features: list[VisionFeatures], modality: str = "image") -> dict:
+    """Per-image (or per-video) features in the container `generate(..., mm_encoder_outputs=...)` expects."""
     depth = len(features[0].deepstack)
-    return {"image": BaseModelOutputWithDeepstackFeatures(
+    return {modality: BaseModelOutputWithDeepstackFeatures(
         pooler_output=[f.pooler for f in features],
         deepstack_features=[[f.deepstack[k] for f in features] for k in range(depth)])}

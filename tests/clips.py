@@ -1,4 +1,4 @@
-"""Test clips written with OpenCV's VideoWriter: a red square moving across a gradient."""
+"""Test clips written with OpenCV's VideoWriter: a red square moving across a gradient, or noise."""
 
 from __future__ import annotations
 
@@ -21,13 +21,20 @@ def moving_square(index: int, width: int, height: int) -> np.ndarray:
     return frame
 
 
+def noise(index: int, width: int, height: int) -> np.ndarray:
+    """Frame `index` (BGR): coarse random blocks, unlike every other frame."""
+    blocks = np.random.default_rng(index).integers(0, 256, (height // 8 + 1, width // 8 + 1, 3), dtype=np.uint8)
+    return np.ascontiguousarray(np.kron(blocks, np.ones((8, 8, 1), np.uint8))[:height, :width])
+
+
 def write_clip(path: Path, frames: int = 40, fps: float = 10.0, size: tuple[int, int] = (160, 120),
-               container: str | None = None) -> bytes:
-    """Write a clip (container from the suffix unless given) and return its bytes."""
+               container: str | None = None, frame=moving_square) -> bytes:
+    """Write a clip of `frame(index, width, height)` images (container from the suffix unless given)
+    and return its bytes."""
     container = container or path.suffix[1:]
     writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*WRITABLE[container]), fps, size)
     assert writer.isOpened(), f"OpenCV cannot write {container}"
     for i in range(frames):
-        writer.write(moving_square(i, *size))
+        writer.write(frame(i, *size))
     writer.release()
     return path.read_bytes()

@@ -13,9 +13,13 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
 from transformers.video_utils import VideoMetadata
 
-from clips import WRITABLE, write_clip
+from clips import WRITABLE, noise, write_clip
+from conftest import make_settings
 from imaging import encode, pattern
-from service.errors import TooLarge, VideoError
+from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
+from service.errors import BadRequest, TooLarge, VideoError
+from service.images import decode_image
+from service.prompts import ChatMessage, ImagePart, TextPart, VideoPart
 from service.video import (TEMP_PREFIX, DecodedVideo, VideoLimits, decode_video, encode_video, frame_size,
                            frame_timestamps, sample_indices, video_patches, video_prompt_text)
 from service.vision import TorchVisionEncoder
@@ -191,3 +195,143 @@ def test_bad_files_are_refused_with_a_reason_and_leave_no_temporary_file(tmp_pat
         assert caught.value.status == (413 if error is TooLarge else 400), name
         assert reason in caught.value.message, (name, caught.value.message)
         assert leftovers(own_tempdir) == [], name
+
+
+# -- through the engine -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory) -> bytes:
+    """4 s at 10 fps, 160×120: 8 frames sampled, 4 pairs of 5×4 tokens = 80 visual tokens."""
+    return write_clip(tmp_path_factory.mktemp("clips") / "square.mp4", frames=40, fps=10.0)
+
+
+def user(*parts) -> ChatMessage:
+    return ChatMessage("user", [TextPart(p) if isinstance(p, str) else
+                                VideoPart(p) if isinstance(p, DecodedVideo) else ImagePart(p) for p in parts])
+
+
+def answer(engine, messages, conversation_id=None, max_tokens=8) -> tuple[list, Completion]:
+    """Events of one generation, sampled with a fixed seed (it follows logit changes greedy hides)."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=3)
+    request = GenerationRequest(messages, sampling, conversation_id=conversation_id)
+    events = list(engine.generate(request))
+    return events, events[-1]
+
+
+@pytest.fixture
+def engines(engine, cache_dir):
+    """(caches on, caches off) over the same loaded model, fp32 and int8."""
+    q = engine.loaded.quantization
+    return (Engine(engine.loaded, make_settings(cache_dir, quantization=q)),
+            Engine(engine.loaded, make_settings(cache_dir, quantization=q, cache_enabled=False)))
+
+
+def test_a_question_about_a_clip_streams_an_answer(engine, clip):
+    video = decode_video(clip, engine.video_limits)
+    events, done = answer(engine, [user(video, "What happens in this clip?")], max_tokens=12)
+    assert sum(isinstance(e, TextDelta) for e in events) >= 2 and isinstance(done, Completion)
+    assert done.completion_tokens == 12 and done.videos == 1 and done.images == 0
+    text_only = engine.prepare(GenerationRequest([user("What happens in this clip?")])).num_tokens
+    # 80 visual tokens, each of the 4 frame pairs with a "<t seconds>" and its start and end tokens.
+    assert done.prompt_tokens - text_only > 80 + 4 * 2
+    assert done.timings["vision_encode"] > 0
+
+
+def test_follow_up_question_reuses_the_cache_and_answers_as_a_full_recompute(engines, clip):
+    cached, plain = engines
+    video = decode_video(clip, cached.video_limits)
+    history = [user(video, "What happens in this clip?")]
+    first, done = answer(cached, history, "clip-1")
+    assert [e.text for e in first[:-1]] == [e.text for e in answer(plain, history)[0][:-1]]
+    history += [ChatMessage("assistant", [TextPart(done.text)]), user("And then?")]
+    second, again = answer(cached, history, "clip-1")
+    video_end = cached.prepare(GenerationRequest(history)).video_spans[0][1]
+    assert again.cached_tokens >= video_end  # the whole video came from the KV cache
+    assert again.timings["vision_encode"] < done.timings["vision_encode"]
+    assert again.text == answer(plain, history)[1].text
+
+
+def test_another_clip_behind_the_same_tokens_is_not_taken_from_the_cache(engines, clip, tmp_path):
+    cached, plain = engines
+    square = decode_video(clip, cached.video_limits)
+    other = decode_video(write_clip(tmp_path / "noise.mp4", frames=40, fps=10.0, frame=noise), cached.video_limits)
+    question = [user(square, "What happens?")]
+    answer(cached, question, "square")
+    swapped = [user(other, "What happens?")]
+    prompt = cached.prepare(GenerationRequest(swapped))
+    assert prompt.input_ids.tolist() == cached.prepare(GenerationRequest(question)).input_ids.tolist()
+    _, done = answer(cached, swapped, "noise")
+    assert done.cached_tokens <= prompt.video_spans[0][0] and done.vision_cache_hits == 0
+    assert done.text == answer(plain, swapped)[1].text
+
+
+def test_same_clip_in_a_new_conversation_skips_the_vision_encoder(engines, clip):
+    cached, _ = engines
+    video = decode_video(clip, cached.video_limits)
+    answer(cached, [user(video, "What moves?")])
+    _, done = answer(cached, [user("Another question.", video)])
+    assert done.vision_cache_hits == 1
+
+
+def test_images_and_a_video_in_one_conversation_answer_as_the_models_own_pixel_path(fp32_engine, tmp_path):
+    """What this service feeds the model for a video equals what the model computes from the pixels.
+    (Sampled with a seed: sampling follows small logit changes that greedy decoding can hide.)"""
+    engine = fp32_engine
+    picture = decode_image(encode(pattern(256, 256), ".png"), engine.loaded.image_limits)
+    video = decode_video(write_clip(tmp_path / "noise.avi", frame=noise), engine.video_limits)
+    messages = [user(picture, "Look at this picture, then this clip:", video, "What changed?")]
+    sampling = SamplingParams(max_tokens=30, temperature=1.0, top_k=0, top_p=1.0, seed=7)
+    done = list(engine.generate(GenerationRequest(messages, sampling)))[-1]
+    prompt = engine.prepare(GenerationRequest(messages))
+    assert prompt.image_spans[0][1] <= prompt.video_spans[0][0]
+    engine.model.model.rope_deltas = None
+    torch.manual_seed(7)
+    with torch.inference_mode():
+        out = engine.model.generate(
+            input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
+            mm_token_type_ids=prompt.mm_token_type_ids, image_grid_thw=prompt.image_grid_thw,
+            pixel_values=torch.cat(prompt.pixel_values), video_grid_thw=prompt.video_grid_thw,
+            pixel_values_videos=torch.cat(prompt.pixel_values_videos),
+            generation_config=engine._generation_config(sampling, 30))
+    model_text = engine.processor.tokenizer.decode(out[0, prompt.num_tokens:], skip_special_tokens=True)
+    assert done.text == model_text and done.images == 1 and done.videos == 1
+
+
+def test_prompt_with_an_image_and_a_video_is_the_reference_layout(fp32_engine, clip):
+    """Token for token what Qwen's processor makes: the template's video placeholder replaced as a
+    whole by timestamped frame pairs, the image expanded by the processor itself."""
+    engine = fp32_engine
+    processor = engine.processor
+    picture = decode_image(encode(pattern(256, 256), ".png"), engine.loaded.image_limits)
+    video = decode_video(clip, engine.video_limits)
+    messages = [user(picture, video, "Compare.")]
+    prompt = engine.prepare(GenerationRequest(messages))
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {
+        "type": "text", "text": "Compare."}]}], tokenize=False, add_generation_prompt=True)
+    image_grid = processor.image_processor(images=[picture.pixels], return_tensors="pt")["image_grid_thw"]
+    image_pads = processor.image_token * (int(image_grid.prod()) // 4)
+    _, video_grid = video_patches(video, processor.image_processor)
+    frames = "".join(f"<{t:.1f} seconds><|vision_start|>" + "<|video_pad|>" * (int(video_grid[0, 1:].prod()) // 4)
+                     + "<|vision_end|>" for t in Qwen3VLProcessor._calculate_timestamps(
+                         None, list(video.frame_indices), video.source_fps, 2))
+    text = text.replace("<|image_pad|>", image_pads).replace("<|vision_start|><|video_pad|><|vision_end|>", frames)
+    assert prompt.input_ids[0].tolist() == processor.tokenizer(text)["input_ids"]
+    ids = prompt.input_ids[0]
+    assert (prompt.mm_token_type_ids[0] == 1).sum() == (ids == processor.image_token_id).sum() > 0
+    assert (prompt.mm_token_type_ids[0] == 2).sum() == (ids == processor.video_token_id).sum() == 80
+    start, end = prompt.video_spans[0]
+    assert ids[start] == processor.vision_start_token_id and ids[end - 1] == processor.vision_end_token_id
+    assert (ids[start:end] == processor.vision_start_token_id).sum() == 4  # one per frame pair
+
+
+def test_placeholder_tokens_typed_in_the_text_are_refused(fp32_engine, clip):
+    video = decode_video(clip, fp32_engine.video_limits)
+    with pytest.raises(BadRequest):
+        fp32_engine.prepare(GenerationRequest([user(video, "a <|video_pad|> in the text")]))
+
+
+def test_videos_beyond_the_per_request_limit_are_refused(fp32_engine, clip):
+    video = decode_video(clip, fp32_engine.video_limits)
+    with pytest.raises(BadRequest) as caught:
+        fp32_engine.prepare(GenerationRequest([user(video, video, video, "three clips")]))
+    assert caught.value.code == "too_many_videos"
