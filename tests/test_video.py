@@ -3,11 +3,15 @@ answered by the embedded tiny model through the engine and both HTTP endpoints."
 
 from __future__ import annotations
 
+import base64
+import json
 import tempfile
 from types import SimpleNamespace
 
 import numpy as np
+import openai
 import pytest
+import requests
 import torch
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
@@ -16,6 +20,7 @@ from transformers.video_utils import VideoMetadata
 from clips import WRITABLE, noise, write_clip
 from conftest import make_settings
 from imaging import encode, pattern
+from servers import gunicorn_server
 from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
 from service.errors import BadRequest, TooLarge, VideoError
 from service.images import decode_image
@@ -335,3 +340,85 @@ def test_videos_beyond_the_per_request_limit_are_refused(fp32_engine, clip):
     with pytest.raises(BadRequest) as caught:
         fp32_engine.prepare(GenerationRequest([user(video, video, video, "three clips")]))
     assert caught.value.code == "too_many_videos"
+
+
+# -- through the HTTP API ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(cache_dir, tiny_dir, tmp_path_factory):
+    """A Gunicorn with its own TMPDIR (to see that no temporary file outlives a request)."""
+    tmpdir = tmp_path_factory.mktemp("server-tmp")
+    log = tmp_path_factory.mktemp("logs") / "gunicorn.log"
+    env = {"CACHE_DIR": str(cache_dir), "TMPDIR": str(tmpdir), "VIDEO_MAX_SECONDS": "20", "CONTEXT_LIMIT": "2048",
+           "MAX_NEW_TOKENS": "64"}
+    with gunicorn_server(env, log) as (base, _):
+        yield SimpleNamespace(base=base, tmpdir=tmpdir)
+
+
+def data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def test_native_multipart_video_streams_and_a_follow_up_reuses_the_cache(server, clip):
+    form = {"prompt": "What happens in this clip?", "max_tokens": "12", "temperature": "0"}
+    with requests.post(server.base + "/v1/chat", files=[("video", ("clip.mp4", clip, "video/mp4"))], data=form,
+                       stream=True, timeout=120) as r:
+        assert r.status_code == 200, r.text
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    done = lines[-1]
+    assert sum("delta" in line for line in lines) >= 2
+    assert done["done"] and done["videos"] == 1 and done["usage"]["completion_tokens"] == 12
+    assert done["timings"]["video_decode"] > 0 and done["timings"]["vision_encode"] > 0
+    follow = requests.post(server.base + "/v1/chat", json={"prompt": "And then?", "max_tokens": 4, "stream": False,
+                                                           "conversation_id": done["conversation_id"]}, timeout=120)
+    assert follow.status_code == 200, follow.text
+    # The remembered clip is not decoded again and its tokens come from the KV cache.
+    assert follow.json()["usage"]["cached_tokens"] > 80
+    assert follow.json()["timings"]["video_decode"] == 0
+
+
+def test_native_json_with_an_image_and_a_base64_video(server, clip):
+    png = encode(pattern(256, 256), ".png")
+    r = requests.post(server.base + "/v1/chat", json={
+        "prompt": "Compare the picture with the clip.", "images": [data_url(png, "image/png")],
+        "videos": [base64.b64encode(clip).decode()], "max_tokens": 4, "stream": False}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["images"] == 1 and r.json()["videos"] == 1
+
+
+def test_openai_client_takes_a_video_url_part_beside_an_image(server, clip):
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    png = encode(pattern(256, 256), ".png")
+    content = [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}},
+               {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}},
+               {"type": "text", "text": "What moves?"}]
+    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}],
+                                                 max_tokens=8, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    text_only = client.chat.completions.create(model="m", max_tokens=1, messages=[
+        {"role": "user", "content": "What moves?"}]).usage.prompt_tokens
+    assert chunks[-1].usage.prompt_tokens > text_only + 64 + 80  # the picture's 64 tokens and the clip's 80
+
+
+def test_bad_video_uploads_get_4xx_and_leave_no_temporary_file(server, clip, tmp_path):
+    long = write_clip(tmp_path / "long.avi", frames=250, fps=10.0, size=(64, 48))
+    cases = [
+        (dict(files=[("video", ("cut.mp4", clip[: len(clip) // 2], "video/mp4"))], data={"prompt": "?"}),
+         400, "invalid_video", "video[0]"),
+        (dict(files=[("video", ("long.avi", long, "video/x-msvideo"))], data={"prompt": "?"}),
+         413, "video_too_long", "video[0]"),
+        (dict(json={"prompt": "?", "videos": ["not base64!"]}), 400, "invalid_video", "videos[0]"),
+        (dict(json={"messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": data_url(clip, "image/png")}}]}]}),
+         400, "invalid_video", "messages[0].content[0]"),
+        (dict(json={"messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": "https://example.com/clip.mp4"}]}]}),
+         400, "remote_video_refused", "messages[0].content[0]"),
+    ]
+    for kwargs, status, code, param in cases:
+        r = requests.post(server.base + "/v1/chat", timeout=60, **kwargs)
+        assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (status, code, param), r.text
+    assert [p.name for p in server.tmpdir.iterdir() if p.name.startswith(TEMP_PREFIX)] == []
+    assert requests.post(server.base + "/v1/chat", files=[("video", ("clip.mp4", clip, "video/mp4"))], timeout=120,
+                         data={"prompt": "Still serving?", "max_tokens": "2", "stream": "false"}).status_code == 200

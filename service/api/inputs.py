@@ -1,5 +1,5 @@
 """Client input → engine input: OpenAI-format messages, data: URLs and multipart uploads become
-ChatMessages with decoded images. The server fetches nothing: remote and file URLs are refused."""
+ChatMessages with decoded images and videos. The server fetches nothing: remote and file URLs are refused."""
 
 from __future__ import annotations
 
@@ -8,46 +8,74 @@ import binascii
 import re
 import time
 
-from ..errors import BadRequest, ImageError, TooLarge
+from ..errors import BadRequest, ImageError, TooLarge, VideoError
 from ..images import DecodedImage, ImageLimits, decode_image
-from ..prompts import ChatMessage, ImagePart, TextPart
-from .protocol import ImageURLPart, Message
+from ..prompts import ChatMessage, ImagePart, TextPart, VideoPart
+from ..video import DecodedVideo, VideoLimits, decode_video
+from .protocol import ImageURLPart, Message, VideoURLPart
 
 _WHITESPACE = re.compile(rb"\s+")
 
 
 def decode_data_url(url: str, limits: ImageLimits, param: str) -> DecodedImage:
     """`data:image/...;base64,...` → DecodedImage; anything else is refused with a reason."""
+    return decode_base64_image(_data_url_payload(url, "image", param), limits, param)
+
+
+def decode_video_data_url(url: str, limits: VideoLimits, param: str) -> DecodedVideo:
+    """`data:video/...;base64,...` → DecodedVideo (sampled frames); anything else is refused."""
+    return decode_base64_video(_data_url_payload(url, "video", param), limits, param)
+
+
+def _data_url_payload(url: str, kind: str, param: str) -> str:
+    """The base64 payload of a `data:{kind}/...;base64,` URL; remote and other URLs are refused."""
     scheme = url[:12].lower()
+    example = "data:image/png;base64,..." if kind == "image" else "data:video/mp4;base64,..."
     if scheme.startswith(("http://", "https://")):
-        raise BadRequest("remote image URLs are refused: this server fetches nothing. Send the image inline "
-                         "as a data: URL (data:image/jpeg;base64,...)", param=param, code="remote_image_refused")
+        raise BadRequest(f"remote {kind} URLs are refused: this server fetches nothing. Send the {kind} inline "
+                         f"as a data: URL ({example})", param=param, code=f"remote_{kind}_refused")
     if not scheme.startswith("data:"):
-        raise BadRequest("unsupported image URL: only data:image/...;base64,... URLs are accepted",
-                         param=param, code="unsupported_image_url")
+        raise BadRequest(f"unsupported {kind} URL: only data:{kind}/...;base64,... URLs are accepted",
+                         param=param, code=f"unsupported_{kind}_url")
     header, sep, payload = url.partition(",")
     if not sep or not header.lower().endswith(";base64"):
-        raise BadRequest("an image data: URL must be base64-encoded (data:image/png;base64,...)", param=param)
+        raise BadRequest(f"the {kind} data: URL must be base64-encoded ({example})", param=param)
     mime = header[5:].split(";")[0].strip().lower()
-    if mime and not mime.startswith("image/"):
-        raise BadRequest(f"a data: URL of type {mime!r} is not an image", param=param, code="invalid_image")
-    return decode_base64_image(payload, limits, param)
+    if mime and not mime.startswith(f"{kind}/"):
+        raise BadRequest(f"a data: URL of type {mime!r} is not {'an' if kind == 'image' else 'a'} {kind}",
+                         param=param, code=f"invalid_{kind}")
+    return payload
+
+
+def _base64_bytes(payload: str, max_bytes: int, kind: str, param: str, error: type) -> bytes:
+    if len(payload) * 3 // 4 > max_bytes + 3:
+        raise TooLarge(f"{kind} is over {max_bytes} bytes", param=param, code=f"{kind}_too_large")
+    try:
+        return base64.b64decode(_WHITESPACE.sub(b"", payload.encode("ascii")), validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        raise error(f"{kind} data is not valid base64", param=param) from None
 
 
 def decode_base64_image(payload: str, limits: ImageLimits, param: str) -> DecodedImage:
-    if len(payload) * 3 // 4 > limits.max_bytes + 3:
-        raise TooLarge(f"image is over {limits.max_bytes} bytes", param=param, code="image_too_large")
-    try:
-        data = base64.b64decode(_WHITESPACE.sub(b"", payload.encode("ascii")), validate=True)
-    except (binascii.Error, UnicodeEncodeError, ValueError):
-        raise ImageError("image data is not valid base64", param=param) from None
-    return decode_file(data, limits, param)
+    return decode_file(_base64_bytes(payload, limits.max_bytes, "image", param, ImageError), limits, param)
+
+
+def decode_base64_video(payload: str, limits: VideoLimits, param: str) -> DecodedVideo:
+    return decode_video_file(_base64_bytes(payload, limits.max_bytes, "video", param, VideoError), limits, param)
 
 
 def decode_file(data: bytes, limits: ImageLimits, param: str) -> DecodedImage:
     try:
         return decode_image(data, limits)
     except (ImageError, TooLarge) as exc:
+        exc.param = param
+        raise
+
+
+def decode_video_file(data: bytes, limits: VideoLimits, param: str) -> DecodedVideo:
+    try:
+        return decode_video(data, limits)
+    except (VideoError, TooLarge) as exc:
         exc.param = param
         raise
 
@@ -61,8 +89,10 @@ def checked_text(text: str, param: str) -> str:
     return text
 
 
-def to_chat_messages(messages: list[Message], limits: ImageLimits) -> tuple[list[ChatMessage], float]:
-    """OpenAI-format messages → ChatMessages, and the seconds spent decoding their images."""
+def to_chat_messages(messages: list[Message], limits: ImageLimits,
+                     video_limits: VideoLimits) -> tuple[list[ChatMessage], float]:
+    """OpenAI-format messages → ChatMessages, and the seconds spent decoding their images
+    (a video's decode time is its own `decode_seconds`)."""
     out: list[ChatMessage] = []
     decode_seconds = 0.0
     for i, m in enumerate(messages):
@@ -77,12 +107,22 @@ def to_chat_messages(messages: list[Message], limits: ImageLimits) -> tuple[list
                 t0 = time.perf_counter()
                 parts.append(ImagePart(decode_data_url(url, limits, f"messages[{i}].content[{j}]")))
                 decode_seconds += time.perf_counter() - t0
+            elif isinstance(part, VideoURLPart):
+                url = part.video_url if isinstance(part.video_url, str) else part.video_url.url
+                parts.append(VideoPart(decode_video_data_url(url, video_limits, f"messages[{i}].content[{j}]")))
             else:
                 parts.append(TextPart(checked_text(part.text, f"messages[{i}].content[{j}]")))
         out.append(ChatMessage(role, parts))
     return out, decode_seconds
 
 
-def user_message(prompt: str, images: list[DecodedImage]) -> ChatMessage:
-    """The native endpoint's short form: images first, then the question (Qwen's recommended order)."""
-    return ChatMessage("user", [*(ImagePart(img) for img in images), TextPart(checked_text(prompt, "prompt"))])
+def user_message(prompt: str, images: list[DecodedImage], videos: list[DecodedVideo] = ()) -> ChatMessage:
+    """The native endpoint's short form: images and videos first, then the question (Qwen's
+    recommended order)."""
+    return ChatMessage("user", [*(ImagePart(img) for img in images), *(VideoPart(v) for v in videos),
+                                TextPart(checked_text(prompt, "prompt"))])
+
+
+def video_decode_seconds(messages: list[ChatMessage]) -> float:
+    """Seconds spent decoding the videos in `messages`."""
+    return sum(v.decode_seconds for m in messages for v in m.videos)

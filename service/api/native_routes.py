@@ -17,7 +17,8 @@ from ..errors import BadRequest, ServiceError, UnsupportedMediaType
 from ..prompts import ChatMessage, TextPart
 from . import protocol
 from .app import state
-from .inputs import decode_base64_image, decode_data_url, decode_file, to_chat_messages, user_message
+from .inputs import (decode_base64_image, decode_base64_video, decode_data_url, decode_file, decode_video_data_url,
+                     decode_video_file, to_chat_messages, user_message, video_decode_seconds)
 from .requests import generation_request, json_body
 from .serving import EventStream, admit, collect
 
@@ -31,7 +32,7 @@ def _line(obj: dict) -> bytes:
     return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
 
 
-def _from_form(limits) -> tuple[protocol.NativeChatRequest, list[ChatMessage], float]:
+def _from_form(limits, video_limits) -> tuple[protocol.NativeChatRequest, list[ChatMessage], float]:
     form, files = request.form, request.files
     unknown = set(form) - _FORM_FIELDS - {"stop"}
     if unknown:
@@ -39,10 +40,10 @@ def _from_form(limits) -> tuple[protocol.NativeChatRequest, list[ChatMessage], f
     for name in _FORM_FIELDS:
         if len(form.getlist(name)) > 1:
             raise BadRequest(f"form field {name!r} was sent more than once", param=name)
-    unknown_files = set(files) - {"image"}
+    unknown_files = set(files) - {"image", "video"}
     if unknown_files:
-        raise BadRequest(f"unknown file field(s): {', '.join(sorted(unknown_files))}; send images as -F image=@file",
-                         param=sorted(unknown_files)[0])
+        raise BadRequest(f"unknown file field(s): {', '.join(sorted(unknown_files))}; send images as -F image=@file "
+                         "and videos as -F video=@file", param=sorted(unknown_files)[0])
     fields = {k: form[k] for k in _FORM_FIELDS if k in form}
     if form.getlist("stop"):
         fields["stop"] = form.getlist("stop")
@@ -51,23 +52,29 @@ def _from_form(limits) -> tuple[protocol.NativeChatRequest, list[ChatMessage], f
         raise BadRequest("the form needs a prompt field: -F prompt='your question'", param="prompt")
     t0 = time.perf_counter()
     images = [decode_file(f.read(), limits, f"image[{i}]") for i, f in enumerate(files.getlist("image"))]
-    return body, [user_message(body.prompt, images)], time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    videos = [decode_video_file(f.read(), video_limits, f"video[{i}]") for i, f in enumerate(files.getlist("video"))]
+    return body, [user_message(body.prompt, images, videos)], seconds
 
 
-def _from_json(limits) -> tuple[protocol.NativeChatRequest, list[ChatMessage], float]:
+def _from_json(limits, video_limits) -> tuple[protocol.NativeChatRequest, list[ChatMessage], float]:
     body = protocol.NativeChatRequest.model_validate(json_body())
     if (body.messages is None) == (body.prompt is None):
-        raise BadRequest("send either messages (OpenAI format) or prompt (+ images), not both or neither",
+        raise BadRequest("send either messages (OpenAI format) or prompt (+ images, videos), not both or neither",
                          param="messages")
     if body.messages is not None:
-        if body.images:
-            raise BadRequest("images go inside messages when messages are sent", param="images")
-        messages, seconds = to_chat_messages(body.messages, limits)
+        for name in ("images", "videos"):
+            if getattr(body, name):
+                raise BadRequest(f"{name} go inside messages when messages are sent", param=name)
+        messages, seconds = to_chat_messages(body.messages, limits, video_limits)
         return body, messages, seconds
     t0 = time.perf_counter()
     images = [decode_data_url(s, limits, f"images[{i}]") if s[:5].lower() == "data:"
               else decode_base64_image(s, limits, f"images[{i}]") for i, s in enumerate(body.images or [])]
-    return body, [user_message(body.prompt, images)], time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    videos = [decode_video_data_url(s, video_limits, f"videos[{i}]") if s[:5].lower() == "data:"
+              else decode_base64_video(s, video_limits, f"videos[{i}]") for i, s in enumerate(body.videos or [])]
+    return body, [user_message(body.prompt, images, videos)], seconds
 
 
 def _conversation_id(body: protocol.NativeChatRequest) -> str | None:
@@ -87,18 +94,20 @@ def chat():
     engine = app_state.require_engine()
     limits = engine.loaded.image_limits
     if request.mimetype in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        body, new_messages, decode_seconds = _from_form(limits)
+        body, new_messages, decode_seconds = _from_form(limits, engine.video_limits)
     elif request.is_json:
-        body, new_messages, decode_seconds = _from_json(limits)
+        body, new_messages, decode_seconds = _from_json(limits, engine.video_limits)
     else:
-        raise UnsupportedMediaType("send application/json or multipart/form-data (curl -F prompt=... -F image=@file)")
+        raise UnsupportedMediaType("send application/json or multipart/form-data (curl -F prompt=... -F image=@file "
+                                   "-F video=@file)")
     given_id = _conversation_id(body)
     conversation_id = given_id or app_state.conversations.new_id()
     history = app_state.conversations.history(conversation_id) if given_id else []
     if history and new_messages[0].role == "system":
         raise BadRequest("a system message can only open a conversation", param="messages")
     messages = history + new_messages
-    gen_request = generation_request(messages, body.sampling(), decode_seconds, conversation_id)
+    gen_request = generation_request(messages, body.sampling(), decode_seconds, conversation_id,
+                                     video_decode_seconds(new_messages))
     generation = admit(engine, gen_request)
     model = engine.loaded.name
     head = {"id": g.request_id, "model": model, "conversation_id": conversation_id,

@@ -12,7 +12,7 @@ from ..engine import Completion, TextDelta
 from ..errors import BadRequest, ServiceError
 from . import protocol
 from .app import state
-from .inputs import to_chat_messages
+from .inputs import to_chat_messages, video_decode_seconds
 from .requests import generation_request, json_body
 from .serving import EventStream, admit, collect
 
@@ -31,10 +31,10 @@ def chat_completions():
         raise BadRequest("tools are not supported by this server", param="tools", code="unsupported_parameter")
     app_state = state()
     engine = app_state.require_engine()
-    messages, decode_seconds = to_chat_messages(body.messages, engine.loaded.image_limits)
+    messages, decode_seconds = to_chat_messages(body.messages, engine.loaded.image_limits, engine.video_limits)
     conversation_id = request.headers.get("X-Conversation-Id") or body.user
     gen_request = generation_request(messages, body.sampling(body.max_completion_tokens or body.max_tokens),
-                                     decode_seconds, conversation_id)
+                                     decode_seconds, conversation_id, video_decode_seconds(messages))
     generation = admit(engine, gen_request)
     model = engine.loaded.name
     if not body.stream:

@@ -28,6 +28,7 @@ _FORM = {
     "properties": {
         "prompt": {"type": "string"},
         "image": {"type": "array", "items": {"type": "string", "format": "binary"}},
+        "video": {"type": "array", "items": {"type": "string", "format": "binary"}},
         "conversation_id": {"type": "string", "pattern": "^[A-Za-z0-9._:-]+$", "maxLength": 128},
         "max_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0,
                                                                          "maximum": 2},

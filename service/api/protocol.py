@@ -32,7 +32,18 @@ class ImageURLPart(_Lenient):
     image_url: ImageURL | Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]
 
 
-ContentPart = Annotated[Union[TextPart, ImageURLPart], Field(discriminator="type")]
+class VideoURL(_Lenient):
+    url: Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]
+
+
+class VideoURLPart(_Lenient):
+    """An extension of the OpenAI format (as vLLM's): a clip as a `data:video/...;base64,` URL."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL | Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]
+
+
+ContentPart = Annotated[Union[TextPart, ImageURLPart, VideoURLPart], Field(discriminator="type")]
 
 
 class Message(_Lenient):
@@ -74,11 +85,13 @@ class ChatCompletionRequest(_Sampling):
 
 
 class NativeChatRequest(_Sampling):
-    """`messages` in the OpenAI format — or `prompt` (+ `images` as base64/data URLs) for short curl lines."""
+    """`messages` in the OpenAI format — or `prompt` (+ `images`, `videos` as base64/data URLs) for short
+    curl lines."""
 
     messages: list[Message] | None = None
     prompt: Annotated[str, StringConstraints(max_length=MAX_TEXT)] | None = None
     images: list[Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]] | None = None
+    videos: list[Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]] | None = None
     conversation_id: Annotated[str, StringConstraints(min_length=1, max_length=128,
                                                       pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
     stream: bool = True
@@ -119,6 +132,6 @@ def native_done(done: Completion) -> dict:
         "done": True, "finish_reason": done.finish_reason, "text": done.text,
         "usage": {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
                   "cached_tokens": done.cached_tokens},
-        "vision_cache_hits": done.vision_cache_hits, "images": done.images,
+        "vision_cache_hits": done.vision_cache_hits, "images": done.images, "videos": done.videos,
         "timings": {k: round(v, 4) for k, v in done.timings.items()},
     }

@@ -25,7 +25,7 @@ def json_body() -> dict:
 
 
 def generation_request(messages: list[ChatMessage], params: SamplingParams, decode_seconds: float,
-                       conversation_id: str | None) -> GenerationRequest:
+                       conversation_id: str | None, video_decode_seconds: float = 0.0) -> GenerationRequest:
     return GenerationRequest(messages=messages, params=params, received_at=g.received_at,
-                             image_decode_seconds=decode_seconds, request_id=g.request_id,
-                             conversation_id=conversation_id)
+                             image_decode_seconds=decode_seconds, video_decode_seconds=video_decode_seconds,
+                             request_id=g.request_id, conversation_id=conversation_id)
