@@ -1,0 +1,54 @@
+"""The long fuzz run: tests/test_fuzz.py (schemathesis + hypothesis hostile inputs) with many
+examples against one real Gunicorn; tallies every response status and appends it to RESULTS.md.
+
+    python -m bench.fuzz                  # ~2,000 examples per test: > 10,000 requests
+    python -m bench.fuzz --examples 200 --no-save
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.results import append_section, markdown_table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", type=int, default=2000, help="hypothesis examples per test")
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args(argv)
+    tally_file = Path(tempfile.mkstemp(suffix=".json")[1])
+    env = {**os.environ, "FUZZ_EXAMPLES": str(args.examples), "FUZZ_TALLY_FILE": str(tally_file)}
+    t0 = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz.py"],
+                            cwd=ROOT, env=env)
+    elapsed = time.perf_counter() - t0
+    tally = json.loads(tally_file.read_text() or "{}") if tally_file.stat().st_size else {}
+    tally_file.unlink()
+    statuses = {k: int(v) for k, v in sorted(tally.get("statuses", {}).items())}
+    server_errors = sum(v for k, v in statuses.items() if int(k) >= 500 and int(k) != 503)
+    table = markdown_table(
+        ["requests", "by status", "5xx", "worker restarts", "same answer after", "pytest", "minutes"],
+        [[sum(statuses.values()), statuses, server_errors, "yes" if tally.get("worker_restarted") else "none",
+          "yes" if tally.get("same_answer") else "NO", "passed" if result.returncode == 0 else "FAILED",
+          elapsed / 60]])
+    settings = {"examples_per_test": args.examples, "weights": "embedded tiny random",
+                "command": "python -m bench.fuzz"}
+    if args.no_save:
+        print(table)
+    else:
+        append_section("Fuzz: schemathesis and hostile inputs", settings, table, threads=2)
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Fuzzing a real Gunicorn: schemathesis from /openapi.json plus hypothesis-generated hostile bodies,
+images and forms. Zero 5xx, no worker crash, and the same answer afterwards. FUZZ_EXAMPLES scales it
+(the long run is `python bench/fuzz.py`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+
+import hostile
+from servers import gunicorn_server
+
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "40"))
+FUZZ_ENV = {"MAX_NEW_TOKENS": "6", "DEFAULT_MAX_TOKENS": "4", "QUEUE_SIZE": "4", "MAX_BODY_BYTES": str(2 * 1024 * 1024),
+            "IMAGE_MAX_PIXELS": str(128 * 128), "CONTEXT_LIMIT": "2048"}
+FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                         suppress_health_check=list(HealthCheck))
+REFERENCE = {"prompt": "What is this?", "max_tokens": 6, "temperature": 0, "stream": False}
+
+
+def worker_pids(base: str) -> set[str]:
+    return set(re.findall(r'qwen3vl_process_rss_bytes\{pid="(\d+)"\}', requests.get(base + "/metrics").text))
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(cache_dir, tiny_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("fuzzlog") / "gunicorn.log"
+    with gunicorn_server({**FUZZ_ENV, "CACHE_DIR": str(cache_dir)}, log) as (base, _):
+        answer = requests.post(base + "/v1/chat", json=REFERENCE).json()["text"]
+        pids = worker_pids(base)
+        yield base
+        # After everything: the same worker, healthy, giving the same greedy answer.
+        restarted = worker_pids(base) != pids
+        same_answer = requests.post(base + "/v1/chat", json=REFERENCE).json()["text"] == answer
+        if os.environ.get("FUZZ_TALLY_FILE"):  # for bench/fuzz.py's table
+            pairs = re.findall(r'qwen3vl_requests_total\{endpoint="[^"]*",status="(\d+)"\} ([0-9.e+]+)',
+                               requests.get(base + "/metrics").text)
+            tally: dict[str, float] = {}
+            for status, count in pairs:
+                tally[status] = tally.get(status, 0) + float(count)
+            with open(os.environ["FUZZ_TALLY_FILE"], "w") as f:
+                json.dump({"statuses": tally, "worker_restarted": restarted, "same_answer": same_answer}, f)
+        assert not restarted, "a worker crashed and was restarted"
+        assert same_answer
+
+
+def _no_server_error(response: requests.Response) -> None:
+    assert response.status_code < 500, f"{response.status_code}: {response.text[:300]}"
+    if response.status_code >= 400:
+        assert "error" in response.json()
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzz_server):
+    return schemathesis.openapi.from_url(fuzz_server + "/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+@FUZZ_SETTINGS
+def test_schemathesis_finds_no_server_error(case):
+    case.call_and_validate(checks=[not_a_server_error], timeout=60)
+
+
+@given(body=hostile.openai_bodies())
+@FUZZ_SETTINGS
+def test_hostile_openai_bodies(fuzz_server, body):
+    _no_server_error(requests.post(fuzz_server + "/v1/chat/completions", data=body,
+                                   headers={"Content-Type": "application/json"}, timeout=60))
+
+
+@given(body=hostile.native_bodies())
+@FUZZ_SETTINGS
+def test_hostile_native_bodies(fuzz_server, body):
+    _no_server_error(requests.post(fuzz_server + "/v1/chat", data=body, headers={"Content-Type": "application/json"},
+                                   timeout=60))
+
+
+@given(body=hostile.raw_bodies, path=hostile.st.sampled_from(["/v1/chat", "/v1/chat/completions"]))
+@FUZZ_SETTINGS
+def test_raw_garbage_bodies(fuzz_server, body, path):
+    _no_server_error(requests.post(fuzz_server + path, data=body, headers={"Content-Type": "application/json"},
+                                   timeout=60))
+
+
+@given(form=hostile.multipart_forms())
+@FUZZ_SETTINGS
+def test_hostile_multipart_forms(fuzz_server, form):
+    files, data = form
+    if not files:
+        files = [("prompt", (None, b"x"))]
+    _no_server_error(requests.post(fuzz_server + "/v1/chat", files=files, data=data, timeout=60))
