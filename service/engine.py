@@ -23,6 +23,7 @@ from .admission import Admission
 from .caches import ConversationCache, ImageSpan, VisionFeatureCache
 from .errors import BadRequest, PromptTooLong
 from .loading import LoadedModel
+from .memory import MemoryGuard, kv_cache_bytes, lru_evictor
 from .prompts import ChatMessage, PreparedPrompt, PromptLimits, prepare_prompt
 from .settings import Settings
 from .streaming import CancelOnEvent, StopStringMatcher, TokenStreamer
@@ -141,6 +142,9 @@ class Engine:
             settings.conversation_cache_max_entries, settings.cache_ttl_seconds)
         self.vision_cache = VisionFeatureCache(settings.vision_cache_max_bytes if on else 0,
                                                settings.vision_cache_max_entries, settings.cache_ttl_seconds)
+        # MAX_MEMORY_MB: near it the caches give memory back (KV first: the largest), over it requests get 503.
+        self.memory = MemoryGuard.from_settings(settings, [lru_evictor(self.conversation_cache.entries),
+                                                           lru_evictor(self.vision_cache.entries)])
         ip = self.processor.image_processor
         self.video_limits = VideoLimits.from_settings(settings, loaded.image_limits, ip.temporal_patch_size)
         # Everything besides the pixels that shapes the encoder's input: part of every vision-cache key.
@@ -164,6 +168,7 @@ class Engine:
         """Yield TextDelta events as tokens arrive, then one Completion. Admission happens on the
         first `next()`; closing the generator cancels generation."""
         prompt = prompt or self.prepare(request)
+        self._check_memory(request, prompt)
         with self.admission.slot() as waited:
             yield from self._run(request, prompt, waited)
 
@@ -171,6 +176,7 @@ class Engine:
         """Prepare and admit now — so 4xx, 429 and 503 are raised before any byte is sent — and
         return the event stream. The model slot is released when the stream ends or is closed."""
         prompt = prompt or self.prepare(request)
+        self._check_memory(request, prompt)
         waited = self.admission.acquire()
         self._active.add(request)
 
@@ -179,6 +185,11 @@ class Engine:
             self.admission.release()
 
         return Generation(self._run(request, prompt, waited), release)
+
+    def _check_memory(self, request: GenerationRequest, prompt: PreparedPrompt) -> None:
+        """Unavailable (503) if this request's KV cache would not fit MAX_MEMORY_MB, caches evicted first."""
+        tokens = prompt.num_tokens + self._max_new_tokens(prompt, request.params)
+        self.memory.check(kv_cache_bytes(self.model.config, tokens))
 
     def cancel_all(self) -> None:
         """Stop every admitted generation at its next token (graceful shutdown)."""

@@ -1,0 +1,104 @@
+"""The memory budget (MAX_MEMORY_MB) on real memory: caches give memory back first, then requests
+are refused with 503; a model larger than the budget is served from memory-mapped weights."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import requests
+import torch
+
+from conftest import make_settings
+from servers import gunicorn_server
+from service.caches import BudgetedLRU
+from service.engine import Engine, GenerationRequest, SamplingParams
+from service.errors import Unavailable
+from service.loading import load_model
+from service.memory import MIB, MemoryGuard, lru_evictor, release_memory
+from service.prompts import ChatMessage, TextPart
+from service.quantized import MappedInt8Linear, write_quantized
+
+
+def question(max_tokens=8) -> GenerationRequest:
+    return GenerationRequest([ChatMessage("user", [TextPart("Tell me a story about a red square.")])],
+                             SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+@pytest.fixture
+def big_cache():
+    """A real cache holding 256 MiB of real (touched) tensors."""
+    lru = BudgetedLRU("test", max_bytes=1024 * MIB, max_entries=8, ttl_seconds=600)
+    for i in range(4):
+        lru.put(f"k{i}", torch.ones(16 * MIB), 64 * MIB)
+    yield lru
+    lru.clear()
+    release_memory()
+
+
+def test_caches_are_evicted_before_a_request_is_refused(big_cache):
+    guard = MemoryGuard(None, [lru_evictor(big_cache)])
+    guard.budget_bytes = guard.used_bytes() - 64 * MIB  # the cache pushed the process over its budget
+    guard.check()  # no error: evicting was enough
+    assert 0 < len(big_cache) < 4
+    assert big_cache.keys()[-1] == "k3"  # the oldest entries went first
+    assert guard.used_bytes() <= guard.budget_bytes
+
+
+def test_request_that_would_not_fit_even_after_eviction_is_refused(big_cache):
+    guard = MemoryGuard(None, [lru_evictor(big_cache)])
+    guard.budget_bytes = guard.used_bytes() + 64 * MIB
+    with pytest.raises(Unavailable, match="MAX_MEMORY_MB") as exc:
+        guard.check(needed_bytes=2048 * MIB)
+    assert exc.value.status == 503 and exc.value.code == "memory_budget"
+    assert len(big_cache) == 0  # everything was tried first
+
+
+def test_no_budget_refuses_nothing():
+    guard = MemoryGuard.from_settings(make_settings("/tmp"))
+    assert guard.budget_bytes is None
+    guard.check(needed_bytes=10**15)
+
+
+def test_engine_over_budget_answers_503_with_a_clear_message(cache_dir, tiny_dir):
+    settings = make_settings(cache_dir, quantization="int8", max_memory_mb=1)
+    engine = Engine(load_model(settings), settings)
+    for attempt in (lambda: next(engine.generate(question())), lambda: engine.start(question())):
+        with pytest.raises(Unavailable) as exc:
+            attempt()
+        assert exc.value.status == 503
+        assert "MAX_MEMORY_MB=1" in exc.value.message and "retry later" in exc.value.message
+    assert not engine.admission.busy  # refused before taking the model
+
+
+def test_engine_within_budget_answers(cache_dir, tiny_dir):
+    settings = make_settings(cache_dir, quantization="int8", max_memory_mb=64 * 1024)
+    engine = Engine(load_model(settings), settings)
+    assert list(engine.generate(question()))[-1].completion_tokens == 8
+
+
+def test_model_larger_than_the_budget_is_served_from_memory_mapped_weights(cache_dir, tiny_dir, tmp_path, caplog):
+    int8_dir = write_quantized(tiny_dir, tmp_path / "int8", progress=False)
+    packed = load_model(make_settings(cache_dir, model_path=int8_dir))
+    with caplog.at_level(logging.WARNING):
+        mapped = load_model(make_settings(cache_dir, model_path=int8_dir, max_memory_mb=1))
+    assert mapped.weights_mapped and not packed.weights_mapped
+    assert any(isinstance(m, MappedInt8Linear) for m in mapped.model.modules())
+    assert "memory-mapped" in caplog.text and "slower" in caplog.text
+    ids = packed.tokenizer("Tell me a story about a red square.", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        a = packed.model(input_ids=ids).logits[0]
+        b = mapped.model(input_ids=ids).logits[0]
+        out = mapped.model.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98
+    assert out.shape[1] == ids.shape[1] + 6
+
+
+def test_http_request_over_budget_gets_503_json_error(cache_dir, tiny_dir, tmp_path):
+    env = {"CACHE_DIR": str(cache_dir), "MAX_MEMORY_MB": "1"}
+    with gunicorn_server(env, tmp_path / "gunicorn.log") as (base, _):
+        reply = requests.post(base + "/v1/chat/completions", timeout=60, json={
+            "model": "any", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello there"}]})
+    assert reply.status_code == 503
+    error = reply.json()["error"]
+    assert error["code"] == "memory_budget" and "MAX_MEMORY_MB=1" in error["message"]
