@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import psutil
+
 from bench.harness import (GIB, encoded_photo, isolated, peak_rss_bytes, read_bandwidth_gbps, rss_bytes,
                            seconds_since_process_start)
 
@@ -60,7 +62,8 @@ def measure(model_path: str, quantization: str, threads: int, image_max_pixels: 
     loaded = load_model(settings)
     engine = Engine(loaded, settings)
     ready = seconds_since_process_start()
-    out = dict(start_to_ready_s=ready, python_and_imports_s=imported, harness_s=imports_from,
+    cpu = psutil.Process().cpu_times()
+    out = dict(start_to_ready_s=ready, cpu_until_ready_s=cpu.user + cpu.system, python_and_imports_s=imported, harness_s=imports_from,
                load_s=loaded.load_seconds, peak_rss_start_gib=peak_rss_bytes() / GIB, rss_ready_gib=rss_bytes() / GIB)
 
     def ask(jpeg: bytes, max_tokens: int):
@@ -105,8 +108,32 @@ def measure(model_path: str, quantization: str, threads: int, image_max_pixels: 
     per_token = weight_bytes_read_per_token(loaded.model) + kv_cache_bytes(loaded.model.config, int(mean_context))
     ceiling = bandwidth * 1e9 / per_token
     out.update(read_bandwidth_gbps=bandwidth, bytes_per_token_gb=per_token / 1e9, ceiling_tokens_per_s=ceiling,
-               share_of_ceiling=decode_tps / ceiling, weights_mapped=loaded.weights_mapped)
+               share_of_ceiling=decode_tps / ceiling, weights_mapped=loaded.weights_mapped,
+               int8_weight_gb=int8_weight_bytes(loaded.model) / 1e9, prepack_gbps_per_thread=prepack_rate_gbps())
     return out
+
+
+def int8_weight_bytes(model) -> int:
+    """Bytes of int8 weights the loader packs (every dynamic-quantized Linear)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, DynamicLinear))
+
+
+def prepack_rate_gbps(rows: int = 6144, cols: int = 2048, repeats: int = 3) -> float:
+    """How fast torch packs int8 weights for its dynamic Linear, on one thread (packing is serial)."""
+    import torch
+
+    from service.quantized import dynamic_linear, empty_qweight
+
+    qweight, view = empty_qweight((rows, cols), torch.full((rows,), 1e-3))
+    view.copy_(torch.randint(-127, 128, (rows, cols), dtype=torch.int8))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dynamic_linear(qweight, None)
+        best = min(best, time.perf_counter() - t0)
+    return rows * cols / best / 1e9
 
 
 def run_kinds(kinds: list[str], source, int8, threads: int, image_max_pixels: int, decode_tokens: int) -> dict:
@@ -125,11 +152,14 @@ ROWS = {  # scenario → [(row label, result key, format)]
     "start": [("start → ready (s, from process start)", "start_to_ready_s", "{:.2f}"),
               ("… of which Python + imports (s)", "python_and_imports_s", "{:.2f}"),
               ("… of which load_model (s)", "load_s", "{:.2f}"),
+              ("CPU time until ready, all threads (s)", "cpu_until_ready_s", "{:.2f}"),
               ("peak RSS during start (GiB)", "peak_rss_start_gib", "{:.2f}"),
               ("RSS when ready (GiB)", "rss_ready_gib", "{:.2f}"),
               ("steady RSS after requests (GiB)", "steady_rss_gib", "{:.2f}"),
               ("… not reclaimable (RSS − file-backed) (GiB)", "steady_unreclaimable_gib", "{:.2f}"),
-              ("peak RSS while serving (GiB)", "peak_rss_serving_gib", "{:.2f}")],
+              ("peak RSS while serving (GiB)", "peak_rss_serving_gib", "{:.2f}"),
+              ("int8 weights packed at start (GB)", "int8_weight_gb", "{:.2f}"),
+              ("torch int8 prepack rate, one thread (GB/s)", "prepack_gbps_per_thread", "{:.3f}")],
     "ttft": [("visual tokens (1920×1080 JPEG)", "visual_tokens", "{}"),
              ("prompt tokens", "prompt_tokens", "{}"),
              ("image decode (ms)", "image_decode_ms", "{:.1f}"),
