@@ -15,7 +15,7 @@ from service.caches import BudgetedLRU
 from service.engine import Engine, GenerationRequest, SamplingParams
 from service.errors import Unavailable
 from service.loading import load_model
-from service.memory import MIB, MemoryGuard, lru_evictor, release_memory
+from service.memory import EVICT_AT, MIB, MemoryGuard, lru_evictor, release_memory
 from service.prompts import ChatMessage, TextPart
 from service.quantized import MappedInt8Linear, write_quantized
 
@@ -38,11 +38,11 @@ def big_cache():
 
 def test_caches_are_evicted_before_a_request_is_refused(big_cache):
     guard = MemoryGuard(None, [lru_evictor(big_cache)])
-    guard.budget_bytes = guard.used_bytes() - 64 * MIB  # the cache pushed the process over its budget
+    # 96 MiB past the eviction mark (EVICT_AT of the budget): two of the four 64 MiB entries must go.
+    guard.budget_bytes = int((guard.used_bytes() - 96 * MIB) / EVICT_AT)
     guard.check()  # no error: evicting was enough
-    assert 0 < len(big_cache) < 4
-    assert big_cache.keys()[-1] == "k3"  # the oldest entries went first
-    assert guard.used_bytes() <= guard.budget_bytes
+    assert big_cache.keys() == ["k2", "k3"]  # the oldest went first, and no more than needed
+    assert guard.used_bytes() <= guard.budget_bytes * EVICT_AT
 
 
 def test_request_that_would_not_fit_even_after_eviction_is_refused(big_cache):
