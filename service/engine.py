@@ -73,6 +73,7 @@ class GenerationRequest:
     request_id: str = ""
     conversation_id: str | None = None
     streamer: TokenStreamer | None = None  # set while generating: live token count for callers
+    deadline: float | None = None  # perf_counter time at which generation is ended (REQUEST_DEADLINE)
 
     @property
     def generated_tokens(self) -> int:
@@ -89,7 +90,7 @@ class Completion:
     """The last event of every stream: how it ended, token counts and timings (seconds)."""
 
     text: str
-    finish_reason: str  # stop | length | cancelled
+    finish_reason: str  # stop | length | deadline | cancelled
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -177,6 +178,8 @@ class Engine:
         return the event stream. The model slot is released when the stream ends or is closed."""
         prompt = prompt or self.prepare(request)
         self._check_memory(request, prompt)
+        if request.deadline is None:
+            request.deadline = request.received_at + self.settings.request_deadline
         waited = self.admission.acquire()
         self._active.add(request)
 
@@ -346,7 +349,7 @@ class Engine:
         # The request owns the cache: generate extends it in place.
         cache = reuse.cache if reuse is not None else DynamicCache(config=self.model.config)
         prefills, kwargs = self._prefill_plan(prompt, spans, features, reused, cuts, cache)
-        kwargs.update(generation_config=config, streamer=streamer, stopping_criteria=[CancelOnEvent(request.cancel)],
+        kwargs.update(generation_config=config, streamer=streamer, stopping_criteria=[CancelOnEvent(request.cancel, request.deadline)],
                       return_dict_in_generate=True)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         outcome: dict = {}
@@ -388,6 +391,8 @@ class Engine:
             finish = "stop"
         elif len(ids) >= max_new_tokens:
             finish = "length"
+        elif request.deadline is not None and end >= request.deadline:
+            finish = "deadline"
         else:
             finish = "cancelled"
         decode_seconds = end - first

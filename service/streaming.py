@@ -42,12 +42,16 @@ class TokenStreamer(TextIteratorStreamer):
 
 
 class CancelOnEvent(StoppingCriteria):
-    """Stops `generate` at the next token once `event` is set (client gone, stop string, shutdown)."""
+    """Stops `generate` at the next token once `event` is set (client gone, stop string, shutdown)
+    or the `deadline` (a perf_counter time) has passed — which also sets the event."""
 
-    def __init__(self, event: threading.Event):
+    def __init__(self, event: threading.Event, deadline: float | None = None):
         self.event = event
+        self.deadline = deadline
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            self.event.set()
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 

@@ -104,7 +104,7 @@ def usage(done: Completion) -> dict:
 
 
 def openai_finish_reason(done: Completion) -> str:
-    return "length" if done.finish_reason == "length" else "stop"
+    return "length" if done.finish_reason in ("length", "deadline") else "stop"
 
 
 def chat_completion(request_id: str, model: str, done: Completion) -> dict:

@@ -1,0 +1,103 @@
+"""API keys and per-request limits, on a real Gunicorn."""
+
+from __future__ import annotations
+
+import base64
+
+import openai
+import pytest
+import requests
+
+from imaging import encode, pattern
+from servers import gunicorn_server
+
+KEY = "sk-test-0123456789abcdef"
+LIMITS_ENV = {"API_KEYS": f"other-key, {KEY}", "MAX_IMAGES_PER_REQUEST": "2", "MAX_MESSAGES": "3",
+              "MAX_PROMPT_TOKENS": "300", "MAX_STOP_STRINGS": "2", "REQUEST_DEADLINE": "1.0", "MAX_NEW_TOKENS": "4000",
+              "CONTEXT_LIMIT": "8192"}
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(cache_dir, tiny_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("seclog") / "gunicorn.log"
+    with gunicorn_server({**LIMITS_ENV, "CACHE_DIR": str(cache_dir)}, log, ready_path="/health") as (base, _):
+        for _ in range(600):
+            if requests.get(base + "/ready", headers=AUTH).status_code == 200:
+                break
+        yield base, log
+
+
+def chat(base, body, headers=AUTH):
+    return requests.post(base + "/v1/chat", json={"max_tokens": 3, "stream": False, **body}, headers=headers)
+
+
+def test_health_is_open_everything_else_needs_a_key(server):
+    base, _ = server
+    assert requests.get(base + "/health").status_code == 200
+    for method, path in [("get", "/ready"), ("get", "/metrics"), ("get", "/v1/models"), ("get", "/openapi.json"),
+                         ("post", "/v1/chat"), ("post", "/v1/chat/completions")]:
+        r = getattr(requests, method)(base + path, json={})
+        assert r.status_code == 401, path
+        assert r.json()["error"]["type"] == "authentication_error"
+        assert r.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+def test_a_wrong_key_is_refused_and_never_echoed(server):
+    base, log = server
+    wrong = "sk-wrong-secret-value-xyz"
+    r = chat(base, {"prompt": "hi"}, headers={"Authorization": f"Bearer {wrong}"})
+    assert r.status_code == 401 and wrong not in r.text and KEY not in r.text
+    assert chat(base, {"prompt": "hi"}, headers={"Authorization": KEY}).status_code == 401  # no Bearer scheme
+    assert wrong not in log.read_text() and KEY not in log.read_text()
+
+
+def test_each_configured_key_works_including_through_the_openai_client(server):
+    base, _ = server
+    assert chat(base, {"prompt": "hi"}, headers={"Authorization": "Bearer other-key"}).status_code == 200
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+    assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2).usage.completion_tokens == 2
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def _png_url(seed):
+    return "data:image/png;base64," + base64.b64encode(encode(pattern(64, 64, seed=seed), ".png")).decode()
+
+
+@pytest.mark.parametrize("body,code", [
+    ({"prompt": "x", "images": [_png_url(1), _png_url(2), _png_url(3)]}, "too_many_images"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                   {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
+                   {"role": "user", "content": "e"}]}, "too_many_messages"),
+    ({"prompt": "x", "stop": ["a", "b", "c"]}, "invalid_request"),
+])
+def test_limits_refuse_with_400(server, body, code):
+    base, _ = server
+    r = chat(base, body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
+
+
+def test_prompt_token_limit_is_422(server):
+    base, _ = server
+    r = chat(base, {"prompt": "many words here " * 200})
+    assert r.status_code == 422 and "300" in r.json()["error"]["message"]
+
+
+def test_images_in_history_count_towards_the_limit(server):
+    base, _ = server
+    first = chat(base, {"prompt": "x", "images": [_png_url(1), _png_url(2)]})
+    assert first.status_code == 200
+    follow = chat(base, {"prompt": "y", "images": [_png_url(3)], "conversation_id": first.json()["conversation_id"]})
+    assert follow.status_code == 400 and follow.json()["error"]["code"] == "too_many_images"
+
+
+def test_deadline_ends_a_long_generation_with_what_it_has(server):
+    base, _ = server
+    r = chat(base, {"prompt": "Go on forever.", "max_tokens": 4000, "temperature": 0})
+    done = r.json()
+    assert r.status_code == 200
+    assert done["finish_reason"] == "deadline"
+    assert 0 < done["usage"]["completion_tokens"] < 4000
+    assert done["timings"]["total"] < 3.0
