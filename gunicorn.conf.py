@@ -19,7 +19,7 @@ _settings = load_settings()
 bind = os.environ.get("BIND", f"{_settings.host}:{_settings.port}")
 workers = int(os.environ.get("WORKERS", "1"))
 worker_class = "gthread"
-threads = _settings.queue_size + 4
+threads = _settings.max_batch_size + _settings.queue_size + 3
 # gthread heartbeats from its main loop, so `timeout` never kills a long generation; it only
 # restarts a worker whose main loop is stuck.
 timeout = 120

@@ -1,4 +1,5 @@
-"""Admission to the model: one generation at a time, a bounded FIFO of waiters, a wait timeout."""
+"""Admission to the model: up to `slots` generations at once (the engine's batch), a bounded FIFO of
+waiters, a wait timeout."""
 
 from __future__ import annotations
 
@@ -11,18 +12,20 @@ from .errors import QueueFull, Unavailable
 
 
 class Admission:
-    """`with admission.slot() as waited:` runs its body alone; at most `queue_size` others wait.
+    """`with admission.slot() as waited:` runs its body with at most `slots - 1` others; when all
+    slots are taken, at most `queue_size` more wait.
 
     A request beyond the queue is refused at once (429, Retry-After); one that waits longer than
     `timeout` seconds gets a 503. Waiters are served first come, first served.
     """
 
-    def __init__(self, queue_size: int, timeout: float, retry_after: int = 2):
+    def __init__(self, queue_size: int, timeout: float, retry_after: int = 2, slots: int = 1):
+        self.slots = slots
         self.queue_size = queue_size
         self.timeout = timeout
         self.retry_after = retry_after
         self._lock = threading.Lock()
-        self._busy = False
+        self._in_use = 0
         self._waiters: deque[threading.Event] = deque()
 
     @property
@@ -30,8 +33,13 @@ class Admission:
         return len(self._waiters)
 
     @property
+    def in_use(self) -> int:
+        """Slots held now."""
+        return self._in_use
+
+    @property
     def busy(self) -> bool:
-        return self._busy
+        return self._in_use > 0
 
     @contextmanager
     def slot(self, timeout: float | None = None):
@@ -49,8 +57,8 @@ class Admission:
 
     def _acquire(self, timeout: float) -> None:
         with self._lock:
-            if not self._busy and not self._waiters:
-                self._busy = True
+            if self._in_use < self.slots and not self._waiters:
+                self._in_use += 1
                 return
             if len(self._waiters) >= self.queue_size:
                 raise QueueFull(f"the server is busy: {len(self._waiters)} requests are already waiting; "
@@ -69,6 +77,6 @@ class Admission:
     def release(self) -> None:
         with self._lock:
             if self._waiters:
-                self._waiters.popleft().set()  # ownership passes directly: _busy stays True
+                self._waiters.popleft().set()  # the slot passes directly: _in_use stays
             else:
-                self._busy = False
+                self._in_use -= 1

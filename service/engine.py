@@ -1,9 +1,11 @@
 """The engine: owns one loaded model and turns a chat request into a stream of text deltas.
 
-One generation runs at a time (transformers keeps per-model state such as `rope_deltas` that
-concurrent `generate` calls corrupt); `Admission` queues the rest. `generate` runs on a worker
-thread writing into a `TokenStreamer`; the request's generator reads it, and closing that
-generator (client gone) cancels the thread within one token and joins it.
+Up to MAX_BATCH_SIZE requests are decoded together by one scheduler thread (service/batching.py:
+continuous batching, prefill interleaved with decoding); `Admission` queues the rest. The
+scheduler writes each request's tokens into its `TokenStreamer`; the request's generator reads it,
+and closing that generator (client gone) takes the request out of the batch within one step.
+The model is called with explicit M-RoPE positions per sequence, never through `generate`, so
+transformers' per-model `rope_deltas` state plays no part.
 """
 
 from __future__ import annotations
@@ -14,22 +16,24 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Generator, Iterator
 
 import torch
 from transformers import DynamicCache, GenerationConfig
 
 from .admission import Admission
+from .batching import Prefilled, Sampler, Scheduler, Sequence
 from .caches import ConversationCache, ImageSpan, VisionFeatureCache
 from .errors import BadRequest, PromptTooLong
 from .loading import LoadedModel
 from .memory import MemoryGuard, kv_cache_bytes, lru_evictor
 from .prompts import ChatMessage, PreparedPrompt, PromptLimits, prepare_prompt
 from .settings import Settings
-from .streaming import CancelOnEvent, StopStringMatcher, TokenStreamer
+from .streaming import StopStringMatcher, TokenStreamer
 from .turns import assistant_header_ids, cut_points
-from .video import VideoLimits, encode_video
-from .vision import as_mm_encoder_outputs, make_vision_encoder
+from .video import VideoLimits
+from .vision import VisionFeatures, as_mm_encoder_outputs, make_vision_encoder
+from .vision_steps import image_steps, video_steps
 
 log = logging.getLogger(__name__)
 
@@ -126,14 +130,15 @@ class Generation:
 
 
 class Engine:
-    """One model, one generation at a time; see the module docstring."""
+    """One model, a batch of generations at a time; see the module docstring."""
 
     def __init__(self, loaded: LoadedModel, settings: Settings):
         self.loaded = loaded
         self.settings = settings
         self.model = loaded.model
         self.processor = loaded.processor
-        self.admission = Admission(settings.queue_size, settings.queue_timeout)
+        self.admission = Admission(settings.queue_size, settings.queue_timeout, slots=settings.max_batch_size)
+        self.scheduler = Scheduler(loaded.model)
         self._active: set[GenerationRequest] = set()
         self._defaults = loaded.model.generation_config
         self.vision_encoder = make_vision_encoder(loaded, settings)
@@ -195,7 +200,7 @@ class Engine:
         self.memory.check(kv_cache_bytes(self.model.config, tokens))
 
     def cancel_all(self) -> None:
-        """Stop every admitted generation at its next token (graceful shutdown)."""
+        """Stop every admitted generation at the scheduler's next step (graceful shutdown)."""
         for request in list(self._active):
             request.cancel.set()
 
@@ -223,7 +228,7 @@ class Engine:
             config.temperature = temperature
             config.top_p = params.top_p if params.top_p is not None else (d.top_p or 1.0)
             top_k = params.top_k if params.top_k is not None else (d.top_k or 0)
-            config.top_k = top_k or None
+            config.top_k = top_k  # 0 = off, as generate reads it too (None means its default, 50)
         else:
             config.do_sample = False
             config.temperature = config.top_p = config.top_k = None
@@ -246,142 +251,149 @@ class Engine:
         return [ImageSpan(start, end, "video:{}:{}x{}x{}".format(digest, *grid.tolist()))
                 for (start, end), digest, grid in zip(prompt.video_spans, prompt.video_digests, grids)]
 
-    def _encode_images(self, prompt: PreparedPrompt, images: list[ImageSpan], reused: int) -> tuple[dict, int]:
-        """Features of each image after the first `reused` tokens (the rest are in the KV cache), by
-        image index, from the vision cache or the encoder; and how many came from the cache.
+    def _features(self, prompt: PreparedPrompt, spans: dict, reused: int) -> Generator[None, None, tuple[dict, int]]:
+        """Features of each image and video after the first `reused` tokens (the rest are in the KV
+        cache), by modality and index, from the vision cache or the encoder (run in steps); and how
+        many came from the cache.
 
-        One image per encoder call, so an image's features never depend on what it was batched with
-        (INT8 quantizes activations per batch) and a cached result equals a fresh one."""
-        return self._cached_features(images, reused, lambda i: self.vision_encoder(
-            prompt.pixel_values[i], prompt.image_grid_thw[i:i + 1])[0])
-
-    def _encode_videos(self, prompt: PreparedPrompt, videos: list[ImageSpan], reused: int) -> tuple[dict, int]:
-        """The same for videos, each encoded a frame pair at a time (service/video.py)."""
-        return self._cached_features(videos, reused, lambda i: encode_video(
-            self.vision_encoder, prompt.pixel_values_videos[i], prompt.video_grid_thw[i:i + 1]))
-
-    def _cached_features(self, spans: list[ImageSpan], reused: int, encode) -> tuple[dict, int]:
-        features, hits = {}, 0
-        for i, span in enumerate(spans):
-            if span.start < reused:
-                continue
-            key = f"{self.vision_encoder.name}:{self._vision_settings}:{span.key}"
-            cached = self.vision_cache.get(key)
-            if cached is None:
-                cached = encode(i)
-                self.vision_cache.put(key, cached)
-            else:
-                hits += 1
-            features[i] = cached
+        One image (one video frame pair) per encoder call, so features never depend on what they
+        were encoded with (INT8 quantizes activations per call) and a cached result equals a fresh one."""
+        encoders = {
+            "image": lambda i: image_steps(self.vision_encoder, prompt.pixel_values[i], prompt.image_grid_thw[i:i + 1]),
+            "video": lambda i: video_steps(self.vision_encoder, prompt.pixel_values_videos[i],
+                                           prompt.video_grid_thw[i:i + 1]),
+        }
+        features, hits = {"image": {}, "video": {}}, 0
+        for modality, encode in encoders.items():
+            for i, span in enumerate(spans[modality]):
+                if span.start < reused:
+                    continue
+                key = f"{self.vision_encoder.name}:{self._vision_settings}:{span.key}"
+                cached = self.vision_cache.get(key)
+                if cached is None:
+                    cached = yield from encode(i)
+                    self.vision_cache.put(key, cached)
+                else:
+                    hits += 1
+                features[modality][i] = cached
         return features, hits
 
-    def _model_inputs(self, prompt: PreparedPrompt, spans: dict, features: dict, start: int, end: int) -> dict:
-        """generate's inputs for computing tokens [start, end) of the prompt after a KV cache of
-        `start` tokens: ids, token types and ALL image and video grids up to `end` (positions need
-        them), and the features of the images and videos in [start, end) only. `spans` and
-        `features` are by modality ("image", "video")."""
-        kwargs = dict(input_ids=prompt.input_ids[:, :end], attention_mask=torch.ones_like(prompt.input_ids[:, :end]),
-                      mm_token_type_ids=prompt.mm_token_type_ids[:, :end])
-        encoder_outputs = {}
-        for modality, grids in (("image", prompt.image_grid_thw), ("video", prompt.video_grid_thw)):
-            inside = [i for i, span in enumerate(spans[modality]) if span.end <= end]
-            if inside:
-                kwargs[f"{modality}_grid_thw"] = grids[: len(inside)]
-            new = [features[modality][i] for i in inside if spans[modality][i].start >= start]
-            if new:
-                encoder_outputs.update(as_mm_encoder_outputs(new, modality))
-        if encoder_outputs:
-            kwargs["mm_encoder_outputs"] = encoder_outputs
-        return kwargs
+    def _piece_ends(self, length: int, reused: int, cuts: list[int] | None) -> list[int]:
+        """Where the prefill pieces after a cache of `reused` tokens end: every PREFILL_CHUNK_TOKENS
+        counted from the prompt's start, at each cut (INT8) and at the end. Counted from the start,
+        a prompt is cut alike whether or not a prefix of it is reused."""
+        step = self.settings.prefill_chunk_tokens
+        ends = {*range(step, length, step), *(cuts or [])}
+        return sorted(e for e in ends if reused < e < length) + [length]
 
-    def _prefill_plan(self, prompt: PreparedPrompt, spans: dict, features: dict, reused: int,
-                      cuts: list[int] | None, cache: DynamicCache) -> tuple[list[dict], dict]:
-        """generate's inputs after a cache of `reused` tokens: the pieces to prefill first (under INT8
-        one forward per piece between cuts), then the rest of the prompt."""
-        ends = [c for c in cuts or [] if c > reused] + [prompt.num_tokens]
-        starts = [reused, *ends[:-1]]
-        one_forward = self._generation_config(SamplingParams(temperature=0), 1)
-        prefills = [dict(self._model_inputs(prompt, spans, features, start, end), cache=cache,
-                         generation_config=one_forward) for start, end in zip(starts[:-1], ends[:-1])]
-        return prefills, dict(self._model_inputs(prompt, spans, features, starts[-1], ends[-1]), cache=cache)
+    @staticmethod
+    def _piece_features(prompt: PreparedPrompt, merged: dict, reused: int, start: int, end: int) -> dict:
+        """mm_encoder_outputs for prompt tokens [start, end): the rows of the features (`merged`:
+        all images', or videos', after `reused`, concatenated) whose placeholders lie there — a
+        piece may cut through a picture."""
+        outputs = {}
+        for modality, features in merged.items():
+            type_id = 1 if modality == "image" else 2
+            before = torch.cat([torch.zeros(1, dtype=torch.long),
+                                (prompt.mm_token_type_ids[0] == type_id).long().cumsum(0)])  # pads before each index
+            lo, hi = int(before[start] - before[reused]), int(before[end] - before[reused])
+            if hi > lo:
+                piece = VisionFeatures(pooler=features.pooler[lo:hi], deepstack=[d[lo:hi] for d in features.deepstack])
+                outputs.update(as_mm_encoder_outputs([piece], modality))
+        return outputs
+
+    def _prefill(self, request: GenerationRequest, prompt: PreparedPrompt, spans: dict, cuts: list[int] | None,
+                 marks: dict) -> Generator[None, None, Prefilled]:
+        """The request's prefill, run by the scheduler a step at a time between decode steps: KV-cache
+        lookup, vision encoding (a block per step), then the prompt in pieces (`_piece_ends`), each
+        one forward on the request's own cache. Records cache use and timings in `marks`."""
+        t0 = time.perf_counter()
+        images = spans["image"] + spans["video"]  # what the KV cache matches: the same for both
+        reuse = self.conversation_cache.take(prompt.input_ids[0], images, request.conversation_id, cuts)
+        reused = reuse.tokens if reuse else 0
+        # The request owns the cache: each piece extends it in place.
+        cache = reuse.cache if reuse is not None else DynamicCache(config=self.model.config)
+        marks.update(reused=reused, cache_lookup=time.perf_counter() - t0)
+        try:
+            t1 = time.perf_counter()
+            features, marks["vision_hits"] = yield from self._features(prompt, spans, reused)
+            marks["prefill_start"] = time.perf_counter()
+            marks["vision_encode"] = marks["prefill_start"] - t1
+            # M-RoPE positions of the whole prompt, from ALL its images' and videos' grids (a reused
+            # prefix included); every token after it is shifted by the same delta.
+            positions, deltas = self.model.model.get_rope_index(
+                prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, prompt.video_grid_thw)
+            merged = {m: VisionFeatures(pooler=torch.cat([f[i].pooler for i in sorted(f)]),
+                                        deepstack=[torch.cat([f[i].deepstack[k] for i in sorted(f)])
+                                                   for k in range(len(next(iter(f.values())).deepstack))])
+                      for m, f in features.items() if f}
+            start = reused
+            for end in self._piece_ends(prompt.num_tokens, reused, cuts):
+                yield
+                out = self.model(input_ids=prompt.input_ids[:, start:end], position_ids=positions[:, :, start:end],
+                                 cache=cache, logits_to_keep=1,
+                                 mm_encoder_outputs=self._piece_features(prompt, merged, reused, start, end))
+                start = end
+        except GeneratorExit:  # cancelled while prefilling: hand the reused prefix back for the client's retry
+            if reuse is not None:
+                cache.crop(reused - cache.get_seq_length())
+                self.conversation_cache.put(request.conversation_id, prompt.input_ids[0, :reused], images, reused,
+                                            cache)
+            raise
+        return Prefilled(cache=cache, logits=out.logits[:, -1].float(), rope_delta=int(deltas[0, 0]))
 
     def _keep_cache(self, request: GenerationRequest, prompt: PreparedPrompt, images: list[ImageSpan],
-                    result) -> None:
-        """Store the generation's KV cache for the next turn: it covers the prompt and the answer
-        except its last token (never fed back to the model)."""
-        cache = getattr(result, "cache", None)
-        if cache is None:
+                    sequence: Sequence) -> None:
+        """Store a finished sequence's KV cache for the next turn (on the scheduler's thread): it
+        covers the prompt and the answer except its last token (never fed back to the model)."""
+        cache = sequence.cache
+        if cache is None or sequence.error is not None:
             return
         if self._turn_header is not None:  # INT8 reuses up to cuts only: the answer's KV is no use
             cache.crop(prompt.num_tokens - cache.get_seq_length())
-        covered = result.sequences[0, :cache.get_seq_length()]
+        covered = torch.tensor(sequence.token_ids[:cache.get_seq_length()])
         self.conversation_cache.put(request.conversation_id, covered, images, prompt.num_tokens, cache)
 
     def _run(self, request: GenerationRequest, prompt: PreparedPrompt, waited: float) -> Iterator[TextDelta | Completion]:
         params = request.params
         max_new_tokens = self._max_new_tokens(prompt, params)
         config = self._generation_config(params, max_new_tokens)
-        timings = {"queue_wait": waited, "image_decode": request.image_decode_seconds,
-                   "video_decode": request.video_decode_seconds}
-        # A stale value from another request gives silently wrong positions (DESIGN.md); with None,
-        # generate recomputes them from the full ids and ALL images' grids, cached prefix included.
-        self.model.model.rope_deltas = None
-        t0 = time.perf_counter()
         spans = {"image": self._image_spans(prompt), "video": self._video_spans(prompt)}
-        images = spans["image"] + spans["video"]  # what the KV cache matches: the same for both
+        images = spans["image"] + spans["video"]
         cuts = None if self._turn_header is None else cut_points(prompt.input_ids[0], self._turn_header,
                                                                  [span.end for span in images])
-        reuse = self.conversation_cache.take(prompt.input_ids[0], images, request.conversation_id, cuts)
-        reused = reuse.tokens if reuse else 0
-        t1 = time.perf_counter()
-        with torch.inference_mode():
-            image_features, image_hits = self._encode_images(prompt, spans["image"], reused)
-            video_features, video_hits = self._encode_videos(prompt, spans["video"], reused)
-        features, vision_hits = {"image": image_features, "video": video_features}, image_hits + video_hits
-        timings["cache_lookup"] = t1 - t0
-        timings["vision_encode"] = time.perf_counter() - t1
-        if request.cancel.is_set():
-            if reuse is not None:  # hand the reused prefix back for the client's retry
-                self.conversation_cache.put(request.conversation_id, prompt.input_ids[0, :reused], images, reused,
-                                            reuse.cache)
-            return
-        streamer = request.streamer = TokenStreamer(self.processor.tokenizer, timeout=None)
-        # The request owns the cache: generate extends it in place.
-        cache = reuse.cache if reuse is not None else DynamicCache(config=self.model.config)
-        prefills, kwargs = self._prefill_plan(prompt, spans, features, reused, cuts, cache)
-        kwargs.update(generation_config=config, streamer=streamer, stopping_criteria=[CancelOnEvent(request.cancel, request.deadline)],
-                      return_dict_in_generate=True)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        outcome: dict = {}
-        prefill_start = time.perf_counter()
-        thread = threading.Thread(target=self._generate_thread, args=(prefills, kwargs, seed, outcome, streamer),
-                                  name=f"generate-{request.request_id or id(request)}", daemon=True)
-        thread.start()
+        streamer = request.streamer = TokenStreamer(self.processor.tokenizer, timeout=None)
+        marks: dict = {}
+        sequence = Sequence(
+            prompt_ids=prompt.input_ids[0].tolist(), prefill=self._prefill(request, prompt, spans, cuts, marks),
+            sampler=Sampler(config, seed), streamer=streamer, cancel=request.cancel, max_new_tokens=max_new_tokens,
+            eos_token_ids=frozenset(self.loaded.eos_token_ids), deadline=request.deadline,
+            on_leave=lambda done: self._keep_cache(request, prompt, images, done))
+        self.scheduler.submit(sequence)
         stopper = StopStringMatcher(params.stop)
         parts: list[str] = []
         try:
             for piece in streamer:
                 if stopper.stopped:
-                    continue  # drain until the thread notices the cancel event
+                    continue  # drain until the scheduler notices the cancel event
                 text = stopper.feed(piece)
                 if stopper.stopped:
                     request.cancel.set()
                 if text:
                     parts.append(text)
                     yield TextDelta(text)
-            thread.join()
-            if "error" in outcome:
-                raise outcome["error"]
+            sequence.done.wait()
+            if sequence.error is not None:
+                raise sequence.error
             tail = stopper.flush()
             if tail:
                 parts.append(tail)
                 yield TextDelta(tail)
         finally:
-            # Client gone (GeneratorExit) or error: stop the thread within a token and wait for it.
+            # Client gone (GeneratorExit) or error: the sequence leaves the batch at the next step.
             request.cancel.set()
-            thread.join()
-            if "result" in outcome:
-                self._keep_cache(request, prompt, images, outcome["result"])
+            sequence.done.wait()
         ids = streamer.token_ids
         end = time.perf_counter()
         first = streamer.first_token_at or end
@@ -396,28 +408,19 @@ class Engine:
         else:
             finish = "cancelled"
         decode_seconds = end - first
-        timings.update(
-            prefill=first - prefill_start,
+        started = sequence.prefill_started_at or end
+        timings = dict(
+            # waiting for the model: for a batch slot, then behind other requests' prefills
+            queue_wait=waited + started - sequence.submitted_at,
+            image_decode=request.image_decode_seconds, video_decode=request.video_decode_seconds,
+            cache_lookup=marks.get("cache_lookup", 0.0), vision_encode=marks.get("vision_encode", 0.0),
+            prefill=first - marks.get("prefill_start", first),
             time_to_first_token=first - request.received_at,
             decode=decode_seconds,
             decode_tokens_per_s=(len(ids) - 1) / decode_seconds if len(ids) > 1 and decode_seconds > 0 else 0.0,
             total=end - request.received_at,
         )
         yield Completion(text="".join(parts), finish_reason=finish, prompt_tokens=prompt.num_tokens,
-                         completion_tokens=len(ids), cached_tokens=reused, timings=timings,
-                         vision_cache_hits=vision_hits, images=len(prompt.pixel_values),
+                         completion_tokens=len(ids), cached_tokens=marks.get("reused", 0), timings=timings,
+                         vision_cache_hits=marks.get("vision_hits", 0), images=len(prompt.pixel_values),
                          videos=len(prompt.pixel_values_videos))
-
-    def _generate_thread(self, prefills: list[dict], kwargs: dict, seed: int, outcome: dict,
-                         streamer: TokenStreamer) -> None:
-        try:
-            torch.manual_seed(seed)
-            with torch.inference_mode():
-                for prefill in prefills:  # fills the cache with a piece of the prompt; its token is dropped
-                    self.model.model.rope_deltas = None
-                    self.model.generate(**prefill)
-                self.model.model.rope_deltas = None
-                outcome["result"] = self.model.generate(**kwargs)
-        except Exception as exc:  # re-raised in the request's thread, which logs it with its id
-            outcome["error"] = exc
-            streamer.end()  # unblock the reader

@@ -15,6 +15,11 @@ _TOKEN_GAP = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
 REQUESTS = Counter("qwen3vl_requests_total", "HTTP requests by endpoint and status", ["endpoint", "status"])
 QUEUE_DEPTH = Gauge("qwen3vl_queue_depth", "requests waiting for the model", multiprocess_mode="livesum")
 GENERATING = Gauge("qwen3vl_generating", "generations running now", multiprocess_mode="livesum")
+BATCH_SIZE = Gauge("qwen3vl_batch_size", "sequences in the running decode batch", multiprocess_mode="livesum")
+PREFILL_WAIT = Histogram("qwen3vl_prefill_wait_seconds", "admitted request to the start of its prefill "
+                         "(behind other prefills)", buckets=_LATENCY)
+FIRST_TOKEN_WAIT = Histogram("qwen3vl_first_token_wait_seconds", "admitted request to its first token "
+                             "(vision encode and prefill, interleaved with the batch's decoding)", buckets=_LATENCY)
 TTFT = Histogram("qwen3vl_time_to_first_token_seconds", "request arrival to first token", buckets=_LATENCY)
 INTER_TOKEN = Histogram("qwen3vl_inter_token_seconds", "mean gap between streamed tokens per request",
                         buckets=_TOKEN_GAP)

@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     max_new_tokens: int = Field(1024, ge=1, description="cap on tokens generated per request")
     default_max_tokens: int = Field(256, ge=1, description="tokens generated when a request names no limit")
     context_limit: int = Field(8192, ge=64, description="prompt + new tokens, at most")
+    max_batch_size: int = Field(4, ge=1, le=64, description="sequences decoded together (continuous batching); "
+                                "more wait in the queue")
+    prefill_chunk_tokens: int = Field(64, ge=1, description="prompt tokens prefilled per step between the "
+                                      "batch's decode steps")
 
     # Caches (per process): conversation KV cache and vision-feature cache
     cache_enabled: bool = Field(True, description="False turns both caches off (every prompt computed in full)")
@@ -62,7 +66,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     max_body_bytes: int = Field(25 * 1024 * 1024, ge=1024, description="largest request body")
-    queue_size: int = Field(8, ge=0, description="requests waiting for the model beyond the one running")
+    queue_size: int = Field(8, ge=0, description="requests waiting for the model beyond the running batch")
     queue_timeout: float = Field(120.0, gt=0, description="seconds a request may wait for the model")
     conversation_history_max: int = Field(1024, ge=1, description="native-endpoint conversations remembered")
     conversation_history_ttl: float = Field(1800.0, gt=0, description="seconds an idle conversation is remembered")

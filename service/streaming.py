@@ -1,12 +1,11 @@
-"""Token streaming pieces: the streamer `generate` writes into, cancellation, and stop strings."""
+"""Token streaming pieces: the streamer the batch scheduler writes each sequence's tokens into, and
+stop strings."""
 
 from __future__ import annotations
 
-import threading
 import time
 
-import torch
-from transformers import StoppingCriteria, TextIteratorStreamer
+from transformers import TextIteratorStreamer
 
 
 class TokenStreamer(TextIteratorStreamer):
@@ -14,15 +13,12 @@ class TokenStreamer(TextIteratorStreamer):
     the generated ids and the time of the first one."""
 
     def __init__(self, tokenizer, timeout: float | None = None):
-        super().__init__(tokenizer, skip_prompt=True, timeout=timeout, skip_special_tokens=True)
+        super().__init__(tokenizer, skip_prompt=False, timeout=timeout, skip_special_tokens=True)
         self.token_ids: list[int] = []
         self.first_token_at: float | None = None
         self._held = 0  # tokens held back waiting for the rest of a UTF-8 character
 
     def put(self, value):
-        if self.skip_prompt and self.next_tokens_are_prompt:
-            self.next_tokens_are_prompt = False
-            return
         ids = value.flatten().tolist()
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
@@ -39,20 +35,6 @@ class TokenStreamer(TextIteratorStreamer):
             self.token_cache, self.print_len = [], 0
         if printable:
             self.on_finalized_text(printable)
-
-
-class CancelOnEvent(StoppingCriteria):
-    """Stops `generate` at the next token once `event` is set (client gone, stop string, shutdown)
-    or the `deadline` (a perf_counter time) has passed — which also sets the event."""
-
-    def __init__(self, event: threading.Event, deadline: float | None = None):
-        self.event = event
-        self.deadline = deadline
-
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        if self.deadline is not None and time.perf_counter() >= self.deadline:
-            self.event.set()
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 class StopStringMatcher:

@@ -33,6 +33,7 @@ import torch
 from .errors import TooLarge, VideoError
 from .images import ImageLimits, fit_to_budget
 from .vision import VisionFeatures
+from .vision_steps import run_to_end, video_steps
 
 TEMP_PREFIX = "qwen3vl-video-"
 
@@ -259,15 +260,10 @@ def video_prompt_text(processor, grid_thw: torch.Tensor, timestamps: list[float]
 
 
 def encode_video(encoder, pixel_values_videos: torch.Tensor, video_grid_thw: torch.Tensor) -> VisionFeatures:
-    """One video's features, one temporal patch per encoder call.
+    """One video's features, one temporal patch per encoder call (`vision_steps.video_steps` without pauses).
 
     The vision tower attends within a temporal patch only and embeds each one alike, so this equals
     `get_video_features` on the whole video (tests check it), works with any encoder backend, and
     keeps a frame pair's features independent of the others under INT8 (activation scales are per call).
     """
-    t, h, w = (int(v) for v in video_grid_thw.reshape(-1))
-    per_frame = h * w
-    parts = [encoder(pixel_values_videos[i * per_frame:(i + 1) * per_frame], torch.tensor([[1, h, w]]))[0]
-             for i in range(t)]
-    return VisionFeatures(pooler=torch.cat([p.pooler for p in parts]),
-                          deepstack=[torch.cat([p.deepstack[k] for p in parts]) for k in range(len(parts[0].deepstack))])
+    return run_to_end(video_steps(encoder, pixel_values_videos, video_grid_thw))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 import torch
@@ -28,10 +26,6 @@ def ask(engine, parts, **params) -> tuple[list[str], Completion]:
         else:
             done = event
     return deltas, done
-
-
-def generation_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("generate-")]
 
 
 def test_answer_streams_in_several_deltas_and_reports_usage(engine):
@@ -104,7 +98,7 @@ def test_stop_string_ends_the_answer_before_it(fp32_engine):
     assert stop not in "".join(deltas)
 
 
-def test_cancel_stops_within_one_token_and_leaves_no_thread(engine):
+def test_cancel_stops_within_one_token_and_leaves_the_batch(engine):
     request = GenerationRequest([ChatMessage("user", [TextPart("Go on forever.")])],
                                 SamplingParams(max_tokens=400, temperature=0))
     stream = engine.generate(request)
@@ -118,17 +112,17 @@ def test_cancel_stops_within_one_token_and_leaves_no_thread(engine):
             done = event
     assert done.finish_reason == "cancelled"
     assert done.completion_tokens <= at_cancel + 1
-    assert generation_threads() == []
+    assert engine.scheduler.batch_size == 0  # it left the batch
 
 
-def test_closing_the_stream_early_cancels_and_joins_the_thread(engine):
+def test_closing_the_stream_early_cancels_and_leaves_the_batch(engine):
     request = GenerationRequest([ChatMessage("user", [TextPart("Go on forever.")])],
                                 SamplingParams(max_tokens=400, temperature=0))
     stream = engine.generate(request)
     next(stream), next(stream)
     stream.close()  # what a WSGI server does when the client goes away
     assert request.cancel.is_set()
-    assert generation_threads() == []
+    assert engine.scheduler.batch_size == 0
     assert not engine.admission.busy  # the model is free for the next request at once
 
 
@@ -142,22 +136,3 @@ def test_prompt_beyond_context_limit_is_refused(engine):
 def test_bad_sampling_parameters_are_refused(fp32_engine, params):
     with pytest.raises(BadRequest):
         fp32_engine.prepare(GenerationRequest([ChatMessage("user", [TextPart("hi")])], SamplingParams(**params)))
-
-
-def test_one_generation_at_a_time(fp32_engine):
-    """Two concurrent requests never overlap inside the model."""
-    spans = []
-
-    def run():
-        request = GenerationRequest([ChatMessage("user", [TextPart("hello")])],
-                                    SamplingParams(max_tokens=30, temperature=0))
-        t0 = None
-        for event in fp32_engine.generate(request):
-            t0 = t0 or time.perf_counter()
-        spans.append((t0, time.perf_counter()))
-
-    threads = [threading.Thread(target=run) for _ in range(2)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    (a0, a1), (b0, b1) = sorted(spans)
-    assert a1 <= b0

@@ -15,7 +15,7 @@ import requests
 from imaging import encode, pattern
 from servers import gunicorn_server, metric
 
-SERVER_ENV = {"QUEUE_SIZE": "1", "MAX_BODY_BYTES": str(3 * 1024 * 1024), "IMAGE_MAX_BYTES": str(1024 * 1024),
+SERVER_ENV = {"QUEUE_SIZE": "1", "MAX_BATCH_SIZE": "2", "MAX_BODY_BYTES": str(3 * 1024 * 1024), "IMAGE_MAX_BYTES": str(1024 * 1024),
               "CONTEXT_LIMIT": "1024", "MAX_NEW_TOKENS": "600", "QUEUE_TIMEOUT": "60"}
 
 
@@ -204,7 +204,8 @@ def test_client_disconnect_stops_generation_and_frees_the_model(server):
 
 
 def test_requests_beyond_the_queue_get_429_with_retry_after(server):
-    running = _open_stream(server, max_tokens=600)  # holds the model
+    cancelled_before = metric(server, "qwen3vl_generations_total", 'finish_reason="cancelled"')
+    running = [_open_stream(server, max_tokens=600) for _ in range(2)]  # fill the batch (MAX_BATCH_SIZE 2)
     waiter_result = {}
 
     def wait_in_queue():
@@ -220,8 +221,13 @@ def test_requests_beyond_the_queue_get_429_with_retry_after(server):
     r = requests.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 429 and r.headers["Retry-After"]
     assert r.json()["error"]["type"] == "rate_limit_error"
-    running.close()
+    running[0].close()
     waiter.join(30)
+    running[1].close()
+    deadline = time.monotonic() + 10
+    while metric(server, "qwen3vl_generations_total", 'finish_reason="cancelled"') < cancelled_before + 2:
+        assert time.monotonic() < deadline, "the streams were not cancelled"
+        time.sleep(0.05)
     assert waiter_result["status"] == 200
 
 

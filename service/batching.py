@@ -1,0 +1,303 @@
+"""Continuous batching: one scheduler thread owns the model and decodes all running sequences together.
+
+A decode step is one forward of the language model over every running sequence (input ids B × 1),
+so the weights are read once for B tokens; decoding on these CPUs is memory-bound, so B tokens
+cost little more than one. A sequence joins the batch at the first step after its prefill and
+leaves the moment it finishes or is cancelled.
+
+Prefill is a generator (`Sequence.prefill`, written by the engine) that yields after each unit of
+work — a vision-encoder block, a chunk of prompt tokens. The scheduler interleaves: one unit of
+the oldest waiting prefill, then one decode step of the batch, and again. A running stream so
+waits at most one unit per token while a neighbour prefills; with nothing to decode, prefill runs
+back to back.
+
+Each sequence keeps what makes it independent of its neighbours: its sampling (`Sampler`, with
+its own torch.Generator), its M-RoPE offset (`rope_delta`: its decode positions are exactly those
+it would get alone) and its KV cache, which `BatchKV` packs left-padded into one batched cache
+when a sequence joins or leaves (not at every step) and hands back alone when it leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Generator
+
+import torch
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
+from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from . import metrics
+from .streaming import TokenStreamer
+
+log = logging.getLogger(__name__)
+
+
+class Sampler:
+    """One sequence's next token: generate's logits processors for its config, then the argmax
+    (greedy) or a draw from the sequence's own generator (the same draws `generate` makes after
+    `torch.manual_seed(seed)`)."""
+
+    def __init__(self, config: GenerationConfig, seed: int):
+        self.do_sample = bool(config.do_sample)
+        self.processors = LogitsProcessorList()
+        if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+            self.processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
+        if self.do_sample:
+            if config.temperature is not None and config.temperature != 1.0:
+                self.processors.append(TemperatureLogitsWarper(config.temperature))
+            if config.top_k:
+                self.processors.append(TopKLogitsWarper(config.top_k))
+            if config.top_p is not None and config.top_p < 1.0:
+                self.processors.append(TopPLogitsWarper(config.top_p))
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, token_ids: list[int], logits: torch.Tensor) -> int:
+        """The next token after `token_ids` (prompt and answer so far) given its logits (1 × vocab)."""
+        scores = self.processors(torch.tensor([token_ids]), logits) if self.processors else logits
+        if self.do_sample:
+            return int(torch.multinomial(scores.softmax(-1), 1, generator=self.generator))
+        return int(scores.argmax(-1))
+
+
+@dataclass
+class Prefilled:
+    """What a finished prefill hands the scheduler."""
+
+    cache: DynamicCache  # the whole prompt's keys and values
+    logits: torch.Tensor  # 1 × vocab, after the prompt's last token
+    rope_delta: int  # M-RoPE position minus token index, for every token after the prompt
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the scheduler. The engine fills the first fields; the scheduler the rest
+    and calls `on_leave(sequence)` on its thread when the sequence leaves (the KV cache is then
+    in `cache`, or None if it never finished prefill), then sets `done`."""
+
+    prompt_ids: list[int]
+    prefill: Generator[None, None, Prefilled]
+    sampler: Sampler
+    streamer: TokenStreamer
+    cancel: threading.Event
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    on_leave: Callable[["Sequence"], None]
+    deadline: float | None = None  # perf_counter time at which it is ended like a cancelled one
+    submitted_at: float = field(default_factory=time.perf_counter)
+    prefill_started_at: float | None = None
+    token_ids: list[int] = field(default_factory=list)  # prompt and answer, once prefilled
+    rope_delta: int = 0
+    cache: DynamicCache | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def finished(self) -> bool:
+        generated = len(self.token_ids) - len(self.prompt_ids)
+        return generated >= self.max_new_tokens or (generated > 0 and self.token_ids[-1] in self.eos_token_ids)
+
+    def stopped(self, now: float) -> bool:
+        """Cancelled (client gone, stop string, shutdown) or past its deadline (which cancels it)."""
+        if self.deadline is not None and now >= self.deadline:
+            self.cancel.set()
+        return self.cancel.is_set()
+
+    def accept(self, logits: torch.Tensor) -> None:
+        """Choose the next token from its logits and stream it."""
+        token = self.sampler(self.token_ids, logits)
+        self.token_ids.append(token)
+        self.streamer.put(torch.tensor([token]))
+
+
+class BatchKV:
+    """The running sequences' KV caches as one left-padded DynamicCache (row i = sequence i).
+
+    `lengths[i]` tokens of row i are real, right-aligned; the padding mask keeps the rest out of
+    attention. Every decode step appends one column for all rows (the model's own cache update).
+    """
+
+    def __init__(self, model_config):
+        self.config = model_config
+        self.cache: DynamicCache | None = None
+        self.lengths: list[int] = []
+
+    @property
+    def width(self) -> int:
+        return self.cache.get_seq_length() if self.cache is not None else 0
+
+    def join(self, cache: DynamicCache) -> None:
+        """Add a sequence's cache as the last row, padding whichever side is shorter on the left."""
+        n = cache.get_seq_length()
+        if self.cache is None:
+            self.cache, self.lengths = cache, [n]
+            return
+        width = max(self.width, n)
+        layers = [(torch.cat([_pad_left(old.keys, width), _pad_left(new.keys, width)]),
+                   torch.cat([_pad_left(old.values, width), _pad_left(new.values, width)]))
+                  for old, new in zip(self.cache.layers, cache.layers)]
+        self.cache = DynamicCache(ddp_cache_data=layers, config=self.config)
+        self.lengths.append(n)
+
+    def leave(self, rows: list[int]) -> list[DynamicCache]:
+        """Take rows out; each comes back as a cache of its own (own memory, no padding). The rest
+        are re-packed, dropping columns that only padding used."""
+        width = self.width
+        alone = [DynamicCache(ddp_cache_data=[(layer.keys[r:r + 1, :, width - self.lengths[r]:].clone(),
+                                               layer.values[r:r + 1, :, width - self.lengths[r]:].clone())
+                                              for layer in self.cache.layers], config=self.config)
+                 for r in rows]
+        keep = [r for r in range(len(self.lengths)) if r not in rows]
+        if not keep:
+            self.cache, self.lengths = None, []
+            return alone
+        lengths = [self.lengths[r] for r in keep]
+        start, index = width - max(lengths), torch.tensor(keep)
+        self.cache = DynamicCache(ddp_cache_data=[
+            (layer.keys[index, :, start:].contiguous(), layer.values[index, :, start:].contiguous())
+            for layer in self.cache.layers], config=self.config)
+        self.lengths = lengths
+        return alone
+
+    def step_mask(self) -> torch.Tensor:
+        """The attention mask of the next decode step: B × (width + 1), 0 on padding."""
+        width = self.width
+        columns = torch.arange(width + 1)
+        starts = torch.tensor([width - n for n in self.lengths])
+        return (columns[None, :] >= starts[:, None]).long()
+
+    def advance(self) -> None:
+        """Every row grew by the step's token (the forward appended it)."""
+        self.lengths = [n + 1 for n in self.lengths]
+
+
+def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - t.shape[-2]
+    return torch.nn.functional.pad(t, (0, 0, missing, 0)) if missing else t
+
+
+class Scheduler:
+    """Runs sequences on one model; see the module docstring. `submit` from any thread."""
+
+    def __init__(self, model):
+        self.model = model
+        self._wake = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._waiting: deque[Sequence] = deque()  # prefilling, oldest first
+        self._running: list[Sequence] = []  # row i of the batched KV cache is _running[i]
+        self._kv = BatchKV(model.config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._running)
+
+    def submit(self, sequence: Sequence) -> None:
+        with self._wake:
+            self._inbox.append(sequence)
+            # Started on first use, i.e. in the process that serves (threads do not survive a fork).
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="batch-scheduler", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    while not (self._inbox or self._waiting or self._running):
+                        self._wake.wait()
+                    self._waiting.extend(self._inbox)
+                    self._inbox.clear()
+                self._drop_cancelled()
+                if self._waiting:
+                    self._prefill_step(self._waiting[0])
+                if self._running:
+                    self._decode_step()
+                metrics.BATCH_SIZE.set(len(self._running))
+
+    def _drop_cancelled(self) -> None:
+        now = time.perf_counter()
+        for sequence in [s for s in self._waiting if s.stopped(now)]:
+            self._waiting.remove(sequence)
+            try:
+                sequence.prefill.close()  # lets the engine hand back a reused KV prefix
+            except Exception as exc:
+                sequence.error = exc
+            self._leave_alone(sequence)
+        self._leave([s for s in self._running if s.stopped(now)])
+
+    def _prefill_step(self, sequence: Sequence) -> None:
+        if sequence.prefill_started_at is None:
+            sequence.prefill_started_at = time.perf_counter()
+            metrics.PREFILL_WAIT.observe(sequence.prefill_started_at - sequence.submitted_at)
+        try:
+            next(sequence.prefill)
+            return
+        except StopIteration as end:
+            prefilled: Prefilled = end.value
+        except Exception as exc:  # this request's failure only; re-raised in its own thread
+            self._waiting.remove(sequence)
+            sequence.error = exc
+            self._leave_alone(sequence)
+            return
+        self._waiting.remove(sequence)
+        sequence.token_ids = list(sequence.prompt_ids)
+        sequence.rope_delta = prefilled.rope_delta
+        sequence.accept(prefilled.logits)
+        metrics.FIRST_TOKEN_WAIT.observe(time.perf_counter() - sequence.submitted_at)
+        if sequence.finished:
+            sequence.cache = prefilled.cache
+            self._leave_alone(sequence)
+        else:
+            self._kv.join(prefilled.cache)
+            self._running.append(sequence)
+
+    def _decode_step(self) -> None:
+        running = self._running
+        ids = torch.tensor([[s.token_ids[-1]] for s in running])
+        # The token fed sits at index len - 1 of its sequence; M-RoPE shifts it by the sequence's delta.
+        positions = torch.tensor([len(s.token_ids) - 1 + s.rope_delta for s in running])
+        try:
+            out = self.model(input_ids=ids, position_ids=positions.view(1, -1, 1).expand(3, -1, 1),
+                             attention_mask=self._kv.step_mask(), cache=self._kv.cache, logits_to_keep=1)
+            self._kv.advance()
+            logits = out.logits[:, -1].float()
+            for i, sequence in enumerate(running):
+                sequence.accept(logits[i:i + 1])
+        except Exception as exc:  # the batch's state is unknown now: fail its sequences, keep serving
+            log.exception("decode step failed for a batch of %d", len(running))
+            self._running, self._kv = [], BatchKV(self.model.config)
+            for sequence in running:
+                sequence.error = exc
+                self._leave_alone(sequence)
+            return
+        self._leave([s for s in running if s.finished])
+
+    def _leave(self, sequences: list[Sequence]) -> None:
+        if not sequences:
+            return
+        rows = [self._running.index(s) for s in sequences]
+        for sequence, cache in zip(sequences, self._kv.leave(rows)):
+            self._running.remove(sequence)
+            sequence.cache = cache
+            self._leave_alone(sequence)
+
+    @staticmethod
+    def _leave_alone(sequence: Sequence) -> None:
+        try:
+            sequence.on_leave(sequence)
+        except Exception as exc:
+            log.exception("storing a finished sequence failed")
+            sequence.error = sequence.error or exc
+        finally:
+            sequence.streamer.end()
+            sequence.done.set()

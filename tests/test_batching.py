@@ -1,0 +1,252 @@
+"""Continuous batching on the real tiny model: requests decoded together answer exactly as alone
+(fp32), join mid-way, leave when cancelled, prefill interleaved with the batch's decoding."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import make_settings
+from imaging import encode, pattern
+from service.batching import BatchKV
+from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
+from service.errors import QueueFull
+from service.images import decode_image
+from service.loading import load_model
+from service.prompts import ChatMessage, ImagePart, TextPart
+from service.vision_steps import image_steps, run_to_end
+
+
+@pytest.fixture(scope="module")
+def engines(cache_dir, tiny_dir):
+    """fp32 and int8 engines with small prefill chunks, so prompts prefill in several pieces."""
+    made = {}
+    for quantization in ("fp32", "int8"):
+        settings = make_settings(cache_dir, quantization=quantization, max_batch_size=4, prefill_chunk_tokens=24,
+                                 cache_enabled=False)
+        made[quantization] = Engine(load_model(settings), settings)
+    return made
+
+
+def picture(engine, size=256, seed=0):
+    return decode_image(encode(pattern(size, size, seed=seed), ".png"), engine.loaded.image_limits)
+
+
+def request(parts, max_tokens=24, **params) -> GenerationRequest:
+    return GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                          **params))
+
+
+class Stream:
+    """One request run through Engine.start on its own thread, recording when each token arrived."""
+
+    def __init__(self, engine: Engine, req: GenerationRequest, close_after: int | None = None):
+        self.engine, self.request, self.close_after = engine, req, close_after
+        self.arrivals: list[float] = []
+        self.tokens_at_close = 0
+        self.done: Completion | None = None
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def start(self) -> "Stream":
+        self.thread.start()
+        return self
+
+    def _run(self):
+        generation = self.engine.start(self.request)
+        self.started.set()
+        try:
+            for event in generation:
+                if isinstance(event, TextDelta):
+                    self.arrivals.append(time.perf_counter())
+                    if self.close_after is not None and len(self.arrivals) >= self.close_after:
+                        self.tokens_at_close = self.request.generated_tokens
+                        return  # closed in `finally`: what the HTTP layer does when the client goes away
+                else:
+                    self.done = event
+        finally:
+            generation.close()
+
+    def join(self) -> "Stream":
+        self.thread.join(120)
+        assert not self.thread.is_alive()
+        return self
+
+    def token_ids(self) -> list[int]:
+        return self.request.streamer.token_ids
+
+
+def alone(engine, req: GenerationRequest) -> list[int]:
+    return Stream(engine, req).start().join().token_ids()
+
+
+def wait_for_tokens(stream: Stream, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while len(stream.arrivals) < n:
+        assert time.monotonic() < deadline and stream.thread.is_alive()
+        time.sleep(0.002)
+
+
+def prompts(engine):
+    """Different lengths, pictures of different sizes: different rope deltas and KV lengths."""
+    return [
+        lambda: request([TextPart("Hi.")], max_tokens=30),
+        lambda: request([ImagePart(picture(engine, 256)), TextPart("What is in this picture, in detail?")]),
+        lambda: request([TextPart("Tell me a long story about a red square and a blue circle, please.")],
+                        max_tokens=20),
+        lambda: request([ImagePart(picture(engine, 128, seed=2)), TextPart("And this one?")], max_tokens=28),
+    ]
+
+
+def test_greedy_answers_decoded_together_equal_each_alone_fp32(engines):
+    engine = engines["fp32"]
+    makers = prompts(engine)
+    expected = [alone(engine, make()) for make in makers]
+    streams = [Stream(engine, make()).start() for make in makers]
+    for s in streams:
+        s.join()
+    assert [s.token_ids() for s in streams] == expected
+    # They really ran together: every stream got tokens while every other one was still going.
+    for a in streams:
+        for b in streams:
+            assert a.arrivals[0] < b.arrivals[-1]
+
+
+def test_a_request_joining_mid_way_answers_as_alone_and_does_not_wait_for_the_batch(engines):
+    engine = engines["fp32"]
+    long_one = request([TextPart("Go on and on about squares.")], max_tokens=80)
+    joiner = lambda: request([ImagePart(picture(engine, 192, seed=5)), TextPart("Describe it.")], max_tokens=16)
+    expected = alone(engine, joiner())
+    first = Stream(engine, long_one).start()
+    wait_for_tokens(first, 10)
+    second = Stream(engine, joiner()).start().join()
+    assert second.token_ids() == expected
+    assert len(first.arrivals) < 80  # it finished while the first one was still decoding
+    first.join()
+    assert first.token_ids() == alone(engine, request([TextPart("Go on and on about squares.")], max_tokens=80))
+
+
+def test_a_sequence_cancelled_mid_way_leaves_at_once_and_the_others_stay_exact(engines):
+    engine = engines["fp32"]
+    makers = prompts(engine)[:3]
+    expected = [alone(engine, make()) for make in makers]
+    quitter = Stream(engine, request([TextPart("Talk forever.")], max_tokens=200), close_after=4)
+    streams = [Stream(engine, make()) for make in makers]
+    for s in [quitter, *streams]:
+        s.start()
+    quitter.join()
+    assert quitter.request.cancel.is_set()
+    # It left within a step of the close (one more token may have been in flight as it was read).
+    assert len(quitter.token_ids()) <= quitter.tokens_at_close + 2
+    assert [s.join().token_ids() for s in streams] == expected
+    assert engine.scheduler.batch_size == 0 and engine.admission.in_use == 0
+
+
+def test_seeded_sampling_in_a_batch_equals_alone(engines):
+    """Each sequence draws from its own generator: neighbours do not shift its random numbers."""
+    engine = engines["fp32"]
+
+    def sampled(seed):
+        return GenerationRequest([ChatMessage("user", [TextPart("Make something up.")])],
+                                 SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=seed))
+
+    expected = [alone(engine, sampled(seed)) for seed in (1, 2, 3)]
+    streams = [Stream(engine, sampled(seed)).start() for seed in (1, 2, 3)]
+    assert [s.join().token_ids() for s in streams] == expected
+    assert len({tuple(e) for e in expected}) == 3
+
+
+def test_int8_sequences_in_a_batch_start_as_alone_and_leave_no_trace(engines):
+    """Under INT8 the decode step quantizes the whole batch's activations with one scale (FBGEMM
+    dynamic quantization), so batched tokens may drift from the alone ones (bench/bench_batching.py
+    measures by how much). Prefill is per sequence: every first token is exact; and a batch leaves
+    nothing behind that changes the next request."""
+    engine = engines["int8"]
+    makers = prompts(engine)
+    expected = [alone(engine, make()) for make in makers]
+    streams = [Stream(engine, make()).start() for make in makers]
+    assert [s.join().token_ids()[0] for s in streams] == [e[0] for e in expected]
+    assert [alone(engine, make()) for make in makers] == expected
+
+
+def test_prefill_of_a_newcomer_is_interleaved_with_the_batchs_decoding(engines):
+    engine = engines["fp32"]
+    runner = Stream(engine, request([TextPart("Keep talking.")], max_tokens=150)).start()
+    wait_for_tokens(runner, 3)
+    newcomer = Stream(engine, request([ImagePart(picture(engine, 448)), TextPart("What is it?")], max_tokens=2))
+    submitted = time.perf_counter()
+    newcomer.start().join()
+    during = [t for t in runner.arrivals if submitted < t < newcomer.arrivals[0]]
+    # 24 vision blocks... the tiny tower has 2 blocks, then 9 prompt pieces of 24 tokens: at least one
+    # decode step of the runner after each unit.
+    prompt_tokens = newcomer.done.prompt_tokens
+    assert len(during) >= prompt_tokens // engine.settings.prefill_chunk_tokens
+    runner.request.cancel.set()
+    runner.join()
+
+
+def test_beyond_the_batch_requests_wait_in_the_queue_and_beyond_the_queue_get_429(cache_dir, tiny_dir):
+    settings = make_settings(cache_dir, quantization="fp32", max_batch_size=2, queue_size=1)
+    engine = Engine(load_model(settings), settings)
+    running = [Stream(engine, request([TextPart("Go on.")], max_tokens=300)).start() for _ in range(2)]
+    for s in running:
+        wait_for_tokens(s, 2)
+    waiter = Stream(engine, request([TextPart("Me next.")], max_tokens=3)).start()
+    deadline = time.monotonic() + 10
+    while engine.admission.waiting < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(QueueFull):
+        engine.start(request([TextPart("And me.")]))
+    running[0].request.cancel.set()
+    waiter.join()
+    assert waiter.done.completion_tokens == 3 and waiter.done.timings["queue_wait"] > 0
+    running[1].request.cancel.set()
+    running[1].join()
+
+
+def test_batch_size_one_runs_one_generation_at_a_time(cache_dir, tiny_dir):
+    settings = make_settings(cache_dir, quantization="fp32", max_batch_size=1)
+    engine = Engine(load_model(settings), settings)
+    streams = [Stream(engine, request([TextPart("hello")], max_tokens=30)).start() for _ in range(2)]
+    a, b = sorted((s.join().arrivals for s in streams), key=lambda arrivals: arrivals[0])
+    assert a[-1] <= b[0]
+
+
+def test_vision_tower_in_steps_equals_the_models_own_encoder(engines):
+    engine = engines["fp32"]
+    prompt = engine.prepare(request([ImagePart(picture(engine, 320)), TextPart("x")]))
+    with torch.inference_mode():
+        own = engine.model.model.get_image_features(prompt.pixel_values[0], prompt.image_grid_thw)
+    steps = run_to_end(image_steps(engine.vision_encoder, prompt.pixel_values[0], prompt.image_grid_thw))
+    assert torch.equal(steps.pooler, own.pooler_output[0])
+    assert all(torch.equal(a, b[0]) for a, b in zip(steps.deepstack, own.deepstack_features))
+
+
+def test_batched_kv_hands_each_sequence_back_its_own_cache(engines):
+    config = engines["fp32"].model.config
+    torch.manual_seed(0)
+    layers = config.text_config.num_hidden_layers
+
+    def cache(n):
+        return DynamicCache(ddp_cache_data=[(torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4))
+                                            for _ in range(layers)], config=config)
+
+    parts = [cache(5), cache(9), cache(2)]
+    originals = [[(layer.keys.clone(), layer.values.clone()) for layer in c.layers] for c in parts]
+    kv = BatchKV(config)
+    for c in parts:
+        kv.join(c)
+    assert kv.width == 9 and kv.step_mask().sum(1).tolist() == [6, 10, 3]
+    middle = kv.leave([1])[0]
+    assert kv.width == 5  # the columns only the long one used are gone
+    assert all(torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+               for layer, (k, v) in zip(middle.layers, originals[1]))
+    rest = kv.leave([0, 1])
+    for got, want in zip(rest, [originals[0], originals[2]]):
+        assert all(torch.equal(layer.keys, k) for layer, (k, _) in zip(got.layers, want))
+    assert kv.cache is None
