@@ -1,0 +1,111 @@
+"""How far a sequence's logits in a decode batch are from its logits alone, fp32 and INT8.
+
+    flock /tmp/heavy.lock python -m bench.batch_exactness [--model-path DIR] [--steps 32]
+
+Each of 4 prompts (different lengths) is prefilled alone and decoded greedily alone; then the same
+tokens are fed again as a batch of 1, 2 and 4 through the engine's own batched cache
+(service/batching.BatchKV, left padding, per-sequence M-RoPE positions) — teacher-forced, so a
+divergence at one step does not compound. Per batch size: the largest |Δlogit| over all steps and
+sequences, and the share of steps whose greedy token differs from the alone one. Under INT8 the
+decode step's activations are quantized with one scale for the whole batch (FBGEMM dynamic
+quantization), which is where the difference comes from.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from bench.results import append_section, markdown_table
+
+PROMPTS = ["Hi.", "Tell me a long story about a red square and a blue circle on a table, please.",
+           "What is the capital of a small country?", "Count from one to twenty, slowly, with a word for each."]
+
+
+def prefill(model, ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+    cache = DynamicCache(config=model.config)
+    positions = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
+    out = model(input_ids=ids, position_ids=positions, cache=cache, logits_to_keep=1)
+    return cache, out.logits[:, -1].float()
+
+
+def copy(cache: DynamicCache, config) -> DynamicCache:
+    return DynamicCache(ddp_cache_data=[(layer.keys.clone(), layer.values.clone()) for layer in cache.layers],
+                        config=config)
+
+
+def decode(model, caches: list[DynamicCache], lengths: list[int], fed: list[list[int]]) -> list[list[torch.Tensor]]:
+    """Feed fed[i][step] to sequence i at each step, all together; logits per sequence and step."""
+    from service.batching import BatchKV
+
+    kv = BatchKV(model.config)
+    for cache in caches:
+        kv.join(cache)
+    logits = [[] for _ in caches]
+    for step in range(len(fed[0])):
+        ids = torch.tensor([[f[step]] for f in fed])
+        positions = torch.tensor([n + step for n in lengths]).view(1, -1, 1).expand(3, -1, 1)
+        out = model(input_ids=ids, position_ids=positions, attention_mask=kv.step_mask(), cache=kv.cache,
+                    logits_to_keep=1)
+        kv.advance()
+        for i in range(len(caches)):
+            logits[i].append(out.logits[i, -1].float())
+    return logits
+
+
+def measure(model, tokenizer, steps: int) -> list[list]:
+    ids = [tokenizer(p, return_tensors="pt")["input_ids"] for p in PROMPTS]
+    prefilled = [prefill(model, i) for i in ids]
+    lengths = [i.shape[1] for i in ids]
+    # Alone: greedy tokens and their logits.
+    alone_tokens, alone_logits = [], []
+    for (cache, first), n in zip(prefilled, lengths):
+        tokens, logits = [int(first.argmax())], []
+        cache = copy(cache, model.config)  # the batched runs start from the prefill again
+        for step in range(steps):
+            row = decode(model, [cache], [n + step], [[tokens[-1]]])[0][0]
+            logits.append(row)
+            tokens.append(int(row.argmax()))
+        alone_tokens.append(tokens)
+        alone_logits.append(logits)
+    rows = []
+    for size in (1, 2, 4):
+        fed = [alone_tokens[i][:steps] for i in range(size)]
+        batched = decode(model, [copy(c, model.config) for c, _ in prefilled[:size]], lengths[:size], fed)
+        delta = max(float((b - a).abs().max()) for i in range(size) for a, b in zip(alone_logits[i], batched[i]))
+        flips = sum(int(b.argmax()) != alone_tokens[i][s + 1] for i in range(size) for s, b in enumerate(batched[i]))
+        rows.append([size, f"{delta:.3g}", f"{flips}/{size * steps}"])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", type=Path, default=None, help="default: the embedded tiny model")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--weights", nargs="+", default=["fp32", "int8"], choices=["fp32", "int8"])
+    args = parser.parse_args()
+    from service.loading import load_model
+    from service.settings import load_settings
+
+    table_rows = []
+    for quantization in tqdm(args.weights, desc="weights"):
+        settings = load_settings(model_path=args.model_path, quantization=quantization, threads=args.threads)
+        loaded = load_model(settings)
+        with torch.inference_mode():
+            for row in measure(loaded.model, loaded.processor.tokenizer, args.steps):
+                table_rows.append([quantization, *row])
+        del loaded
+    body = markdown_table(["weights", "batch size", "largest abs Δlogit vs alone", "greedy tokens that differ"],
+                          table_rows)
+    name = args.model_path.name if args.model_path else "embedded tiny"
+    append_section("Batching: logits in a decode batch vs alone (python -m bench.batch_exactness)",
+                   {"model": name, "steps": args.steps, "prompts": len(PROMPTS)}, body, threads=args.threads)
+
+
+if __name__ == "__main__":
+    main()

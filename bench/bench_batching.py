@@ -1,0 +1,187 @@
+"""Continuous batching through the HTTP API: aggregate tokens/s and time to first token of 1, 2 and
+4 concurrent text streams, and the longest gap between a stream's tokens while a neighbour's 448²
+picture is encoded and prefilled.
+
+    flock /tmp/heavy.lock python -m bench.bench_batching [--model-path DIR] [--threads 2]
+
+One Gunicorn instance (tests/servers.py), INT8, caches off (every prompt computed in full), greedy
+decoding. Each stream asks its own question; the single-stream runs ask each of them alone, which
+also gives the batched answers to compare with (under INT8 the batch shares activation scales, so
+they may differ: the table says how many are identical).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from servers import gunicorn_server  # noqa: E402
+
+from bench.harness import encoded_photo  # noqa: E402
+from bench.results import append_section, markdown_table  # noqa: E402
+
+QUESTIONS = [
+    "Tell me a long story about a red square that travels across a blue sky to find a yellow circle.",
+    "Explain in detail how a bicycle works, from the pedals to the wheels, for a curious child.",
+    "Describe a busy market in the morning: the sounds, the colors, the people and what they sell.",
+    "Write a letter to a friend about a long train journey through mountains, rivers and old towns.",
+]
+
+
+def default_model_path() -> Path:
+    for name in ("qwen3vl-2b-int8", "qwen3vl-2b-random"):
+        path = Path("/work/cache") / name
+        if (path / "config.json").exists():
+            return path
+    raise SystemExit("no 2B checkpoint: python -m service make-model --preset 2b /work/cache/qwen3vl-2b-random")
+
+
+class Stream:
+    """One streaming /v1/chat request on its own thread: when it was sent, each delta's arrival, the
+    answer and the final line."""
+
+    def __init__(self, base: str, body: dict):
+        self.base, self.body = base, {**body, "stream": True, "temperature": 0}
+        self.sent = 0.0
+        self.arrivals: list[float] = []
+        self.text = ""
+        self.done: dict = {}
+        self.thread = threading.Thread(target=self._run)
+
+    def start(self) -> "Stream":
+        self.sent = time.perf_counter()
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        with requests.post(self.base + "/v1/chat", json=self.body, stream=True, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                obj = json.loads(line)
+                if "delta" in obj:
+                    self.arrivals.append(time.perf_counter())
+                    self.text += obj["delta"]
+                elif obj.get("done"):
+                    self.done = obj
+
+    def join(self) -> "Stream":
+        self.thread.join()
+        return self
+
+    @property
+    def ttft(self) -> float:
+        return self.arrivals[0] - self.sent
+
+    @property
+    def tokens(self) -> int:
+        return self.done["usage"]["completion_tokens"]
+
+    def longest_gap(self, start: float = 0.0, end: float = float("inf")) -> float:
+        times = self.arrivals
+        return max((b - a for a, b in zip(times, times[1:]) if b > start and a < end), default=0.0)
+
+
+def concurrent(base: str, questions: list[str], tokens: int) -> tuple[list[Stream], float]:
+    streams = [Stream(base, {"prompt": q, "max_tokens": tokens}) for q in questions]
+    t0 = time.perf_counter()
+    for s in streams:
+        s.start()
+    for s in streams:
+        s.join()
+    return streams, time.perf_counter() - t0
+
+
+def neighbour_run(base: str, tokens: int, picture: bytes) -> tuple[Stream, Stream]:
+    """A text stream; after its 8th token a neighbour sends a new picture (448², vision encoder and
+    prefill) with a short question."""
+    runner = Stream(base, {"prompt": QUESTIONS[0], "max_tokens": tokens}).start()
+    while len(runner.arrivals) < 8:
+        time.sleep(0.01)
+    image = "data:image/png;base64," + base64.b64encode(picture).decode()
+    neighbour = Stream(base, {"prompt": "What is in this picture?", "images": [image], "max_tokens": 4}).start()
+    return runner.join(), neighbour.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens per text stream")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                        help="PREFILL_CHUNK_TOKENS (default: the setting's)")
+    args = parser.parse_args()
+    model_path = args.model_path or default_model_path()
+    from service.settings import load_settings
+
+    chunk = args.prefill_chunk_tokens or load_settings(model_path=model_path).prefill_chunk_tokens
+    env = {"MODEL_PATH": str(model_path), "QUANTIZATION": "int8", "THREADS": str(args.threads), "MAX_BATCH_SIZE": "4",
+           "CACHE_ENABLED": "false", "MAX_NEW_TOKENS": str(max(args.tokens * 2, 64))}
+    env["PREFILL_CHUNK_TOKENS"] = str(chunk)
+    log = ROOT / "bench" / "bench_batching.gunicorn.log"
+    picture = encoded_photo(".png", 448, 448)
+    with gunicorn_server(env, log, timeout=600) as (base, _):
+        runs = 4 + 1 + 1 + 1 + 1  # warm-up, each question alone, 2 and 4 together, neighbour
+        with tqdm(total=runs, desc="batching", unit="run") as bar:
+            concurrent(base, QUESTIONS[:1], 4)
+            bar.update()
+            alone = []
+            for question in QUESTIONS:
+                (stream,), wall = concurrent(base, [question], args.tokens)
+                alone.append((stream, wall))
+                bar.update()
+            together = {}
+            for n in (2, 4):
+                together[n] = concurrent(base, QUESTIONS[:n], args.tokens)
+                bar.update()
+            runner, neighbour = neighbour_run(base, args.tokens * 2, picture)
+            bar.update()
+
+    rows = []
+    one_rate = statistics.mean(s.tokens / wall for s, wall in alone)
+    rows.append([1, sum(s.tokens for s, _ in alone) // len(alone), one_rate, 1.0,
+                 statistics.mean(s.ttft for s, _ in alone), max(s.ttft for s, _ in alone), "-"])
+    for n, (streams, wall) in together.items():
+        rate = sum(s.tokens for s in streams) / wall
+        same = sum(s.text == a.text for s, (a, _) in zip(streams, alone))
+        rows.append([n, sum(s.tokens for s in streams), rate, rate / one_rate, statistics.mean(s.ttft for s in streams),
+                     max(s.ttft for s in streams), f"{same}/{n}"])
+    table = markdown_table(["streams", "tokens", "aggregate tok/s", "× one stream", "mean TTFT s", "max TTFT s",
+                            "answers = alone"], rows)
+    window = (neighbour.sent, neighbour.arrivals[0])
+    during = sum(window[0] < t < window[1] for t in runner.arrivals)
+    gap_rows = [[f"{runner.longest_gap(*window):.3f}", f"{runner.longest_gap():.3f}",
+                 f"{statistics.median(b - a for a, b in zip(runner.arrivals, runner.arrivals[1:])):.3f}",
+                 f"{neighbour.ttft:.2f}", during, neighbour.done["usage"]["prompt_tokens"],
+                 f"{neighbour.done['timings']['vision_encode']:.2f}"]]
+    gaps = markdown_table(["longest gap while the neighbour prefills s", "longest gap overall s", "median gap s",
+                           "neighbour TTFT s", "runner tokens during it", "neighbour prompt tokens",
+                           "neighbour vision_encode s (wall)"], gap_rows)
+    four = rows[-1][3]
+    verdict = (f"Targets: 4 streams ≥ 2.5× one stream — {four:.2f}× ({'met' if four >= 2.5 else 'NOT met'}); "
+               f"longest gap while a neighbour prefills ≤ 1 s — {runner.longest_gap(*window):.2f} s "
+               f"({'met' if runner.longest_gap(*window) <= 1 else 'NOT met'}).")
+    body = (f"{table}\n\nAggregate tok/s = all streams' completion tokens ÷ wall time from sending the first "
+            f"request to the last answer's end (prefill included); TTFT per stream from its send.\n\n{gaps}\n\n"
+            f"{verdict}")
+    append_section("Batching: concurrent streams through the HTTP API (python -m bench.bench_batching)",
+                   {"model": model_path.name, "QUANTIZATION": "int8", "MAX_BATCH_SIZE": 4,
+                    "PREFILL_CHUNK_TOKENS": chunk, "tokens per stream": args.tokens, "CACHE_ENABLED": "false"},
+                   body, threads=args.threads)
+
+
+if __name__ == "__main__":
+    main()
