@@ -19,6 +19,7 @@ when a sequence joins or leaves (not at every step) and hands back alone when it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -217,11 +218,15 @@ class Scheduler:
                         self._wake.wait()
                     self._waiting.extend(self._inbox)
                     self._inbox.clear()
-                self._drop_cancelled()
-                if self._waiting:
-                    self._prefill_step(self._waiting[0])
-                if self._running:
-                    self._decode_step()
+                try:
+                    self._drop_cancelled()
+                    if self._waiting:
+                        self._prefill_step(self._waiting[0])
+                    if self._running:
+                        self._decode_step()
+                except Exception as exc:  # a bug here must not leave requests waiting forever
+                    log.exception("batch scheduler step failed")
+                    self._fail([*self._running, *self._waiting], exc)
                 metrics.BATCH_SIZE.set(len(self._running))
 
     def _drop_cancelled(self) -> None:
@@ -275,12 +280,22 @@ class Scheduler:
                 sequence.accept(logits[i:i + 1])
         except Exception as exc:  # the batch's state is unknown now: fail its sequences, keep serving
             log.exception("decode step failed for a batch of %d", len(running))
-            self._running, self._kv = [], BatchKV(self.model.config)
-            for sequence in running:
-                sequence.error = exc
-                self._leave_alone(sequence)
+            self._fail(list(running), exc)
             return
         self._leave([s for s in running if s.finished])
+
+    def _fail(self, sequences: list[Sequence], exc: Exception) -> None:
+        """End `sequences` with `exc` (re-raised in their request threads), dropping the batched KV."""
+        for sequence in sequences:
+            if sequence.done.is_set():
+                continue
+            if sequence in self._waiting:
+                self._waiting.remove(sequence)
+                with contextlib.suppress(Exception):
+                    sequence.prefill.close()
+            sequence.error = exc
+            self._leave_alone(sequence)
+        self._running, self._kv = [], BatchKV(self.model.config)
 
     def _leave(self, sequences: list[Sequence]) -> None:
         if not sequences:
