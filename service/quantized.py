@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import struct
@@ -440,6 +441,7 @@ def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None) 
             _replace_module(model, embed_name, table)
         else:
             _set_tensor(model, name, resident.get_tensor(name))
+    readers: list[_SafetensorsReader] = []
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:  # packing releases the GIL
         for shard in marker["linear_shards"]:
             if mapped:
@@ -450,12 +452,15 @@ def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None) 
                         _replace_module(model, name, MappedInt8Linear(
                             f.get_tensor(f"{name}.weight"), f.get_tensor(f"{name}{_SCALE}"), bias))
                 continue
-            reader = _SafetensorsReader(path / shard)
-            names = [k[:-len(_SCALE)] for k in reader.entries if k.endswith(_SCALE)]
-            for name, module in zip(names, pool.map(lambda n: _packed_linear(reader, n), names)):
-                _replace_module(model, name, module)
-            reader.close()
-            release_memory()
+            readers.append(_SafetensorsReader(path / shard))
+        # Largest first: the lm_head alone packs for seconds on one thread, so it must not come last.
+        jobs = sorted(((reader, key[:-len(_SCALE)]) for reader in readers for key in reader.entries
+                       if key.endswith(_SCALE)), key=lambda job: -math.prod(job[0].shape(f"{job[1]}.weight")))
+        for (_, name), module in zip(jobs, pool.map(lambda job: _packed_linear(*job), jobs)):
+            _replace_module(model, name, module)
+    for reader in readers:
+        reader.close()
+    release_memory()
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"{path} is incomplete: no weights for {left[:3]} (and {max(0, len(left) - 3)} more)")
