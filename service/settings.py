@@ -43,6 +43,7 @@ class Settings(BaseSettings):
     video_max_bytes: int = Field(20 * 1024 * 1024, ge=1024, description="largest video file accepted")
     video_max_seconds: float = Field(120.0, gt=0, description="longest video accepted (from its metadata)")
     video_max_source_pixels: int = Field(3840 * 2160, ge=1024, description="largest width*height of a video's frames")
+    video_max_source_frames: int = Field(3600, ge=1, description="most frames a video may hold (all are decoded)")
     max_videos_per_request: int = Field(2, ge=0, description="videos in one request, history included")
 
     # Generation

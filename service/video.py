@@ -43,6 +43,7 @@ class VideoLimits:
     max_bytes: int
     max_seconds: float
     max_source_pixels: int  # width × height of the clip's frames as stored
+    max_source_frames: int  # frames in the clip: all are decoded, so this bounds the work
     fps: float  # frames sampled per second of video
     max_frames: int  # frames sampled at most
     max_visual_tokens: int  # the whole clip's tokens in the prompt
@@ -54,7 +55,8 @@ class VideoLimits:
     @classmethod
     def from_settings(cls, settings, image_limits: ImageLimits, temporal_patch: int) -> "VideoLimits":
         return cls(max_bytes=settings.video_max_bytes, max_seconds=settings.video_max_seconds,
-                   max_source_pixels=settings.video_max_source_pixels, fps=settings.video_fps,
+                   max_source_pixels=settings.video_max_source_pixels,
+                   max_source_frames=settings.video_max_source_frames, fps=settings.video_fps,
                    max_frames=settings.video_max_frames, max_visual_tokens=settings.video_max_visual_tokens,
                    max_frame_pixels=image_limits.max_pixels, factor=image_limits.factor,
                    temporal_patch=temporal_patch)
@@ -185,6 +187,8 @@ def _metadata(capture: cv2.VideoCapture, fmt: str, limits: VideoLimits) -> dict:
     if frames / fps > limits.max_seconds:
         raise TooLarge(f"video is {frames / fps:.1f} s long; the limit is {limits.max_seconds:g} s",
                        code="video_too_long")
+    if frames > limits.max_source_frames:
+        raise TooLarge(f"video holds {frames} frames; the limit is {limits.max_source_frames}", code="video_too_long")
     return {"fps": fps, "frames": frames, "size": (width, height)}
 
 

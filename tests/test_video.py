@@ -29,8 +29,8 @@ from service.video import (TEMP_PREFIX, DecodedVideo, VideoLimits, decode_video,
                            frame_timestamps, sample_indices, video_patches, video_prompt_text)
 from service.vision import TorchVisionEncoder
 
-LIMITS = VideoLimits(max_bytes=5 * 1024 * 1024, max_seconds=30, max_source_pixels=1920 * 1080, fps=2.0,
-                     max_frames=32, max_visual_tokens=1024, max_frame_pixels=448 * 448)
+LIMITS = VideoLimits(max_bytes=5 * 1024 * 1024, max_seconds=30, max_source_pixels=1920 * 1080, max_source_frames=900,
+                     fps=2.0, max_frames=32, max_visual_tokens=1024, max_frame_pixels=448 * 448)
 
 
 @pytest.fixture(autouse=True)
@@ -188,6 +188,8 @@ def _bad_files(tmp_path) -> dict[str, tuple[bytes, VideoLimits, type, str]]:
         "zeroed middle": (bytes(holed), LIMITS, VideoError, "truncated or corrupt"),
         "too many bytes": (mp4, VideoLimits(**{**LIMITS.__dict__, "max_bytes": len(mp4) - 1}), TooLarge, "bytes"),
         "too long": (long, LIMITS, TooLarge, "50.0 s long"),
+        "too many frames": (long, VideoLimits(**{**LIMITS.__dict__, "max_seconds": 60, "max_source_frames": 99}),
+                            TooLarge, "100 frames"),
         "frames too big": (wide, VideoLimits(**{**LIMITS.__dict__, "max_source_pixels": 320 * 240}), TooLarge,
                            "640x480"),
     }
