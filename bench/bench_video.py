@@ -1,0 +1,213 @@
+"""What a 10-second clip costs: decoding and sampling, visual tokens, vision encoding, time to first token.
+
+Two tables. First, OpenCV decoding alone (no model): 10-second clips written with OpenCV
+(MPEG-4 Part 2 in MP4, MJPEG in AVI, VP9 in WebM — OpenCV's wheel has no H.264 encoder; VP9 at
+720p only, its encoder takes minutes) at 720p and 1080p, kept in --clip-dir for the next run,
+sampled at the settings' VIDEO_FPS, best of three. Second, the engine with the
+checkpoint (default: the 2B-shaped random one, INT8, 2 threads) answering a question about the
+720p MP4 clip at each visual-token budget (VIDEO_MAX_VISUAL_TOKENS, default first), then a
+follow-up question in the same conversation and the same clip opening a new conversation (the
+caches at work). Timings are the engine's own (the `done` line's), time to first token counted
+from before the clip is decoded. Prints and appends both tables to bench/RESULTS.md.
+
+    flock /tmp/heavy.lock python -m bench.bench_video
+    python -m bench.bench_video --model-path /path/to/Qwen3-VL-2B-Instruct --threads 4 --budgets 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.harness import photo  # noqa: E402
+from bench.results import append_section, markdown_table  # noqa: E402
+
+DEFAULT_MODEL = Path("/work/cache/qwen3vl-2b-random")
+CODECS = {"mp4": ("mp4v", "MPEG-4 Part 2"), "avi": ("MJPG", "MJPEG"), "webm": ("VP90", "VP9")}
+CLIPS = [("720p", (1280, 720), "mp4"), ("720p", (1280, 720), "avi"), ("720p", (1280, 720), "webm"),
+         ("1080p", (1920, 1080), "mp4"), ("1080p", (1920, 1080), "avi")]
+QUESTION = "What happens in this clip? Describe the motion."
+
+
+def clip_bytes(path: Path, size: tuple[int, int], seconds: float = 10.0, fps: float = 30.0) -> bytes:
+    """A photo-like background with a square moving across it, written with OpenCV (once: kept at `path`)."""
+    if path.exists():
+        return path.read_bytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name("partial-" + path.name)
+    width, height = size
+    background = photo(width, height)
+    writer = cv2.VideoWriter(str(partial), cv2.VideoWriter_fourcc(*CODECS[path.suffix[1:]][0]), fps, size)
+    side = height // 5
+    for i in range(int(seconds * fps)):
+        frame = background.copy()
+        x = int((width - side) * i / (seconds * fps))
+        frame[height // 3:height // 3 + side, x:x + side] = (40, 40, 230)
+        writer.write(frame)
+    writer.release()
+    partial.rename(path)
+    return path.read_bytes()
+
+
+def decoding_table(clips: dict[str, bytes], limits) -> str:
+    """Decode each clip three times; bytes beyond VIDEO_MAX_BYTES are decoded anyway and marked."""
+    from service.video import decode_video
+
+    unlimited = dataclasses.replace(limits, max_bytes=2 ** 40)
+    rows = []
+    for name, data in tqdm(clips.items(), desc="decoding", unit="clip"):
+        best, video = float("inf"), None
+        for _ in range(3):
+            t0 = time.perf_counter()
+            video = decode_video(data, unlimited)
+            best = min(best, time.perf_counter() - t0)
+        w, h = video.size
+        accepted = "yes" if len(data) <= limits.max_bytes else "no (413)"
+        rows.append([name, f"{len(data) / 1e6:.1f} MB", accepted, video.source_frames, len(video.frames),
+                     f"{w}x{h}", best, best / video.source_frames * 1000])
+    header = ["clip (10 s, 30 fps)", "file", "within VIDEO_MAX_BYTES", "frames in clip", "frames sampled",
+              "sampled size", "decode (s)", "ms per source frame"]
+    return markdown_table(header, rows)
+
+
+def ask(engine, messages, conversation_id: str, max_tokens: int, received_at: float, decode_seconds: float):
+    from service.engine import Completion, GenerationRequest, SamplingParams
+
+    request = GenerationRequest(messages, SamplingParams(max_tokens=max_tokens, temperature=0),
+                                received_at=received_at, video_decode_seconds=decode_seconds,
+                                conversation_id=conversation_id)
+    return [e for e in engine.generate(request) if isinstance(e, Completion)][0]
+
+
+def encoder_calls(engine, video) -> tuple[float, float]:
+    """Seconds to encode `video` one frame pair per call (the service) and in one call (get_video_features)."""
+    import torch
+
+    from service.video import encode_video, video_patches
+
+    pixel_values, grid = video_patches(video, engine.processor.image_processor)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        encode_video(engine.vision_encoder, pixel_values, grid)
+        t1 = time.perf_counter()
+        engine.model.model.get_video_features(pixel_values, grid)
+        return t1 - t0, time.perf_counter() - t1
+
+
+def model_rows(loaded, settings, clip: bytes, budgets: list[int], max_tokens: int, bar: tqdm) -> tuple[list, tuple]:
+    from service.engine import Engine
+    from service.images import decode_image
+    from service.prompts import ChatMessage, ImagePart, TextPart, VideoPart
+    from service.settings import load_settings
+    from service.video import decode_video, video_patches, visual_tokens
+
+    rows = []
+    for budget in budgets:
+        engine = Engine(loaded, load_settings(**{**settings, "video_max_visual_tokens": budget}))
+        warm_up = ChatMessage("user", [ImagePart(decode_image(cv2.imencode(".png", photo(224, 224))[1].tobytes(),
+                                                              loaded.image_limits)), TextPart("Warm-up.")])
+        ask(engine, [warm_up], "warm-up", 2, time.perf_counter(), 0.0)  # first-call costs, not measured
+
+        def row(label, done, video):
+            _, grid = video_patches(video, loaded.processor.image_processor)
+            t = done.timings
+            return [label, budget, len(video.frames), "{}x{}".format(*video.size), visual_tokens(grid[0]),
+                    done.prompt_tokens, done.cached_tokens, done.vision_cache_hits, t["video_decode"],
+                    t["vision_encode"], t["prefill"], t["time_to_first_token"], t["decode_tokens_per_s"]]
+
+        start = time.perf_counter()
+        video = decode_video(clip, engine.video_limits)
+        history = [ChatMessage("user", [VideoPart(video), TextPart(QUESTION)])]
+        first = ask(engine, history, f"clip-{budget}", max_tokens, start, video.decode_seconds)
+        rows.append(row("new clip", first, video))
+        bar.update()
+        if budget != budgets[0]:
+            continue
+        history += [ChatMessage("assistant", [TextPart(first.text)]),
+                    ChatMessage("user", [TextPart("And what happens at the end?")])]
+        follow = ask(engine, history, f"clip-{budget}", max_tokens, time.perf_counter(), 0.0)
+        rows.append(row("follow-up question, same conversation", follow, video))
+        bar.update()
+        start = time.perf_counter()
+        again = decode_video(clip, engine.video_limits)
+        reopened = ask(engine, [ChatMessage("user", [VideoPart(again), TextPart("Who is in it?")])], "another",
+                       max_tokens, start, again.decode_seconds)
+        rows.append(row("same clip, new conversation", reopened, again))
+        bar.update()
+        calls = encoder_calls(engine, video)
+        bar.update()
+    return rows, calls
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--quantization", default="int8", choices=["int8", "fp32"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--budgets", default="1024,512,256", help="VIDEO_MAX_VISUAL_TOKENS values, the default first")
+    p.add_argument("--max-tokens", type=int, default=16, help="answer length of each request")
+    p.add_argument("--clip-dir", type=Path, default=None, help="where the test clips are kept (default: "
+                   "CACHE_DIR/bench-clips)")
+    p.add_argument("--no-save", action="store_true", help="print the tables, do not append them to RESULTS.md")
+    args = p.parse_args(argv)
+    report = (lambda title, settings, body, threads: print(f"\n## {title}\n\n{settings}\n\n{body}")) \
+        if args.no_save else append_section
+    if not (args.model_path / "config.json").exists():
+        p.error(f"{args.model_path} is no checkpoint; make it with: python -m service make-model --preset 2b "
+                f"{args.model_path}")
+    budgets = [int(b) for b in args.budgets.split(",")]
+
+    from service.loading import image_limits_for, load_model, load_processor
+    from service.settings import load_settings
+    from service.video import VideoLimits
+
+    settings = {"model_path": args.model_path, "quantization": args.quantization, "threads": args.threads}
+    base = load_settings(**settings)
+    processor = load_processor(args.model_path)
+    limits = VideoLimits.from_settings(base, image_limits_for(processor, base), processor.image_processor.temporal_patch_size)
+    clip_dir = args.clip_dir or base.cache_dir / "bench-clips"
+    clips = {f"{label} {CODECS[container][1]} ({container.upper()})": clip_bytes(clip_dir / f"{label}.{container}", size)
+             for label, size, container in tqdm(CLIPS, desc="test clips", unit="clip")}
+    decode_body = decoding_table(clips, limits)
+    decode_settings = {"VIDEO_FPS": base.video_fps, "VIDEO_MAX_FRAMES": base.video_max_frames,
+                       "VIDEO_MAX_VISUAL_TOKENS": base.video_max_visual_tokens, "decoder threads": 1,
+                       "OpenCV": cv2.__version__}
+    report("Video decoding and sampling with OpenCV (bench/bench_video.py)", decode_settings, decode_body, 1)
+
+    bar = tqdm(total=len(budgets) + 3, desc="requests", unit="req")
+    t0 = time.perf_counter()
+    loaded = load_model(base)
+    load_seconds = time.perf_counter() - t0
+    rows, (per_pair, whole) = model_rows(loaded, settings, clips[f"720p {CODECS['mp4'][1]} (MP4)"], budgets,
+                                         args.max_tokens, bar)
+    bar.close()
+    header = ["request", "VIDEO_MAX_VISUAL_TOKENS", "frames", "frame size", "visual tokens", "prompt tokens",
+              "cached tokens", "vision cache hits", "video decode (s)", "vision encode (s)", "prefill (s)",
+              "time to first token (s)", "decode (tok/s)"]
+    default = rows[0]
+    body = markdown_table(header, rows) + (
+        f"\n\nThe 10-second 720p clip at the default budget: {default[2]} frames, {default[4]} visual tokens, "
+        f"first token after {default[11]:.1f} s (of which vision encoding {default[9]:.1f} s, prefill "
+        f"{default[10]:.1f} s, decoding the clip {default[8]:.2f} s). Model load: {load_seconds:.0f} s.\n"
+        f"Vision encoder on that clip: one call per frame pair (what the service does) {per_pair:.1f} s, one call "
+        f"for the whole video (get_video_features) {whole:.1f} s.")
+    model_settings = {"MODEL_PATH": args.model_path.name, "QUANTIZATION": args.quantization, "THREADS": args.threads,
+                      "VIDEO_FPS": base.video_fps, "VIDEO_MAX_FRAMES": base.video_max_frames,
+                      "IMAGE_MAX_PIXELS": base.image_max_pixels, "max_tokens": args.max_tokens,
+                      "clip": "10 s, 1280x720, 30 fps, MPEG-4 Part 2 in MP4"}
+    report("A 10-second clip through the engine (bench/bench_video.py)", model_settings, body, args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
