@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import cv2
-import numpy as np
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
