@@ -112,7 +112,11 @@ def cmd_export_onnx(args) -> int:
         def step_done(step: str) -> None:
             bar.set_postfix_str(step)
             bar.update()
-        export_vision_onnx(model_dir, out_dir, progress=step_done)
+        try:
+            export_vision_onnx(model_dir, out_dir, progress=step_done)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     where = f" VISION_ONNX_DIR={out_dir}" if args.out_dir else ""
     print(f"wrote the ONNX vision encoder (fp32 and int8) of {model_dir} to {out_dir} in "
           f"{time.perf_counter() - t0:.1f} s (peak RSS {_peak_rss_gib():.2f} GiB); "

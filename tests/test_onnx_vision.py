@@ -19,6 +19,7 @@ from service.images import decode_image
 from service.loading import load_model
 from service.onnx_vision import GRAPH_FILES, MANIFEST, OnnxVisionEncoder, default_export_dir
 from service.prompts import ChatMessage, ImagePart, TextPart
+from service.quantized import write_quantized
 from service.vision import TorchVisionEncoder, make_vision_encoder
 
 # Grids of 28×28, 16×28 (after the 448² budget), 4×6 and 48×12 patches.
@@ -47,7 +48,7 @@ def engine_for(checkpoint, cache_dir, **overrides) -> Engine:
 
 @pytest.fixture(scope="module")
 def torch_engine(checkpoint, cache_dir):
-    return engine_for(checkpoint, cache_dir)
+    return engine_for(checkpoint, cache_dir, vision_backend="torch")
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +167,20 @@ def test_missing_export_falls_back_to_torch_with_a_warning(onnx_engine, cache_di
         encoder = make_vision_encoder(onnx_engine.loaded, settings)
     assert isinstance(encoder, TorchVisionEncoder)
     assert f"no ONNX export in {tmp_path}" in caplog.text
+
+
+def test_export_refuses_a_pre_quantized_checkpoint_saying_why(checkpoint, tmp_path, capsys):
+    int8_dir = write_quantized(checkpoint, tmp_path / "int8", progress=False)
+    assert main(["--log-level", "WARNING", "export-onnx", str(int8_dir), str(tmp_path / "out")]) == 2
+    assert "pre-quantized INT8 checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_default_backend_without_an_export_uses_torch_without_a_warning(onnx_engine, cache_dir, tmp_path, caplog):
+    settings = make_settings(cache_dir, model_path=onnx_engine.loaded.path, vision_onnx_dir=tmp_path)
+    assert settings.vision_backend == "onnxruntime"
+    with caplog.at_level(logging.INFO, logger="service.onnx_vision"):
+        encoder = make_vision_encoder(onnx_engine.loaded, settings)
+    assert isinstance(encoder, TorchVisionEncoder)
+    assert "export-onnx" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
