@@ -22,7 +22,7 @@ from service.prompts import ChatMessage, ImagePart, TextPart
 from service.quantized import write_quantized
 from service.vision import TorchVisionEncoder, make_vision_encoder
 
-# Grids of 28×28, 16×28 (after the 448² budget), 4×6 and 48×12 patches.
+# Patch grids (h × w) 28×28, 20×36, 14×20 (small pictures are scaled up to the minimum) and 56×12.
 IMAGE_SIZES = [(448, 448), (640, 360), (96, 64), (200, 900)]
 
 
