@@ -11,6 +11,8 @@ from .images import DecodedImage
 from .video import DecodedVideo, video_patches, video_prompt_text
 
 ROLES = ("system", "user", "assistant")
+# Qwen's vision placeholders: typed into text they would desynchronise tokens and pixels.
+VISION_MARKERS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,11 @@ def validate_conversation(messages: list[ChatMessage], limits: PromptLimits) -> 
     if videos > limits.max_videos:
         raise BadRequest(f"{videos} videos (history included); the limit is {limits.max_videos} per request",
                          param="messages", code="too_many_videos")
+    for i, m in enumerate(messages):
+        for part in m.parts:
+            if isinstance(part, TextPart) and any(marker in part.text for marker in VISION_MARKERS):
+                raise BadRequest("text may not hold the model's image/video placeholder tokens "
+                                 f"({', '.join(VISION_MARKERS)})", param=f"messages[{i}]")
     if messages[-1].role not in ("user", "system"):
         raise BadRequest("the last message must be from the user", param="messages")
     for i, m in enumerate(messages):
