@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -50,13 +50,11 @@ class BudgetedLRU(Generic[V]):
     Thread-safe; expired entries go at every access and, while any are held, from a sweeper thread.
     """
 
-    def __init__(self, name: str, max_bytes: int, max_entries: int, ttl_seconds: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, name: str, max_bytes: int, max_entries: int, ttl_seconds: float):
         self.name = name
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self.ttl_seconds = ttl_seconds
-        self._clock = clock
         self._slots: OrderedDict[str, _Slot[V]] = OrderedDict()
         self._bytes = 0
         self.lock = threading.RLock()  # hold it to make several calls one atomic step
@@ -72,9 +70,6 @@ class BudgetedLRU(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._slots)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._slots
 
     def keys(self) -> list[str]:
         """Keys, least recently used first."""
@@ -93,7 +88,7 @@ class BudgetedLRU(Generic[V]):
             slot = self._slots.get(key)
             if slot is None:
                 return None
-            slot.last_used = self._clock()
+            slot.last_used = time.monotonic()
             self._slots.move_to_end(key)
             return slot.value
 
@@ -109,7 +104,7 @@ class BudgetedLRU(Generic[V]):
             if nbytes > self.max_bytes:
                 metrics.CACHE_EVICTIONS.labels(cache=self.name, reason="too_large").inc()
                 return False
-            self._slots[key] = _Slot(value, nbytes, self._clock())
+            self._slots[key] = _Slot(value, nbytes, time.monotonic())
             self._bytes += nbytes
             metrics.CACHE_BYTES.labels(cache=self.name).inc(nbytes)
             metrics.CACHE_ENTRIES.labels(cache=self.name).inc()
@@ -136,7 +131,7 @@ class BudgetedLRU(Generic[V]):
     def sweep(self) -> None:
         """Drop entries idle for longer than the TTL."""
         with self.lock:
-            cutoff = self._clock() - self.ttl_seconds
+            cutoff = time.monotonic() - self.ttl_seconds
             for key in [k for k, s in self._slots.items() if s.last_used < cutoff]:
                 self._remove(key, "ttl")
 
@@ -234,12 +229,11 @@ class ConversationCache:
 
     name = "conversation"
 
-    def __init__(self, model_config, max_bytes: int, max_entries: int, ttl_seconds: float,
-                 min_tokens: int = 16, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, model_config, max_bytes: int, max_entries: int, ttl_seconds: float, min_tokens: int = 16):
         self.model_config = model_config
         # A few shared tokens (the chat template's opening) save next to nothing: not counted as a hit.
         self.min_tokens = min_tokens
-        self.entries: BudgetedLRU[KVEntry] = BudgetedLRU(self.name, max_bytes, max_entries, ttl_seconds, clock)
+        self.entries: BudgetedLRU[KVEntry] = BudgetedLRU(self.name, max_bytes, max_entries, ttl_seconds)
         self._anonymous = itertools.count()
 
     @property
@@ -313,10 +307,8 @@ class VisionFeatureCache:
 
     name = "vision"
 
-    def __init__(self, max_bytes: int, max_entries: int, ttl_seconds: float,
-                 clock: Callable[[], float] = time.monotonic):
-        self.entries: BudgetedLRU[VisionFeatures] = BudgetedLRU(self.name, max_bytes, max_entries, ttl_seconds,
-                                                                clock)
+    def __init__(self, max_bytes: int, max_entries: int, ttl_seconds: float):
+        self.entries: BudgetedLRU[VisionFeatures] = BudgetedLRU(self.name, max_bytes, max_entries, ttl_seconds)
 
     @property
     def enabled(self) -> bool:
