@@ -299,15 +299,13 @@ class OnnxVisionEncoder:
 
 def load_onnx_encoder(model_dir: Path, settings) -> OnnxVisionEncoder | None:
     """The ONNX encoder for `model_dir` in the precision QUANTIZATION names, from VISION_ONNX_DIR
-    or the cache; None if that export is missing or stale, logged with how to build it: a warning
-    if VISION_BACKEND was set, a note if it is only the default."""
+    or the cache; None (with a warning saying how to build it) if that export is missing or stale."""
     export_dir = settings.vision_onnx_dir or default_export_dir(model_dir, settings.cache_dir)
     try:
         manifest = check_export(export_dir, model_dir)
     except StaleExport as exc:
-        level = logging.WARNING if "vision_backend" in settings.model_fields_set else logging.INFO
-        log.log(level, "VISION_BACKEND=onnxruntime, but %s: using the torch vision encoder. Build the export "
-                "with `python -m service export-onnx %s`.", exc, model_dir)
+        log.warning("VISION_BACKEND=onnxruntime, but %s: using the torch vision encoder. Build the export "
+                    "with `python -m service export-onnx %s`.", exc, model_dir)
         return None
     encoder = OnnxVisionEncoder(export_dir, settings.quantization, settings.threads, manifest)
     log.info("vision encoder: ONNX Runtime %s graph from %s", settings.quantization, export_dir)

@@ -25,8 +25,8 @@ class Settings(BaseSettings):
     threads: int = Field(default_factory=_available_cores, ge=1, le=512, description="torch threads")
     cache_dir: Path = Field(Path(os.path.expanduser("~/.cache/qwen3vl-service")), description="embedded model, exports")
     vision_backend: Literal["torch", "onnxruntime"] = Field(
-        "onnxruntime", description="vision encoder: onnxruntime (the `export-onnx` export, torch while there is "
-        "none; the faster here, bench/bench_vision.py) or torch")
+        "torch", description="vision encoder: torch, or onnxruntime (the `export-onnx` export; torch while "
+        "there is none). ORT INT8 was ~10 % faster here but costs memory and stalls batched streams")
     vision_onnx_dir: Path | None = Field(None, description="ONNX export to use; unset = CACHE_DIR/onnx-vision/<checkpoint>")
     max_memory_mb: int | None = Field(None, ge=1, description="memory budget in MiB (RSS minus file-backed pages); "
                                       "unset = none. Near it caches are evicted, over it requests get 503")
