@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.image_utils import SizeDict
 
 from .checkpoints import RANDOM_MODEL_WARNING, embedded_model_dir, is_random_test_model
 from .images import ImageLimits
@@ -79,7 +80,7 @@ def image_limits_for(processor, settings: Settings) -> ImageLimits:
     max_pixels = min(settings.image_max_pixels, size.longest_edge or settings.image_max_pixels)
     min_pixels = min(size.shortest_edge or factor * factor, max_pixels)
     # Make the processor's own resize rule agree with ours, so it never resizes a second time.
-    ip.size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    ip.size = SizeDict(shortest_edge=min_pixels, longest_edge=max_pixels)  # as loaded: callable again
     return ImageLimits(max_bytes=settings.image_max_bytes, max_decoded_pixels=settings.image_max_decoded_pixels,
                        max_pixels=max_pixels, min_pixels=min_pixels, factor=factor)
 
