@@ -50,8 +50,9 @@ async def one_request(client: httpx.AsyncClient, base: str, i: int, max_tokens: 
 
 
 async def run_load(base: str, clients: int, requests: int, max_tokens: int, timeout: float,
-                   time_cap: float) -> tuple[list[dict], float]:
-    """`clients` workers share `requests` requests; stops starting new ones after `time_cap` s."""
+                   time_cap: float, backoff: float = 0.5) -> tuple[list[dict], float]:
+    """`clients` workers share `requests` requests, each pausing `backoff` s after a refusal;
+    stops starting new ones after `time_cap` s."""
     results: list[dict] = []
     todo = iter(range(requests))
     start = time.perf_counter()
@@ -61,8 +62,11 @@ async def run_load(base: str, clients: int, requests: int, max_tokens: int, time
         for i in todo:
             if time.perf_counter() - start > time_cap:
                 return
-            results.append(await one_request(client, base, i, max_tokens, timeout))
+            result = await one_request(client, base, i, max_tokens, timeout)
+            results.append(result)
             bar.update()
+            if result["status"] in (429, 503):
+                await asyncio.sleep(backoff)  # a polite client backs off before its next request
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(limits=limits) as client:
