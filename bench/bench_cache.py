@@ -1,7 +1,7 @@
 """Conversation KV cache and vision-feature cache, through the HTTP API: time to first token.
 
-Two Gunicorn servers in turn, one with the caches and one with CACHE_ENABLED=false (the same
-checkpoint, quantization and threads). On each: a conversation whose second turn is ~500 tokens
+Two Gunicorn servers side by side, one with the caches and one with CACHE_ENABLED=false (the
+same checkpoint, quantization and threads), taking the requests alternately. On each: a conversation whose second turn is ~500 tokens
 holding one 448x448 picture (native endpoint, `conversation_id`, streaming); the second turn's
 time to first token is the figure. Then, on the caching server only, new conversations opening
 with the picture already seen versus a picture never seen, the picture first (its KV prefix can
@@ -101,16 +101,24 @@ def chat(base: str, messages: list[dict], conversation_id: str, max_tokens: int)
     return done
 
 
-def run_server(env: dict, log: Path, steps: list[tuple[str, list[dict], str, int]], bar: tqdm) -> dict[str, list]:
-    """Start a server with `env`, warm it up, run the steps in order: done lines by step name."""
-    results: dict[str, list] = {}
-    with gunicorn_server(env, log, timeout=900) as (base, _):
-        chat(base, [user(picture(999, 224), "Warm-up.")], "warm-up", 2)  # first-call costs, not measured
-        bar.update()
-        for name, messages, conversation_id, max_tokens in steps:
-            results.setdefault(name, []).append(chat(base, messages, conversation_id, max_tokens))
+def run_servers(env: dict, logs: Path, steps: list[tuple[str, list[dict], str, int, tuple[str, ...]]],
+                bar: tqdm) -> dict[str, dict]:
+    """Start the caching and the cache-free server (one after the other: loading peaks in memory),
+    warm both up, then run each step on the servers it names, alternating between them, so that
+    the machine's other load affects both alike. Done lines by server and step name."""
+    servers = {"on": {"CACHE_ENABLED": "true"}, "off": {"CACHE_ENABLED": "false"}}
+    results: dict[str, dict] = {name: {} for name in servers}
+    with gunicorn_server({**env, **servers["on"]}, logs / "cached.log", timeout=900) as (on, _), \
+            gunicorn_server({**env, **servers["off"]}, logs / "uncached.log", timeout=900) as (off, _):
+        bases = {"on": on, "off": off}
+        for base in bases.values():
+            chat(base, [user(picture(999, 224), "Warm-up.")], "warm-up", 2)  # first-call costs, not measured
             bar.update()
-        results["metrics"] = requests.get(base + "/metrics", timeout=30).text
+        for name, messages, conversation_id, max_tokens, where in steps:
+            for server in where:
+                results[server].setdefault(name, []).append(chat(bases[server], messages, conversation_id, max_tokens))
+                bar.update()
+        results["on"]["metrics"] = requests.get(on + "/metrics", timeout=30).text
     return results
 
 
@@ -145,28 +153,31 @@ def main(argv=None) -> int:
     prose = text_of_tokens(args.model_path, args.prompt_tokens - 196 - args.first_answer_tokens - 40)
     conversation, openings = [], []
     for r in range(args.repeats):
+        both = ("on", "off")
         conversation += [
-            ("turn 1", [user(seen, prose + " What is in this picture?")], f"bench-talk-{r}", args.first_answer_tokens),
-            ("turn 2", [user(follow_up)], f"bench-talk-{r}", args.measured_tokens),
+            ("turn 1", [user(seen, prose + " What is in this picture?")], f"bench-talk-{r}", args.first_answer_tokens,
+             both),
+            ("turn 2", [user(follow_up)], f"bench-talk-{r}", args.measured_tokens, both),
         ]
         # A different opening sentence each time, so "after text" shares no KV prefix with earlier runs.
         intro = f"Look at photograph number {r + 1} from my holiday, please."
         openings += [
-            ("seen first", [user(seen, "Describe the colours you see.")], f"bench-seen-first-{r}", args.measured_tokens),
+            ("seen first", [user(seen, "Describe the colours you see.")], f"bench-seen-first-{r}", args.measured_tokens,
+             ("on",)),
             ("new first", [user(picture(100 + r), "Describe the colours you see.")], f"bench-new-first-{r}",
-             args.measured_tokens),
+             args.measured_tokens, ("on",)),
             ("seen after text", [user(intro, seen, "Describe the colours.")], f"bench-seen-text-{r}",
-             args.measured_tokens),
+             args.measured_tokens, ("on",)),
             ("new after text", [user(intro, picture(200 + r), "Describe the colours.")], f"bench-new-text-{r}",
-             args.measured_tokens),
+             args.measured_tokens, ("on",)),
         ]
     env = {"MODEL_PATH": str(args.model_path), "QUANTIZATION": args.quantization, "THREADS": str(args.threads),
            "LOG_LEVEL": "warning"}
     logs = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     bar = tqdm(total=2 + len(conversation) * 2 + len(openings), desc="requests", unit="req")
-    on = run_server({**env, "CACHE_ENABLED": "true"}, logs / "cached.log", conversation + openings, bar)
-    off = run_server({**env, "CACHE_ENABLED": "false"}, logs / "uncached.log", conversation, bar)
+    results = run_servers(env, logs, conversation + openings, bar)
     bar.close()
+    on, off = results["on"], results["off"]
 
     def server_ttft(done):
         return done["timings"]["time_to_first_token"]
