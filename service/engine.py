@@ -418,6 +418,7 @@ class Engine:
             time_to_first_token=first - request.received_at,
             decode=decode_seconds,
             decode_tokens_per_s=(len(ids) - 1) / decode_seconds if len(ids) > 1 and decode_seconds > 0 else 0.0,
+            longest_token_gap=streamer.longest_gap,  # e.g. while a neighbour in the batch prefilled
             total=end - request.received_at,
         )
         yield Completion(text="".join(parts), finish_reason=finish, prompt_tokens=prompt.num_tokens,

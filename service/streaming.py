@@ -10,18 +10,24 @@ from transformers import TextIteratorStreamer
 
 class TokenStreamer(TextIteratorStreamer):
     """A TextIteratorStreamer that emits every token's text at once (not word by word) and records
-    the generated ids and the time of the first one."""
+    the generated ids, the time of the first one and the longest gap between two."""
 
     def __init__(self, tokenizer, timeout: float | None = None):
         super().__init__(tokenizer, skip_prompt=False, timeout=timeout, skip_special_tokens=True)
         self.token_ids: list[int] = []
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.longest_gap = 0.0  # the longest wait between two tokens, seconds
         self._held = 0  # tokens held back waiting for the rest of a UTF-8 character
 
     def put(self, value):
         ids = value.flatten().tolist()
+        now = time.perf_counter()
         if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
+            self.first_token_at = now
+        else:
+            self.longest_gap = max(self.longest_gap, now - self.last_token_at)
+        self.last_token_at = now
         self.token_ids.extend(ids)
         self.token_cache.extend(ids)
         text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
