@@ -64,20 +64,21 @@ def decode_base64_video(payload: str, limits: VideoLimits, param: str) -> Decode
     return decode_video_file(_base64_bytes(payload, limits.max_bytes, "video", param, VideoError), limits, param)
 
 
-def decode_file(data: bytes, limits: ImageLimits, param: str) -> DecodedImage:
+def _naming_param(decode, data: bytes, limits, param: str):
+    """decode(data, limits), with `param` named in the client error it may raise."""
     try:
-        return decode_image(data, limits)
-    except (ImageError, TooLarge) as exc:
+        return decode(data, limits)
+    except (ImageError, VideoError, TooLarge) as exc:
         exc.param = param
         raise
+
+
+def decode_file(data: bytes, limits: ImageLimits, param: str) -> DecodedImage:
+    return _naming_param(decode_image, data, limits, param)
 
 
 def decode_video_file(data: bytes, limits: VideoLimits, param: str) -> DecodedVideo:
-    try:
-        return decode_video(data, limits)
-    except (VideoError, TooLarge) as exc:
-        exc.param = param
-        raise
+    return _naming_param(decode_video, data, limits, param)
 
 
 def checked_text(text: str, param: str) -> str:
