@@ -159,19 +159,26 @@ def _to_rgb8(img: np.ndarray) -> np.ndarray:
     return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
 
 
+def checked_upload(data: bytes, kind: str, max_bytes: int, sniff, error, expected: str) -> str:
+    """The format `sniff` finds in an upload of `kind` ("image", "video"), after the checks every
+    upload gets: not empty (`error`, 400), not over `max_bytes` (TooLarge, 413), a known format."""
+    if not data:
+        raise error(f"{kind} is empty")
+    if len(data) > max_bytes:
+        raise TooLarge(f"{kind} is {len(data)} bytes; the limit is {max_bytes}", code=f"{kind}_too_large")
+    fmt = sniff(data)
+    if fmt is None:
+        raise error(f"not a supported {kind}: {expected} expected")
+    return fmt
+
+
 def decode_image(data: bytes, limits: ImageLimits) -> DecodedImage:
     """Bytes of a JPEG/PNG/WebP/BMP → RGB image resized into the pixel budget.
 
     Raises ImageError (400) for empty, unknown, truncated or corrupt data and TooLarge (413) for
     bytes or dimensions beyond the limits.
     """
-    if not data:
-        raise ImageError("image is empty")
-    if len(data) > limits.max_bytes:
-        raise TooLarge(f"image is {len(data)} bytes; the limit is {limits.max_bytes}", code="image_too_large")
-    fmt = sniff_format(data)
-    if fmt is None:
-        raise ImageError("not a supported image: JPEG, PNG, WebP or BMP expected")
+    fmt = checked_upload(data, "image", limits.max_bytes, sniff_format, ImageError, "JPEG, PNG, WebP or BMP")
     width, height = header_size(data, fmt)
     if width <= 0 or height <= 0:
         raise ImageError(f"{fmt.upper()} header gives an empty image ({width}x{height})")

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .errors import TooLarge, VideoError
-from .images import ImageLimits, fit_to_budget
+from .images import ImageLimits, checked_upload, fit_to_budget
 from .vision import VisionFeatures
 from .vision_steps import run_to_end, video_steps
 
@@ -145,13 +145,7 @@ def decode_video(data: bytes, limits: VideoLimits) -> DecodedVideo:
     bytes, duration or frame size beyond the limits — the latter from the metadata, before decoding.
     """
     start = time.perf_counter()
-    if not data:
-        raise VideoError("video is empty")
-    if len(data) > limits.max_bytes:
-        raise TooLarge(f"video is {len(data)} bytes; the limit is {limits.max_bytes}", code="video_too_large")
-    fmt = sniff_container(data)
-    if fmt is None:
-        raise VideoError("not a supported video: MP4/MOV, WebM/MKV or AVI expected")
+    fmt = checked_upload(data, "video", limits.max_bytes, sniff_container, VideoError, "MP4/MOV, WebM/MKV or AVI")
     with tempfile.NamedTemporaryFile(prefix=TEMP_PREFIX, suffix=f".{fmt}") as tmp:
         tmp.write(data)
         tmp.flush()
