@@ -34,6 +34,21 @@ def make_settings(cache_dir, **overrides):
     return load_settings(cache_dir=cache_dir, threads=2, **overrides)
 
 
+@pytest.fixture(scope="session")
+def serve(cache_dir, tiny_dir, tmp_path_factory):
+    """serve(env, name, **kw): a real Gunicorn on the embedded model (tests.servers.gunicorn_server),
+    logging to serve.log(name) under the session's temporary directory."""
+    from servers import gunicorn_server
+
+    logs = tmp_path_factory.mktemp("server-logs")
+
+    def start(env: dict[str, str], name: str = "gunicorn", **kwargs):
+        return gunicorn_server({"CACHE_DIR": str(cache_dir), **env}, start.log(name), **kwargs)
+
+    start.log = lambda name: logs / f"{name}.log"
+    return start
+
+
 @pytest.fixture(scope="session", params=["fp32", "int8"])
 def engine(request, cache_dir, tiny_dir) -> Engine:
     settings = make_settings(cache_dir, quantization=request.param)

@@ -40,13 +40,14 @@ def free_ports(count: int) -> int:
             continue
 
 
-def wait_ready(base: str, proc: subprocess.Popen | None = None, timeout: float = 120.0, path: str = "/ready") -> None:
+def wait_ready(base: str, proc: subprocess.Popen | None = None, timeout: float = 120.0, path: str = "/ready",
+               headers: dict[str, str] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            if requests.get(base + path, timeout=2).status_code == 200:
+            if requests.get(base + path, timeout=2, headers=headers).status_code == 200:
                 return
         except requests.RequestException:  # refused, or busy loading the model
             pass
@@ -55,8 +56,10 @@ def wait_ready(base: str, proc: subprocess.Popen | None = None, timeout: float =
 
 
 @contextmanager
-def gunicorn_server(env: dict[str, str], log_path: Path, ready_path: str = "/ready", timeout: float = 120.0):
-    """Yield (base_url, process) of `gunicorn -c gunicorn.conf.py wsgi:app` with `env` added."""
+def gunicorn_server(env: dict[str, str], log_path: Path, ready_path: str = "/ready", timeout: float = 120.0,
+                    headers: dict[str, str] | None = None):
+    """Yield (base_url, process) of `gunicorn -c gunicorn.conf.py wsgi:app` with `env` added, once
+    `ready_path` answers 200 (`headers`: e.g. the API key a server with API_KEYS wants)."""
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "PROMETHEUS_MULTIPROC_DIR")}
     full_env.update({"THREADS": "2", **env})
@@ -66,16 +69,10 @@ def gunicorn_server(env: dict[str, str], log_path: Path, ready_path: str = "/rea
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(base, proc, timeout, ready_path)
+        wait_ready(base, proc, timeout, ready_path, headers)
         yield base, proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_group(proc)
         log.close()
 
 

@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
 import hostile
-from servers import gunicorn_server
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "40"))
 FUZZ_ENV = {"MAX_NEW_TOKENS": "6", "DEFAULT_MAX_TOKENS": "4", "QUEUE_SIZE": "4", "MAX_BODY_BYTES": str(2 * 1024 * 1024),
@@ -30,9 +29,8 @@ def worker_pids(base: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(cache_dir, tiny_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("fuzzlog") / "gunicorn.log"
-    with gunicorn_server({**FUZZ_ENV, "CACHE_DIR": str(cache_dir)}, log) as (base, _):
+def fuzz_server(serve):
+    with serve(FUZZ_ENV, "fuzz") as (base, _):
         answer = requests.post(base + "/v1/chat", json=REFERENCE).json()["text"]
         pids = worker_pids(base)
         yield base

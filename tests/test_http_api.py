@@ -20,9 +20,8 @@ SERVER_ENV = {"QUEUE_SIZE": "1", "MAX_BATCH_SIZE": "2", "MAX_BODY_BYTES": str(3 
 
 
 @pytest.fixture(scope="module")
-def server(cache_dir, tiny_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "gunicorn.log"
-    with gunicorn_server({**SERVER_ENV, "CACHE_DIR": str(cache_dir)}, log) as (base, proc):
+def server(serve):
+    with serve(SERVER_ENV, "http-api") as (base, _):
         yield base
 
 

@@ -9,7 +9,6 @@ import pytest
 import requests
 
 from imaging import encode, pattern
-from servers import gunicorn_server
 
 KEY = "sk-test-0123456789abcdef"
 LIMITS_ENV = {"API_KEYS": f"other-key, {KEY}", "MAX_IMAGES_PER_REQUEST": "2", "MAX_MESSAGES": "3",
@@ -19,13 +18,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server(cache_dir, tiny_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("seclog") / "gunicorn.log"
-    with gunicorn_server({**LIMITS_ENV, "CACHE_DIR": str(cache_dir)}, log, ready_path="/health") as (base, _):
-        for _ in range(600):
-            if requests.get(base + "/ready", headers=AUTH).status_code == 200:
-                break
-        yield base, log
+def server(serve):
+    with serve(LIMITS_ENV, "security", headers=AUTH) as (base, _):
+        yield base, serve.log("security")
 
 
 def chat(base, body, headers=AUTH):

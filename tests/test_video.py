@@ -20,7 +20,6 @@ from transformers.video_utils import VideoMetadata
 from clips import WRITABLE, noise, write_clip
 from conftest import make_settings
 from imaging import encode, pattern
-from servers import gunicorn_server
 from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
 from service.errors import BadRequest, TooLarge, VideoError
 from service.images import decode_image
@@ -347,13 +346,11 @@ def test_videos_beyond_the_per_request_limit_are_refused(fp32_engine, clip):
 # -- through the HTTP API ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server(cache_dir, tiny_dir, tmp_path_factory):
+def server(serve, tmp_path_factory):
     """A Gunicorn with its own TMPDIR (to see that no temporary file outlives a request)."""
     tmpdir = tmp_path_factory.mktemp("server-tmp")
-    log = tmp_path_factory.mktemp("logs") / "gunicorn.log"
-    env = {"CACHE_DIR": str(cache_dir), "TMPDIR": str(tmpdir), "VIDEO_MAX_SECONDS": "20", "CONTEXT_LIMIT": "2048",
-           "MAX_NEW_TOKENS": "64"}
-    with gunicorn_server(env, log) as (base, _):
+    env = {"TMPDIR": str(tmpdir), "VIDEO_MAX_SECONDS": "20", "CONTEXT_LIMIT": "2048", "MAX_NEW_TOKENS": "64"}
+    with serve(env, "video") as (base, _):
         yield SimpleNamespace(base=base, tmpdir=tmpdir)
 
 

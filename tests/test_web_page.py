@@ -15,7 +15,7 @@ import requests
 from playwright.sync_api import Page, expect, sync_playwright
 
 from imaging import encode, pattern
-from servers import ROOT, gunicorn_server, metric
+from servers import ROOT, metric
 
 import service.engine
 
@@ -31,17 +31,15 @@ CACHE_LANDED = hasattr(service.engine, "ConversationCache")
 
 
 @pytest.fixture(scope="module")
-def server(cache_dir, tiny_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "gunicorn.log"
-    with gunicorn_server({**SERVER_ENV, "CACHE_DIR": str(cache_dir)}, log) as (base, proc):
+def server(serve):
+    with serve(SERVER_ENV, "web") as (base, _):
         yield base
 
 
 @pytest.fixture(scope="module")
-def keyed_server(cache_dir, tiny_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "gunicorn-keyed.log"
-    with gunicorn_server({**SERVER_ENV, "CACHE_DIR": str(cache_dir), "API_KEYS": "sk-right"}, log,
-                         ready_path="/health") as (base, proc):
+def keyed_server(serve):
+    with serve({**SERVER_ENV, "API_KEYS": "sk-right"}, "web-keyed",
+               headers={"Authorization": "Bearer sk-right"}) as (base, _):
         yield base
 
 
