@@ -6,14 +6,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 
 from .errors import QueueFull, Unavailable
 
 
 class Admission:
-    """`with admission.slot() as waited:` runs its body with at most `slots - 1` others; when all
-    slots are taken, at most `queue_size` more wait.
+    """`acquire()` … `release()` holds one of `slots` places; when all are taken, at most
+    `queue_size` more requests wait.
 
     A request beyond the queue is refused at once (429, Retry-After); one that waits longer than
     `timeout` seconds gets a 503. Waiters are served first come, first served.
@@ -40,14 +39,6 @@ class Admission:
     @property
     def busy(self) -> bool:
         return self._in_use > 0
-
-    @contextmanager
-    def slot(self, timeout: float | None = None):
-        waited = self.acquire(timeout)
-        try:
-            yield waited
-        finally:
-            self.release()
 
     def acquire(self, timeout: float | None = None) -> float:
         """Wait for the model; returns the seconds waited. Pair with release()."""

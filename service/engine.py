@@ -171,12 +171,13 @@ class Engine:
         return prepare_prompt(self.processor, request.messages, PromptLimits.from_settings(self.settings))
 
     def generate(self, request: GenerationRequest, prompt: PreparedPrompt | None = None) -> Iterator[TextDelta | Completion]:
-        """Yield TextDelta events as tokens arrive, then one Completion. Admission happens on the
-        first `next()`; closing the generator cancels generation."""
-        prompt = prompt or self.prepare(request)
-        self._check_memory(request, prompt)
-        with self.admission.slot() as waited:
-            yield from self._run(request, prompt, waited)
+        """`start` as a plain generator (CLI, tests): admission happens on the first `next()`;
+        closing the generator cancels generation."""
+        generation = self.start(request, prompt)
+        try:
+            yield from generation
+        finally:
+            generation.close()
 
     def start(self, request: GenerationRequest, prompt: PreparedPrompt | None = None) -> "Generation":
         """Prepare and admit now — so 4xx, 429 and 503 are raised before any byte is sent — and
