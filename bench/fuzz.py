@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     tally = json.loads(tally_file.read_text() or "{}") if tally_file.stat().st_size else {}
     tally_file.unlink()
     statuses = {k: int(v) for k, v in sorted(tally.get("statuses", {}).items())}
-    server_errors = sum(v for k, v in statuses.items() if int(k) >= 500 and int(k) != 503)
+    server_errors = sum(v for k, v in statuses.items() if int(k) >= 500)
     table = markdown_table(
         ["requests", "by status", "5xx", "worker restarts", "same answer after", "pytest", "minutes"],
         [[sum(statuses.values()), statuses, server_errors, "yes" if tally.get("worker_restarted") else "none",

@@ -1,6 +1,6 @@
 """Fuzzing a real Gunicorn: schemathesis from /openapi.json plus hypothesis-generated hostile bodies,
 images and forms. Zero 5xx, no worker crash, and the same answer afterwards. FUZZ_EXAMPLES scales it
-(the long run is `python bench/fuzz.py`)."""
+(the long run is `python -m bench.fuzz`)."""
 
 from __future__ import annotations
 
