@@ -26,7 +26,7 @@ from .batching import Prefilled, Sampler, Scheduler, Sequence
 from .caches import ConversationCache, ImageSpan, VisionFeatureCache
 from .errors import BadRequest, PromptTooLong
 from .loading import LoadedModel
-from .memory import MemoryGuard, kv_cache_bytes, lru_evictor
+from .memory import MemoryGuard, kv_cache_bytes
 from .prompts import ChatMessage, PreparedPrompt, PromptLimits, prepare_prompt
 from .settings import Settings
 from .streaming import StopStringMatcher, TokenStreamer
@@ -149,8 +149,8 @@ class Engine:
         self.vision_cache = VisionFeatureCache(settings.vision_cache_max_bytes if on else 0,
                                                settings.vision_cache_max_entries, settings.cache_ttl_seconds)
         # MAX_MEMORY_MB: near it the caches give memory back (KV first: the largest), over it requests get 503.
-        self.memory = MemoryGuard.from_settings(settings, [lru_evictor(self.conversation_cache.entries),
-                                                           lru_evictor(self.vision_cache.entries)])
+        self.memory = MemoryGuard.from_settings(settings, [self.conversation_cache.entries.shrink,
+                                                           self.vision_cache.entries.shrink])
         ip = self.processor.image_processor
         self.video_limits = VideoLimits.from_settings(settings, loaded.image_limits, ip.temporal_patch_size)
         # Everything besides the pixels that shapes the encoder's input: part of every vision-cache key.

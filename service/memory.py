@@ -59,24 +59,6 @@ def kv_cache_bytes(config, tokens: int, bytes_per_value: int = 4) -> int:
     return tokens * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * bytes_per_value
 
 
-def lru_evictor(lru) -> EvictCallback:
-    """An eviction callback for a cache with `keys()` (least recently used first), `pop` and `nbytes`:
-    drops its oldest entries until the bytes wanted are freed or it is empty."""
-
-    def evict(bytes_wanted: int) -> int:
-        freed = 0
-        with lru.lock:
-            for key in lru.keys():
-                if freed >= bytes_wanted:
-                    break
-                before = lru.nbytes
-                lru.pop(key)
-                freed += before - lru.nbytes
-        return freed
-
-    return evict
-
-
 class MemoryGuard:
     """Keeps the process within a memory budget.
 
@@ -93,12 +75,8 @@ class MemoryGuard:
 
     @classmethod
     def from_settings(cls, settings, evict_callbacks: list[EvictCallback] | None = None) -> "MemoryGuard":
-        mb = getattr(settings, "max_memory_mb", None)
+        mb = settings.max_memory_mb
         return cls(mb * MIB if mb else None, evict_callbacks)
-
-    def add_evict_callback(self, callback: EvictCallback) -> None:
-        """Register a cache's eviction hook: `callback(bytes_wanted)` drops entries (oldest first)."""
-        self.evict_callbacks.append(callback)
 
     def used_bytes(self) -> int:
         return unreclaimable_bytes(self._process)
@@ -127,8 +105,3 @@ class MemoryGuard:
                 f"{self.budget_bytes / MIB:.0f} and this request needs about {needed_bytes / MIB:.0f} MiB more "
                 "(caches already evicted); retry later, shorten the request, or raise MAX_MEMORY_MB",
                 code="memory_budget", headers={"Retry-After": "5"})
-
-    def status(self) -> dict:
-        """Usage and budget in MiB, for health and metrics."""
-        return {"used_mb": round(self.used_bytes() / MIB, 1),
-                "budget_mb": None if self.budget_bytes is None else round(self.budget_bytes / MIB, 1)}

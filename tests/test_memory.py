@@ -15,7 +15,8 @@ from service.caches import BudgetedLRU
 from service.engine import Engine, GenerationRequest, SamplingParams
 from service.errors import Unavailable
 from service.loading import load_model
-from service.memory import EVICT_AT, MIB, MemoryGuard, lru_evictor, release_memory
+from service import metrics
+from service.memory import EVICT_AT, MIB, MemoryGuard, release_memory
 from service.prompts import ChatMessage, TextPart
 from service.quantized import MappedInt8Linear, write_quantized
 
@@ -37,16 +38,19 @@ def big_cache():
 
 
 def test_caches_are_evicted_before_a_request_is_refused(big_cache):
-    guard = MemoryGuard(None, [lru_evictor(big_cache)])
+    guard = MemoryGuard(None, [big_cache.shrink])
     # 96 MiB past the eviction mark (EVICT_AT of the budget): two of the four 64 MiB entries must go.
     guard.budget_bytes = int((guard.used_bytes() - 96 * MIB) / EVICT_AT)
+    evicted = metrics.CACHE_EVICTIONS.labels(cache="test", reason="memory")
+    before = evicted._value.get()
     guard.check()  # no error: evicting was enough
     assert big_cache.keys() == ["k2", "k3"]  # the oldest went first, and no more than needed
+    assert evicted._value.get() - before == 2  # counted in /metrics under reason="memory"
     assert guard.used_bytes() <= guard.budget_bytes * EVICT_AT
 
 
 def test_request_that_would_not_fit_even_after_eviction_is_refused(big_cache):
-    guard = MemoryGuard(None, [lru_evictor(big_cache)])
+    guard = MemoryGuard(None, [big_cache.shrink])
     guard.budget_bytes = guard.used_bytes() + 64 * MIB
     with pytest.raises(Unavailable, match="MAX_MEMORY_MB") as exc:
         guard.check(needed_bytes=2048 * MIB)
