@@ -45,24 +45,28 @@ class Sampler:
 
     def __init__(self, config: GenerationConfig, seed: int):
         self.do_sample = bool(config.do_sample)
-        self.processors = LogitsProcessorList()
-        if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
-            self.processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
+        penalty = config.repetition_penalty
+        self.penalty = RepetitionPenaltyLogitsProcessor(penalty) if penalty is not None and penalty != 1.0 else None
+        self.warpers = LogitsProcessorList()
         if self.do_sample:
             if config.temperature is not None and config.temperature != 1.0:
-                self.processors.append(TemperatureLogitsWarper(config.temperature))
+                self.warpers.append(TemperatureLogitsWarper(config.temperature))
             if config.top_k:
-                self.processors.append(TopKLogitsWarper(config.top_k))
+                self.warpers.append(TopKLogitsWarper(config.top_k))
             if config.top_p is not None and config.top_p < 1.0:
-                self.processors.append(TopPLogitsWarper(config.top_p))
+                self.warpers.append(TopPLogitsWarper(config.top_p))
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, token_ids: list[int], logits: torch.Tensor) -> int:
         """The next token after `token_ids` (prompt and answer so far) given its logits (1 × vocab)."""
-        scores = self.processors(torch.tensor([token_ids]), logits) if self.processors else logits
+        scores = self.penalty(torch.tensor([token_ids]), logits) if self.penalty else logits
         if self.do_sample:
-            return int(torch.multinomial(scores.softmax(-1), 1, generator=self.generator))
-        return int(scores.argmax(-1))
+            probs = (self.warpers(None, scores) if self.warpers else scores).softmax(-1)
+            if torch.isfinite(probs).all():
+                return int(torch.multinomial(probs, 1, generator=self.generator))
+            # A temperature (or penalty) so extreme that the scores overflowed: the distribution's
+            # limit is all its mass on the most likely token.
+        return int(scores.nan_to_num(nan=float("-inf")).argmax(-1))
 
 
 @dataclass
@@ -96,10 +100,6 @@ class Sequence:
     cache: DynamicCache | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def generated(self) -> list[int]:
-        return self.token_ids[len(self.prompt_ids):]
 
     @property
     def finished(self) -> bool:
@@ -218,6 +218,7 @@ class Scheduler:
                         self._wake.wait()
                     self._waiting.extend(self._inbox)
                     self._inbox.clear()
+                in_hand = [*self._running, *self._waiting]
                 try:
                     self._drop_cancelled()
                     if self._waiting:
@@ -226,7 +227,7 @@ class Scheduler:
                         self._decode_step()
                 except Exception as exc:  # a bug here must not leave requests waiting forever
                     log.exception("batch scheduler step failed")
-                    self._fail([*self._running, *self._waiting], exc)
+                    self._fail([*in_hand, *self._running, *self._waiting], exc)
                 metrics.BATCH_SIZE.set(len(self._running))
 
     def _drop_cancelled(self) -> None:
@@ -257,7 +258,13 @@ class Scheduler:
         self._waiting.remove(sequence)
         sequence.token_ids = list(sequence.prompt_ids)
         sequence.rope_delta = prefilled.rope_delta
-        sequence.accept(prefilled.logits)
+        try:
+            sequence.accept(prefilled.logits)
+        except Exception as exc:
+            log.exception("sampling the first token failed")
+            sequence.error = exc
+            self._leave_alone(sequence)
+            return
         metrics.FIRST_TOKEN_WAIT.observe(time.perf_counter() - sequence.submitted_at)
         if sequence.finished:
             sequence.cache = prefilled.cache
@@ -275,14 +282,18 @@ class Scheduler:
             out = self.model(input_ids=ids, position_ids=positions.view(1, -1, 1).expand(3, -1, 1),
                              attention_mask=self._kv.step_mask(), cache=self._kv.cache, logits_to_keep=1)
             self._kv.advance()
-            logits = out.logits[:, -1].float()
-            for i, sequence in enumerate(running):
-                sequence.accept(logits[i:i + 1])
         except Exception as exc:  # the batch's state is unknown now: fail its sequences, keep serving
             log.exception("decode step failed for a batch of %d", len(running))
             self._fail(list(running), exc)
             return
-        self._leave([s for s in running if s.finished])
+        logits = out.logits[:, -1].float()
+        for i, sequence in enumerate(running):
+            try:
+                sequence.accept(logits[i:i + 1])
+            except Exception as exc:  # this sequence's sampling only: it leaves, its neighbours go on
+                log.exception("sampling a token failed")
+                sequence.error = exc
+        self._leave([s for s in running if s.finished or s.error is not None])
 
     def _fail(self, sequences: list[Sequence], exc: Exception) -> None:
         """End `sequences` with `exc` (re-raised in their request threads), dropping the batched KV."""

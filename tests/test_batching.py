@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from conftest import make_settings
 from imaging import encode, pattern
-from service.batching import BatchKV
+from service.batching import BatchKV, Sampler
 from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
 from service.errors import QueueFull
 from service.images import decode_image
@@ -37,8 +37,8 @@ def picture(engine, size=256, seed=0):
 
 
 def request(parts, max_tokens=24, **params) -> GenerationRequest:
-    return GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                          **params))
+    return GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=max_tokens,
+                                                                          **{"temperature": 0, **params}))
 
 
 class Stream:
@@ -49,6 +49,7 @@ class Stream:
         self.arrivals: list[float] = []
         self.tokens_at_close = 0
         self.done: Completion | None = None
+        self.error: BaseException | None = None
         self.started = threading.Event()
         self.thread = threading.Thread(target=self._run)
 
@@ -68,6 +69,8 @@ class Stream:
                         return  # closed in `finally`: what the HTTP layer does when the client goes away
                 else:
                     self.done = event
+        except Exception as exc:  # the request's error, as its HTTP handler would see it
+            self.error = exc
         finally:
             generation.close()
 
@@ -158,6 +161,46 @@ def test_seeded_sampling_in_a_batch_equals_alone(engines):
     streams = [Stream(engine, sampled(seed)).start() for seed in (1, 2, 3)]
     assert [s.join().token_ids() for s in streams] == expected
     assert len({tuple(e) for e in expected}) == 3
+
+
+def test_a_temperature_so_small_that_the_scores_overflow_answers_greedily(engines):
+    """Logits / 1e-45 are ±inf and their softmax NaN: the request gets the distribution's limit
+    (the greedy answer), alone and in a batch, instead of an error."""
+    engine = engines["fp32"]
+    greedy = alone(engine, request([TextPart("Make something up.")]))
+    tiny = [Stream(engine, request([TextPart("Make something up.")], temperature=1e-45, seed=s)).start()
+            for s in (1, 2)]
+    neighbour = Stream(engine, request([TextPart("Hi.")], max_tokens=30)).start()
+    assert [s.join().token_ids() for s in tiny] == [greedy, greedy]
+    assert neighbour.join().error is None and [s.error for s in tiny] == [None, None]
+
+
+@pytest.mark.parametrize("fail_at", [1, 5], ids=["first token", "mid-answer"])
+def test_a_sampling_failure_ends_only_its_own_request(engines, monkeypatch, fail_at):
+    """A failure while choosing one sequence's token (here injected for seed 666) ends that request
+    with the error at once — it does not hang — and its batch neighbours answer as alone."""
+    engine = engines["fp32"]
+    makers = prompts(engine)[:2]
+    expected = [alone(engine, make()) for make in makers]
+    real_call, calls = Sampler.__call__, {"n": 0}
+
+    def failing_for_seed_666(self, token_ids, logits):
+        if self.generator.initial_seed() == 666:
+            calls["n"] += 1
+            if calls["n"] == fail_at:
+                raise RuntimeError("injected sampling failure")
+        return real_call(self, token_ids, logits)
+
+    monkeypatch.setattr(Sampler, "__call__", failing_for_seed_666)
+    victim = Stream(engine, request([TextPart("Talk.")], max_tokens=40, seed=666))
+    streams = [Stream(engine, make()) for make in makers]
+    for s in [*streams, victim]:
+        s.start()
+    victim.join()
+    assert isinstance(victim.error, RuntimeError) and "injected" in str(victim.error)
+    assert len(victim.token_ids()) == fail_at - 1
+    assert [s.join().token_ids() for s in streams] == expected
+    assert engine.scheduler.batch_size == 0 and engine.admission.in_use == 0
 
 
 def test_int8_sequences_in_a_batch_start_as_alone_and_leave_no_trace(engines):
