@@ -188,7 +188,7 @@ class KVEntry:
 @dataclass
 class KVReuse:
     """A KV cache for a request to continue from, holding exactly its first `tokens` prompt tokens.
-    The request owns it (generate extends it in place)."""
+    The request owns it (its prefill and decode steps extend it in place)."""
 
     cache: DynamicCache
     tokens: int
@@ -197,7 +197,7 @@ class KVReuse:
 def reusable_prefix(entry: KVEntry, token_ids: torch.Tensor, images: list[ImageSpan]) -> int:
     """How many leading tokens of `token_ids` the entry's cache holds exactly: the common token
     prefix, cut back to before the first image whose picture differs or that it would split, and
-    leaving at least one token to compute (generate needs one)."""
+    leaving at least one token to compute (the forward that gives the first logits needs one)."""
     limit = min(len(entry.token_ids), len(token_ids) - 1)
     if limit <= 0:
         return 0

@@ -299,8 +299,7 @@ class Engine:
                                 (prompt.mm_token_type_ids[0] == type_id).long().cumsum(0)])  # pads before each index
             lo, hi = int(before[start] - before[reused]), int(before[end] - before[reused])
             if hi > lo:
-                piece = VisionFeatures(pooler=features.pooler[lo:hi], deepstack=[d[lo:hi] for d in features.deepstack])
-                outputs.update(as_mm_encoder_outputs([piece], modality))
+                outputs.update(as_mm_encoder_outputs([features.rows(lo, hi)], modality))
         return outputs
 
     def _prefill(self, request: GenerationRequest, prompt: PreparedPrompt, spans: dict, cuts: list[int] | None,
@@ -324,10 +323,7 @@ class Engine:
             # prefix included); every token after it is shifted by the same delta.
             positions, deltas = self.model.model.get_rope_index(
                 prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, prompt.video_grid_thw)
-            merged = {m: VisionFeatures(pooler=torch.cat([f[i].pooler for i in sorted(f)]),
-                                        deepstack=[torch.cat([f[i].deepstack[k] for i in sorted(f)])
-                                                   for k in range(len(next(iter(f.values())).deepstack))])
-                      for m, f in features.items() if f}
+            merged = {m: VisionFeatures.cat([f[i] for i in sorted(f)]) for m, f in features.items() if f}
             start = reused
             for end in self._piece_ends(prompt.num_tokens, reused, cuts):
                 yield

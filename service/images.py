@@ -141,7 +141,7 @@ def _jpeg_reduce_flag(width: int, height: int, target: tuple[int, int]) -> int:
     return cv2.IMREAD_COLOR
 
 
-def _to_rgb8(img: np.ndarray) -> np.ndarray:
+def to_rgb8(img: np.ndarray) -> np.ndarray:
     """Any OpenCV decode result → RGB uint8. Alpha is composited on white."""
     if img.dtype == np.uint16:
         img = (img >> 8).astype(np.uint8)
@@ -157,6 +157,14 @@ def _to_rgb8(img: np.ndarray) -> np.ndarray:
         bgr = img[:, :, :3].astype(np.float32)
         img = (bgr * alpha + 255.0 * (1.0 - alpha) + 0.5).astype(np.uint8)
     return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+
+
+def resize_to(rgb: np.ndarray, target: tuple[int, int]) -> np.ndarray:
+    """`rgb` at `target` (width, height): area averaging to shrink (no aliasing), bicubic to enlarge."""
+    if (rgb.shape[1], rgb.shape[0]) == target:
+        return rgb
+    shrinking = target[0] * target[1] < rgb.shape[0] * rgb.shape[1]
+    return cv2.resize(rgb, target, interpolation=cv2.INTER_AREA if shrinking else cv2.INTER_CUBIC)
 
 
 def checked_upload(data: bytes, kind: str, max_bytes: int, sniff, error, expected: str) -> str:
@@ -194,12 +202,9 @@ def decode_image(data: bytes, limits: ImageLimits) -> DecodedImage:
         img = cv2.imdecode(buffer, cv2.IMREAD_UNCHANGED)  # keeps alpha and 16-bit samples
     if img is None or img.size == 0:
         raise ImageError(f"could not decode the {fmt.upper()} image: truncated or corrupt")
-    rgb = _to_rgb8(img)
+    rgb = to_rgb8(img)
     # EXIF rotation may have swapped the sides: fit the image as oriented.
     target = fit_to_budget(rgb.shape[1], rgb.shape[0], limits)
-    if (rgb.shape[1], rgb.shape[0]) != target:
-        shrinking = target[0] * target[1] < rgb.shape[0] * rgb.shape[1]
-        rgb = cv2.resize(rgb, target, interpolation=cv2.INTER_AREA if shrinking else cv2.INTER_CUBIC)
-    rgb = np.ascontiguousarray(rgb)
+    rgb = np.ascontiguousarray(resize_to(rgb, target))
     digest = hashlib.blake2b(rgb.tobytes(), digest_size=16, person=b"qwen3vl-img").hexdigest()
     return DecodedImage(pixels=rgb, source_format=fmt, source_size=(width, height), digest=digest)

@@ -286,8 +286,7 @@ class OnnxVisionEncoder:
                                       image_grid_thw.tolist()):
             # Frames attend only within themselves (the torch tower's attention segments): one run each.
             frames = [self._run(frame, h, w) for frame in torch.split(patches, h * w)]
-            features.append(VisionFeatures(pooler=torch.cat([f[0] for f in frames]),
-                                           deepstack=[torch.cat(layer) for layer in zip(*(f[1:] for f in frames))]))
+            features.append(VisionFeatures.cat([VisionFeatures(pooler=f[0], deepstack=f[1:]) for f in frames]))
         return features
 
     def _run(self, patches: torch.Tensor, h: int, w: int) -> list[torch.Tensor]:

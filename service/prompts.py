@@ -62,7 +62,7 @@ class PromptLimits:
 
 @dataclass
 class PreparedPrompt:
-    """Everything `generate` needs, plus per-image data the caches key on."""
+    """Everything the engine's prefill needs, plus per-image data the caches key on."""
 
     input_ids: torch.Tensor  # 1 × L
     mm_token_type_ids: torch.Tensor  # 1 × L (1 on image pads)
@@ -74,8 +74,6 @@ class PreparedPrompt:
     pixel_values_videos: list[torch.Tensor] = field(default_factory=list)  # one patch tensor per video
     video_digests: list[str] = field(default_factory=list)
     video_spans: list[tuple[int, int]] = field(default_factory=list)  # first frame's <|vision_start|> … last <|vision_end|>
-    images_decode_seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -165,8 +163,6 @@ def _tokenize_with_videos(processor, text: str, images: list[DecodedImage], vide
     # the pad, so it is handed the bare pad, as Qwen's processor accepts too.
     text = text.replace(processor.vision_start_token + processor.video_token + processor.vision_end_token,
                         processor.video_token)
-    if text.count(processor.video_token) != len(videos) or text.count(processor.image_token) != len(images):
-        raise BadRequest("the text holds image or video placeholder tokens", param="messages")
     image_inputs = processor.image_processor(images=[img.pixels for img in images], return_tensors="pt") \
         if images else {}
     temporal = processor.image_processor.temporal_patch_size

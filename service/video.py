@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .errors import TooLarge, VideoError
-from .images import ImageLimits, checked_upload, fit_to_budget
+from .images import ImageLimits, checked_upload, fit_to_budget, resize_to, to_rgb8
 from .vision import VisionFeatures
 from .vision_steps import run_to_end, video_steps
 
@@ -202,7 +202,7 @@ def _read_frames(capture: cv2.VideoCapture, fmt: str, limits: VideoLimits) -> tu
             if bgr.shape[0] * bgr.shape[1] > limits.max_source_pixels:
                 raise TooLarge("a decoded frame is larger than the container says", code="video_too_large")
             target = target or frame_size(bgr.shape[1], bgr.shape[0], len(wanted), limits)
-            frames.append(_resized_rgb(bgr, target))
+            frames.append(resize_to(to_rgb8(bgr), target))
             indices.append(position)
             pending.pop(0)
         position += 1
@@ -213,16 +213,6 @@ def _read_frames(capture: cv2.VideoCapture, fmt: str, limits: VideoLimits) -> tu
         raise VideoError(f"the {fmt.upper()} video is truncated or corrupt: its frames stop at "
                          f"{position / meta['fps']:.1f} s of {meta['frames'] / meta['fps']:.1f} s")
     return frames, indices, meta
-
-
-def _resized_rgb(bgr: np.ndarray, target: tuple[int, int]) -> np.ndarray:
-    if bgr.ndim == 2:
-        bgr = cv2.cvtColor(bgr, cv2.COLOR_GRAY2BGR)
-    rgb = cv2.cvtColor(bgr[:, :, :3], cv2.COLOR_BGR2RGB)
-    if (rgb.shape[1], rgb.shape[0]) != target:
-        shrinking = target[0] * target[1] < rgb.shape[0] * rgb.shape[1]
-        rgb = cv2.resize(rgb, target, interpolation=cv2.INTER_AREA if shrinking else cv2.INTER_CUBIC)
-    return rgb
 
 
 def _pad_to_temporal_patch(frames: list[np.ndarray], temporal_patch: int) -> list[np.ndarray]:
@@ -239,9 +229,8 @@ def video_patches(video: DecodedVideo, image_processor) -> tuple[torch.Tensor, t
     std = torch.tensor(ip.image_std, dtype=torch.float32).view(1, -1, 1, 1)
     x = (x - mean) / std
     frames, channels, height, width = x.shape
-    if pad := -frames % temporal:
-        x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
-        frames += pad
+    if frames % temporal:  # decode_video pads to whole temporal patches
+        raise ValueError(f"{frames} frames is not a whole number of {temporal}-frame temporal patches")
     t, h, w = frames // temporal, height // patch, width // patch
     x = x.view(t, temporal, channels, h // merge, merge, patch, w // merge, merge, patch)
     # → (t, h-blocks, w-blocks, merge rows, merge cols, C, temporal, patch rows, patch cols)

@@ -1,6 +1,6 @@
 """Vision encoders: pixel patches → per-image features (`pooler_output` and deepstack features).
 
-`VisionFeatures` is what the caches store and what `generate` takes via `mm_encoder_outputs`.
+`VisionFeatures` is what the caches store and what the model's forward takes via `mm_encoder_outputs`.
 Backends share one call: `encoder(pixel_values, image_grid_thw) -> list[VisionFeatures]`.
 """
 
@@ -19,9 +19,14 @@ class VisionFeatures:
     pooler: torch.Tensor
     deepstack: list[torch.Tensor]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.pooler, *self.deepstack))
+    @classmethod
+    def cat(cls, parts: list["VisionFeatures"]) -> "VisionFeatures":
+        """Several features (frames, pictures) as one, rows in order."""
+        return cls(pooler=torch.cat([p.pooler for p in parts]),
+                   deepstack=[torch.cat(layer) for layer in zip(*(p.deepstack for p in parts))])
+
+    def rows(self, lo: int, hi: int) -> "VisionFeatures":
+        return VisionFeatures(pooler=self.pooler[lo:hi], deepstack=[d[lo:hi] for d in self.deepstack])
 
 
 class TorchVisionEncoder:
@@ -53,7 +58,7 @@ def make_vision_encoder(loaded, settings):
 
 
 def as_mm_encoder_outputs(features: list[VisionFeatures], modality: str = "image") -> dict:
-    """Per-image (or per-video) features in the container `generate(..., mm_encoder_outputs=...)` expects."""
+    """Per-image (or per-video) features in the container `model(..., mm_encoder_outputs=...)` expects."""
     depth = len(features[0].deepstack)
     return {modality: BaseModelOutputWithDeepstackFeatures(
         pooler_output=[f.pooler for f in features],

@@ -45,9 +45,7 @@ def video_steps(encoder, pixel_values_videos: torch.Tensor, video_grid_thw: torc
     for i in range(t):
         parts.append((yield from image_steps(encoder, pixel_values_videos[i * per_frame:(i + 1) * per_frame],
                                              torch.tensor([[1, h, w]]))))
-    depth = len(parts[0].deepstack)
-    return VisionFeatures(pooler=torch.cat([p.pooler for p in parts]),
-                          deepstack=[torch.cat([p.deepstack[k] for p in parts]) for k in range(depth)])
+    return VisionFeatures.cat(parts)
 
 
 @torch.inference_mode()
