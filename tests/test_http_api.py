@@ -168,6 +168,13 @@ def test_bad_requests_get_openai_shaped_errors_and_the_server_keeps_serving(serv
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+def test_empty_messages_continuing_a_conversation_are_a_400(server):
+    first = requests.post(server + "/v1/chat", json={"prompt": "Hello.", "max_tokens": 2, "stream": False}).json()
+    r = requests.post(server + "/v1/chat", json={"messages": [], "conversation_id": first["conversation_id"],
+                                                  "stream": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
 def test_wrong_method_is_405_json(server):
     r = requests.get(server + "/v1/chat")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"

@@ -88,7 +88,7 @@ class NativeChatRequest(_Sampling):
     """`messages` in the OpenAI format — or `prompt` (+ `images`, `videos` as base64/data URLs) for short
     curl lines."""
 
-    messages: list[Message] | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
     prompt: Annotated[str, StringConstraints(max_length=MAX_TEXT)] | None = None
     images: list[Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]] | None = None
     videos: list[Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]] | None = None
