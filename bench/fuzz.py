@@ -37,8 +37,10 @@ def main(argv=None) -> int:
     statuses = {k: int(v) for k, v in sorted(tally.get("statuses", {}).items())}
     server_errors = sum(v for k, v in statuses.items() if int(k) >= 500)
     table = markdown_table(
-        ["requests", "by status", "5xx", "worker restarts", "same answer after", "pytest", "minutes"],
-        [[sum(statuses.values()), statuses, server_errors, "yes" if tally.get("worker_restarted") else "none",
+        ["requests", "by status", "5xx", "errors after a 200", "worker restarts", "same answer after", "pytest",
+         "minutes"],
+        [[sum(statuses.values()), statuses, server_errors, int(tally.get("stream_errors", 0)),
+          "yes" if tally.get("worker_restarted") else "none",
           "yes" if tally.get("same_answer") else "NO", "passed" if result.returncode == 0 else "FAILED",
           elapsed / 60]])
     settings = {"examples_per_test": args.examples, "weights": "embedded tiny random",

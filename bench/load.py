@@ -44,7 +44,9 @@ async def one_request(client: httpx.AsyncClient, base: str, i: int, max_tokens: 
                 if line.startswith('{"id"') and '"done": true' in line:
                     tokens = json.loads(line)["usage"]["completion_tokens"]
                     return {"status": status, "ttft": first, "total": time.perf_counter() - t0, "tokens": tokens}
-            return {"status": status, "total": time.perf_counter() - t0, "tokens": 0}
+            # A 200 whose stream ended without its done line (an error event after the status) failed.
+            return {"status": "incomplete" if status == 200 else status, "total": time.perf_counter() - t0,
+                    "tokens": 0}
     except httpx.TimeoutException:
         return {"status": "timeout", "total": time.perf_counter() - t0, "tokens": 0}
 

@@ -29,6 +29,9 @@ VISION_ENCODE = Histogram("qwen3vl_vision_encode_seconds", "vision encoder per r
 PROMPT_TOKENS = Counter("qwen3vl_prompt_tokens_total", "prompt tokens processed or reused")
 GENERATED_TOKENS = Counter("qwen3vl_generated_tokens_total", "tokens generated")
 FINISHED = Counter("qwen3vl_generations_total", "generations by how they ended", ["finish_reason"])
+# A stream's status (200) is sent before its first token: an error after that shows here, not in REQUESTS.
+STREAM_ERRORS = Counter("qwen3vl_stream_errors_total", "streams that ended in an error event after their 200",
+                        ["code"])
 RSS = Gauge("qwen3vl_process_rss_bytes", "resident memory of each worker", ["pid"], multiprocess_mode="liveall")
 
 # Caches (conversation KV and vision features)

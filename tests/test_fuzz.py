@@ -43,16 +43,33 @@ def fuzz_server(serve):
             tally: dict[str, float] = {}
             for status, count in pairs:
                 tally[status] = tally.get(status, 0) + float(count)
+            stream_errors = sum(float(n) for n in re.findall(r'qwen3vl_stream_errors_total\{[^}]*\} ([0-9.e+]+)',
+                                                            requests.get(base + "/metrics").text))
             with open(os.environ["FUZZ_TALLY_FILE"], "w") as f:
-                json.dump({"statuses": tally, "worker_restarted": restarted, "same_answer": same_answer}, f)
+                json.dump({"statuses": tally, "stream_errors": stream_errors, "worker_restarted": restarted,
+                           "same_answer": same_answer}, f)
         assert not restarted, "a worker crashed and was restarted"
         assert same_answer
+
+
+def _complete_stream(content_type: str, text: str) -> None:
+    """A 200 stream must end with its done line / [DONE] and hold no error event: its status went
+    out before the first token, so a failure after that shows only in the body."""
+    if content_type.startswith("application/x-ndjson"):
+        lines = [json.loads(line) for line in text.splitlines() if line]
+        assert lines and lines[-1].get("done") is True and "error" not in lines[-1], text[-300:]
+    elif content_type.startswith("text/event-stream"):
+        events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", text[-300:]
+        assert not any("error" in json.loads(e) for e in events[:-1]), text[-300:]
 
 
 def _no_server_error(response: requests.Response) -> None:
     assert response.status_code < 500, f"{response.status_code}: {response.text[:300]}"
     if response.status_code >= 400:
         assert "error" in response.json()
+    else:
+        _complete_stream(response.headers.get("Content-Type", ""), response.text)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +83,10 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @schema.parametrize()
 @FUZZ_SETTINGS
 def test_schemathesis_finds_no_server_error(case):
-    case.call_and_validate(checks=[not_a_server_error], timeout=60)
+    response = case.call_and_validate(checks=[not_a_server_error], timeout=60)
+    if response.status_code == 200:
+        content_type = next((v for k, v in response.headers.items() if k.lower() == "content-type"), [])
+        _complete_stream(", ".join(content_type), response.text)
 
 
 @given(body=hostile.openai_bodies())

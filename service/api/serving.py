@@ -37,8 +37,16 @@ def admit(engine: Engine, request: GenerationRequest) -> Generation:
         metrics.QUEUE_DEPTH.dec()
 
 
-def record(request: GenerationRequest, done: Completion | None, endpoint: str) -> None:
-    """Metrics and the request's log line; `done` is None when the client left mid-stream."""
+def record(request: GenerationRequest, done: Completion | None, endpoint: str, error_code: str | None = None) -> None:
+    """Metrics and the request's log line; `done` is None when the client left mid-stream or the
+    stream ended in an error (`error_code`)."""
+    if error_code is not None:
+        metrics.FINISHED.labels("error").inc()
+        metrics.STREAM_ERRORS.labels(error_code).inc()
+        metrics.GENERATED_TOKENS.inc(request.generated_tokens)
+        log.warning("%s %s stream ended by an error (%s) after %d tokens", request.request_id, endpoint, error_code,
+                    request.generated_tokens)
+        return
     if done is None:
         metrics.FINISHED.labels("cancelled").inc()
         metrics.GENERATED_TOKENS.inc(request.generated_tokens)
@@ -89,6 +97,7 @@ class EventStream:
         self.endpoint = endpoint
         self.encode = encode
         self.done: Completion | None = None
+        self.error_code: str | None = None  # of the error event that ended the stream
         self._body = self._chunks()
         self._closed = False
         metrics.GENERATING.inc()  # admitted: it holds the model until close()
@@ -109,9 +118,11 @@ class EventStream:
                     self.done = event
                 yield from self.encode(event)
         except ServiceError as exc:
+            self.error_code = exc.code
             yield from self.encode(exc)
         except Exception:
             log.exception("%s %s failed mid-stream", self.request.request_id, self.endpoint)
+            self.error_code = "internal_error"
             yield from self.encode(ServiceError("internal error; see the server log for request "
                                                 f"{self.request.request_id}", status=500, code="internal_error"))
 
@@ -122,4 +133,4 @@ class EventStream:
         self._body.close()
         self.generation.close()
         metrics.GENERATING.dec()
-        record(self.request, self.done, self.endpoint)
+        record(self.request, self.done, self.endpoint, self.error_code)
