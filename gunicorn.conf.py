@@ -16,19 +16,19 @@ from service.settings import load_settings
 
 _settings = load_settings()
 
-bind = os.environ.get("BIND", f"{_settings.host}:{_settings.port}")
-workers = int(os.environ.get("WORKERS", "1"))
+bind = _settings.bind or f"{_settings.host}:{_settings.port}"
+workers = 1  # the worker owns the model: a second one would load a second copy (run more instances)
 worker_class = "gthread"
 threads = _settings.max_batch_size + _settings.queue_size + 3
 # gthread heartbeats from its main loop, so `timeout` never kills a long generation; it only
 # restarts a worker whose main loop is stuck.
 timeout = 120
-graceful_timeout = int(os.environ.get("GRACEFUL_TIMEOUT", "30"))
+graceful_timeout = _settings.graceful_timeout
 keepalive = 5
 preload_app = False  # torch in a forked master can hang: each worker loads its own model
-accesslog = "-" if os.environ.get("ACCESS_LOG", "0") == "1" else None
+accesslog = "-" if _settings.access_log else None
 errorlog = "-"
-loglevel = os.environ.get("LOG_LEVEL", "info")
+loglevel = _settings.log_level
 forwarded_allow_ips = "127.0.0.1"
 
 # Prometheus multiprocess mode: every worker writes its metrics to files in this directory.

@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     # HTTP and admission
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    bind: str | None = Field(None, description="Gunicorn's bind address (host:port); unset = HOST:PORT")
+    graceful_timeout: float = Field(30.0, ge=1, description="seconds in-flight requests get on SIGTERM")
+    access_log: bool = Field(False, description="Gunicorn's access log on stdout (the app logs each request anyway)")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Gunicorn's log level")
     max_body_bytes: int = Field(25 * 1024 * 1024, ge=1024, description="largest request body")
     queue_size: int = Field(8, ge=0, description="requests waiting for the model beyond the running batch")
     queue_timeout: float = Field(120.0, gt=0, description="seconds a request may wait for the model")
@@ -102,6 +106,11 @@ class Settings(BaseSettings):
         if not (path / "config.json").is_file():
             raise ValueError(f"MODEL_PATH {str(path)!r} has no config.json: is it a Hugging Face checkpoint?")
         return path
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_case(cls, value):
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("vision_onnx_dir", mode="before")
     @classmethod

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import runpy
+from pathlib import Path
+
 import pytest
 
 from service.settings import SettingsError, load_settings
@@ -44,3 +47,16 @@ def test_model_dir_without_config_is_explained(monkeypatch, tmp_path):
     monkeypatch.setenv("MODEL_PATH", str(tmp_path))
     with pytest.raises(SettingsError, match="no config.json"):
         load_settings()
+
+
+def test_gunicorn_config_takes_its_values_from_the_settings(monkeypatch, tmp_path):
+    for name, value in {"BIND": "0.0.0.0:9001", "GRACEFUL_TIMEOUT": "7", "ACCESS_LOG": "1", "LOG_LEVEL": "WARNING",
+                        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(name, value)
+    config = runpy.run_path(str(Path(__file__).parent.parent / "gunicorn.conf.py"))
+    assert (config["bind"], config["graceful_timeout"], config["accesslog"], config["loglevel"]) == \
+        ("0.0.0.0:9001", 7.0, "-", "warning")
+    assert config["workers"] == 1  # one model per instance, whatever the environment says
+    monkeypatch.setenv("GRACEFUL_TIMEOUT", "soon")
+    with pytest.raises(SettingsError, match="GRACEFUL_TIMEOUT"):
+        runpy.run_path(str(Path(__file__).parent.parent / "gunicorn.conf.py"))

@@ -23,7 +23,6 @@ from .nginx import ROOT, nginx_config, start_nginx, write_config
 from .planning import Instance
 
 log = logging.getLogger("service.deploy")
-GRACEFUL_TIMEOUT = float(os.environ.get("GRACEFUL_TIMEOUT", "30"))  # the same variable gunicorn.conf.py reads
 _PR_SET_PDEATHSIG = 1
 
 
@@ -97,7 +96,7 @@ class Deployment:
             if not self._wait_ready():
                 return 0 if self._stop.is_set() else 1
             config = nginx_config(self.settings, [s.instance for s in self.slots], self.run_dir, self.access_log,
-                                  GRACEFUL_TIMEOUT)
+                                  self.settings.graceful_timeout)
             self.nginx = start_nginx(write_config(config, self.run_dir), self.run_dir, preexec_fn=_die_with_parent)
             if not self._wait_nginx():
                 return 0 if self._stop.is_set() else 1
@@ -198,7 +197,7 @@ class Deployment:
         for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGQUIT if child is self.nginx else signal.SIGTERM)
-        deadline = time.monotonic() + GRACEFUL_TIMEOUT + 10
+        deadline = time.monotonic() + self.settings.graceful_timeout + 10
         while any(c.poll() is None for c in children) and time.monotonic() < deadline and self._signals < 2:
             time.sleep(0.1)
         for child in children:
