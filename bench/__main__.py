@@ -1,6 +1,6 @@
 """The INT8 / latency benchmark suite: one command per scenario, `all` for every one.
 
-    flock /tmp/heavy.lock python -m bench all --model-path /work/cache/qwen3vl-2b-random
+    flock /tmp/heavy.lock python -m bench all          # CACHE_DIR/qwen3vl-2b-random (or --model-path)
     python -m bench start|ttft|decode|compare|quantize|fidelity|images|pixels [--threads 2] [--no-save]
     python -m bench all --tiny          # the embedded tiny model: a quick run of the whole suite
 

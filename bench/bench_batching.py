@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from servers import gunicorn_server  # noqa: E402
 
-from bench.harness import encoded_photo  # noqa: E402
+from bench.harness import default_int8_path, encoded_photo, require_checkpoint  # noqa: E402
 from bench.results import append_section, markdown_table  # noqa: E402
 
 QUESTIONS = [
@@ -41,13 +41,6 @@ QUESTIONS = [
     "Write a letter to a friend about a long train journey through mountains, rivers and old towns.",
 ]
 
-
-def default_model_path() -> Path:
-    for name in ("qwen3vl-2b-int8", "qwen3vl-2b-random"):
-        path = Path("/work/cache") / name
-        if (path / "config.json").exists():
-            return path
-    raise SystemExit("no 2B checkpoint: python -m service make-model --preset 2b /work/cache/qwen3vl-2b-random")
 
 
 class Stream:
@@ -111,13 +104,14 @@ def neighbour_run(base: str, tokens: int, picture: bytes) -> tuple[Stream, Strea
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", type=Path, default=None)
+    parser.add_argument("--model-path", type=Path, default=None,
+                        help="default: CACHE_DIR/qwen3vl-2b-random-int8, else CACHE_DIR/qwen3vl-2b-random")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per text stream")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
                         help="PREFILL_CHUNK_TOKENS (default: the setting's)")
     args = parser.parse_args()
-    model_path = args.model_path or default_model_path()
+    model_path = require_checkpoint(args.model_path or default_int8_path())
     from service.settings import load_settings
 
     chunk = args.prefill_chunk_tokens or load_settings(model_path=model_path).prefill_chunk_tokens

@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from servers import gunicorn_server  # noqa: E402
 
+from bench.harness import default_int8_path  # noqa: E402
 from bench.results import append_section, markdown_table  # noqa: E402
 
-DEFAULT_MODEL = Path("/work/cache/qwen3vl-2b-random")
 SENTENCE = ("The harbour was quiet in the early morning, boats resting on grey water while gulls "
             "circled above the old stone pier and a few fishermen mended their nets. ")
 
@@ -135,7 +135,8 @@ def cache_counters(metrics_text: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--model-path", type=Path, default=default_int8_path(),
+                   help="default: CACHE_DIR/qwen3vl-2b-random-int8, else CACHE_DIR/qwen3vl-2b-random")
     p.add_argument("--quantization", default="int8", choices=["int8", "fp32"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=500, help="size of the second turn's prompt")

@@ -28,10 +28,9 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import photo  # noqa: E402
+from bench.harness import default_int8_path, photo  # noqa: E402
 from bench.results import append_section, markdown_table  # noqa: E402
 
-DEFAULT_MODEL = Path("/work/cache/qwen3vl-2b-random")
 CODECS = {"mp4": ("mp4v", "MPEG-4 Part 2"), "avi": ("MJPG", "MJPEG"), "webm": ("VP90", "VP9")}
 CLIPS = [("720p", (1280, 720), "mp4"), ("720p", (1280, 720), "avi"), ("720p", (1280, 720), "webm"),
          ("1080p", (1920, 1080), "mp4"), ("1080p", (1920, 1080), "avi")]
@@ -150,7 +149,8 @@ def model_rows(loaded, settings, clip: bytes, budgets: list[int], max_tokens: in
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--model-path", type=Path, default=default_int8_path(),
+                   help="default: CACHE_DIR/qwen3vl-2b-random-int8, else CACHE_DIR/qwen3vl-2b-random")
     p.add_argument("--quantization", default="int8", choices=["int8", "fp32"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--budgets", default="1024,512,256", help="VIDEO_MAX_VISUAL_TOKENS values, the default first")

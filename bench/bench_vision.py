@@ -30,6 +30,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.harness import default_model_path  # noqa: E402
 from bench.results import append_section, markdown_table  # noqa: E402
 
 BACKENDS = [("torch", "fp32"), ("torch", "int8"), ("onnxruntime", "fp32"), ("onnxruntime", "int8")]
@@ -164,7 +165,8 @@ def run_worker(args, name: str, *worker_args: str, features: Path | None = None)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", type=Path, default=Path("/work/cache/qwen3vl-2b-random"))
+    parser.add_argument("--model-path", type=Path, default=default_model_path(),
+                        help="default: CACHE_DIR/qwen3vl-2b-random")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sizes", type=int, nargs="+", default=[448, 896])
     parser.add_argument("--repeats", type=int, default=3, help="timed encodes per size and backend, after a warm-up")

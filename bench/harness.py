@@ -100,6 +100,13 @@ def default_model_path() -> Path:
     return load_settings().cache_dir / "qwen3vl-2b-random"
 
 
+def default_int8_path() -> Path:
+    """Its pre-quantized copy (`python -m service quantize`) if made, else the checkpoint itself
+    (quantized at load: the same weights, a slower start)."""
+    int8 = default_model_path().with_name(default_model_path().name + "-int8")
+    return int8 if (int8 / "config.json").exists() else default_model_path()
+
+
 def require_checkpoint(path: Path) -> Path:
     if not (path / "config.json").exists():
         raise SystemExit(f"no checkpoint at {path}: create it with\n"
