@@ -62,6 +62,15 @@ class Unavailable(ServiceError):
     status, type, code = 503, "service_unavailable", "unavailable"
 
 
+class InternalError(ServiceError):
+    """A bug: the client sees this (and the request id), the server log has the traceback."""
+
+    status, type, code = 500, "server_error", "internal_error"
+
+    def __init__(self, request_id: str | None):
+        super().__init__(f"internal error; see the server log for request {request_id}")
+
+
 class Cancelled(ServiceError):
     """The client went away or the request was stopped; never sent to anyone."""
 

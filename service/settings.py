@@ -68,7 +68,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     bind: str | None = Field(None, description="Gunicorn's bind address (host:port); unset = HOST:PORT")
-    graceful_timeout: float = Field(30.0, ge=1, description="seconds in-flight requests get on SIGTERM")
+    graceful_timeout: int = Field(30, ge=1, description="seconds in-flight requests get on SIGTERM")
     access_log: bool = Field(False, description="Gunicorn's access log on stdout (the app logs each request anyway)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Gunicorn's log level")
     max_body_bytes: int = Field(25 * 1024 * 1024, ge=1024, description="largest request body")

@@ -149,6 +149,10 @@ ERROR_CASES = [
     ("n > 1", "/v1/chat/completions", dict(json={"messages": [{"role": "user", "content": "x"}], "n": 2}), 400),
     ("multipart without prompt", "/v1/chat", dict(files=[("image", ("a.png", PNG, "image/png"))]), 400),
     ("duplicate prompt", "/v1/chat", dict(files=[("prompt", (None, "a")), ("prompt", (None, "b"))]), 400),
+    ("multipart part without a name", "/v1/chat", dict(
+        data=b'--b\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nhi\r\n'
+             b'--b\r\nContent-Disposition: form-data\r\n\r\nx\r\n--b--\r\n',
+        headers={"Content-Type": "multipart/form-data; boundary=b"}), 400),
     ("unknown path", "/v1/nothing", dict(json={}), 404),
     ("body too large", "/v1/chat/completions", dict(data=b"x" * (4 * 1024 * 1024), headers={"Content-Type": "application/json"}), 413),
     ("image too large", "/v1/chat", dict(files=[("image", ("big.bmp", encode(pattern(700, 700), ".bmp"), "image/bmp"))], data={"prompt": "x"}), 413),
@@ -268,3 +272,21 @@ def test_a_model_that_fails_to_load_is_reported_by_ready_and_requests(cache_dir,
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
         chat = requests.post(base + "/v1/chat", json={"prompt": "hi"})
         assert chat.status_code == 503 and requests.get(base + "/health").status_code == 200
+
+
+def test_a_bug_in_a_handler_is_a_json_500_with_the_request_id(cache_dir, tiny_dir, caplog):
+    """The last-resort handler (here for a route that raises) answers in the API's error shape."""
+    from conftest import make_settings
+    from service.api.app import create_app
+
+    app = create_app(make_settings(cache_dir), load_in_background=False)
+
+    @app.get("/bug")
+    def bug():
+        raise RuntimeError("a bug")
+
+    r = app.test_client().get("/bug", headers={"X-Request-Id": "trace-7"})
+    assert r.status_code == 500 and r.is_json
+    assert r.json["error"]["code"] == "internal_error" and "trace-7" in r.json["error"]["message"]
+    assert "a bug" not in r.get_data(as_text=True)  # the traceback stays in the server log
+    assert "a bug" in caplog.text

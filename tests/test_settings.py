@@ -55,7 +55,7 @@ def test_gunicorn_config_takes_its_values_from_the_settings(monkeypatch, tmp_pat
         monkeypatch.setenv(name, value)
     config = runpy.run_path(str(Path(__file__).parent.parent / "gunicorn.conf.py"))
     assert (config["bind"], config["graceful_timeout"], config["accesslog"], config["loglevel"]) == \
-        ("0.0.0.0:9001", 7.0, "-", "warning")
+        ("0.0.0.0:9001", 7, "-", "warning")
     assert config["workers"] == 1  # one model per instance, whatever the environment says
     monkeypatch.setenv("GRACEFUL_TIMEOUT", "soon")
     with pytest.raises(SettingsError, match="GRACEFUL_TIMEOUT"):

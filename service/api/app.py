@@ -14,7 +14,7 @@ from werkzeug.exceptions import HTTPException
 
 from .. import metrics
 from ..engine import Engine
-from ..errors import ServiceError, Unavailable
+from ..errors import InternalError, ServiceError, Unavailable
 from ..settings import Settings
 from .auth import check_api_key
 
@@ -136,8 +136,7 @@ def create_app(settings: Settings, load_in_background: bool = True) -> Flask:
     @app.errorhandler(Exception)
     def _bug(exc: Exception):
         log.exception("%s unhandled error", g.get("request_id"))
-        return error_response(ServiceError(f"internal error; see the server log for request {g.get('request_id')}",
-                                           status=500, type="server_error", code="internal_error"))
+        return error_response(InternalError(g.get("request_id")))
 
     if load_in_background:
         threading.Thread(target=app_state.load, name="model-loader", daemon=True).start()

@@ -34,6 +34,8 @@ def _line(obj: dict) -> bytes:
 
 def _from_form(limits, video_limits) -> tuple[protocol.NativeChatRequest, list[ChatMessage], float]:
     form, files = request.form, request.files
+    if None in form or None in files or "" in form or "" in files:
+        raise BadRequest("a form part has no name: each needs Content-Disposition: form-data; name=\"...\"")
     unknown = set(form) - _FORM_FIELDS - {"stop"}
     if unknown:
         raise BadRequest(f"unknown form field(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])

@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 
 from .. import metrics
 from ..engine import Completion, Engine, Generation, GenerationRequest, TextDelta
-from ..errors import ServiceError
+from ..errors import InternalError, ServiceError
 
 log = logging.getLogger("service.requests")
 
@@ -122,9 +122,9 @@ class EventStream:
             yield from self.encode(exc)
         except Exception:
             log.exception("%s %s failed mid-stream", self.request.request_id, self.endpoint)
-            self.error_code = "internal_error"
-            yield from self.encode(ServiceError("internal error; see the server log for request "
-                                                f"{self.request.request_id}", status=500, code="internal_error"))
+            error = InternalError(self.request.request_id)
+            self.error_code = error.code
+            yield from self.encode(error)
 
     def close(self) -> None:
         if self._closed:
