@@ -24,6 +24,16 @@ FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
 REFERENCE = {"prompt": "What is this?", "max_tokens": 6, "temperature": 0, "stream": False}
 
 
+def status_counts(base: str) -> dict[str, float]:
+    """Requests the server has answered so far, by status (from /metrics)."""
+    pairs = re.findall(r'qwen3vl_requests_total\{endpoint="[^"]*",status="(\d+)"\} ([0-9.e+]+)',
+                       requests.get(base + "/metrics").text)
+    counts: dict[str, float] = {}
+    for status, count in pairs:
+        counts[status] = counts.get(status, 0) + float(count)
+    return counts
+
+
 def worker_pids(base: str) -> set[str]:
     return set(re.findall(r'qwen3vl_process_rss_bytes\{pid="(\d+)"\}', requests.get(base + "/metrics").text))
 
@@ -32,17 +42,13 @@ def worker_pids(base: str) -> set[str]:
 def fuzz_server(serve):
     with serve(FUZZ_ENV, "fuzz") as (base, _):
         answer = requests.post(base + "/v1/chat", json=REFERENCE).json()["text"]
-        pids = worker_pids(base)
+        pids, before = worker_pids(base), status_counts(base)  # from here on: the fuzzing's requests
         yield base
         # After everything: the same worker, healthy, giving the same greedy answer.
         restarted = worker_pids(base) != pids
         same_answer = requests.post(base + "/v1/chat", json=REFERENCE).json()["text"] == answer
         if os.environ.get("FUZZ_TALLY_FILE"):  # for bench/fuzz.py's table
-            pairs = re.findall(r'qwen3vl_requests_total\{endpoint="[^"]*",status="(\d+)"\} ([0-9.e+]+)',
-                               requests.get(base + "/metrics").text)
-            tally: dict[str, float] = {}
-            for status, count in pairs:
-                tally[status] = tally.get(status, 0) + float(count)
+            tally = {k: n - before.get(k, 0) for k, n in status_counts(base).items() if n > before.get(k, 0)}
             stream_errors = sum(float(n) for n in re.findall(r'qwen3vl_stream_errors_total\{[^}]*\} ([0-9.e+]+)',
                                                             requests.get(base + "/metrics").text))
             with open(os.environ["FUZZ_TALLY_FILE"], "w") as f:
