@@ -19,7 +19,7 @@ from . import protocol
 from .app import state
 from .inputs import (decode_base64_image, decode_base64_video, decode_data_url, decode_file, decode_video_data_url,
                      decode_video_file, to_chat_messages, user_message, video_decode_seconds)
-from .requests import generation_request, json_body
+from .requests import conversation_header, generation_request, json_body
 from .serving import EventStream, admit, collect
 
 native = Blueprint("native", __name__)
@@ -82,12 +82,12 @@ def _from_json(limits, video_limits) -> tuple[protocol.NativeChatRequest, list[C
 def _conversation_id(body: protocol.NativeChatRequest) -> str | None:
     """The body's conversation_id, else the X-Conversation-Id header: the key Nginx routes a
     conversation by, so a client behind Nginx can send the id once, as that header."""
-    header = request.headers.get("X-Conversation-Id")
+    header = conversation_header()
     if header is None:
         return body.conversation_id
     if body.conversation_id is not None and body.conversation_id != header:
         raise BadRequest("conversation_id and the X-Conversation-Id header differ", param="conversation_id")
-    return protocol.NativeChatRequest(conversation_id=header).conversation_id
+    return header
 
 
 @native.post(ENDPOINT)

@@ -13,7 +13,7 @@ from ..errors import BadRequest, ServiceError
 from . import protocol
 from .app import state
 from .inputs import to_chat_messages, video_decode_seconds
-from .requests import generation_request, json_body
+from .requests import conversation_header, generation_request, json_body
 from .serving import EventStream, admit, collect
 
 openai_api = Blueprint("openai", __name__)
@@ -32,7 +32,7 @@ def chat_completions():
     app_state = state()
     engine = app_state.require_engine()
     messages, decode_seconds = to_chat_messages(body.messages, engine.loaded.image_limits, engine.video_limits)
-    conversation_id = request.headers.get("X-Conversation-Id") or body.user
+    conversation_id = conversation_header() or body.user
     gen_request = generation_request(messages, body.sampling(body.max_completion_tokens or body.max_tokens),
                                      decode_seconds, conversation_id, video_decode_seconds(messages))
     generation = admit(engine, gen_request)

@@ -9,6 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from ..engine import Completion, SamplingParams
 
+
+# A conversation id (body field or X-Conversation-Id header): also a cache key and Nginx's hash key.
+CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+
 MAX_TEXT = 1_000_000  # characters in one text field; the token limit bites long before
 
 
@@ -92,8 +96,7 @@ class NativeChatRequest(_Sampling):
     prompt: Annotated[str, StringConstraints(max_length=MAX_TEXT)] | None = None
     images: list[Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]] | None = None
     videos: list[Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]] | None = None
-    conversation_id: Annotated[str, StringConstraints(min_length=1, max_length=128,
-                                                      pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
+    conversation_id: Annotated[str, StringConstraints(pattern=CONVERSATION_ID_PATTERN)] | None = None
     stream: bool = True
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 from flask import g, request
 
 from ..engine import GenerationRequest, SamplingParams
 from ..errors import BadRequest, UnsupportedMediaType
 from ..prompts import ChatMessage
+from .protocol import CONVERSATION_ID_PATTERN
 
 
 def json_body() -> dict:
@@ -29,3 +31,12 @@ def generation_request(messages: list[ChatMessage], params: SamplingParams, deco
     return GenerationRequest(messages=messages, params=params, received_at=g.received_at,
                              image_decode_seconds=decode_seconds, video_decode_seconds=video_decode_seconds,
                              request_id=g.request_id, conversation_id=conversation_id)
+
+
+def conversation_header() -> str | None:
+    """The X-Conversation-Id header (what Nginx routes a conversation by), checked like the body field."""
+    header = request.headers.get("X-Conversation-Id")
+    if header is not None and not re.match(CONVERSATION_ID_PATTERN, header):
+        raise BadRequest("X-Conversation-Id must be 1 to 128 characters of A-Z, a-z, 0-9, '.', '_', ':', '-'",
+                         param="X-Conversation-Id")
+    return header
