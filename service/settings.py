@@ -82,6 +82,8 @@ class Settings(BaseSettings):
     instances: int = Field(0, ge=0, description="Gunicorn instances, each pinned to its own cores; 0 = as many as fit")
     nginx_listen: str = Field("127.0.0.1:8080", description="the address Nginx listens on")
     proxy_read_timeout: float = Field(900.0, gt=0, description="seconds Nginx waits for an instance's next byte")
+    start_timeout: float = Field(900.0, gt=0, description="seconds the deploy waits for every instance to load "
+                                 "its model before it gives up")
 
     # Security and per-request limits
     api_keys: SecretStr = Field(SecretStr(""), description="comma-separated keys; empty = no authentication")

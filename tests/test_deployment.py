@@ -21,7 +21,6 @@ from safetensors import safe_open
 
 from imaging import encode, pattern
 from servers import deployment, free_port, gunicorn_server, metric, nginx_proxy
-import service.engine
 from service.deploy.planning import checkpoint_parameters, instance_bytes, plan_instances
 from service.settings import SettingsError, load_settings
 
@@ -30,7 +29,6 @@ SLOW_SIDE = 1536  # a 1536x1536 image: ~2300 visual tokens, a prefill of about a
 STACK_ENV = {"MAX_BODY_BYTES": str(MAX_BODY), "IMAGE_MAX_PIXELS": str(SLOW_SIDE * SLOW_SIDE), "CONTEXT_LIMIT": "4096",
              "MAX_NEW_TOKENS": "600", "QUEUE_SIZE": "2", "GRACEFUL_TIMEOUT": "10"}
 CHAT_OK = 'endpoint="/v1/chat",status="200"'
-CACHE_LANDED = hasattr(service.engine, "ConversationCache")
 # Long enough that turn 1 leaves more than the few tokens the conversation cache ignores.
 LONG_QUESTION = "Describe a cat in some detail: its fur, its eyes, its tail, and the way it moves about."
 
@@ -161,7 +159,6 @@ def test_a_conversation_sticks_to_the_instance_that_holds_its_history(stack):
         assert second["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
 
 
-@pytest.mark.skipif(not CACHE_LANDED, reason="the engine does not use the conversation KV cache yet (issue 4)")
 def test_turn_two_reuses_the_kv_cache_of_its_instance(stack):
     for k in range(4):
         conversation = f"cached-{k}-{uuid.uuid4().hex[:8]}"
@@ -335,3 +332,20 @@ def test_with_api_keys_the_stack_starts_and_the_healthcheck_sends_a_key(cache_di
         assert healthcheck(keyed.url.removeprefix("http://")) == 0
         assert healthcheck(f"127.0.0.1:{free_port()}") == 1
     assert "key-one" not in log.read_text()  # the curl line it printed names no key
+
+
+def test_an_instance_that_does_not_become_ready_in_start_timeout_stops_the_deploy(cache_dir, tiny_dir, logs):
+    """No waiting forever on a model that never loads: exit 1, the reason logged, no process left."""
+    log = logs / "start-timeout.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "PROMETHEUS_MULTIPROC_DIR")}
+    env.update({"CACHE_DIR": str(cache_dir), "INSTANCES": "1", "PORT": str(free_port()),
+                "NGINX_LISTEN": f"127.0.0.1:{free_port()}", "START_TIMEOUT": "0.2"})
+    t0 = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.run([sys.executable, "-m", "service.deploy"], cwd=Path(__file__).parent.parent, env=env,
+                              stdout=out, stderr=out, timeout=120)
+    assert proc.returncode == 1
+    assert "not ready after START_TIMEOUT=0.2 s" in log.read_text()
+    assert time.monotonic() - t0 < 60  # gave up instead of waiting for the model
+    assert not [p for p in psutil.process_iter(["cmdline"]) if f"--bind 127.0.0.1:{env['PORT']}"
+                in " ".join(p.info["cmdline"] or [])]

@@ -17,7 +17,6 @@ from playwright.sync_api import Page, expect, sync_playwright
 from imaging import encode, pattern
 from servers import ROOT, metric
 
-import service.engine
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package: Playwright's own browser download is not used
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -27,7 +26,6 @@ README_SCREENSHOT = ROOT / "docs" / "screenshot.png"  # rewritten when UPDATE_SC
 DEMO_PNG = (ROOT / "tests" / "data" / "demo.png").read_bytes()
 SERVER_ENV = {"QUEUE_SIZE": "2", "MAX_NEW_TOKENS": "1500", "CONTEXT_LIMIT": "4096", "QUEUE_TIMEOUT": "60"}
 # The conversation KV cache (issue 4) is in when the engine uses it.
-CACHE_LANDED = hasattr(service.engine, "ConversationCache")
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +219,6 @@ def test_a_follow_up_continues_the_conversation(page):
     save_screenshot(page, "web-page.png", for_readme=True)
 
 
-@pytest.mark.skipif(not CACHE_LANDED, reason="the engine does not use the conversation KV cache yet (issue 4)")
 def test_a_follow_up_shows_the_tokens_that_came_from_the_cache(page):
     pick(page, "seed3.png", encode(pattern(320, 256, seed=3), ".png"))
     set_options(page, max_tokens=12)

@@ -24,8 +24,6 @@ from .serving import EventStream, admit, collect
 
 native = Blueprint("native", __name__)
 ENDPOINT = "/v1/chat"
-_FORM_FIELDS = {"prompt", "conversation_id", "max_tokens", "temperature", "top_p", "top_k", "seed",
-                "repetition_penalty", "stream"}
 
 
 def _line(obj: dict) -> bytes:
@@ -36,17 +34,17 @@ def _from_form(limits, video_limits) -> tuple[protocol.NativeChatRequest, list[C
     form, files = request.form, request.files
     if None in form or None in files or "" in form or "" in files:
         raise BadRequest("a form part has no name: each needs Content-Disposition: form-data; name=\"...\"")
-    unknown = set(form) - _FORM_FIELDS - {"stop"}
+    unknown = set(form) - protocol.FORM_FIELDS - {"stop"}
     if unknown:
         raise BadRequest(f"unknown form field(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
-    for name in _FORM_FIELDS:
+    for name in protocol.FORM_FIELDS:
         if len(form.getlist(name)) > 1:
             raise BadRequest(f"form field {name!r} was sent more than once", param=name)
     unknown_files = set(files) - {"image", "video"}
     if unknown_files:
         raise BadRequest(f"unknown file field(s): {', '.join(sorted(unknown_files))}; send images as -F image=@file "
                          "and videos as -F video=@file", param=sorted(unknown_files)[0])
-    fields = {k: form[k] for k in _FORM_FIELDS if k in form}
+    fields = {k: form[k] for k in protocol.FORM_FIELDS if k in form}
     if form.getlist("stop"):
         fields["stop"] = form.getlist("stop")
     body = protocol.NativeChatRequest.model_validate(fields)

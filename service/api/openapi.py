@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .protocol import ChatCompletionRequest, NativeChatRequest
+from .protocol import FORM_FIELDS, ChatCompletionRequest, NativeChatRequest
 
 _REF = "#/components/schemas/{model}"
 
@@ -23,20 +23,20 @@ _ERROR_SCHEMA = {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
-_FORM = {
-    "type": "object", "required": ["prompt"],
-    "properties": {
-        "prompt": {"type": "string"},
-        "image": {"type": "array", "items": {"type": "string", "format": "binary"}},
-        "video": {"type": "array", "items": {"type": "string", "format": "binary"}},
-        "conversation_id": {"type": "string", "pattern": "^[A-Za-z0-9._:-]+$", "maxLength": 128},
-        "max_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0,
-                                                                         "maximum": 2},
-        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "top_k": {"type": "integer", "minimum": 0},
-        "seed": {"type": "integer", "minimum": 0}, "stop": {"type": "array", "items": {"type": "string"}},
-        "stream": {"type": "boolean"},
-    },
-}
+def _form_schema() -> dict:
+    """multipart/form-data for /v1/chat: the JSON body's fields a form may carry (as the JSON schema
+    has them, without null), `stop` repeatable, and the files."""
+    properties = NativeChatRequest.model_json_schema()["properties"]
+
+    def not_null(schema: dict) -> dict:
+        options = [o for o in schema.get("anyOf", [schema]) if o.get("type") != "null"]
+        return options[0] if len(options) == 1 else {"anyOf": options}
+
+    fields = {name: not_null(properties[name]) for name in sorted(FORM_FIELDS)}
+    binary = {"type": "array", "items": {"type": "string", "format": "binary"}}
+    return {"type": "object", "required": ["prompt"],
+            "properties": {**fields, "stop": {"type": "array", "items": properties["stop"]["anyOf"][0]},
+                           "image": binary, "video": binary}}
 
 
 def _errors(*codes: int) -> dict:
@@ -65,7 +65,7 @@ def openapi_document() -> dict:
                 "summary": "Native endpoint: JSON lines (application/x-ndjson), stateful by conversation_id",
                 "requestBody": {"required": True, "content": {
                     "application/json": {"schema": native_ref},
-                    "multipart/form-data": {"schema": _FORM}}},
+                    "multipart/form-data": {"schema": _form_schema()}}},
                 "responses": {"200": {"description": "JSON lines, or one JSON object when stream is false",
                                       "content": {"application/x-ndjson": {"schema": {"type": "string"}},
                                                   "application/json": {"schema": {"type": "object"}}}},

@@ -100,6 +100,11 @@ class NativeChatRequest(_Sampling):
     stream: bool = True
 
 
+# The NativeChatRequest fields a multipart form may carry once each (`stop` may repeat; files: image, video).
+FORM_FIELDS = frozenset({"prompt", "conversation_id", "max_tokens", "temperature", "top_p", "top_k", "seed",
+                         "repetition_penalty", "stream"})
+
+
 def usage(done: Completion) -> dict:
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
             "total_tokens": done.prompt_tokens + done.completion_tokens,

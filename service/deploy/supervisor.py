@@ -130,8 +130,13 @@ class Deployment:
     def _wait_ready(self) -> bool:
         """Wait until every instance has loaded its model; False if one died or failed to load, or a stop came."""
         waiting = list(self.slots)
+        deadline = time.monotonic() + self.settings.start_timeout
         while waiting:
             if self._stop.wait(0.25):
+                return False
+            if time.monotonic() > deadline:
+                log.error("instance(s) %s not ready after START_TIMEOUT=%g s: see their log lines above",
+                          ", ".join(str(s.instance.index) for s in waiting), self.settings.start_timeout)
                 return False
             for slot in list(waiting):
                 if slot.process.poll() is not None:
