@@ -267,7 +267,7 @@ def test_vision_tower_in_steps_equals_the_models_own_encoder(engines):
         own = engine.model.model.get_image_features(prompt.pixel_values[0], prompt.image_grid_thw)
     steps = run_to_end(image_steps(engine.vision_encoder, prompt.pixel_values[0], prompt.image_grid_thw))
     assert torch.equal(steps.pooler, own.pooler_output[0])
-    assert all(torch.equal(a, b[0]) for a, b in zip(steps.deepstack, own.deepstack_features))
+    assert all(torch.equal(a, b[0]) for a, b in zip(steps.deepstack, own.deepstack_features, strict=True))
 
 
 def test_batched_kv_hands_each_sequence_back_its_own_cache(engines):
@@ -288,10 +288,11 @@ def test_batched_kv_hands_each_sequence_back_its_own_cache(engines):
     middle = kv.leave([1])[0]
     assert kv.width == 5  # the columns only the long one used are gone
     assert all(torch.equal(layer.keys, k) and torch.equal(layer.values, v)
-               for layer, (k, v) in zip(middle.layers, originals[1]))
+               for layer, (k, v) in zip(middle.layers, originals[1], strict=True))
     rest = kv.leave([0, 1])
-    for got, want in zip(rest, [originals[0], originals[2]]):
-        assert all(torch.equal(layer.keys, k) for layer, (k, _) in zip(got.layers, want))
+    for got, want in zip(rest, [originals[0], originals[2]], strict=True):
+        assert all(torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+                   for layer, (k, v) in zip(got.layers, want, strict=True))
     assert kv.cache is None
 
 

@@ -96,7 +96,7 @@ def test_fp32_graph_gives_the_torch_towers_features(onnx_engine, torch_engine, s
     expected = outputs(torch_engine.vision_encoder(p.pixel_values[0], p.image_grid_thw))
     got = outputs(onnx_engine.vision_encoder(p.pixel_values[0], p.image_grid_thw))
     assert len(got) == 1 + len(torch_engine.model.config.vision_config.deepstack_visual_indexes)
-    for reference, other in zip(expected, got):
+    for reference, other in zip(expected, got, strict=True):
         assert other.shape == reference.shape
         assert relative_error(reference, other) <= 1e-4
 
@@ -110,7 +110,7 @@ def test_int8_setting_runs_the_int8_graph_close_to_the_torch_tower(onnx_engine, 
     p = prompt(torch_engine, [size])
     expected = outputs(torch_engine.vision_encoder(p.pixel_values[0], p.image_grid_thw))
     got = outputs(encoder(p.pixel_values[0], p.image_grid_thw))
-    for reference, other in zip(expected, got):
+    for reference, other in zip(expected, got, strict=True):
         assert cosine(reference, other) >= 0.99
         assert relative_error(reference, other) > 1e-4  # really quantized, not the fp32 graph
 
@@ -121,7 +121,7 @@ def test_several_images_in_one_call_attend_only_within_each_image(onnx_engine, t
     expected = torch_engine.vision_encoder(pixels, p.image_grid_thw)
     got = onnx_engine.vision_encoder(pixels, p.image_grid_thw)
     assert len(got) == 3
-    for reference, other in zip(outputs(expected), outputs(got)):
+    for reference, other in zip(outputs(expected), outputs(got), strict=True):
         assert relative_error(reference, other) <= 1e-4
 
 
@@ -130,7 +130,7 @@ def test_video_frames_attend_only_within_each_frame(onnx_engine, torch_engine):
     patches = torch.randn(int(grid.prod()), 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(0))
     expected = torch_engine.vision_encoder(patches, grid)
     got = onnx_engine.vision_encoder(patches, grid)
-    for reference, other in zip(outputs(expected), outputs(got)):
+    for reference, other in zip(outputs(expected), outputs(got), strict=True):
         assert relative_error(reference, other) <= 1e-4
 
 
