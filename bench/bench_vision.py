@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -135,18 +136,22 @@ def cosines(reference: Path, other: Path) -> float:
                for k in a.files)
 
 
-def ensure_export(model_path: Path, export_dir: Path) -> str:
+def ensure_export(model_path: Path, export_dir: Path, fresh: bool = False) -> str:
+    """Build the export unless a current one exists (or `fresh`); what it cost, for the table's note."""
     from service.onnx_vision import StaleExport, check_export
 
-    try:
-        check_export(export_dir, model_path)
-        return "existing"
-    except StaleExport as exc:
-        print(f"{exc}: exporting (python -m service export-onnx)")
+    if not fresh:
+        try:
+            check_export(export_dir, model_path)
+            return "existing"
+        except StaleExport as exc:
+            print(f"{exc}: exporting (python -m service export-onnx)")
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "service", "--log-level", "WARNING", "export-onnx", str(model_path),
                     str(export_dir)], check=True, cwd=ROOT)
-    return f"built in {time.perf_counter() - t0:.0f} s"
+    # The export is this process's first child: the children's peak RSS is its own.
+    peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024**2
+    return f"built in {time.perf_counter() - t0:.0f} s, peak RSS {peak_gib:.1f} GiB"
 
 
 def run_worker(args, name: str, *worker_args: str, features: Path | None = None) -> dict:
@@ -172,6 +177,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed encodes per size and backend, after a warm-up")
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "bench-vision-cache")
     parser.add_argument("--export-dir", type=Path, help="default: the cache directory the service looks in")
+    parser.add_argument("--fresh-export", action="store_true", help="rebuild the export (measures its time and peak)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--features-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -184,7 +190,7 @@ def main() -> int:
     from service.onnx_vision import default_export_dir
 
     args.export_dir = args.export_dir or default_export_dir(args.model_path, args.cache_dir)
-    export_note = ensure_export(args.model_path, args.export_dir)
+    export_note = ensure_export(args.model_path, args.export_dir, args.fresh_export)
     memory, speed = {}, {}
     jobs = [("memory", b, p) for b, p in BACKENDS] + [("speed", p) for p in ("fp32", "int8")]
     with tempfile.TemporaryDirectory() as tmp, tqdm(jobs, desc="fresh processes", unit="process") as bar:
