@@ -3,9 +3,12 @@ PIP ?= $(PYTHON) -m pip
 
 .PHONY: install test demo run nginx
 
-# torch first, alone: its CPU wheel (anything else resolves to a multi-GB CUDA build).
+# torch first, alone: its CPU wheel (anything else resolves to a multi-GB CUDA build). Where pip
+# has no local CPU wheel (plain PyPI), add the CPU index:
+#   make test TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_INDEX ?=
 install:
-	$(PIP) install --disable-pip-version-check -q torch==2.13.0
+	$(PIP) install --disable-pip-version-check -q torch==2.13.0 $(TORCH_INDEX)
 	$(PIP) install --disable-pip-version-check -q -r requirements.txt
 
 # Nginx for `make run` and the deployment tests: installed with apt-get when missing (as root).
