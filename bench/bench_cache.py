@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from servers import gunicorn_server  # noqa: E402
 
-from bench.harness import default_int8_path  # noqa: E402
+from bench.harness import add_checkpoint_args, checkpoint_of  # noqa: E402
 from bench.results import append_section, markdown_table  # noqa: E402
 
 SENTENCE = ("The harbour was quiet in the early morning, boats resting on grey water while gulls "
@@ -135,18 +135,13 @@ def cache_counters(metrics_text: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", type=Path, default=default_int8_path(),
-                   help="default: CACHE_DIR/qwen3vl-2b-random-int8, else CACHE_DIR/qwen3vl-2b-random")
-    p.add_argument("--quantization", default="int8", choices=["int8", "fp32"])
-    p.add_argument("--threads", type=int, default=2)
+    add_checkpoint_args(p)
     p.add_argument("--prompt-tokens", type=int, default=500, help="size of the second turn's prompt")
     p.add_argument("--first-answer-tokens", type=int, default=24, help="max_tokens of the first turn")
     p.add_argument("--measured-tokens", type=int, default=4, help="max_tokens of the measured requests")
     p.add_argument("--repeats", type=int, default=3, help="of every measurement (odd: the median is reported)")
     args = p.parse_args(argv)
-    if not (args.model_path / "config.json").exists():
-        p.error(f"{args.model_path} is no checkpoint; make it with: python -m service make-model --preset 2b "
-                f"{args.model_path}")
+    args.model_path = checkpoint_of(args)
 
     seen = picture(1)
     follow_up = "Now tell me which part of the picture is the brightest, and why."

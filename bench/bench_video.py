@@ -28,7 +28,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import default_int8_path, photo  # noqa: E402
+from bench.harness import add_checkpoint_args, checkpoint_of, photo  # noqa: E402
 from bench.results import append_section, markdown_table  # noqa: E402
 
 CODECS = {"mp4": ("mp4v", "MPEG-4 Part 2"), "avi": ("MJPG", "MJPEG"), "webm": ("VP90", "VP9")}
@@ -149,10 +149,7 @@ def model_rows(loaded, settings, clip: bytes, budgets: list[int], max_tokens: in
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", type=Path, default=default_int8_path(),
-                   help="default: CACHE_DIR/qwen3vl-2b-random-int8, else CACHE_DIR/qwen3vl-2b-random")
-    p.add_argument("--quantization", default="int8", choices=["int8", "fp32"])
-    p.add_argument("--threads", type=int, default=2)
+    add_checkpoint_args(p)
     p.add_argument("--budgets", default="1024,512,256", help="VIDEO_MAX_VISUAL_TOKENS values, the default first")
     p.add_argument("--max-tokens", type=int, default=16, help="answer length of each request")
     p.add_argument("--clip-dir", type=Path, default=None, help="where the test clips are kept (default: "
@@ -161,9 +158,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     report = (lambda title, settings, body, threads: print(f"\n## {title}\n\n{settings}\n\n{body}")) \
         if args.no_save else append_section
-    if not (args.model_path / "config.json").exists():
-        p.error(f"{args.model_path} is no checkpoint; make it with: python -m service make-model --preset 2b "
-                f"{args.model_path}")
+    args.model_path = checkpoint_of(args)
     budgets = [int(b) for b in args.budgets.split(",")]
 
     from service.loading import image_limits_for, load_model, load_processor

@@ -107,6 +107,20 @@ def default_int8_path() -> Path:
     return int8 if (int8 / "config.json").exists() else default_model_path()
 
 
+def add_checkpoint_args(parser) -> None:
+    """--model-path, --quantization, --threads: what every model benchmark takes (see `checkpoint_of`)."""
+    parser.add_argument("--model-path", type=Path, default=None,
+                        help="default: CACHE_DIR/qwen3vl-2b-random (its -int8 copy for INT8, when made)")
+    parser.add_argument("--quantization", default="int8", choices=["int8", "fp32"])
+    parser.add_argument("--threads", type=int, default=2)
+
+
+def checkpoint_of(args) -> Path:
+    """The checkpoint `add_checkpoint_args`' flags name; exits with how to make it if it is missing."""
+    default = default_int8_path() if args.quantization == "int8" else default_model_path()
+    return require_checkpoint(args.model_path or default)
+
+
 def require_checkpoint(path: Path) -> Path:
     if not (path / "config.json").exists():
         raise SystemExit(f"no checkpoint at {path}: create it with\n"
