@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .settings import EMBEDDED_MODEL_DIRNAME
+
 log = logging.getLogger(__name__)
 
 RANDOM_MODEL_MARKER = "random_test_model"
@@ -213,7 +215,7 @@ def make_checkpoint(preset: str, out_dir: str | os.PathLike) -> Path:
 
 def embedded_model_dir(cache_dir: Path) -> Path:
     """The embedded tiny checkpoint under `cache_dir`, built once (atomically) on first use."""
-    target = Path(cache_dir) / "embedded-tiny-qwen3-vl"
+    target = Path(cache_dir) / EMBEDDED_MODEL_DIRNAME
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

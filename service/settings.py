@@ -10,6 +10,10 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+# The embedded random test model's directory under CACHE_DIR (checkpoints builds it; deploy sizes it).
+EMBEDDED_MODEL_DIRNAME = "embedded-tiny-qwen3-vl"
+
+
 def _available_cores() -> int:
     return len(os.sched_getaffinity(0))
 
@@ -96,6 +100,11 @@ class Settings(BaseSettings):
     @property
     def api_key_list(self) -> list[str]:
         return [k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip()]
+
+    @property
+    def probe_key(self) -> str | None:
+        """The key the service's own probes (deploy, Docker healthcheck) send: the first, if any."""
+        return self.api_key_list[0] if self.api_key_list else None
 
     @field_validator("model_path")
     @classmethod

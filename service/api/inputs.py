@@ -64,6 +64,20 @@ def decode_base64_video(payload: str, limits: VideoLimits, param: str) -> Decode
     return decode_video_file(_base64_bytes(payload, limits.max_bytes, "video", param, VideoError), limits, param)
 
 
+def decode_inline_image(text: str, limits: ImageLimits, param: str) -> DecodedImage:
+    """The native endpoint's `images` items: a data: URL or bare base64."""
+    if text[:5].lower() == "data:":
+        return decode_data_url(text, limits, param)
+    return decode_base64_image(text, limits, param)
+
+
+def decode_inline_video(text: str, limits: VideoLimits, param: str) -> DecodedVideo:
+    """The native endpoint's `videos` items: a data: URL or bare base64."""
+    if text[:5].lower() == "data:":
+        return decode_video_data_url(text, limits, param)
+    return decode_base64_video(text, limits, param)
+
+
 def _naming_param(decode, data: bytes, limits, param: str):
     """decode(data, limits), with `param` named in the client error it may raise."""
     try:

@@ -17,8 +17,8 @@ from ..errors import BadRequest, ServiceError, UnsupportedMediaType
 from ..prompts import ChatMessage, TextPart
 from . import protocol
 from .app import state
-from .inputs import (decode_base64_image, decode_base64_video, decode_data_url, decode_file, decode_video_data_url,
-                     decode_video_file, to_chat_messages, user_message, video_decode_seconds)
+from .inputs import (decode_file, decode_inline_image, decode_inline_video, decode_video_file, to_chat_messages,
+                     user_message, video_decode_seconds)
 from .requests import conversation_header, generation_request, json_body
 from .serving import EventStream, admit, collect
 
@@ -69,11 +69,9 @@ def _from_json(limits, video_limits) -> tuple[protocol.NativeChatRequest, list[C
         messages, seconds = to_chat_messages(body.messages, limits, video_limits)
         return body, messages, seconds
     t0 = time.perf_counter()
-    images = [decode_data_url(s, limits, f"images[{i}]") if s[:5].lower() == "data:"
-              else decode_base64_image(s, limits, f"images[{i}]") for i, s in enumerate(body.images or [])]
+    images = [decode_inline_image(s, limits, f"images[{i}]") for i, s in enumerate(body.images or [])]
     seconds = time.perf_counter() - t0
-    videos = [decode_video_data_url(s, video_limits, f"videos[{i}]") if s[:5].lower() == "data:"
-              else decode_base64_video(s, video_limits, f"videos[{i}]") for i, s in enumerate(body.videos or [])]
+    videos = [decode_inline_video(s, video_limits, f"videos[{i}]") for i, s in enumerate(body.videos or [])]
     return body, [user_message(body.prompt, images, videos)], seconds
 
 

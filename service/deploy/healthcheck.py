@@ -9,8 +9,7 @@ from .supervisor import client_url, get_status
 
 def main() -> int:
     settings = load_settings()
-    key = settings.api_key_list[0] if settings.api_key_list else None
-    status, _ = get_status(client_url(settings.nginx_listen) + "/ready", key)
+    status, _ = get_status(client_url(settings.nginx_listen) + "/ready", settings.probe_key)
     return 0 if status == 200 else 1
 
 

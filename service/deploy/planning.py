@@ -12,14 +12,13 @@ from pathlib import Path
 
 import psutil
 
-from ..settings import Settings, SettingsError
+from ..settings import EMBEDDED_MODEL_DIRNAME, Settings, SettingsError
 
 log = logging.getLogger("service.deploy")
 
 # Resident bytes per parameter, (steady, peak while loading), measured on Qwen3-VL-2B (DESIGN.md).
 BYTES_PER_PARAMETER = {"fp32": (4.2, 6.2), "int8": (1.8, 3.8)}
 RUNTIME_BYTES = 512 * 1024**2  # Python, torch, transformers, Gunicorn: resident before any weight
-_EMBEDDED_MODEL_DIR = "embedded-tiny-qwen3-vl"  # where checkpoints.embedded_model_dir builds it
 
 
 @dataclass(frozen=True)
@@ -84,7 +83,7 @@ def plan_instances(settings: Settings, cores: list[int] | None = None, memory: i
     if count > len(cores):
         raise SettingsError(f"INSTANCES={count} needs at least {count} cores; this process may use {len(cores)}")
     if count == 0:
-        model_dir = settings.model_path or settings.cache_dir / _EMBEDDED_MODEL_DIR
+        model_dir = settings.model_path or settings.cache_dir / EMBEDDED_MODEL_DIRNAME
         need = instance_bytes(settings, checkpoint_parameters(model_dir) if model_dir.is_dir() else 0)
         memory = available_memory() if memory is None else memory
         count = max(1, min(len(cores), memory // need))

@@ -75,7 +75,7 @@ class Deployment:
         self.settings = settings
         self.slots = [_Slot(i) for i in instances]
         self.access_log = access_log
-        self.api_key = settings.api_key_list[0] if settings.api_key_list else None  # /ready needs one when set
+        self.api_key = settings.probe_key  # /ready needs one when keys are set
         self.nginx: subprocess.Popen | None = None
         self.run_dir = Path(tempfile.mkdtemp(prefix="qwen3vl-deploy-"))
         self.run_dir.chmod(0o755)  # Nginx workers started by root run as nobody and need their temp dirs
