@@ -24,7 +24,8 @@ USER service
 VOLUME /models
 ENV CACHE_DIR=/models/.cache NGINX_LISTEN=0.0.0.0:8080
 EXPOSE 8080
-# Ready = the models are loaded and Nginx answers (the first load of a large checkpoint takes minutes).
-HEALTHCHECK --interval=30s --timeout=10s --start-period=600s --retries=3 CMD ["python", "-m", "service.deploy.healthcheck"]
+# Ready = the models are loaded and Nginx answers (the first load of a large checkpoint takes minutes;
+# the deploy itself gives up after START_TIMEOUT, 900 s).
+HEALTHCHECK --interval=30s --timeout=10s --start-period=960s --retries=3 CMD ["python", "-m", "service.deploy.healthcheck"]
 # `docker stop` sends SIGTERM: a graceful stop (open streams get GRACEFUL_TIMEOUT, 30 s; so `docker stop -t 40`).
 ENTRYPOINT ["python", "-m", "service.deploy"]

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from servers import gunicorn_server  # noqa: E402
 
-from bench.harness import default_int8_path, encoded_photo, require_checkpoint  # noqa: E402
+from bench.harness import add_checkpoint_args, checkpoint_of, encoded_photo  # noqa: E402
 from bench.results import append_section, markdown_table  # noqa: E402
 
 QUESTIONS = [
@@ -104,18 +104,16 @@ def neighbour_run(base: str, tokens: int, picture: bytes) -> tuple[Stream, Strea
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", type=Path, default=None,
-                        help="default: CACHE_DIR/qwen3vl-2b-random-int8, else CACHE_DIR/qwen3vl-2b-random")
-    parser.add_argument("--threads", type=int, default=2)
+    add_checkpoint_args(parser)
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per text stream")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
                         help="PREFILL_CHUNK_TOKENS (default: the setting's)")
     args = parser.parse_args()
-    model_path = require_checkpoint(args.model_path or default_int8_path())
+    model_path = checkpoint_of(args)
     from service.settings import load_settings
 
     chunk = args.prefill_chunk_tokens or load_settings(model_path=model_path).prefill_chunk_tokens
-    env = {"MODEL_PATH": str(model_path), "QUANTIZATION": "int8", "THREADS": str(args.threads), "MAX_BATCH_SIZE": "4",
+    env = {"MODEL_PATH": str(model_path), "QUANTIZATION": args.quantization, "THREADS": str(args.threads), "MAX_BATCH_SIZE": "4",
            "CACHE_ENABLED": "false", "MAX_NEW_TOKENS": str(max(args.tokens * 2, 64))}
     env["PREFILL_CHUNK_TOKENS"] = str(chunk)
     log = ROOT / "bench" / "bench_batching.gunicorn.log"
@@ -164,7 +162,7 @@ def main() -> None:
             f"request to the last answer's end (prefill included); TTFT per stream as the server measured it.\n\n{gaps}\n\n"
             f"{verdict}")
     append_section("Batching: concurrent streams through the HTTP API (python -m bench.bench_batching)",
-                   {"model": model_path.name, "QUANTIZATION": "int8", "MAX_BATCH_SIZE": 4,
+                   {"model": model_path.name, "QUANTIZATION": args.quantization, "MAX_BATCH_SIZE": 4,
                     "PREFILL_CHUNK_TOKENS": chunk, "tokens per stream": args.tokens, "CACHE_ENABLED": "false"},
                    body, threads=args.threads)
 

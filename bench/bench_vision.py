@@ -31,7 +31,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import default_model_path  # noqa: E402
+from bench.harness import default_model_path, require_checkpoint  # noqa: E402
 from bench.results import append_section, markdown_table  # noqa: E402
 
 BACKENDS = [("torch", "fp32"), ("torch", "int8"), ("onnxruntime", "fp32"), ("onnxruntime", "int8")]
@@ -170,8 +170,7 @@ def run_worker(args, name: str, *worker_args: str, features: Path | None = None)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", type=Path, default=default_model_path(),
-                        help="default: CACHE_DIR/qwen3vl-2b-random")
+    parser.add_argument("--model-path", type=Path, default=None, help="default: CACHE_DIR/qwen3vl-2b-random")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sizes", type=int, nargs="+", default=[448, 896])
     parser.add_argument("--repeats", type=int, default=3, help="timed encodes per size and backend, after a warm-up")
@@ -181,6 +180,7 @@ def main() -> int:
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--features-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.model_path = require_checkpoint(args.model_path or default_model_path())
     if args.worker:
         kind, *rest = args.worker
         result = memory_worker(args, *rest) if kind == "memory" else speed_worker(args, *rest)

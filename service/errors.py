@@ -69,9 +69,3 @@ class InternalError(ServiceError):
 
     def __init__(self, request_id: str | None):
         super().__init__(f"internal error; see the server log for request {request_id}")
-
-
-class Cancelled(ServiceError):
-    """The client went away or the request was stopped; never sent to anyone."""
-
-    status, code = 499, "cancelled"

@@ -30,7 +30,7 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(Path(os.path.expanduser("~/.cache/qwen3vl-service")), description="embedded model, exports")
     vision_backend: Literal["torch", "onnxruntime"] = Field(
         "torch", description="vision encoder: torch, or onnxruntime (the `export-onnx` export; torch while "
-        "there is none). ORT INT8 was ~10 % faster here but costs memory and stalls batched streams")
+        "there is none). ORT INT8 was 7-23 % faster here but costs memory and stalls batched streams")
     vision_onnx_dir: Path | None = Field(None, description="ONNX export to use; unset = CACHE_DIR/onnx-vision/<checkpoint>")
     max_memory_mb: int | None = Field(None, ge=1, description="memory budget in MiB (RSS minus file-backed pages); "
                                       "unset = none. Near it caches are evicted, over it requests get 503")
@@ -74,7 +74,8 @@ class Settings(BaseSettings):
     bind: str | None = Field(None, description="Gunicorn's bind address (host:port); unset = HOST:PORT")
     graceful_timeout: int = Field(30, ge=1, description="seconds in-flight requests get on SIGTERM")
     access_log: bool = Field(False, description="Gunicorn's access log on stdout (the app logs each request anyway)")
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Gunicorn's log level")
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
+        "info", description="log level of Gunicorn and the service")
     max_body_bytes: int = Field(25 * 1024 * 1024, ge=1024, description="largest request body")
     queue_size: int = Field(8, ge=0, description="requests waiting for the model beyond the running batch")
     queue_timeout: float = Field(120.0, gt=0, description="seconds a request may wait for the model")

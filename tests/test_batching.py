@@ -182,12 +182,13 @@ def test_a_sampling_failure_ends_only_its_own_request(engines, monkeypatch, fail
     engine = engines["fp32"]
     makers = prompts(engine)[:2]
     expected = [alone(engine, make()) for make in makers]
-    real_call, calls = Sampler.__call__, {"n": 0}
+    real_call, calls = Sampler.__call__, {"n": 0, "batch_at_failure": 0}
 
     def failing_for_seed_666(self, token_ids, logits):
         if self.generator.initial_seed() == 666:
             calls["n"] += 1
             if calls["n"] == fail_at:
+                calls["batch_at_failure"] = engine.scheduler.batch_size
                 raise RuntimeError("injected sampling failure")
         return real_call(self, token_ids, logits)
 
@@ -199,6 +200,8 @@ def test_a_sampling_failure_ends_only_its_own_request(engines, monkeypatch, fail
     victim.join()
     assert isinstance(victim.error, RuntimeError) and "injected" in str(victim.error)
     assert len(victim.token_ids()) == fail_at - 1
+    if fail_at > 1:  # it failed inside a decode step shared with its neighbours
+        assert calls["batch_at_failure"] >= 2
     assert [s.join().token_ids() for s in streams] == expected
     assert engine.scheduler.batch_size == 0 and engine.admission.in_use == 0
 

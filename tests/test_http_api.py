@@ -294,3 +294,42 @@ def test_a_bug_in_a_handler_is_a_json_500_with_the_request_id(cache_dir, tiny_di
     assert r.json["error"]["code"] == "internal_error" and "trace-7" in r.json["error"]["message"]
     assert "a bug" not in r.get_data(as_text=True)  # the traceback stays in the server log
     assert "a bug" in caplog.text
+
+
+def test_a_failure_after_the_200_ends_the_stream_with_an_error_event_and_is_counted(cache_dir, tiny_dir, monkeypatch):
+    """A stream's status goes out before its first token: a later failure (here injected into the
+    sampler after two tokens) must end the body with an error line / SSE error event — never a
+    silent cut — and show in qwen3vl_stream_errors_total."""
+    from conftest import make_settings
+    from service import metrics
+    from service.api.app import create_app
+    from service.batching import Sampler
+
+    real_call = Sampler.__call__
+
+    def failing_after_two(self, token_ids, logits):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls > 2:
+            raise RuntimeError("injected failure")
+        return real_call(self, token_ids, logits)
+
+    monkeypatch.setattr(Sampler, "__call__", failing_after_two)
+    client = create_app(make_settings(cache_dir), load_in_background=False).test_client()
+    counted = metrics.STREAM_ERRORS.labels("internal_error")
+    before = counted._value.get()
+
+    native = client.post("/v1/chat", json={"prompt": "Talk.", "max_tokens": 20, "temperature": 0})
+    lines = [json.loads(line) for line in native.get_data(as_text=True).splitlines()]
+    assert native.status_code == 200 and [("delta" in line) for line in lines[1:3]] == [True, True]
+    assert lines[-1]["done"] is True and lines[-1]["error"]["code"] == "internal_error"
+
+    sse = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Talk."}],
+                                                    "max_tokens": 20, "stream": True})
+    events = [e[len("data: "):] for e in sse.get_data(as_text=True).split("\n\n") if e]
+    assert sse.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "internal_error"
+    assert counted._value.get() - before == 2
+
+    plain = client.post("/v1/chat", json={"prompt": "Talk.", "max_tokens": 20, "stream": False})
+    assert plain.status_code == 500 and plain.json["error"]["code"] == "internal_error"
+    assert counted._value.get() - before == 2  # a plain request's failure is its status, not a stream error

@@ -25,7 +25,6 @@ ARTIFACTS = ROOT / "artifacts"
 README_SCREENSHOT = ROOT / "docs" / "screenshot.png"  # rewritten when UPDATE_SCREENSHOT=1
 DEMO_PNG = (ROOT / "tests" / "data" / "demo.png").read_bytes()
 SERVER_ENV = {"QUEUE_SIZE": "2", "MAX_NEW_TOKENS": "1500", "CONTEXT_LIMIT": "4096", "QUEUE_TIMEOUT": "60"}
-# The conversation KV cache (issue 4) is in when the engine uses it.
 
 
 @pytest.fixture(scope="module")

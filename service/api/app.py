@@ -93,7 +93,7 @@ def create_app(settings: Settings, load_in_background: bool = True) -> Flask:
     from .web_routes import web
 
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = Flask("service", static_folder=None)  # web_routes serves the page's files
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config["MAX_FORM_MEMORY_SIZE"] = settings.max_body_bytes

@@ -36,7 +36,7 @@ def generation_request(messages: list[ChatMessage], params: SamplingParams, deco
 def conversation_header() -> str | None:
     """The X-Conversation-Id header (what Nginx routes a conversation by), checked like the body field."""
     header = request.headers.get("X-Conversation-Id")
-    if header is not None and not re.match(CONVERSATION_ID_PATTERN, header):
+    if header is not None and not re.fullmatch(CONVERSATION_ID_PATTERN, header):
         raise BadRequest("X-Conversation-Id must be 1 to 128 characters of A-Z, a-z, 0-9, '.', '_', ':', '-'",
                          param="X-Conversation-Id")
     return header

@@ -39,18 +39,15 @@ def admit(engine: Engine, request: GenerationRequest) -> Generation:
 
 def record(request: GenerationRequest, done: Completion | None, endpoint: str, error_code: str | None = None) -> None:
     """Metrics and the request's log line; `done` is None when the client left mid-stream or the
-    stream ended in an error (`error_code`)."""
-    if error_code is not None:
-        metrics.FINISHED.labels("error").inc()
-        metrics.STREAM_ERRORS.labels(error_code).inc()
-        metrics.GENERATED_TOKENS.inc(request.generated_tokens)
-        log.warning("%s %s stream ended by an error (%s) after %d tokens", request.request_id, endpoint, error_code,
-                    request.generated_tokens)
-        return
+    generation ended in an error (`error_code`)."""
     if done is None:
-        metrics.FINISHED.labels("cancelled").inc()
+        metrics.FINISHED.labels("error" if error_code else "cancelled").inc()
         metrics.GENERATED_TOKENS.inc(request.generated_tokens)
-        log.info("%s %s client gone after %d tokens", request.request_id, endpoint, request.generated_tokens)
+        if error_code:
+            log.warning("%s %s ended by an error (%s) after %d tokens", request.request_id, endpoint, error_code,
+                        request.generated_tokens)
+        else:
+            log.info("%s %s client gone after %d tokens", request.request_id, endpoint, request.generated_tokens)
         return
     t = done.timings
     metrics.FINISHED.labels(done.finish_reason).inc()
@@ -71,18 +68,25 @@ def record(request: GenerationRequest, done: Completion | None, endpoint: str, e
 
 
 def collect(generation: Generation, request: GenerationRequest, endpoint: str) -> Completion:
-    """Run a non-streaming request to its end."""
-    done = None
+    """Run a non-streaming request to its end (an error propagates to the app's handler: its status)."""
+    done, error_code = None, None
     try:
         metrics.GENERATING.inc()
         for event in generation:
             if isinstance(event, Completion):
                 done = event
+    except Exception as exc:
+        error_code = error_code_of(exc)
+        raise
     finally:
         metrics.GENERATING.dec()
         generation.close()
-        record(request, done, endpoint)
+        record(request, done, endpoint, error_code)
     return done
+
+
+def error_code_of(exc: Exception) -> str:
+    return (exc.code or "error") if isinstance(exc, ServiceError) else InternalError.code
 
 
 class EventStream:
@@ -117,14 +121,13 @@ class EventStream:
                 if isinstance(event, Completion):
                     self.done = event
                 yield from self.encode(event)
-        except ServiceError as exc:
-            self.error_code = exc.code
+        except Exception as exc:
+            if not isinstance(exc, ServiceError):
+                log.exception("%s %s failed mid-stream", self.request.request_id, self.endpoint)
+                exc = InternalError(self.request.request_id)
+            self.error_code = error_code_of(exc)
+            metrics.STREAM_ERRORS.labels(self.error_code).inc()  # its 200 went out before: count it here
             yield from self.encode(exc)
-        except Exception:
-            log.exception("%s %s failed mid-stream", self.request.request_id, self.endpoint)
-            error = InternalError(self.request.request_id)
-            self.error_code = error.code
-            yield from self.encode(error)
 
     def close(self) -> None:
         if self._closed:
