@@ -33,6 +33,7 @@ from transformers.generation.logits_process import (RepetitionPenaltyLogitsProce
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from . import metrics
+from .kv import GrowingCache
 from .streaming import TokenStreamer
 
 log = logging.getLogger(__name__)
@@ -145,14 +146,14 @@ class BatchKV:
         layers = [(torch.cat([_pad_left(old.keys, width), _pad_left(new.keys, width)]),
                    torch.cat([_pad_left(old.values, width), _pad_left(new.values, width)]))
                   for old, new in zip(self.cache.layers, cache.layers)]
-        self.cache = DynamicCache(ddp_cache_data=layers, config=self.config)
+        self.cache = GrowingCache(ddp_cache_data=layers, config=self.config)
         self.lengths.append(n)
 
     def leave(self, rows: list[int]) -> list[DynamicCache]:
         """Take rows out; each comes back as a cache of its own (own memory, no padding). The rest
         are re-packed, dropping columns that only padding used."""
         width = self.width
-        alone = [DynamicCache(ddp_cache_data=[(layer.keys[r:r + 1, :, width - self.lengths[r]:].clone(),
+        alone = [GrowingCache(ddp_cache_data=[(layer.keys[r:r + 1, :, width - self.lengths[r]:].clone(),
                                                layer.values[r:r + 1, :, width - self.lengths[r]:].clone())
                                               for layer in self.cache.layers], config=self.config)
                  for r in rows]
@@ -162,7 +163,7 @@ class BatchKV:
             return alone
         lengths = [self.lengths[r] for r in keep]
         start, index = width - max(lengths), torch.tensor(keep)
-        self.cache = DynamicCache(ddp_cache_data=[
+        self.cache = GrowingCache(ddp_cache_data=[
             (layer.keys[index, :, start:].contiguous(), layer.values[index, :, start:].contiguous())
             for layer in self.cache.layers], config=self.config)
         self.lengths = lengths

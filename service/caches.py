@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from . import metrics
+from .kv import GrowingCache, compacted
 from .vision import VisionFeatures
 
 V = TypeVar("V")
@@ -215,7 +216,7 @@ def reusable_prefix(entry: KVEntry, token_ids: torch.Tensor, images: list[ImageS
 
 def copy_prefix(cache: DynamicCache, tokens: int, config) -> DynamicCache:
     """A new cache holding the first `tokens` positions of `cache` (its own memory)."""
-    return DynamicCache(ddp_cache_data=[(layer.keys[..., :tokens, :].clone(), layer.values[..., :tokens, :].clone())
+    return GrowingCache(ddp_cache_data=[(layer.keys[..., :tokens, :].clone(), layer.values[..., :tokens, :].clone())
                                         for layer in cache.layers], config=config)
 
 
@@ -290,7 +291,7 @@ class ConversationCache:
         entry = KVEntry(token_ids=token_ids.clone(), images=[s for s in images if s.end <= length],
                         prompt_tokens=prompt_tokens, conversation_id=conversation_id, cache=cache)
         key = f"id:{conversation_id}" if conversation_id is not None else f"anon:{next(self._anonymous)}"
-        return self.entries.put(key, entry, kv_bytes(cache))
+        return self.entries.put(key, entry, kv_bytes(compacted(cache)))  # kept, not extended: no spare room
 
 
 # -- vision features ---------------------------------------------------------------------------

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import Generator, Iterator
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import GenerationConfig
 
 from .admission import Admission
 from .batching import Prefilled, Sampler, Scheduler, Sequence
 from .caches import ConversationCache, ImageSpan, VisionFeatureCache
 from .errors import BadRequest, PromptTooLong
+from .kv import GrowingCache
 from .loading import LoadedModel
 from .memory import MemoryGuard, kv_cache_bytes
 from .prompts import ChatMessage, PreparedPrompt, PromptLimits, prepare_prompt
@@ -312,7 +313,7 @@ class Engine:
         reuse = self.conversation_cache.take(prompt.input_ids[0], images, request.conversation_id, cuts)
         reused = reuse.tokens if reuse else 0
         # The request owns the cache: each piece extends it in place.
-        cache = reuse.cache if reuse is not None else DynamicCache(config=self.model.config)
+        cache = reuse.cache if reuse is not None else GrowingCache(config=self.model.config)
         marks.update(reused=reused, cache_lookup=time.perf_counter() - t0)
         try:
             t1 = time.perf_counter()
