@@ -25,7 +25,7 @@ from .admission import Admission
 from .batching import Prefilled, Sampler, Scheduler, Sequence
 from .caches import ConversationCache, ImageSpan, VisionFeatureCache
 from .errors import BadRequest, PromptTooLong
-from .kv import GrowingCache
+from .kv import HEADROOM, GrowingCache
 from .loading import LoadedModel
 from .memory import MemoryGuard, kv_cache_bytes
 from .prompts import ChatMessage, PreparedPrompt, PromptLimits, prepare_prompt
@@ -198,7 +198,7 @@ class Engine:
 
     def _check_memory(self, request: GenerationRequest, prompt: PreparedPrompt) -> None:
         """Unavailable (503) if this request's KV cache would not fit MAX_MEMORY_MB, caches evicted first."""
-        tokens = prompt.num_tokens + self._max_new_tokens(prompt, request.params)
+        tokens = prompt.num_tokens + self._max_new_tokens(prompt, request.params) + HEADROOM  # GrowingCache's room
         self.memory.check(kv_cache_bytes(self.model.config, tokens))
 
     def cancel_all(self) -> None:
