@@ -117,7 +117,7 @@ class Sequence:
         """Choose the next token from its logits and stream it."""
         token = self.sampler(self.token_ids, logits)
         self.token_ids.append(token)
-        self.streamer.put(torch.tensor([token]))
+        self.streamer.put_token(token)
 
 
 class BatchKV:

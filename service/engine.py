@@ -289,15 +289,20 @@ class Engine:
         return sorted(e for e in ends if reused < e < length) + [length]
 
     @staticmethod
-    def _piece_features(prompt: PreparedPrompt, merged: dict, reused: int, start: int, end: int) -> dict:
+    def _pads_before(prompt: PreparedPrompt, modality: str) -> torch.Tensor:
+        """For each token index (and the end), how many of the prompt's pads of `modality` precede it."""
+        type_id = 1 if modality == "image" else 2
+        return torch.cat([torch.zeros(1, dtype=torch.long),
+                          (prompt.mm_token_type_ids[0] == type_id).long().cumsum(0)])
+
+    @staticmethod
+    def _piece_features(merged: dict, pads_before: dict, reused: int, start: int, end: int) -> dict:
         """mm_encoder_outputs for prompt tokens [start, end): the rows of the features (`merged`:
         all images', or videos', after `reused`, concatenated) whose placeholders lie there — a
         piece may cut through a picture."""
         outputs = {}
         for modality, features in merged.items():
-            type_id = 1 if modality == "image" else 2
-            before = torch.cat([torch.zeros(1, dtype=torch.long),
-                                (prompt.mm_token_type_ids[0] == type_id).long().cumsum(0)])  # pads before each index
+            before = pads_before[modality]
             lo, hi = int(before[start] - before[reused]), int(before[end] - before[reused])
             if hi > lo:
                 outputs.update(as_mm_encoder_outputs([features.rows(lo, hi)], modality))
@@ -325,12 +330,13 @@ class Engine:
             positions, deltas = self.model.model.get_rope_index(
                 prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, prompt.video_grid_thw)
             merged = {m: VisionFeatures.cat([f[i] for i in sorted(f)]) for m, f in features.items() if f}
+            pads_before = {m: self._pads_before(prompt, m) for m in merged}
             start = reused
             for end in self._piece_ends(prompt.num_tokens, reused, cuts):
                 yield
                 out = self.model(input_ids=prompt.input_ids[:, start:end], position_ids=positions[:, :, start:end],
                                  cache=cache, logits_to_keep=1,
-                                 mm_encoder_outputs=self._piece_features(prompt, merged, reused, start, end))
+                                 mm_encoder_outputs=self._piece_features(merged, pads_before, reused, start, end))
                 start = end
         except GeneratorExit:  # cancelled while prefilling: hand the reused prefix back for the client's retry
             if reuse is not None:
@@ -361,7 +367,7 @@ class Engine:
         cuts = None if self._turn_header is None else cut_points(prompt.input_ids[0], self._turn_header,
                                                                  [span.end for span in images])
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        streamer = request.streamer = TokenStreamer(self.processor.tokenizer, timeout=None)
+        streamer = request.streamer = TokenStreamer(self.processor.tokenizer)
         marks: dict = {}
         sequence = Sequence(
             prompt_ids=prompt.input_ids[0].tolist(), prefill=self._prefill(request, prompt, spans, cuts, marks),

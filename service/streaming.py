@@ -12,8 +12,8 @@ class TokenStreamer(TextIteratorStreamer):
     """A TextIteratorStreamer that emits every token's text at once (not word by word) and records
     the generated ids, the time of the first one and the longest gap between two."""
 
-    def __init__(self, tokenizer, timeout: float | None = None):
-        super().__init__(tokenizer, skip_prompt=False, timeout=timeout, skip_special_tokens=True)
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=True)
         self.token_ids: list[int] = []
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -21,7 +21,13 @@ class TokenStreamer(TextIteratorStreamer):
         self._held = 0  # tokens held back waiting for the rest of a UTF-8 character
 
     def put(self, value):
-        ids = value.flatten().tolist()
+        """TextIteratorStreamer's entry point (a tensor of ids)."""
+        for token in value.flatten().tolist():
+            self.put_token(token)
+
+    def put_token(self, token: int) -> None:
+        """One generated token (the scheduler's call: no tensor made per token)."""
+        ids = [token]
         now = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
