@@ -2,9 +2,10 @@
 
 Cores: one instance = one Gunicorn master with ONE worker process that owns the model and uses
 THREADS torch threads (default: every CPU the process may use — pin instances with taskset and
-each gets its own cores). Its `threads` are HTTP threads (gthread, needed for streaming): one
-runs the generation, up to QUEUE_SIZE wait for the model, the rest answer /health, /ready and
-/metrics and refuse extra requests with 429 at once. To use more cores, run more instances
+each gets its own cores). Its `threads` are HTTP threads (gthread, needed for streaming): up to
+MAX_BATCH_SIZE stream generations (decoded together by the engine's scheduler thread), up to
+QUEUE_SIZE wait for the model, the rest answer /health, /ready and /metrics and refuse extra
+requests with 429 at once. To use more cores, run more instances
 (entrypoint / Nginx), not more workers: a second worker would load a second model.
 """
 

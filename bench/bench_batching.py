@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -44,16 +45,14 @@ QUESTIONS = [
 
 
 class Stream:
-    """One streaming /v1/chat request on its own thread: when it was sent, and its final line."""
+    """One streaming /v1/chat request on its own thread, and its final line."""
 
     def __init__(self, base: str, body: dict):
         self.base, self.body = base, {"stream": True, "temperature": 0, **body}
-        self.sent = 0.0
         self.done: dict = {}
         self.thread = threading.Thread(target=self._run)
 
     def start(self) -> "Stream":
-        self.sent = time.perf_counter()
         self.thread.start()
         return self
 
@@ -113,10 +112,11 @@ def main() -> None:
     from service.settings import load_settings
 
     chunk = args.prefill_chunk_tokens or load_settings(model_path=model_path).prefill_chunk_tokens
-    env = {"MODEL_PATH": str(model_path), "QUANTIZATION": args.quantization, "THREADS": str(args.threads), "MAX_BATCH_SIZE": "4",
-           "CACHE_ENABLED": "false", "MAX_NEW_TOKENS": str(max(args.tokens * 2, 64))}
-    env["PREFILL_CHUNK_TOKENS"] = str(chunk)
-    log = ROOT / "bench" / "bench_batching.gunicorn.log"
+    env = {"MODEL_PATH": str(model_path), "QUANTIZATION": args.quantization, "THREADS": str(args.threads),
+           "MAX_BATCH_SIZE": "4", "CACHE_ENABLED": "false", "MAX_NEW_TOKENS": str(max(args.tokens * 2, 64)),
+           "PREFILL_CHUNK_TOKENS": str(chunk)}
+    log = Path(tempfile.mkdtemp(prefix="bench-batching-")) / "gunicorn.log"
+    print(f"server log: {log}")
     picture = encoded_photo(".png", 448, 448)
     load = os.getloadavg()[0]
     with gunicorn_server(env, log, timeout=600) as (base, _):

@@ -8,6 +8,7 @@ against service.kv.GrowingCache (writes into spare room), same model, same proce
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from bench.results import append_section, markdown_table  # noqa: E402
 def decode_ms(model, cache, context: int, steps: int) -> float:
     """Prefill `context` random tokens into `cache` (pieces of 512), then the median ms of `steps`
     greedy one-token steps after two warm-up steps."""
-    ids = torch.randint(100, 1000, (1, context))
+    ids = torch.randint(0, model.config.text_config.vocab_size, (1, context))
     for start in range(0, context, 512):
         end = min(context, start + 512)
         out = model(input_ids=ids[:, start:end], position_ids=torch.arange(start, end).view(1, 1, -1).expand(3, 1, -1),
@@ -37,7 +38,7 @@ def decode_ms(model, cache, context: int, steps: int) -> float:
                     logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         times.append(time.perf_counter() - t0)
-    return sorted(times[2:])[len(times[2:]) // 2] * 1000
+    return statistics.median(times[2:]) * 1000
 
 
 def main(argv=None) -> int:

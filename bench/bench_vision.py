@@ -31,11 +31,10 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import default_model_path, require_checkpoint  # noqa: E402
+from bench.harness import GIB, default_model_path, peak_rss_bytes, require_checkpoint, rss_bytes  # noqa: E402
 from bench.results import append_section, markdown_table  # noqa: E402
 
 BACKENDS = [("torch", "fp32"), ("torch", "int8"), ("onnxruntime", "fp32"), ("onnxruntime", "int8")]
-GIB = 1024 ** 3
 
 
 class PeakRss:
@@ -87,13 +86,9 @@ def load_backend(args, backend: str, precision: str):
 
 def memory_worker(args, backend: str, precision: str) -> dict:
     """One backend alone in this fresh process: load time, RSS, peak RSS while encoding, features."""
-    import resource
-
-    import psutil
-
     t0 = time.perf_counter()
     loaded, encoder = load_backend(args, backend, precision)
-    result = {"load_seconds": time.perf_counter() - t0, "rss_after_load": psutil.Process().memory_info().rss}
+    result = {"load_seconds": time.perf_counter() - t0, "rss_after_load": rss_bytes()}
     peak = 0
     for side in sorted(args.sizes):
         pixels, grid = image_inputs(loaded.processor, side)
@@ -103,7 +98,7 @@ def memory_worker(args, backend: str, precision: str) -> dict:
         if side == min(args.sizes):
             np.savez(args.features_out, *[t.numpy() for t in (features[0].pooler, *features[0].deepstack)])
     result["peak_rss_encoding"] = peak
-    result["ru_maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["ru_maxrss"] = peak_rss_bytes()
     return result
 
 

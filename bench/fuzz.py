@@ -26,13 +26,15 @@ def main(argv=None) -> int:
     parser.add_argument("--examples", type=int, default=2000, help="hypothesis examples per test")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
-    tally_file = Path(tempfile.mkstemp(suffix=".json")[1])
+    fd, name = tempfile.mkstemp(suffix=".json")
+    os.close(fd)  # the test process writes it
+    tally_file = Path(name)
     env = {**os.environ, "FUZZ_EXAMPLES": str(args.examples), "FUZZ_TALLY_FILE": str(tally_file)}
     t0 = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz.py"],
                             cwd=ROOT, env=env)
     elapsed = time.perf_counter() - t0
-    tally = json.loads(tally_file.read_text() or "{}") if tally_file.stat().st_size else {}
+    tally = json.loads(tally_file.read_text() or "{}")
     tally_file.unlink()
     statuses = {k: int(v) for k, v in sorted(tally.get("statuses", {}).items())}
     server_errors = sum(v for k, v in statuses.items() if int(k) >= 500)

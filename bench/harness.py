@@ -103,8 +103,9 @@ def default_model_path() -> Path:
 def default_int8_path() -> Path:
     """Its pre-quantized copy (`python -m service quantize`) if made, else the checkpoint itself
     (quantized at load: the same weights, a slower start)."""
-    int8 = default_model_path().with_name(default_model_path().name + "-int8")
-    return int8 if (int8 / "config.json").exists() else default_model_path()
+    source = default_model_path()
+    int8 = source.with_name(source.name + "-int8")
+    return int8 if (int8 / "config.json").exists() else source
 
 
 def add_checkpoint_args(parser) -> None:

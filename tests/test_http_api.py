@@ -12,8 +12,12 @@ import openai
 import pytest
 import requests
 
+from conftest import make_settings
 from imaging import encode, pattern
 from servers import gunicorn_server, metric
+from service import metrics
+from service.api.app import create_app
+from service.batching import Sampler
 
 SERVER_ENV = {"QUEUE_SIZE": "1", "MAX_BATCH_SIZE": "2", "MAX_BODY_BYTES": str(3 * 1024 * 1024), "IMAGE_MAX_BYTES": str(1024 * 1024),
               "CONTEXT_LIMIT": "1024", "MAX_NEW_TOKENS": "600", "QUEUE_TIMEOUT": "60"}
@@ -280,8 +284,6 @@ def test_a_model_that_fails_to_load_is_reported_by_ready_and_requests(cache_dir,
 
 def test_a_bug_in_a_handler_is_a_json_500_with_the_request_id(cache_dir, tiny_dir, caplog):
     """The last-resort handler (here for a route that raises) answers in the API's error shape."""
-    from conftest import make_settings
-    from service.api.app import create_app
 
     app = create_app(make_settings(cache_dir), load_in_background=False)
 
@@ -300,10 +302,6 @@ def test_a_failure_after_the_200_ends_the_stream_with_an_error_event_and_is_coun
     """A stream's status goes out before its first token: a later failure (here injected into the
     sampler after two tokens) must end the body with an error line / SSE error event — never a
     silent cut — and show in qwen3vl_stream_errors_total."""
-    from conftest import make_settings
-    from service import metrics
-    from service.api.app import create_app
-    from service.batching import Sampler
 
     real_call = Sampler.__call__
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import runpy
-from pathlib import Path
 
 import pytest
 
+from servers import ROOT
 from service.settings import SettingsError, load_settings
+
+GUNICORN_CONF = ROOT / "gunicorn.conf.py"
 
 
 def test_environment_variables_are_read(monkeypatch, tmp_path):
@@ -51,12 +53,14 @@ def test_model_dir_without_config_is_explained(monkeypatch, tmp_path):
 
 def test_gunicorn_config_takes_its_values_from_the_settings(monkeypatch, tmp_path):
     for name, value in {"BIND": "0.0.0.0:9001", "GRACEFUL_TIMEOUT": "7", "ACCESS_LOG": "1", "LOG_LEVEL": "WARNING",
+                        "MAX_BATCH_SIZE": "3", "QUEUE_SIZE": "5", "WORKERS": "4", "WEB_CONCURRENCY": "4",
                         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}.items():
         monkeypatch.setenv(name, value)
-    config = runpy.run_path(str(Path(__file__).parent.parent / "gunicorn.conf.py"))
+    config = runpy.run_path(str(GUNICORN_CONF))
     assert (config["bind"], config["graceful_timeout"], config["accesslog"], config["loglevel"]) == \
         ("0.0.0.0:9001", 7, "-", "warning")
-    assert config["workers"] == 1  # one model per instance, whatever the environment says
+    assert config["threads"] == 3 + 5 + 3  # the batch, the queue, and room for /health, /metrics, 429s
+    assert config["workers"] == 1  # one model per instance, whatever WORKERS / WEB_CONCURRENCY say
     monkeypatch.setenv("GRACEFUL_TIMEOUT", "soon")
     with pytest.raises(SettingsError, match="GRACEFUL_TIMEOUT"):
-        runpy.run_path(str(Path(__file__).parent.parent / "gunicorn.conf.py"))
+        runpy.run_path(str(GUNICORN_CONF))
