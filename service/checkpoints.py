@@ -46,18 +46,18 @@ SPECIAL_TOKENS = [
 
 # The Qwen3-VL Instruct prompt format: ChatML turns, each image as
 # <|vision_start|><|image_pad|><|vision_end|>, no default system prompt.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
+CHAT_TEMPLATE = (  # no whitespace control: every newline here is part of the prompt, as in Qwen's
+    "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
-    "{%- elif part['type'] == 'video' -%}<|vision_start|><|video_pad|><|vision_end|>"
-    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 # Deterministic text the tiny tokenizer is trained on: enough English to give real merges.

@@ -11,7 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 # The embedded random test model's directory under CACHE_DIR (checkpoints builds it; deploy sizes it).
-EMBEDDED_MODEL_DIRNAME = "embedded-tiny-qwen3-vl"
+EMBEDDED_MODEL_DIRNAME = "embedded-tiny-qwen3-vl-2"  # -2: the chat template keeps its newlines
 
 
 def _available_cores() -> int:

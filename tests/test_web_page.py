@@ -246,7 +246,7 @@ def test_stop_ends_the_generation_on_the_server_and_the_next_question_is_answere
     cancelled_before = metric(server, "qwen3vl_generations_total", 'finish_reason="cancelled"')
     tokens_before = metric(server, "qwen3vl_generated_tokens_total")
     set_options(page, max_tokens=1400, temperature=0)
-    ask(page, "Tell me everything.")
+    ask(page, "Keep talking.")
     answer = page.locator(".turn .answer").first
     expect(answer).not_to_be_empty()
     stop = page.get_by_role("button", name="Stop")
