@@ -241,10 +241,8 @@ class ConversationCache:
     def enabled(self) -> bool:
         return self.entries.enabled
 
-    def take(self, token_ids: torch.Tensor, images: list[ImageSpan], conversation_id: str | None,
-             cuts: list[int] | None = None) -> KVReuse | None:
+    def take(self, token_ids: torch.Tensor, images: list[ImageSpan], conversation_id: str | None) -> KVReuse | None:
         """The KV cache of the longest reusable prefix of `token_ids` (1-D), or None on a miss.
-        With `cuts`, the prefix must end at one of those positions.
 
         The entry itself is handed over (no copy) when this request supersedes it — it continues the
         entry's own answer, or it is the same conversation — and cropped to the prefix; otherwise the
@@ -258,8 +256,6 @@ class ConversationCache:
             for key in reversed(self.entries.keys()):  # most recent first: it wins ties
                 entry = self.entries.peek(key)
                 n = reusable_prefix(entry, token_ids, images)
-                if cuts is not None:
-                    n = max((c for c in cuts if c <= n), default=0)
                 same = conversation_id is not None and entry.conversation_id == conversation_id
                 if n > best or (n == best and n > 0 and same):
                     best_key, best = key, n

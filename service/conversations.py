@@ -15,7 +15,8 @@ from .prompts import ChatMessage
 def _nbytes(messages: list[ChatMessage]) -> int:
     return sum(img.pixels.nbytes for m in messages for img in m.images) + \
         sum(video.nbytes for m in messages for video in m.videos) + \
-        sum(len(getattr(p, "text", "")) for m in messages for p in m.parts)
+        sum(len(getattr(p, "text", "")) for m in messages for p in m.parts) + \
+        sum(8 * len(m.token_ids or ()) for m in messages)
 
 
 class ConversationStore:

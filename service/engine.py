@@ -31,7 +31,6 @@ from .memory import MemoryGuard, kv_cache_bytes
 from .prompts import ChatMessage, PreparedPrompt, PromptLimits, prepare_prompt
 from .settings import Settings
 from .streaming import StopStringMatcher, TokenStreamer
-from .turns import assistant_header_ids, cut_points
 from .video import VideoLimits
 from .vision import VisionFeatures, as_mm_encoder_outputs, make_vision_encoder
 from .vision_steps import image_steps, video_steps
@@ -103,6 +102,7 @@ class Completion:
     vision_cache_hits: int = 0
     images: int = 0
     videos: int = 0
+    answer_token_ids: tuple[int, ...] | None = None  # the ids behind `text`, when they decode to exactly it
 
 
 class Generation:
@@ -158,11 +158,6 @@ class Engine:
         self._vision_settings = hashlib.blake2b(repr((
             ip.patch_size, ip.merge_size, ip.temporal_patch_size, list(ip.image_mean), list(ip.image_std),
             dict(ip.size))).encode(), digest_size=8).hexdigest()
-        # INT8 scales activations per forward call, so a token's keys and values depend on the tokens
-        # computed with it. There a prompt is prefilled piece by piece, cut after each earlier turn
-        # and each image, and a KV cache is reused only up to such a cut: then reuse computes
-        # exactly what a cache-free engine computes.
-        self._turn_header = assistant_header_ids(self.processor) if loaded.quantization == "int8" else None
 
     # -- request path -------------------------------------------------------------------------
 
@@ -258,8 +253,8 @@ class Engine:
         cache), by modality and index, from the vision cache or the encoder (run in steps); and how
         many came from the cache.
 
-        One image (one video frame pair) per encoder call, so features never depend on what they
-        were encoded with (INT8 quantizes activations per call) and a cached result equals a fresh one."""
+        One image (one video frame pair) per encoder call: a step stays short, and the features are
+        those the cache keys name whatever else is being encoded."""
         encoders = {
             "image": lambda i: image_steps(self.vision_encoder, prompt.pixel_values[i], prompt.image_grid_thw[i:i + 1]),
             "video": lambda i: video_steps(self.vision_encoder, prompt.pixel_values_videos[i],
@@ -280,13 +275,11 @@ class Engine:
                 features[modality][i] = cached
         return features, hits
 
-    def _piece_ends(self, length: int, reused: int, cuts: list[int] | None) -> list[int]:
-        """Where the prefill pieces after a cache of `reused` tokens end: every PREFILL_CHUNK_TOKENS
-        counted from the prompt's start, at each cut (INT8) and at the end. Counted from the start,
-        a prompt is cut alike whether or not a prefix of it is reused."""
-        step = self.settings.prefill_chunk_tokens
-        ends = {*range(step, length, step), *(cuts or [])}
-        return sorted(e for e in ends if reused < e < length) + [length]
+    def _piece_ends(self, length: int, reused: int) -> list[int]:
+        """Where the prefill pieces after a cache of `reused` tokens end: every PREFILL_CHUNK_TOKENS,
+        and at the end. (Every INT8 Linear quantizes per token, so where a prompt is cut changes
+        nothing but float rounding in attention.)"""
+        return [*range(reused + self.settings.prefill_chunk_tokens, length, self.settings.prefill_chunk_tokens), length]
 
     @staticmethod
     def _pads_before(prompt: PreparedPrompt, modality: str) -> torch.Tensor:
@@ -308,14 +301,13 @@ class Engine:
                 outputs.update(as_mm_encoder_outputs([features.rows(lo, hi)], modality))
         return outputs
 
-    def _prefill(self, request: GenerationRequest, prompt: PreparedPrompt, spans: dict, cuts: list[int] | None,
-                 marks: dict) -> Generator[None, None, Prefilled]:
+    def _prefill(self, request: GenerationRequest, prompt: PreparedPrompt, spans: dict, marks: dict) -> Generator[None, None, Prefilled]:
         """The request's prefill, run by the scheduler a step at a time between decode steps: KV-cache
         lookup, vision encoding (a block per step), then the prompt in pieces (`_piece_ends`), each
         one forward on the request's own cache. Records cache use and timings in `marks`."""
         t0 = time.perf_counter()
         images = spans["image"] + spans["video"]  # what the KV cache matches: the same for both
-        reuse = self.conversation_cache.take(prompt.input_ids[0], images, request.conversation_id, cuts)
+        reuse = self.conversation_cache.take(prompt.input_ids[0], images, request.conversation_id)
         reused = reuse.tokens if reuse else 0
         # The request owns the cache: each piece extends it in place.
         cache = reuse.cache if reuse is not None else GrowingCache(config=self.model.config)
@@ -332,7 +324,7 @@ class Engine:
             merged = {m: VisionFeatures.cat([f[i] for i in sorted(f)]) for m, f in features.items() if f}
             pads_before = {m: self._pads_before(prompt, m) for m in merged}
             start = reused
-            for end in self._piece_ends(prompt.num_tokens, reused, cuts):
+            for end in self._piece_ends(prompt.num_tokens, reused):
                 yield
                 out = self.model(input_ids=prompt.input_ids[:, start:end], position_ids=positions[:, :, start:end],
                                  cache=cache, logits_to_keep=1,
@@ -353,8 +345,6 @@ class Engine:
         cache = sequence.cache
         if cache is None or sequence.error is not None:
             return
-        if self._turn_header is not None:  # INT8 reuses up to cuts only: the answer's KV is no use
-            cache.crop(prompt.num_tokens - cache.get_seq_length())
         covered = torch.tensor(sequence.token_ids[:cache.get_seq_length()])
         self.conversation_cache.put(request.conversation_id, covered, images, prompt.num_tokens, cache)
 
@@ -364,13 +354,11 @@ class Engine:
         config = self._generation_config(params, max_new_tokens)
         spans = {"image": self._image_spans(prompt), "video": self._video_spans(prompt)}
         images = spans["image"] + spans["video"]
-        cuts = None if self._turn_header is None else cut_points(prompt.input_ids[0], self._turn_header,
-                                                                 [span.end for span in images])
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         streamer = request.streamer = TokenStreamer(self.processor.tokenizer)
         marks: dict = {}
         sequence = Sequence(
-            prompt_ids=prompt.input_ids[0].tolist(), prefill=self._prefill(request, prompt, spans, cuts, marks),
+            prompt_ids=prompt.input_ids[0].tolist(), prefill=self._prefill(request, prompt, spans, marks),
             sampler=Sampler(config, seed), streamer=streamer, cancel=request.cancel, max_new_tokens=max_new_tokens,
             eos_token_ids=frozenset(self.loaded.eos_token_ids), deadline=request.deadline,
             on_leave=lambda done: self._keep_cache(request, prompt, images, done))
@@ -425,7 +413,16 @@ class Engine:
             longest_token_gap=streamer.longest_gap,  # e.g. while a neighbour in the batch prefilled
             total=end - request.received_at,
         )
-        yield Completion(text="".join(parts), finish_reason=finish, prompt_tokens=prompt.num_tokens,
+        text = "".join(parts)
+        yield Completion(text=text, finish_reason=finish, prompt_tokens=prompt.num_tokens,
                          completion_tokens=len(ids), cached_tokens=marks.get("reused", 0), timings=timings,
                          vision_cache_hits=marks.get("vision_hits", 0), images=len(prompt.pixel_values),
-                         videos=len(prompt.pixel_values_videos))
+                         videos=len(prompt.pixel_values_videos), answer_token_ids=self._answer_ids(ids, text))
+
+    def _answer_ids(self, ids: list[int], text: str) -> tuple[int, ...] | None:
+        """The generated ids of an answer whose text they are exactly (no stop string cut it, no
+        special token hides in it), without the end-of-turn token the chat template adds back."""
+        if ids and ids[-1] in self.loaded.eos_token_ids:
+            ids = ids[:-1]
+        same = self.processor.tokenizer.decode(ids, skip_special_tokens=False) == text
+        return tuple(ids) if ids and same else None

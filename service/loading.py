@@ -14,6 +14,7 @@ from transformers.image_utils import SizeDict
 
 from .checkpoints import RANDOM_MODEL_WARNING, embedded_model_dir, is_random_test_model
 from .images import ImageLimits
+from .fusion import fuse_projections
 from .memory import MemoryGuard
 from .quantized import load_quantized, quantize_in_place, quantized_marker
 from .settings import Settings
@@ -123,6 +124,7 @@ def load_model(settings: Settings) -> LoadedModel:
             dtype = "auto" if settings.quantization == "int8" else torch.float32
             model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=dtype)
             model.eval()
+            fuse_projections(model)
             if settings.quantization == "int8":
                 model.requires_grad_(False)
                 quantize_in_place(model)

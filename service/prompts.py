@@ -34,6 +34,10 @@ class VideoPart:
 class ChatMessage:
     role: str
     parts: list[TextPart | ImagePart | VideoPart]
+    # An answer this server generated: the exact ids behind its text. Prompts use them in place of
+    # the text's re-tokenization (byte-level BPE does not always give the generated ids back), so
+    # the next turn's prompt extends the KV cache of this one, the answer included.
+    token_ids: tuple[int, ...] | None = None
 
     @property
     def images(self) -> list[DecodedImage]:
@@ -134,7 +138,10 @@ def prepare_prompt(processor, messages: list[ChatMessage], limits: PromptLimits)
     else:
         kwargs = {"images": [img.pixels for img in images]} if images else {}
         batch = processor(text=[text], return_tensors="pt", **kwargs)
-    input_ids = batch["input_ids"]
+    mm = batch.get("mm_token_type_ids")
+    if mm is None:
+        mm = torch.zeros_like(batch["input_ids"])
+    input_ids, mm = _with_generated_ids(processor.tokenizer, messages, batch["input_ids"], mm)
     if input_ids.shape[1] > limits.max_prompt_tokens:
         raise PromptTooLong(f"the prompt is {input_ids.shape[1]} tokens; the limit is {limits.max_prompt_tokens} "
                             f"(and {limits.context_limit} for prompt and answer together)", param="messages")
@@ -142,9 +149,6 @@ def prepare_prompt(processor, messages: list[ChatMessage], limits: PromptLimits)
     pixel_values: list[torch.Tensor] = []
     if images:
         pixel_values = list(torch.split(batch["pixel_values"], grid.prod(-1).tolist()))
-    mm = batch.get("mm_token_type_ids")
-    if mm is None:
-        mm = torch.zeros_like(input_ids)
     video_grid = batch.get("video_grid_thw")
     image_spans, video_spans = _vision_spans(mm[0], video_grid)
     return PreparedPrompt(
@@ -153,6 +157,34 @@ def prepare_prompt(processor, messages: list[ChatMessage], limits: PromptLimits)
         video_grid_thw=video_grid, pixel_values_videos=batch.get("pixel_values_videos", []),
         video_digests=[v.digest for v in videos], video_spans=video_spans,
     )
+
+
+def _with_generated_ids(tokenizer, messages: list[ChatMessage], input_ids: torch.Tensor, mm: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt with each kept answer (`ChatMessage.token_ids`) as its generated ids: the answer's
+    re-tokenized text is found right after its assistant header and replaced. Where the template
+    rendered it otherwise, the text's own tokens stay (a correct prompt, only less of it cached)."""
+    kept = [m for m in messages if m.role == "assistant"]
+    if not any(m.token_ids for m in kept):
+        return input_ids, mm
+    opening = tokenizer("<|im_start|>assistant", add_special_tokens=False)["input_ids"]
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    ids, types = input_ids[0].tolist(), mm[0].tolist()
+    starts = [i + len(opening) for i in range(len(ids) - len(opening)) if ids[i:i + len(opening)] == opening]
+    out_ids, out_types, done = [], [], 0
+    for message, start in zip(kept, starts):  # the k-th assistant turn opens the k-th answer
+        if not message.token_ids:
+            continue
+        text = "".join(p.text for p in message.parts if isinstance(p, TextPart))
+        rendered = tokenizer("\n" + text, add_special_tokens=False)["input_ids"]
+        if ids[start:start + len(rendered)] != rendered or rendered[:len(newline)] != newline:
+            continue
+        start += len(newline)
+        out_ids += ids[done:start] + list(message.token_ids)
+        out_types += types[done:start] + [0] * len(message.token_ids)
+        done = start + len(rendered) - len(newline)
+    out_ids, out_types = out_ids + ids[done:], out_types + types[done:]
+    return torch.tensor([out_ids], dtype=input_ids.dtype), torch.tensor([out_types], dtype=mm.dtype)
 
 
 def _tokenize_with_videos(processor, text: str, images: list[DecodedImage], videos: list[DecodedVideo]) -> dict:

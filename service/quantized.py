@@ -1,13 +1,13 @@
 """INT8 weights: quantizing a model in place, and pre-quantized checkpoints that load without fp32 weights.
 
-Both paths use the same math (torch's per-channel dynamic qconfig: symmetric int8 per output
-channel, activations quantized per call), so a pre-quantized checkpoint answers exactly like
-quantizing at load time. The input embedding is stored as int8 rows with per-row scales — for
+Both paths make the same `Int8Linear`s (service/int8_linear.py: int8 weights symmetric per output
+channel, activations quantized per token at run time; q/k/v and gate/up fused, service/fusion.py),
+so a pre-quantized checkpoint answers exactly like quantizing at load time. The input embedding is stored as int8 rows with per-row scales — for
 Qwen3-VL's tied embeddings that is the lm_head's own INT8 weight — and dequantized on lookup.
 
 A checkpoint written by `python -m service quantize SRC DST` holds:
   config.json             SRC's config plus QUANTIZED_MARKER (how it was made, and its files)
-  int8-NNNNN.safetensors  every nn.Linear: `<name>.weight` int8 [out, in], `<name>.weight_scale`
+  int8-NNNNN.safetensors  every nn.Linear of SRC (unfused): `<name>.weight` int8 [out, in], `<name>.weight_scale`
                           fp32 [out] (zero point 0), `<name>.bias` fp32
   resident.safetensors    memory-mapped while serving: the embedding as int8 rows + `weight_scale`,
                           and every other (small) tensor in fp32
@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .fusion import fuse_projections, fused_sources
+from .int8_linear import Int8Embedding, Int8Linear, MappedInt8Linear, empty_qweight, quantize_rows
 from .memory import MIB, MemoryGuard, release_memory
 
 log = logging.getLogger(__name__)
@@ -39,103 +41,9 @@ FORMAT = "qwen3-vl-service-int8"
 FORMAT_VERSION = 1
 RESIDENT_FILE = "resident.safetensors"
 SHARD_BYTES = 256 * MIB  # the writer holds at most about one shard of output in memory
-ROWS_PER_CHUNK = 16384  # per-row quantization is exact in chunks: the 151936-row embedding never goes fp32 whole
-GEMV_ROWS = 4  # MappedInt8Linear: up to this many tokens use the int8 GEMV kernel (decode)
-MAPPED_SLICE = 4096  # MappedInt8Linear: output rows dequantized at once for prefill (bounded scratch memory)
 _SCALE = ".weight_scale"
 _DTYPES = {"I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64,
            "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
-
-
-def int8_qconfig():
-    """The one qconfig both paths use: int8 weights, symmetric per output channel."""
-    from torch.ao.quantization import per_channel_dynamic_qconfig
-
-    return per_channel_dynamic_qconfig
-
-
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 rows and fp32 per-row scales, computed exactly as quantize_dynamic does for a Linear."""
-    from torch.ao.nn.quantized.modules.utils import _quantize_weight
-
-    rows, scales = [], []
-    for start in range(0, weight.shape[0], ROWS_PER_CHUNK):
-        chunk = weight[start:start + ROWS_PER_CHUNK].float()
-        observer = int8_qconfig().weight()
-        observer(chunk)
-        q = _quantize_weight(chunk, observer)
-        rows.append(q.int_repr())
-        scales.append(q.q_per_channel_scales().float())
-        del chunk, q
-    return (rows[0], scales[0]) if len(rows) == 1 else (torch.cat(rows), torch.cat(scales))
-
-
-def empty_qweight(shape: tuple[int, int], scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An uninitialised per-row qint8 weight, and an int8 view of its memory to fill it through."""
-    qweight = torch._empty_per_channel_affine_quantized(
-        shape, scales=scales.double(), zero_points=torch.zeros(shape[0], dtype=torch.long), axis=0, dtype=torch.qint8)
-    rows = torch.empty(0, dtype=torch.int8).set_(qweight.untyped_storage(), 0, shape, (shape[1], 1))
-    return qweight, rows
-
-
-def dynamic_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-    """A torch dynamic-quantized Linear packed from a qint8 weight (packing copies it)."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-
-    module = DynamicLinear(1, 1, bias_=False)  # a 1×1 placeholder: no full-size dummy to pack and discard
-    module.out_features, module.in_features = qweight.shape
-    module.set_weight_bias(qweight, None if bias is None else bias.float().clone())
-    return module
-
-
-class Int8Embedding(nn.Module):
-    """Embedding lookup from int8 rows and per-row scales, dequantized for the looked-up ids only."""
-
-    def __init__(self, rows: torch.Tensor, scales: torch.Tensor, padding_idx: int | None = None):
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = rows.shape
-        self.padding_idx = padding_idx
-        self.register_buffer("rows", rows)
-        self.register_buffer("scales", scales)
-
-    @classmethod
-    def from_dynamic_linear(cls, linear: nn.Module, padding_idx: int | None = None) -> "Int8Embedding":
-        """Share a quantized lm_head's INT8 weight (tied embeddings) as the embedding table."""
-        weight, _ = linear._weight_bias()
-        return cls(weight.int_repr(), weight.q_per_channel_scales().float(), padding_idx)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.rows[ids].float() * self.scales[ids].unsqueeze(-1)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows"
-
-
-class MappedInt8Linear(nn.Module):
-    """Int8 Linear computing from memory-mapped weights (weight-only int8, fp32 activations).
-
-    Used when the packed model would not fit MAX_MEMORY_MB: nothing is copied, so the kernel can
-    drop the weight pages under pressure and read them back from disk; slower than the packed kernel.
-    """
-
-    def __init__(self, rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = rows.shape
-        self.register_buffer("rows", rows)
-        self.register_buffer("scales", scales.float())
-        self.register_buffer("bias", None if bias is None else bias.float())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float().contiguous()
-        if flat.shape[0] <= GEMV_ROWS:
-            y = torch._weight_int8pack_mm(flat, self.rows, self.scales)
-        else:  # that kernel is very slow for many rows: dequantize a slice of the weight at a time
-            y = torch.cat([nn.functional.linear(flat, self.rows[i:i + MAPPED_SLICE].float()
-                                                * self.scales[i:i + MAPPED_SLICE, None])
-                           for i in range(0, self.out_features, MAPPED_SLICE)], dim=1)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
 # -- the model's structure ------------------------------------------------------------------
@@ -181,26 +89,20 @@ def skeleton(config) -> nn.Module:
         return Qwen3VLForConditionalGeneration(config)
 
 
-def quantize_in_place(model: nn.Module, qconfig=None, int8_embedding: bool = True) -> None:
-    """INT8-quantize every nn.Linear one block at a time (at most one block is fp32 at once), and
-    turn the embedding into int8 rows (the lm_head's when tied). The defaults are what the service
-    and `quantize` use; the other choices exist for the fidelity benchmark."""
-    from torch.ao.quantization import quantize_dynamic
-
-    spec = {nn.Linear: qconfig or int8_qconfig()}
+def quantize_in_place(model: nn.Module, activations: str = "per_token", int8_embedding: bool = True) -> None:
+    """INT8-quantize every nn.Linear (`Int8Linear`) one block at a time (at most one block is fp32
+    at once), and turn the embedding into int8 rows (the lm_head's when tied). The defaults are
+    what the service and `quantize` use; the other choices exist for the fidelity benchmark."""
     embed_name = _embedding_name(model)
     embed = model.get_submodule(embed_name)
     tied = model.lm_head.weight is embed.weight
-    for _, block in quantization_blocks(model)[:-1]:
+    for name, block in quantization_blocks(model):
         block.float()
-        quantize_dynamic(block, spec, dtype=torch.qint8, inplace=True)
+        for linear in _linear_names(name, block):
+            _replace_module(model, linear, Int8Linear.from_float(model.get_submodule(linear), activations))
         release_memory()
-    # lm_head is a bare Linear: quantize it through a wrapper, in place.
-    wrapper = nn.Sequential(model.lm_head.float())
-    quantize_dynamic(wrapper, spec, dtype=torch.qint8, inplace=True)
-    model.lm_head = wrapper[0]
     if int8_embedding:
-        table = (Int8Embedding.from_dynamic_linear(model.lm_head, embed.padding_idx) if tied
+        table = (Int8Embedding(*model.lm_head.weight_rows(), embed.padding_idx) if tied
                  else Int8Embedding(*quantize_rows(embed.weight), embed.padding_idx))
         _replace_module(model, embed_name, table)
     release_memory()
@@ -332,7 +234,7 @@ def write_quantized(src: str | Path, dst: str | Path, progress: bool = True) -> 
     config_dict[QUANTIZED_MARKER] = {
         "format": FORMAT, "version": FORMAT_VERSION,
         "weights": "int8, symmetric per output channel (torch per_channel_dynamic_qconfig), zero point 0",
-        "activations": "quantized per call to uint8 (torch dynamic quantized Linear)",
+        "activations": "quantized at run time, per token (service/int8_linear.py)",
         "embedding": "int8 rows with per-row scales" + (" = the tied lm_head's INT8 weight" if tied else ""),
         "other_tensors": "float32",
         "made_by": "python -m service quantize", "source": str(src.resolve()),
@@ -383,11 +285,29 @@ class _SafetensorsReader:
         return self.read_into(name, torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]]))
 
 
-def _packed_linear(reader: _SafetensorsReader, name: str) -> nn.Module:
-    qweight, rows = empty_qweight(reader.shape(f"{name}.weight"), reader.read(f"{name}{_SCALE}"))
-    reader.read_into(f"{name}.weight", rows)
-    bias = reader.read(f"{name}.bias") if f"{name}.bias" in reader.entries else None
-    return dynamic_linear(qweight, bias)
+def _packed_linear(parts: list[tuple[_SafetensorsReader, str]]) -> Int8Linear:
+    """One Int8Linear from the checkpoint Linears `parts` (several: a fused projection, rows in order),
+    read straight into one qint8 weight."""
+    shapes = [reader.shape(f"{name}.weight") for reader, name in parts]
+    scales = torch.cat([reader.read(f"{name}{_SCALE}") for reader, name in parts])
+    qweight, rows = empty_qweight((sum(shape[0] for shape in shapes), shapes[0][1]), scales)
+    start = 0
+    for (reader, name), (out, _) in zip(parts, shapes):
+        reader.read_into(f"{name}.weight", rows[start:start + out])
+        start += out
+    return Int8Linear(qweight, _fused_bias([reader.read(f"{name}.bias") if f"{name}.bias" in reader.entries else None
+                                            for reader, name in parts]))
+
+
+def _fused_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if all(b is None for b in biases) else torch.cat(biases)
+
+
+def _linear_sources(model: nn.Module) -> dict[str, list[str]]:
+    """Every Linear of the (fused) model → the checkpoint Linears its weight is read from."""
+    fused = fused_sources(model)
+    plain = {name: [name] for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in fused}
+    return {**plain, **fused}
 
 
 def quantized_marker(path: Path) -> dict | None:
@@ -405,8 +325,8 @@ def _linear_bytes(path: Path, marker: dict) -> int:
 def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None) -> tuple[nn.Module, bool]:
     """Build the model from an INT8 checkpoint: (model, weights_mapped).
 
-    Linear weights are read (pread) straight into qint8 tensors and packed into torch's
-    dynamic-quantized Linear on `threads` threads; no fp32 weight is made. The embedding and the
+    Linear weights are read (pread) straight into qint8 tensors — q/k/v and gate/up each into
+    one (service/fusion.py) — and packed into `Int8Linear` on `threads` threads; no fp32 weight is made. The embedding and the
     small tensors stay memory-mapped. If the packed weights would not fit the memory budget, the
     Linear weights stay memory-mapped too (MappedInt8Linear): the server still serves, slower.
     """
@@ -422,6 +342,7 @@ def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None) 
                          f"{FORMAT_VERSION}: re-run `python -m service quantize`")
     config = AutoConfig.from_pretrained(path)
     model = skeleton(config)
+    fuse_projections(model)
     packed_bytes = _linear_bytes(path, marker)
     mapped = memory is not None and not memory.fits(packed_bytes)
     if mapped:
@@ -441,25 +362,31 @@ def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None) 
             _replace_module(model, embed_name, table)
         else:
             _set_tensor(model, name, resident.get_tensor(name))
-    readers: list[_SafetensorsReader] = []
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:  # packing releases the GIL
-        for shard in marker["linear_shards"]:
-            if mapped:
-                with safe_open(path / shard, "pt") as f:
-                    keys = set(f.keys())
-                    for name in [k[:-len(_SCALE)] for k in keys if k.endswith(_SCALE)]:
-                        bias = f.get_tensor(f"{name}.bias") if f"{name}.bias" in keys else None
-                        _replace_module(model, name, MappedInt8Linear(
-                            f.get_tensor(f"{name}.weight"), f.get_tensor(f"{name}{_SCALE}"), bias))
-                continue
-            readers.append(_SafetensorsReader(path / shard))
+    sources = _linear_sources(model)
+    if mapped:
+        # Kept open for the process's life, like `resident`.
+        files = {shard: safe_open(path / shard, "pt") for shard in marker["linear_shards"]}
+        file_of = {key: f for f in files.values() for key in f.keys()}
+        for name, parts in sources.items():
+            tensors = [(file_of[f"{p}.weight"].get_tensor(f"{p}.weight"), file_of[f"{p}.weight"].get_tensor(f"{p}{_SCALE}"))
+                       for p in parts]
+            bias = _fused_bias([file_of[f"{p}.bias"].get_tensor(f"{p}.bias") if f"{p}.bias" in file_of else None
+                                for p in parts])
+            _replace_module(model, name, MappedInt8Linear(tensors, bias))
+    else:
+        readers = [_SafetensorsReader(path / shard) for shard in marker["linear_shards"]]
+        reader_of = {key: reader for reader in readers for key in reader.entries}
+        missing = [p for parts in sources.values() for p in parts if f"{p}.weight" not in reader_of]
+        if missing:
+            raise ValueError(f"{path} is incomplete: no weights for {missing[:3]} (and {max(0, len(missing) - 3)} more)")
         # Largest first: the lm_head alone packs for seconds on one thread, so it must not come last.
-        jobs = sorted(((reader, key[:-len(_SCALE)]) for reader in readers for key in reader.entries
-                       if key.endswith(_SCALE)), key=lambda job: -math.prod(job[0].shape(f"{job[1]}.weight")))
-        for (_, name), module in zip(jobs, pool.map(lambda job: _packed_linear(*job), jobs)):
-            _replace_module(model, name, module)
-    for reader in readers:
-        reader.close()
+        jobs = sorted(((name, [(reader_of[f"{p}.weight"], p) for p in parts]) for name, parts in sources.items()),
+                      key=lambda job: -sum(math.prod(r.shape(f"{p}.weight")) for r, p in job[1]))
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:  # packing releases the GIL
+            for (name, _), module in zip(jobs, pool.map(lambda job: _packed_linear(job[1]), jobs)):
+                _replace_module(model, name, module)
+        for reader in readers:
+            reader.close()
     release_memory()
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
@@ -480,7 +407,7 @@ def mapped_slowdown(threads: int) -> str:
     timings = []
     qweight, view = empty_qweight(tuple(rows.shape), scales)
     view.copy_(rows)
-    for module in (dynamic_linear(qweight, None), MappedInt8Linear(rows, scales, None)):
+    for module in (Int8Linear(qweight, None), MappedInt8Linear([(rows, scales)], None)):
         module(x)
         t0 = time.perf_counter()
         for _ in range(20):

@@ -1,9 +1,8 @@
 """Conversation KV cache and vision-feature cache on the real tiny model, fp32 and int8.
 
 The contract is exactness: with greedy decoding an engine with caches answers token for token
-what an engine without them answers, while reporting (and doing) less work. fp32 reuses any
-prefix; INT8 (whose activation scales depend on the tokens computed together) prefills in pieces
-cut after each earlier turn and each image, reuses only up to such a cut, and so is exact too.
+what an engine without them answers, while reporting (and doing) less work. Both fp32 and INT8
+(whose Linears quantize each token on its own) reuse any token prefix, the previous answer included.
 """
 
 from __future__ import annotations
@@ -130,6 +129,41 @@ def test_stateless_client_resending_its_history_is_matched_by_prefix(engines):
     """The OpenAI way: no conversation id, the whole history every time."""
     first, second = converse(engines, [user(image(engines.cached), "What is this?"), user("Why?")])
     assert second.cached_tokens >= first.prompt_tokens - 1
+
+
+def test_a_kept_answer_is_reused_whole_and_answers_the_same(engines):
+    """The native endpoint keeps each answer's generated ids (`ChatMessage.token_ids`): the next
+    turn's prompt holds exactly those ids, so the cache covers the first prompt and the answer."""
+    question = [user(image(engines.cached), "What is in this picture?")]
+    first = engines.ask(question, "c-kept", max_tokens=12)
+    assert first.answer_token_ids is not None and len(first.answer_token_ids) >= first.completion_tokens - 1
+    kept = ChatMessage("assistant", [TextPart(first.text)], token_ids=first.answer_token_ids)
+    second = engines.ask([*question, kept, user("Tell me more.")], "c-kept")
+    # All but the answer's last token, which was never fed to the model (unless it was the end-of-turn).
+    assert second.cached_tokens >= first.prompt_tokens + len(first.answer_token_ids) - 1
+
+
+def test_a_kept_answers_ids_replace_its_re_tokenized_text_in_the_prompt(engines):
+    e = engines.cached
+    tok = e.processor.tokenizer
+    text = "Purple squares everywhere."
+    spelled = tuple(tok.convert_tokens_to_ids(list(tok.tokenize(text)[0])) + tok(tok.convert_tokens_to_string(
+        tok.tokenize(text)[1:]), add_special_tokens=False)["input_ids"])
+    assert tok.decode(spelled) == text and list(spelled) != tok(text, add_special_tokens=False)["input_ids"]
+    history = [user("Hi."), None, user("More.")]
+    plain = prompt_of(e, [history[0], assistant(text), history[2]]).input_ids[0].tolist()
+    kept = prompt_of(e, [history[0], ChatMessage("assistant", [TextPart(text)], token_ids=spelled),
+                         history[2]]).input_ids[0].tolist()
+    assert any(kept[i:i + len(spelled)] == list(spelled) for i in range(len(kept)))
+    assert len(kept) == len(plain) - len(tok(text, add_special_tokens=False)["input_ids"]) + len(spelled)
+
+
+def test_identical_resent_prompt_reuses_all_but_its_last_token(engines):
+    messages = [user(image(engines.cached), "What is in this picture?")]
+    first = engines.ask(messages)
+    again = engines.ask(messages)
+    assert first.cached_tokens == 0
+    assert again.cached_tokens == again.prompt_tokens - 1
 
 
 def test_edited_and_branched_history_is_cropped_never_misused(engines):

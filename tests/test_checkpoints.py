@@ -11,6 +11,7 @@ from torch import nn
 
 from conftest import ROOT, make_settings
 from service.checkpoints import make_checkpoint
+from service.int8_linear import Int8Linear
 from service.loading import load_model
 
 
@@ -36,10 +37,9 @@ def test_loads_fp32_and_int8_through_the_public_loader(cache_dir, tiny_dir):
     fp32 = load_model(make_settings(cache_dir, quantization="fp32"))
     int8 = load_model(make_settings(cache_dir, quantization="int8"))
     assert fp32.is_random and int8.is_random
-    q_proj = int8.model.model.language_model.layers[0].self_attn.q_proj
-    assert type(q_proj).__module__.startswith("torch.ao.nn.quantized.dynamic")
-    assert type(int8.model.lm_head).__module__.startswith("torch.ao.nn.quantized.dynamic")
-    assert type(int8.model.model.visual.blocks[0].mlp.linear_fc1).__module__.startswith("torch.ao.nn.quantized")
+    assert isinstance(int8.model.model.language_model.layers[0].self_attn.qkv_proj, Int8Linear)
+    assert isinstance(int8.model.lm_head, Int8Linear)
+    assert isinstance(int8.model.model.visual.blocks[0].mlp.linear_fc1, Int8Linear)
     plain = [n for n, m in int8.model.named_modules() if type(m) is nn.Linear]
     assert plain == []  # every Linear, vision and text, is INT8
     assert type(fp32.model.lm_head) is nn.Linear

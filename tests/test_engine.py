@@ -40,10 +40,9 @@ def test_answer_streams_in_several_deltas_and_reports_usage(engine):
         assert key in done.timings
 
 
-def test_streamed_text_equals_plain_generate_for_same_seed(fp32_engine):
-    """The streaming path must produce exactly what model.generate gives without a streamer.
-    (fp32: under INT8 the engine prefills an image prompt in pieces, see service/turns.py.)"""
-    engine = fp32_engine
+def test_streamed_text_equals_plain_generate_for_same_seed(engine):
+    """The streaming path (prefill in pieces, the scheduler's own decode steps) produces exactly
+    what model.generate gives in one piece: INT8 too, whose Linears quantize per token."""
     parts = [ImagePart(image(engine)), TextPart("Describe the colors.")]
     _, done = ask(engine, parts, max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
     prompt = engine.prepare(GenerationRequest([ChatMessage("user", parts)]))

@@ -18,7 +18,8 @@ from service.loading import load_model
 from service import metrics
 from service.memory import EVICT_AT, MIB, MemoryGuard, release_memory
 from service.prompts import ChatMessage, TextPart
-from service.quantized import MappedInt8Linear, write_quantized
+from service.int8_linear import MappedInt8Linear
+from service.quantized import write_quantized
 
 
 def question(max_tokens=8) -> GenerationRequest:

@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
 from conftest import ROOT, make_settings
 from imaging import encode, pattern
@@ -19,7 +18,8 @@ from service.engine import Completion, Engine, GenerationRequest, SamplingParams
 from service.images import decode_image
 from service.loading import load_model
 from service.prompts import ChatMessage, ImagePart, TextPart
-from service.quantized import FORMAT, QUANTIZED_MARKER, Int8Embedding, write_quantized
+from service.int8_linear import Int8Embedding, Int8Linear
+from service.quantized import FORMAT, QUANTIZED_MARKER, write_quantized
 
 PROMPTS = ["Describe the colors.", "What is in this picture?", "Tell me a story about a red square."]
 
@@ -83,13 +83,13 @@ def test_quantized_checkpoint_holds_int8_weights_per_channel_scales_and_the_load
         assert all(f.get_tensor(k).dtype in (torch.int8, torch.float32) for k in f.keys())
 
 
-def test_loading_builds_dynamic_int8_modules_and_no_float_linear(prequantized_engine):
+def test_loading_builds_per_token_int8_modules_and_no_float_linear(prequantized_engine):
     loaded = prequantized_engine.loaded
     assert loaded.prequantized and not loaded.weights_mapped and loaded.quantization == "int8"
     modules = list(loaded.model.modules())
     assert not any(type(m) is nn.Linear for m in modules)
-    dynamic = [m for m in modules if isinstance(m, DynamicLinear)]
-    assert len(dynamic) > 20
+    int8 = [m for m in modules if isinstance(m, Int8Linear)]
+    assert len(int8) > 20 and all(m.activations == "per_token" for m in int8)
     assert isinstance(loaded.model.get_input_embeddings(), Int8Embedding)
 
 

@@ -112,7 +112,7 @@ def chat():
             "created": int(time.time()), "random_model": engine.loaded.is_random}
 
     def remember(done: Completion) -> None:
-        answer = ChatMessage("assistant", [TextPart(done.text)])
+        answer = ChatMessage("assistant", [TextPart(done.text)], token_ids=done.answer_token_ids)
         app_state.conversations.save(conversation_id, messages + [answer])
 
     if not body.stream:

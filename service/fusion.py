@@ -1,0 +1,87 @@
+"""Projections that share an input, computed as one Linear: q/k/v per attention, gate/up per MLP.
+
+A decode step then makes 4 Linear calls per decoder layer instead of 7 (each call reads its
+weights once and pays a fixed overhead). Every output row keeps its own weights and scale (INT8
+scales are per output channel, activations per token), so the math per output is unchanged.
+The modules keep transformers' forward signatures: the model's own forward runs them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.qwen3_vl.modeling_qwen3_vl import (Qwen3VLTextAttention, Qwen3VLTextMLP,
+                                                            apply_rotary_pos_emb, eager_attention_forward)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+# fused module → the checkpoint's modules it replaces, in output order (relative to a decoder layer)
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+class FusedTextAttention(Qwen3VLTextAttention):
+    """Qwen3VLTextAttention.forward with q, k and v from one `qkv_proj`."""
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q, k, v = self.qkv_proj(hidden_states).split(self.split_sizes, dim=-1)
+        query_states = self.q_norm(q.view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(k.view(hidden_shape)).transpose(1, 2)
+        value_states = v.view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention(self, query_states, key_states, value_states, attention_mask, dropout=0.0,
+                                 scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+class FusedTextMLP(Qwen3VLTextMLP):
+    """Qwen3VLTextMLP.forward with gate and up from one `gate_up_proj`."""
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def text_layers(model) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each text decoder layer."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return [(names[id(layer)], layer) for layer in model.model.language_model.layers]
+
+
+def fused_sources(model) -> dict[str, list[str]]:
+    """Full name of every fused Linear → full names of the checkpoint Linears it is made of."""
+    return {f"{name}.{fused}": [f"{name}.{part}" for part in parts]
+            for name, _ in text_layers(model) for fused, parts in FUSED_PROJECTIONS.items()}
+
+
+def _concatenated(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the linears' outputs side by side (meta weights stay meta)."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,
+                      device=weight.device, dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
+    return fused
+
+
+def fuse_projections(model) -> None:
+    """Replace every text layer's q/k/v and gate/up Linears by fused ones, in place (one layer's
+    projections are copied at a time). Works on a meta-device skeleton too."""
+    for _, layer in text_layers(model):
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+        attn.split_sizes = [p.out_features for p in parts]
+        attn.qkv_proj = _concatenated(parts)
+        del attn.q_proj, attn.k_proj, attn.v_proj
+        attn.__class__ = FusedTextAttention
+        mlp.gate_up_proj = _concatenated([mlp.gate_proj, mlp.up_proj])
+        del mlp.gate_proj, mlp.up_proj
+        mlp.__class__ = FusedTextMLP
