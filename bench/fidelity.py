@@ -1,8 +1,13 @@
-"""INT8 versus fp32 fidelity on a fixed prompt set: logit cosine similarity and greedy-token agreement.
+"""INT8 versus fp32 fidelity on a fixed prompt set: logit cosine similarity and greedy-token agreement,
+for per-token activations (shipped) and per-tensor ones (torch's dynamic Linear, before), without
+and with activation spikes.
 
 The fp32 model answers each prompt greedily (`reference`, one process); each INT8 variant (its own
 process, `compare`) then reads the same token sequences (teacher forcing) — logit cosine and top-1
 agreement at every answer position — and also answers freely, compared token by token.
+In the "spikes" scenario a forward hook multiplies the first token's MLP down-projection input by
+SPIKE in an early and a late decoder layer, in fp32 and INT8 alike (real checkpoints of this family
+carry such massive activations on the first token and on delimiters; random weights do not).
 """
 
 from __future__ import annotations
@@ -17,11 +22,26 @@ TEXT_PROMPTS = [
 ]
 IMAGE_PROMPTS = ["Describe this picture.", "How many circles are in this image, and what colors are they?"]
 
-VARIANTS = {  # label → (checkpoint, qconfig name, int8 embedding)
-    "int8 per-channel, int8 embedding (shipped)": ("int8", "per_channel", True),
-    "int8 per-channel, fp32 embedding": ("source", "per_channel", False),
-    "int8 per-tensor, fp32 embedding (torch default)": ("source", "per_tensor", False),
-}
+VARIANTS = {"int8 per-token activations (shipped)": "per_token",
+            "int8 per-tensor activations (before)": "per_tensor"}
+SCENARIOS = ("no spikes", "spikes")
+SPIKE = 1000.0
+
+
+def spike_first_token(model):
+    """Hooks (removable handles) that multiply token 0's MLP down-projection input by SPIKE in
+    decoder layers 1 and L-2, in any forward that holds token 0 (the prompt's, not decode steps)."""
+    layers = model.model.language_model.layers
+
+    def hook(module, args):
+        x = args[0]
+        if x.shape[-2] < 2:  # a decode step: token 0 is not in it
+            return None
+        x = x.clone()
+        x[..., 0, :] *= SPIKE
+        return (x,)
+
+    return [layers[i].mlp.down_proj.register_forward_pre_hook(hook) for i in (1, len(layers) - 2)]
 
 
 def _inputs(engine, index: int) -> dict:
@@ -71,29 +91,26 @@ def _greedy(model, kwargs: dict, tokens: int):
                               min_new_tokens=tokens, do_sample=False)
 
 
-def _engine(model_path: str, threads: int, quantization: str, qconfig: str | None = None, int8_embedding=True):
+def _engine(model_path: str, threads: int, quantization: str, activations: str | None, spikes: bool):
     from service.engine import Engine
+    from service.int8_linear import set_activations
     from service.loading import load_model
-    from service.quantized import quantize_in_place
     from service.settings import load_settings
 
-    if qconfig is None:
-        settings = load_settings(model_path=model_path, threads=threads, quantization=quantization, cache_enabled=False)
-        return Engine(load_model(settings), settings)
-    from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig
-
-    settings = load_settings(model_path=model_path, threads=threads, quantization="fp32", cache_enabled=False)
-    loaded = load_model(settings)  # fp32, then quantized here the way the variant says
-    quantize_in_place(loaded.model, per_channel_dynamic_qconfig if qconfig == "per_channel" else default_dynamic_qconfig,
-                      int8_embedding=int8_embedding)
+    settings = load_settings(model_path=model_path, threads=threads, quantization=quantization, cache_enabled=False)
+    loaded = load_model(settings)
+    if activations:
+        set_activations(loaded.model, activations)
+    if spikes:
+        spike_first_token(loaded.model)
     return Engine(loaded, settings)
 
 
-def reference(model_path: str, threads: int, tokens: int, out_file: str) -> dict:
+def reference(model_path: str, threads: int, tokens: int, out_file: str, spikes: bool) -> dict:
     """fp32: greedy answers and their logits for every prompt, saved to `out_file`."""
     import torch
 
-    engine = _engine(model_path, threads, "fp32")
+    engine = _engine(model_path, threads, "fp32", None, spikes)
     saved = []
     for i in range(len(TEXT_PROMPTS) + len(IMAGE_PROMPTS)):
         kwargs = _inputs(engine, i)
@@ -105,13 +122,11 @@ def reference(model_path: str, threads: int, tokens: int, out_file: str) -> dict
     return {"prompts": len(saved)}
 
 
-def compare(model_path: str, threads: int, tokens: int, ref_file: str, qconfig: str, int8_embedding: bool,
-            prequantized: bool) -> dict:
-    """One INT8 variant against the saved fp32 reference."""
+def compare(model_path: str, threads: int, tokens: int, ref_file: str, activations: str, spikes: bool) -> dict:
+    """One INT8 variant (the pre-quantized checkpoint) against the saved fp32 reference."""
     import torch
 
-    engine = (_engine(model_path, threads, "int8") if prequantized
-              else _engine(model_path, threads, "int8", qconfig, int8_embedding))
+    engine = _engine(model_path, threads, "int8", activations, spikes)
     cosines, top1, free_same, free_prefix = [], [], [], []
     for i, ref in enumerate(torch.load(ref_file)):
         kwargs = _inputs(engine, i)
@@ -131,7 +146,8 @@ def compare(model_path: str, threads: int, tokens: int, ref_file: str, qconfig: 
 
 
 def run(source, int8, threads: int, tokens: int) -> str:
-    """All variants against fp32 on checkpoint `source` (pre-quantized copy `int8`): a markdown table."""
+    """Both variants against fp32 on checkpoint `source` (pre-quantized copy `int8`), in both
+    scenarios: a markdown table."""
     import tempfile
     from pathlib import Path
 
@@ -142,19 +158,21 @@ def run(source, int8, threads: int, tokens: int) -> str:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        ref = str(Path(tmp) / "fp32.pt")
-        steps = tqdm(total=1 + len(VARIANTS), desc=f"fidelity {Path(source).name}", unit="process")
-        isolated("bench.fidelity:reference", model_path=str(source), threads=threads, tokens=tokens, out_file=ref)
-        steps.update()
-        for label, (which, qconfig, int8_embedding) in VARIANTS.items():
-            r = isolated("bench.fidelity:compare", model_path=str(int8 if which == "int8" else source),
-                         threads=threads, tokens=tokens, ref_file=ref, qconfig=qconfig,
-                         int8_embedding=int8_embedding, prequantized=which == "int8")
+        steps = tqdm(total=len(SCENARIOS) * (1 + len(VARIANTS)), desc=f"fidelity {Path(source).name}", unit="process")
+        for scenario in SCENARIOS:
+            spikes = scenario == "spikes"
+            ref = str(Path(tmp) / f"fp32-{spikes}.pt")
+            isolated("bench.fidelity:reference", model_path=str(source), threads=threads, tokens=tokens, out_file=ref,
+                     spikes=spikes)
             steps.update()
-            rows.append([label, f"{r['cosine_mean']:.5f}", f"{r['cosine_min']:.5f}", f"{r['top1_agreement']:.1%}",
-                         f"{r['greedy_agreement']:.1%}", f"{r['greedy_identical_answers']}/{r['prompts']}",
-                         f"{r['mean_tokens_before_divergence']:.1f}"])
+            for label, activations in VARIANTS.items():
+                r = isolated("bench.fidelity:compare", model_path=str(int8), threads=threads, tokens=tokens,
+                             ref_file=ref, activations=activations, spikes=spikes)
+                steps.update()
+                rows.append([scenario, label, f"{r['cosine_mean']:.5f}", f"{r['cosine_min']:.5f}",
+                             f"{r['top1_agreement']:.1%}", f"{r['greedy_agreement']:.1%}",
+                             f"{r['greedy_identical_answers']}/{r['prompts']}", f"{r['mean_tokens_before_divergence']:.1f}"])
         steps.close()
-    return markdown_table(["INT8 variant vs fp32", "logit cosine (mean)", "logit cosine (min)",
+    return markdown_table(["scenario", "INT8 variant vs fp32", "logit cosine (mean)", "logit cosine (min)",
                            "top-1 agreement (teacher-forced)", "greedy token agreement",
                            f"identical {tokens}-token answers", "tokens before first difference"], rows)

@@ -7,6 +7,7 @@ bandwidth probes, the benchmark's checkpoints and a 1080p test photo.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -25,18 +26,37 @@ GIB = 1024 ** 3
 MIB = 1024 ** 2
 
 
-def isolated(target: str, **kwargs) -> dict:
+def isolated(target: str, tree: Path | None = None, **kwargs) -> dict:
     """`target` ("bench.module:function") called with kwargs in a fresh Python process, so its RSS
-    figures are its own; its stderr (progress bars, logs) passes through."""
+    figures are its own; its stderr (progress bars, logs) passes through. With `tree` (see
+    `baseline_tree`), the process imports that tree's `service` and this tree's `bench`."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
+        root = tree or ROOT
         env = {k: v for k, v in os.environ.items() if k != "MODEL_PATH"}
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
         run = subprocess.run([sys.executable, "-m", "bench.harness", target, json.dumps(kwargs), str(out)],
-                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+                             cwd=root, env=env, stdout=subprocess.DEVNULL)
         if run.returncode != 0:
             raise RuntimeError(f"{target}({kwargs}) failed with exit code {run.returncode}")
         return json.loads(out.read_text())
+
+
+@contextlib.contextmanager
+def baseline_tree(rev: str):
+    """A directory importing `service` as it was at git revision `rev` and `bench` as it is now:
+    for benchmarks that measure today's code against a change in one run (`isolated(tree=...)`)."""
+    with tempfile.TemporaryDirectory(prefix="baseline-") as tmp:
+        archive = subprocess.run(["git", "archive", rev, "service"], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        for name in ("bench", "tests"):
+            os.symlink(ROOT / name, Path(tmp) / name)
+        yield Path(tmp)
+
+
+def short_rev(rev: str) -> str:
+    return subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
 
 
 def peak_rss_bytes() -> int:

@@ -1,13 +1,25 @@
-"""Appending a benchmark's table to bench/RESULTS.md, headed by when, where and with what it ran."""
+"""bench/RESULTS.md: one section per scenario, written only by the benchmark commands.
+
+Each section is headed by its title, the exact command line that wrote it, the commit it ran on,
+the date, the machine and the settings. Rerunning a scenario replaces its section in place.
+"""
 
 from __future__ import annotations
 
 import datetime
 import os
 import platform
+import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+ROOT = RESULTS.parent.parent
+PREAMBLE = ("# Benchmark results\n\nEvery section below was written by the command named in it (rerunning the "
+            "command replaces its section); timings are from one run on the machine named. Do not edit by hand.\n")
+COMMAND_PREFIX = "Command: `"
 
 
 def cpu_model() -> str:
@@ -28,6 +40,23 @@ def machine_line(threads: int | None = None) -> str:
             f"{threads if threads is not None else cores} threads, Python {platform.python_version()}")
 
 
+def commit() -> str:
+    """HEAD's short hash, marked `+changes` when the tree differs from it."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def command_line() -> str:
+    """How this process was started, as a user would type it (`python -m bench.x ...`)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    program = ["python", "-m", spec.name.removesuffix(".__main__")] if spec else ["python", sys.argv[0]]
+    return shlex.join([*program, *sys.argv[1:]])
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     def cell(v):
         return f"{v:.3g}" if isinstance(v, float) else str(v)
@@ -37,15 +66,24 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def sections(text: str) -> list[tuple[str, str]]:
+    """(title, whole section text) of each `## ` section, in order."""
+    parts = re.split(r"(?m)^(?=## )", text)
+    return [(part.splitlines()[0][3:].strip(), part) for part in parts if part.startswith("## ")]
+
+
 def append_section(title: str, settings: dict, body: str, threads: int | None = None) -> str:
-    """Append `## title` with date, machine and settings lines, then `body`; returns the section."""
+    """Write `## title` with the command, commit, date, machine and settings lines, then `body`,
+    replacing the section of that title if there is one; returns the section."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     setting_text = ", ".join(f"{k}={v}" for k, v in settings.items())
-    section = (f"\n## {title}\n\n{stamp} · {machine_line(threads)}\n\nSettings: {setting_text}\n\n{body}\n")
-    with RESULTS.open("a") as f:
-        if f.tell() == 0:
-            f.write("# Benchmark results\n\nEvery section was written by the command named in it; "
-                    "timings are from one run on the machine named.\n")
-        f.write(section)
-    print(section)
+    section = (f"## {title}\n\n{COMMAND_PREFIX}{command_line()}` · commit {commit()}\n\n"
+               f"{stamp} · {machine_line(threads)}\n\nSettings: {setting_text}\n\n{body.strip()}\n\n")
+    old = sections(RESULTS.read_text()) if RESULTS.exists() else []
+    titles = [t for t, _ in old]
+    kept = [(t, s) for t, s in old if t != title]
+    at = titles.index(title) if title in titles else len(kept)
+    kept.insert(min(at, len(kept)), (title, section))
+    RESULTS.write_text(PREAMBLE + "\n" + "".join(s if s.endswith("\n\n") else s.rstrip("\n") + "\n\n" for _, s in kept))
+    print("\n" + section)
     return section

@@ -1,0 +1,99 @@
+"""Per-token INT8 against the code before it: time to first token and single-stream decode, one run.
+
+    flock /tmp/heavy.lock python -m bench.bench_int8 [--baseline REV] [--rounds 2]
+
+Three kinds of engine, each in a fresh process, in the order A B C C B A per round (so drift in the
+machine's speed affects all alike), on the same pre-quantized 2B-shaped checkpoint, caches off:
+- `baseline`: the `service` package as it was at REV (default 6ed1729, the commit before per-token
+  INT8), i.e. torch's dynamic Linear (activations quantized per tensor), q/k/v and gate/up apart;
+- `fused, per-tensor`: today's code with every Int8Linear switched to per-tensor activations;
+- `fused, per-token`: today's code as shipped.
+TTFT = the engine's `time_to_first_token` for one 448×448 picture and a question (W1, median of
+3); decode = the engine's decode tokens/s over 64 greedy tokens of a text prompt (median of 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from tqdm import tqdm
+
+from bench.harness import add_checkpoint_args, baseline_tree, checkpoint_of, encoded_photo, isolated, short_rev
+from bench.results import append_section, markdown_table
+
+BASELINE = "6ed1729"  # the last commit with torch's per-tensor dynamic Linear
+QUESTION = "What is in this picture? Describe the objects, their colours and where they are."
+DECODE_PROMPT = "Tell me a long story about a red square that travels across a blue sky to find a yellow circle."
+
+
+def measure(model_path: str, threads: int, activations: str | None, repeats: int = 3, decode_tokens: int = 64) -> dict:
+    """W1 time to first token and decode tokens/s of one engine (this process's `service`)."""
+    from service.engine import Engine, GenerationRequest, SamplingParams
+    from service.images import decode_image
+    from service.loading import load_model
+    from service.prompts import ChatMessage, ImagePart, TextPart
+    from service.settings import load_settings
+
+    settings = load_settings(model_path=model_path, quantization="int8", threads=threads, cache_enabled=False)
+    loaded = load_model(settings)
+    if activations is not None:
+        from service.int8_linear import set_activations
+
+        set_activations(loaded.model, activations)
+    engine = Engine(loaded, settings)
+
+    def ask(parts, max_tokens):
+        request = GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=max_tokens, temperature=0))
+        return list(engine.generate(request))[-1]
+
+    picture = decode_image(encoded_photo(".jpg", 448, 448), loaded.image_limits)
+    ask([ImagePart(decode_image(encoded_photo(".jpg", 224, 224), loaded.image_limits)), TextPart("Warm-up.")], 2)
+    w1 = [ask([ImagePart(picture), TextPart(QUESTION)], 1) for _ in range(repeats)]
+    decode = [ask([TextPart(DECODE_PROMPT)], decode_tokens) for _ in range(repeats)]
+    return {"ttft_s": statistics.median(d.timings["time_to_first_token"] for d in w1),
+            "prefill_s": statistics.median(d.timings["prefill"] for d in w1),
+            "vision_s": statistics.median(d.timings["vision_encode"] for d in w1),
+            "prompt_tokens": w1[0].prompt_tokens,
+            "decode_tokens_per_s": statistics.median(d.timings["decode_tokens_per_s"] for d in decode),
+            "decoded_tokens": decode[0].completion_tokens}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_checkpoint_args(p)
+    p.add_argument("--baseline", default=BASELINE, help="git revision of the code to compare with")
+    p.add_argument("--rounds", type=int, default=2, help="of A B C C B A")
+    args = p.parse_args(argv)
+    model_path = checkpoint_of(args)
+    kinds = {"baseline": None, "fused, per-tensor": "per_tensor", "fused, per-token": "per_token"}
+    order = [*kinds, *reversed(kinds)] * args.rounds
+    results: dict[str, list[dict]] = {k: [] for k in kinds}
+    with baseline_tree(args.baseline) as tree:
+        for kind in tqdm(order, desc="engines", unit="process"):
+            results[kind].append(isolated("bench.bench_int8:measure", tree=tree if kind == "baseline" else None,
+                                          model_path=str(model_path), threads=args.threads,
+                                          activations=kinds[kind]))
+    base = {key: statistics.median(r[key] for r in results["baseline"]) for key in ("ttft_s", "decode_tokens_per_s")}
+    rows = []
+    for kind, runs in results.items():
+        med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        rows.append([f"{kind} ({short_rev(args.baseline)})" if kind == "baseline" else kind,
+                     med["prompt_tokens"], med["vision_s"], med["prefill_s"], med["ttft_s"],
+                     f"{med['ttft_s'] / base['ttft_s']:.3f}", med["decode_tokens_per_s"],
+                     f"{med['decode_tokens_per_s'] / base['decode_tokens_per_s']:.3f}"])
+    shipped = rows[-1]
+    body = markdown_table(["engine", "W1 prompt tokens", "vision encode (s)", "prefill (s)", "TTFT (s)",
+                           "TTFT vs baseline", "decode (tok/s)", "decode vs baseline"], rows) + (
+        f"\n\nMedians over {len(order) // len(kinds)} processes per kind (order A B C C B A), each the median of 3 "
+        f"requests. Targets: per-token TTFT <= 1.10x the baseline's: {shipped[5]} "
+        f"({'met' if float(shipped[5]) <= 1.10 else 'missed'}); decode >= the baseline's: {shipped[7]} "
+        f"({'met' if float(shipped[7]) >= 1.0 else 'missed'}).")
+    append_section("Per-token INT8 against per-tensor: time to first token and decode (bench/bench_int8.py)",
+                   {"MODEL_PATH": model_path.name, "THREADS": args.threads, "caches": "off",
+                    "decode": "64 greedy tokens", "W1": "448x448 JPEG + question"}, body, threads=args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
