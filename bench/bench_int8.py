@@ -15,11 +15,12 @@ TTFT = the engine's `time_to_first_token` for one 448×448 picture and a questio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 from tqdm import tqdm
 
-from bench.harness import add_checkpoint_args, baseline_tree, checkpoint_of, encoded_photo, isolated, short_rev
+from bench.harness import add_checkpoint_args, tree_at, checkpoint_of, encoded_photo, isolated, short_rev
 from bench.results import append_section, markdown_table
 
 BASELINE = "6ed1729"  # the last commit with torch's per-tensor dynamic Linear
@@ -64,14 +65,17 @@ def main(argv=None) -> int:
     add_checkpoint_args(p)
     p.add_argument("--baseline", default=BASELINE, help="git revision of the code to compare with")
     p.add_argument("--rounds", type=int, default=2, help="of A B C C B A")
+    p.add_argument("--revision", default=None, help="git revision for the fused rows (default: the working tree)")
     args = p.parse_args(argv)
     model_path = checkpoint_of(args)
     kinds = {"baseline": None, "fused, per-tensor": "per_tensor", "fused, per-token": "per_token"}
     order = [*kinds, *reversed(kinds)] * args.rounds
     results: dict[str, list[dict]] = {k: [] for k in kinds}
-    with baseline_tree(args.baseline) as tree:
+    with contextlib.ExitStack() as stack:
+        base_tree = stack.enter_context(tree_at(args.baseline))
+        now_tree = stack.enter_context(tree_at(args.revision)) if args.revision else None
         for kind in tqdm(order, desc="engines", unit="process"):
-            results[kind].append(isolated("bench.bench_int8:measure", tree=tree if kind == "baseline" else None,
+            results[kind].append(isolated("bench.bench_int8:measure", tree=base_tree if kind == "baseline" else now_tree,
                                           model_path=str(model_path), threads=args.threads,
                                           activations=kinds[kind]))
     base = {key: statistics.median(r[key] for r in results["baseline"]) for key in ("ttft_s", "decode_tokens_per_s")}

@@ -29,7 +29,7 @@ MIB = 1024 ** 2
 def isolated(target: str, tree: Path | None = None, **kwargs) -> dict:
     """`target` ("bench.module:function") called with kwargs in a fresh Python process, so its RSS
     figures are its own; its stderr (progress bars, logs) passes through. With `tree` (see
-    `baseline_tree`), the process imports that tree's `service` and this tree's `bench`."""
+    `tree_at`), the process imports that tree's `service` and this tree's `bench`."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         root = tree or ROOT
@@ -43,7 +43,7 @@ def isolated(target: str, tree: Path | None = None, **kwargs) -> dict:
 
 
 @contextlib.contextmanager
-def baseline_tree(rev: str):
+def tree_at(rev: str):
     """A directory importing `service` as it was at git revision `rev` and `bench` as it is now:
     for benchmarks that measure today's code against a change in one run (`isolated(tree=...)`)."""
     with tempfile.TemporaryDirectory(prefix="baseline-") as tmp:
@@ -155,7 +155,11 @@ def main(argv: list[str]) -> int:
     module, function = target.split(":")
     result = getattr(importlib.import_module(module), function)(**json.loads(kwargs))
     Path(out).write_text(json.dumps(result))
-    return 0
+    # No interpreter teardown: a daemon thread still inside torch (the engine's scheduler) can make
+    # it abort ("terminate called without an active exception") after the result is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
