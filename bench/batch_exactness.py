@@ -3,9 +3,9 @@
     flock /tmp/heavy.lock python -m bench.batch_exactness [--model-path DIR] [--steps 32]
 
 Each of 4 prompts (different lengths) is prefilled alone and decoded greedily alone; then the same
-tokens are fed again as a batch of 1, 2 and 4 through the engine's own batched cache
-(service/batching.BatchKV, left padding, per-sequence M-RoPE positions) — teacher-forced, so a
-divergence at one step does not compound. Per batch size: the largest |Δlogit| over all steps and
+tokens are fed again as a batch of 1, 2 and 4 through the engine's decode step (service/decoder.py:
+each sequence its own KV cache and M-RoPE position) — teacher-forced, so a divergence at one step
+does not compound. Per batch size: the largest |Δlogit| over all steps and
 sequences, and the share of steps whose greedy token differs from the alone one. INT8 is measured
 as shipped (activations quantized per token) and with per-tensor activations (one scale for the
 whole batch, torch's dynamic quantization, what the service did before), on the same weights.
@@ -39,21 +39,16 @@ def copy(cache: DynamicCache, config) -> DynamicCache:
 
 
 def decode(model, caches: list[DynamicCache], lengths: list[int], fed: list[list[int]]) -> list[list[torch.Tensor]]:
-    """Feed fed[i][step] to sequence i at each step, all together; logits per sequence and step."""
-    from service.batching import BatchKV
+    """Feed fed[i][step] to sequence i at each step, all together through the engine's decode step
+    (service/decoder.py); logits per sequence and step."""
+    from service.decoder import DecodeStep
 
-    kv = BatchKV(model.config)
-    for cache in caches:
-        kv.join(cache)
+    step_fn = DecodeStep(model)
     logits = [[] for _ in caches]
     for step in range(len(fed[0])):
-        ids = torch.tensor([[f[step]] for f in fed])
-        positions = torch.tensor([n + step for n in lengths]).view(1, -1, 1).expand(3, -1, 1)
-        out = model(input_ids=ids, position_ids=positions, attention_mask=kv.step_mask(), cache=kv.cache,
-                    logits_to_keep=1)
-        kv.advance()
+        out = step_fn(torch.tensor([f[step] for f in fed]), torch.tensor([n + step for n in lengths]), caches)
         for i in range(len(caches)):
-            logits[i].append(out.logits[i, -1].float())
+            logits[i].append(out[i].float())
     return logits
 
 

@@ -25,9 +25,7 @@ KINDS = {  # label → (which checkpoint, QUANTIZATION)
 def weight_bytes_read_per_token(model) -> int:
     """Bytes of weights one decode step reads: every decoder and lm_head weight once; of the
     embedding only one row, so none of it."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-
-    from service.quantized import MappedInt8Linear
+    from service.int8_linear import Int8Linear, MappedInt8Linear
 
     lm = model.model.language_model
     embed = lm.get_input_embeddings()
@@ -35,10 +33,8 @@ def weight_bytes_read_per_token(model) -> int:
     for module in [*lm.modules(), model.lm_head]:
         if module is embed:
             continue
-        if isinstance(module, DynamicLinear):
+        if isinstance(module, (Int8Linear, MappedInt8Linear)):
             total += module.in_features * module.out_features
-        elif isinstance(module, MappedInt8Linear):
-            total += module.rows.numel()
         total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
     return total
 
@@ -114,24 +110,24 @@ def measure(model_path: str, quantization: str, threads: int, image_max_pixels: 
 
 
 def int8_weight_bytes(model) -> int:
-    """Bytes of int8 weights the loader packs (every dynamic-quantized Linear)."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+    """Bytes of int8 weights the loader packs (every Int8Linear)."""
+    from service.int8_linear import Int8Linear
 
-    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, DynamicLinear))
+    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear))
 
 
 def prepack_rate_gbps(rows: int = 6144, cols: int = 2048, repeats: int = 3) -> float:
-    """How fast torch packs int8 weights for its dynamic Linear, on one thread (packing is serial)."""
+    """How fast torch packs int8 weights for FBGEMM, on one thread (one Linear packs serially)."""
     import torch
 
-    from service.quantized import dynamic_linear, empty_qweight
+    from service.int8_linear import Int8Linear
 
-    qweight, view = empty_qweight((rows, cols), torch.full((rows,), 1e-3))
-    view.copy_(torch.randint(-127, 128, (rows, cols), dtype=torch.int8))
+    weight = torch.randint(-127, 128, (rows, cols), dtype=torch.int8)
+    scales = torch.full((rows,), 1e-3)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        dynamic_linear(qweight, None)
+        Int8Linear(weight, scales, None)
         best = min(best, time.perf_counter() - t0)
     return rows * cols / best / 1e9
 

@@ -13,8 +13,9 @@ back to back.
 
 Each sequence keeps what makes it independent of its neighbours: its sampling (`Sampler`, with
 its own torch.Generator), its M-RoPE offset (`rope_delta`: its decode positions are exactly those
-it would get alone) and its KV cache, which `BatchKV` packs left-padded into one batched cache
-when a sequence joins or leaves (not at every step) and hands back alone when it leaves.
+it would get alone) and its own KV cache, which the decode step (service/decoder.py) attends to
+and extends in place: no padding, nothing to re-pack when a sequence joins or leaves, and a
+sequence's tokens are the ones it gets alone (INT8 included: its Linears quantize per token).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from transformers.generation.logits_process import (RepetitionPenaltyLogitsProce
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from . import metrics
-from .kv import GrowingCache
+from .decoder import DecodeStep
 from .streaming import TokenStreamer
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class Sequence:
     prefill_started_at: float | None = None
     token_ids: list[int] = field(default_factory=list)  # prompt and answer, once prefilled
     rope_delta: int = 0
-    cache: DynamicCache | None = None
+    cache: DynamicCache | None = None  # its KV cache once prefilled (the decode step extends it)
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -120,72 +121,6 @@ class Sequence:
         self.streamer.put_token(token)
 
 
-class BatchKV:
-    """The running sequences' KV caches as one left-padded DynamicCache (row i = sequence i).
-
-    `lengths[i]` tokens of row i are real, right-aligned; the padding mask keeps the rest out of
-    attention. Every decode step appends one column for all rows (the model's own cache update).
-    """
-
-    def __init__(self, model_config):
-        self.config = model_config
-        self.cache: DynamicCache | None = None
-        self.lengths: list[int] = []
-
-    @property
-    def width(self) -> int:
-        return self.cache.get_seq_length() if self.cache is not None else 0
-
-    def join(self, cache: DynamicCache) -> None:
-        """Add a sequence's cache as the last row, padding whichever side is shorter on the left."""
-        n = cache.get_seq_length()
-        if self.cache is None:
-            self.cache, self.lengths = cache, [n]
-            return
-        width = max(self.width, n)
-        layers = [(torch.cat([_pad_left(old.keys, width), _pad_left(new.keys, width)]),
-                   torch.cat([_pad_left(old.values, width), _pad_left(new.values, width)]))
-                  for old, new in zip(self.cache.layers, cache.layers)]
-        self.cache = GrowingCache(ddp_cache_data=layers, config=self.config)
-        self.lengths.append(n)
-
-    def leave(self, rows: list[int]) -> list[DynamicCache]:
-        """Take rows out; each comes back as a cache of its own (own memory, no padding). The rest
-        are re-packed, dropping columns that only padding used."""
-        width = self.width
-        alone = [GrowingCache(ddp_cache_data=[(layer.keys[r:r + 1, :, width - self.lengths[r]:].clone(),
-                                               layer.values[r:r + 1, :, width - self.lengths[r]:].clone())
-                                              for layer in self.cache.layers], config=self.config)
-                 for r in rows]
-        keep = [r for r in range(len(self.lengths)) if r not in rows]
-        if not keep:
-            self.cache, self.lengths = None, []
-            return alone
-        lengths = [self.lengths[r] for r in keep]
-        start, index = width - max(lengths), torch.tensor(keep)
-        self.cache = GrowingCache(ddp_cache_data=[
-            (layer.keys[index, :, start:].contiguous(), layer.values[index, :, start:].contiguous())
-            for layer in self.cache.layers], config=self.config)
-        self.lengths = lengths
-        return alone
-
-    def step_mask(self) -> torch.Tensor:
-        """The attention mask of the next decode step: B × (width + 1), 0 on padding."""
-        width = self.width
-        columns = torch.arange(width + 1)
-        starts = torch.tensor([width - n for n in self.lengths])
-        return (columns[None, :] >= starts[:, None]).long()
-
-    def advance(self) -> None:
-        """Every row grew by the step's token (the forward appended it)."""
-        self.lengths = [n + 1 for n in self.lengths]
-
-
-def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - t.shape[-2]
-    return torch.nn.functional.pad(t, (0, 0, missing, 0)) if missing else t
-
-
 class Scheduler:
     """Runs sequences on one model; see the module docstring. `submit` from any thread."""
 
@@ -194,8 +129,8 @@ class Scheduler:
         self._wake = threading.Condition()
         self._inbox: list[Sequence] = []
         self._waiting: deque[Sequence] = deque()  # prefilling, oldest first
-        self._running: list[Sequence] = []  # row i of the batched KV cache is _running[i]
-        self._kv = BatchKV(model.config)
+        self._running: list[Sequence] = []
+        self._step = DecodeStep(model)
         self._thread: threading.Thread | None = None
 
     @property
@@ -259,6 +194,7 @@ class Scheduler:
         self._waiting.remove(sequence)
         sequence.token_ids = list(sequence.prompt_ids)
         sequence.rope_delta = prefilled.rope_delta
+        sequence.cache = prefilled.cache
         try:
             sequence.accept(prefilled.logits)
         except Exception as exc:
@@ -268,26 +204,21 @@ class Scheduler:
             return
         metrics.FIRST_TOKEN_WAIT.observe(time.perf_counter() - sequence.submitted_at)
         if sequence.finished:
-            sequence.cache = prefilled.cache
             self._leave_alone(sequence)
         else:
-            self._kv.join(prefilled.cache)
             self._running.append(sequence)
 
     def _decode_step(self) -> None:
         running = self._running
-        ids = torch.tensor([[s.token_ids[-1]] for s in running])
+        ids = torch.tensor([s.token_ids[-1] for s in running])
         # The token fed sits at index len - 1 of its sequence; M-RoPE shifts it by the sequence's delta.
         positions = torch.tensor([len(s.token_ids) - 1 + s.rope_delta for s in running])
         try:
-            out = self.model(input_ids=ids, position_ids=positions.view(1, -1, 1).expand(3, -1, 1),
-                             attention_mask=self._kv.step_mask(), cache=self._kv.cache, logits_to_keep=1)
-            self._kv.advance()
-        except Exception as exc:  # the batch's state is unknown now: fail its sequences, keep serving
+            logits = self._step(ids, positions, [s.cache for s in running])
+        except Exception as exc:  # their caches' state is unknown now: fail the sequences (caches not kept)
             log.exception("decode step failed for a batch of %d", len(running))
             self._fail(list(running), exc)
             return
-        logits = out.logits[:, -1].float()
         for i, sequence in enumerate(running):
             try:
                 sequence.accept(logits[i:i + 1])
@@ -297,7 +228,7 @@ class Scheduler:
         self._leave([s for s in running if s.finished or s.error is not None])
 
     def _fail(self, sequences: list[Sequence], exc: Exception) -> None:
-        """End `sequences` with `exc` (re-raised in their request threads), dropping the batched KV."""
+        """End `sequences` with `exc` (re-raised in their request threads); their caches are not kept."""
         for sequence in sequences:
             if sequence.done.is_set():
                 continue
@@ -306,16 +237,15 @@ class Scheduler:
                 with contextlib.suppress(Exception):
                     sequence.prefill.close()
             sequence.error = exc
+            if sequence in self._running:
+                self._running.remove(sequence)
             self._leave_alone(sequence)
-        self._running, self._kv = [], BatchKV(self.model.config)
 
     def _leave(self, sequences: list[Sequence]) -> None:
         if not sequences:
             return
-        rows = [self._running.index(s) for s in sequences]
-        for sequence, cache in zip(sequences, self._kv.leave(rows)):
+        for sequence in sequences:
             self._running.remove(sequence)
-            sequence.cache = cache
             self._leave_alone(sequence)
 
     @staticmethod

@@ -15,6 +15,7 @@ from transformers.image_utils import SizeDict
 from .checkpoints import RANDOM_MODEL_WARNING, embedded_model_dir, is_random_test_model
 from .images import ImageLimits
 from .fusion import fuse_projections
+from .int8_linear import default_kernel
 from .memory import MemoryGuard
 from .quantized import load_quantized, quantize_in_place, quantized_marker
 from .settings import Settings
@@ -116,9 +117,10 @@ def load_model(settings: Settings) -> LoadedModel:
     if prequantized and settings.quantization != "int8":
         raise ValueError(f"{path} is an INT8 checkpoint (made by `python -m service quantize`): use "
                          "QUANTIZATION=int8, or point MODEL_PATH at the original checkpoint for fp32")
+    kernel = default_kernel() if settings.int8_kernel == "auto" else settings.int8_kernel
     with _OnceWarnings():
         if prequantized:
-            model, mapped = load_quantized(path, settings.threads, MemoryGuard.from_settings(settings))
+            model, mapped = load_quantized(path, settings.threads, MemoryGuard.from_settings(settings), kernel)
         else:
             # The checkpoint's own dtype (bf16 for Qwen's releases): no whole fp32 copy before quantizing.
             dtype = "auto" if settings.quantization == "int8" else torch.float32
@@ -127,7 +129,7 @@ def load_model(settings: Settings) -> LoadedModel:
             fuse_projections(model)
             if settings.quantization == "int8":
                 model.requires_grad_(False)
-                quantize_in_place(model)
+                quantize_in_place(model, kernel=kernel)
             model.float()  # embeddings, norms, patch embedding: fp32 compute (bf16 is slow on these CPUs)
     model.requires_grad_(False)
     is_random = is_random_test_model(model.config)
@@ -148,6 +150,7 @@ def load_model(settings: Settings) -> LoadedModel:
         image_limits=image_limits_for(processor, settings), eos_token_ids=eos_ids,
         prequantized=prequantized, weights_mapped=mapped,
     )
-    log.info("loaded %s (%s%s) from %s in %.1f s", loaded.name, loaded.quantization,
+    log.info("loaded %s (%s%s) from %s in %.1f s", loaded.name,
+             f"int8, {kernel} kernels" if settings.quantization == "int8" else "fp32",
              ", pre-quantized" if prequantized else "", path, loaded.load_seconds)
     return loaded

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .fusion import fuse_projections, fused_sources
-from .int8_linear import Int8Embedding, Int8Linear, MappedInt8Linear, empty_qweight, quantize_rows
+from .int8_linear import Int8Embedding, Int8Linear, MappedInt8Linear, default_kernel, quantize_rows
 from .memory import MIB, MemoryGuard, release_memory
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,20 @@ def skeleton(config) -> nn.Module:
         return Qwen3VLForConditionalGeneration(config)
 
 
-def quantize_in_place(model: nn.Module, activations: str = "per_token", int8_embedding: bool = True) -> None:
+def kernel_of(name: str, kernel: str) -> str:
+    """The packing for the Linear `name` (both give the same bits): the lm_head only ever sees a few
+    rows (the last prompt token, a decode batch), where FBGEMM is as fast or faster everywhere; the
+    vision tower only many (a picture's patches), where oneDNN is 2-4x faster on CPUs it suits
+    (`default_kernel`); the text decoder, which sees both, `kernel`."""
+    if name == "lm_head":
+        return "fbgemm"
+    if name.startswith("model.visual."):
+        return default_kernel()
+    return kernel
+
+
+def quantize_in_place(model: nn.Module, activations: str = "per_token", int8_embedding: bool = True,
+                      kernel: str = "fbgemm") -> None:
     """INT8-quantize every nn.Linear (`Int8Linear`) one block at a time (at most one block is fp32
     at once), and turn the embedding into int8 rows (the lm_head's when tied). The defaults are
     what the service and `quantize` use; the other choices exist for the fidelity benchmark."""
@@ -99,7 +112,8 @@ def quantize_in_place(model: nn.Module, activations: str = "per_token", int8_emb
     for name, block in quantization_blocks(model):
         block.float()
         for linear in _linear_names(name, block):
-            _replace_module(model, linear, Int8Linear.from_float(model.get_submodule(linear), activations))
+            _replace_module(model, linear, Int8Linear.from_float(model.get_submodule(linear), activations,
+                                                                 kernel_of(linear, kernel)))
         release_memory()
     if int8_embedding:
         table = (Int8Embedding(*model.lm_head.weight_rows(), embed.padding_idx) if tied
@@ -285,18 +299,19 @@ class _SafetensorsReader:
         return self.read_into(name, torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]]))
 
 
-def _packed_linear(parts: list[tuple[_SafetensorsReader, str]]) -> Int8Linear:
+def _packed_linear(parts: list[tuple[_SafetensorsReader, str]], kernel: str) -> Int8Linear:
     """One Int8Linear from the checkpoint Linears `parts` (several: a fused projection, rows in order),
-    read straight into one qint8 weight."""
+    read straight into one int8 weight."""
     shapes = [reader.shape(f"{name}.weight") for reader, name in parts]
     scales = torch.cat([reader.read(f"{name}{_SCALE}") for reader, name in parts])
-    qweight, rows = empty_qweight((sum(shape[0] for shape in shapes), shapes[0][1]), scales)
+    rows = torch.empty((sum(shape[0] for shape in shapes), shapes[0][1]), dtype=torch.int8)
     start = 0
     for (reader, name), (out, _) in zip(parts, shapes):
         reader.read_into(f"{name}.weight", rows[start:start + out])
         start += out
-    return Int8Linear(qweight, _fused_bias([reader.read(f"{name}.bias") if f"{name}.bias" in reader.entries else None
-                                            for reader, name in parts]))
+    bias = _fused_bias([reader.read(f"{name}.bias") if f"{name}.bias" in reader.entries else None
+                        for reader, name in parts])
+    return Int8Linear(rows, scales, bias, kernel=kernel)
 
 
 def _fused_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -322,7 +337,8 @@ def _linear_bytes(path: Path, marker: dict) -> int:
     return sum((path / f).stat().st_size for f in marker["linear_shards"])
 
 
-def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None) -> tuple[nn.Module, bool]:
+def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None,
+                   kernel: str = "fbgemm") -> tuple[nn.Module, bool]:
     """Build the model from an INT8 checkpoint: (model, weights_mapped).
 
     Linear weights are read (pread) straight into qint8 tensors — q/k/v and gate/up each into
@@ -383,7 +399,8 @@ def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None) 
         jobs = sorted(((name, [(reader_of[f"{p}.weight"], p) for p in parts]) for name, parts in sources.items()),
                       key=lambda job: -sum(math.prod(r.shape(f"{p}.weight")) for r, p in job[1]))
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:  # packing releases the GIL
-            for (name, _), module in zip(jobs, pool.map(lambda job: _packed_linear(job[1]), jobs)):
+            for (name, _), module in zip(jobs, pool.map(lambda job: _packed_linear(job[1], kernel_of(job[0], kernel)),
+                                                        jobs)):
                 _replace_module(model, name, module)
         for reader in readers:
             reader.close()
@@ -405,9 +422,7 @@ def mapped_slowdown(threads: int) -> str:
     scales = torch.full((4096,), 1e-3)
     x = torch.randn(1, 2048)
     timings = []
-    qweight, view = empty_qweight(tuple(rows.shape), scales)
-    view.copy_(rows)
-    for module in (Int8Linear(qweight, None), MappedInt8Linear([(rows, scales)], None)):
+    for module in (Int8Linear(rows, scales, None), MappedInt8Linear([(rows, scales)], None)):
         module(x)
         t0 = time.perf_counter()
         for _ in range(20):

@@ -25,7 +25,11 @@ class Settings(BaseSettings):
 
     # Model
     model_path: Path | None = Field(None, description="Qwen3-VL checkpoint directory; unset = embedded random test model")
-    quantization: Literal["int8", "fp32"] = Field("int8", description="int8 = dynamic INT8 Linear layers")
+    quantization: Literal["int8", "fp32"] = Field("int8", description="int8 = INT8 Linear layers, activations "
+                                                  "quantized per token")
+    int8_kernel: Literal["auto", "fbgemm", "onednn"] = Field(
+        "auto", description="INT8 packed-weight kernels: auto = oneDNN on CPUs with AVX-512, FBGEMM otherwise "
+        "(the same answers bit for bit; only speed differs)")
     threads: int = Field(default_factory=_available_cores, ge=1, le=512, description="torch threads")
     cache_dir: Path = Field(Path(os.path.expanduser("~/.cache/qwen3vl-service")), description="embedded model, exports")
     vision_backend: Literal["torch", "onnxruntime"] = Field(
@@ -57,8 +61,9 @@ class Settings(BaseSettings):
     context_limit: int = Field(8192, ge=64, description="prompt + new tokens, at most")
     max_batch_size: int = Field(4, ge=1, le=64, description="sequences decoded together (continuous batching); "
                                 "more wait in the queue")
-    prefill_chunk_tokens: int = Field(64, ge=1, description="prompt tokens prefilled per step between the "
-                                      "batch's decode steps")
+    prefill_chunk_tokens: int = Field(128, ge=1, description="prompt tokens prefilled per step between the "
+                                      "batch's decode steps (each step reads every weight once: larger pieces "
+                                      "prefill faster, smaller ones pause running streams less)")
 
     # Caches (per process): conversation KV cache and vision-feature cache
     cache_enabled: bool = Field(True, description="False turns both caches off (every prompt computed in full)")

@@ -9,11 +9,10 @@ import time
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from conftest import make_settings
 from imaging import encode, pattern
-from service.batching import BatchKV, Sampler
+from service.batching import Sampler
 from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
 from service.errors import QueueFull
 from service.images import decode_image
@@ -265,32 +264,6 @@ def test_vision_tower_in_steps_equals_the_models_own_encoder(engines):
     steps = run_to_end(image_steps(engine.vision_encoder, prompt.pixel_values[0], prompt.image_grid_thw))
     assert torch.equal(steps.pooler, own.pooler_output[0])
     assert all(torch.equal(a, b[0]) for a, b in zip(steps.deepstack, own.deepstack_features, strict=True))
-
-
-def test_batched_kv_hands_each_sequence_back_its_own_cache(engines):
-    config = engines["fp32"].model.config
-    torch.manual_seed(0)
-    layers = config.text_config.num_hidden_layers
-
-    def cache(n):
-        return DynamicCache(ddp_cache_data=[(torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4))
-                                            for _ in range(layers)], config=config)
-
-    parts = [cache(5), cache(9), cache(2)]
-    originals = [[(layer.keys.clone(), layer.values.clone()) for layer in c.layers] for c in parts]
-    kv = BatchKV(config)
-    for c in parts:
-        kv.join(c)
-    assert kv.width == 9 and kv.step_mask().sum(1).tolist() == [6, 10, 3]
-    middle = kv.leave([1])[0]
-    assert kv.width == 5  # the columns only the long one used are gone
-    assert all(torch.equal(layer.keys, k) and torch.equal(layer.values, v)
-               for layer, (k, v) in zip(middle.layers, originals[1], strict=True))
-    rest = kv.leave([0, 1])
-    for got, want in zip(rest, [originals[0], originals[2]], strict=True):
-        assert all(torch.equal(layer.keys, k) and torch.equal(layer.values, v)
-                   for layer, (k, v) in zip(got.layers, want, strict=True))
-    assert kv.cache is None
 
 
 def test_conversations_decoded_together_each_keep_their_kv_cache(fp32_engine, engines):

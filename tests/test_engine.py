@@ -98,7 +98,7 @@ def test_stop_string_ends_the_answer_before_it(fp32_engine):
 
 
 def test_cancel_stops_within_one_token_and_leaves_the_batch(engine):
-    request = GenerationRequest([ChatMessage("user", [TextPart("Go on forever.")])],
+    request = GenerationRequest([ChatMessage("user", [TextPart("Talk forever.")])],
                                 SamplingParams(max_tokens=400, temperature=0))
     stream = engine.generate(request)
     seen, at_cancel = 0, None
@@ -115,7 +115,7 @@ def test_cancel_stops_within_one_token_and_leaves_the_batch(engine):
 
 
 def test_closing_the_stream_early_cancels_and_leaves_the_batch(engine):
-    request = GenerationRequest([ChatMessage("user", [TextPart("Go on forever.")])],
+    request = GenerationRequest([ChatMessage("user", [TextPart("Talk forever.")])],
                                 SamplingParams(max_tokens=400, temperature=0))
     stream = engine.generate(request)
     next(stream), next(stream)

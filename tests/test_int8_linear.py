@@ -19,47 +19,55 @@ from torch import nn
 
 from conftest import ROOT, make_settings
 from service.fusion import FusedTextAttention, FusedTextMLP
-from service.int8_linear import Int8Linear, empty_qweight
+from service.int8_linear import Int8Linear
 from service.loading import load_model
 from service.quantized import quantize_in_place
 
 
-def layer(activations="per_token", bias=True, in_features=2048, out_features=512, seed=0) -> Int8Linear:
+KERNELS = pytest.mark.parametrize("kernel", ["fbgemm", "onednn"])
+
+
+def layer(activations="per_token", bias=True, in_features=2048, out_features=512, seed=0, kernel="fbgemm"
+          ) -> Int8Linear:
     torch.manual_seed(seed)
     linear = nn.Linear(in_features, out_features, bias=bias)
     nn.init.normal_(linear.weight, std=0.02)
-    return Int8Linear.from_float(linear, activations)
+    return Int8Linear.from_float(linear, activations, kernel)
 
 
 def rows(m, in_features=2048, seed=1) -> torch.Tensor:
     return torch.randn(m, in_features, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16, 63, 64, 65, 218])
-def test_a_rows_output_is_the_same_bits_in_a_call_of_any_length(m):
-    lin, x = layer(), rows(218)
+@KERNELS
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16, 17, 63, 64, 65, 218])
+def test_a_rows_output_is_the_same_bits_in_a_call_of_any_length(m, kernel):
+    lin, x = layer(kernel=kernel), rows(218)
     alone = torch.cat([lin(x[i:i + 1]) for i in range(m)])
     assert torch.equal(lin(x[:m]), alone)
 
 
+@KERNELS
 @pytest.mark.parametrize("spike", ["row x1000", "one huge channel"])
-def test_a_spiking_neighbour_leaves_a_rows_output_unchanged(spike):
+def test_a_spiking_neighbour_leaves_a_rows_output_unchanged(spike, kernel):
     x = rows(4)
     spiked = x.clone()
     if spike == "row x1000":
         spiked[1] *= 1000
     else:
         spiked[1, 7] = 1000 * spiked[1].abs().max()
-    per_token, per_tensor = layer("per_token"), layer("per_tensor")
+    per_token, per_tensor = layer("per_token", kernel=kernel), layer("per_tensor", kernel=kernel)
     keep = [0, 2, 3]
     assert torch.equal(per_token(spiked)[keep], per_token(x)[keep])
-    exact = x[keep] @ per_token.weight_rows()[0].float().T * per_token.weight_rows()[1] + per_token.bias
+    weight, scales = layer().weight_rows()
+    exact = x[keep] @ weight.float().T * scales + per_token.bias
     error = (per_tensor(spiked)[keep] - exact).norm() / exact.norm()
     assert error > 0.5  # per-tensor: the neighbour's scale flattened these rows
 
 
-def test_rows_of_zeros_give_the_bias_and_do_not_poison_their_neighbours():
-    lin, x = layer(), rows(3)
+@KERNELS
+def test_rows_of_zeros_give_the_bias_and_do_not_poison_their_neighbours(kernel):
+    lin, x = layer(kernel=kernel), rows(3)
     x[1] = 0
     y = lin(x)
     assert torch.isfinite(y).all()
@@ -67,13 +75,14 @@ def test_rows_of_zeros_give_the_bias_and_do_not_poison_their_neighbours():
     assert torch.equal(y[[0, 2]], lin(x[[0, 2]]))
 
 
-def test_every_value_at_its_rows_maximum_is_computed_without_saturation():
+@KERNELS
+def test_every_value_at_its_rows_maximum_is_computed_without_saturation(kernel):
     """The worst case for CPUs whose u8×s8 pair sums saturate at int16 (AVX2 without VNNI)."""
-    lin = layer(bias=False)
+    lin = layer(bias=False, kernel=kernel)
     x = torch.ones(4, 2048)
     x[:, ::2] = -1
     x[1] *= 1e-3
-    weight, scales = lin.weight_rows()
+    weight, scales = layer(bias=False).weight_rows()
     exact = x @ (weight.float() * scales[:, None]).T
     assert ((lin(x) - exact).norm() / exact.norm()) < 1e-5
 
@@ -81,11 +90,16 @@ def test_every_value_at_its_rows_maximum_is_computed_without_saturation():
 def test_a_fused_projection_gives_each_part_exactly_its_own_output():
     parts = [layer(bias=False, out_features=n, seed=s) for s, n in enumerate((256, 128, 128))]
     weights = [p.weight_rows() for p in parts]
-    qweight, view = empty_qweight((512, 2048), torch.cat([s for _, s in weights]))
-    view.copy_(torch.cat([w for w, _ in weights]))
-    fused = Int8Linear(qweight, None)
+    fused = Int8Linear(torch.cat([w for w, _ in weights]), torch.cat([s for _, s in weights]), None)
     x = rows(5)
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
+
+
+@pytest.mark.parametrize("m", [1, 4, 64])
+def test_fbgemm_and_onednn_give_the_same_bits(m):
+    """So which kernel packs the weights (INT8_KERNEL) changes speed, never an answer."""
+    x = rows(m)
+    assert torch.equal(layer(kernel="fbgemm")(x), layer(kernel="onednn")(x))
 
 
 _ISA_PROBE = """
@@ -94,20 +108,23 @@ sys.path.insert(0, sys.argv[1])
 from test_int8_linear import layer, rows
 x = rows(6)
 x[2] = 1.0; x[2, ::2] = -1.0
-print(json.dumps(layer()(x).flatten().tolist()))
+print(json.dumps({k: layer(kernel=k)(x).flatten().tolist() for k in ("fbgemm", "onednn")}))
 """
 
 
-def test_the_kernel_gives_the_same_bits_with_and_without_vnni():
-    """FBGEMM_ENABLE_INSTRUCTIONS=AVX2 makes FBGEMM take the AVX2 path (u8×s8 pairs summed in int16,
-    as on CPUs without VNNI) on any x86 CPU: its answer must equal the default path's bit for bit."""
+def test_the_kernels_give_the_same_bits_with_and_without_vnni():
+    """FBGEMM_ENABLE_INSTRUCTIONS=AVX2 and ONEDNN_MAX_CPU_ISA=AVX2 make both libraries take their
+    AVX2 paths (u8×s8 pairs summed in int16, as on CPUs without VNNI) on any x86 CPU: their answers
+    must equal the default paths' bit for bit, worst-case row included."""
 
     def run(env):
         out = subprocess.run([sys.executable, "-c", _ISA_PROBE, str(ROOT / "tests")], capture_output=True, text=True,
                              env={**os.environ, **env}, timeout=120, check=True)
         return json.loads(out.stdout)
 
-    assert run({"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}) == run({})
+    default = run({})
+    assert run({"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}) == default
+    assert default["fbgemm"] == default["onednn"]
 
 
 # -- the model ---------------------------------------------------------------------------------

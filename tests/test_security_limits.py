@@ -92,7 +92,7 @@ def test_images_in_history_count_towards_the_limit(server):
 
 def test_deadline_ends_a_long_generation_with_what_it_has(server):
     base, _ = server
-    r = chat(base, {"prompt": "Go on forever.", "max_tokens": 4000, "temperature": 0})
+    r = chat(base, {"prompt": "Talk forever.", "max_tokens": 4000, "temperature": 0})
     done = r.json()
     assert r.status_code == 200
     assert done["finish_reason"] == "deadline"

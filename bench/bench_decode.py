@@ -1,0 +1,335 @@
+"""Decode: the engine's decode step (service/decoder.py) against transformers' forward, by context length.
+
+    flock /tmp/heavy.lock python -m bench.bench_decode                 # 2B-shaped INT8 checkpoint, 2 threads
+    python -m bench.bench_decode --contexts 64 1024 --no-engines --no-save
+
+Part 1, one process, the model loaded once: per-step time of a decode step at each context length
+(KV caches of that many positions; their values do not change the time), single stream and a
+batch of 4 sequences of different lengths (the context, ¾, ½ and ¼ of it), the two step kinds
+alternating (A B B A):
+- `transformers`: the model's forward (what the service ran before): one sequence, or the batch
+  left-padded into one cache with an attention mask;
+- `lean`: service/decoder.DecodeStep, each sequence attending to its own cache.
+For the lean single stream also: the share of the step in the INT8 kernels and in attention
+(torch.profiler), the KV bytes read per step, and tokens/s as a share of the bandwidth ceiling
+(bytes read per token ÷ a streaming-read measurement with the same threads, same run).
+Part 2 (unless --no-engines): the engine end to end, today's code against the code before the
+lean step (`--baseline`, each in fresh processes, A B B A): single-stream decode tokens/s and the
+aggregate of 4 concurrent streams.
+The plot (decode tokens/s against context) is bench/decode_context.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench.harness import (add_checkpoint_args, tree_at, checkpoint_of, isolated, read_bandwidth_gbps,
+                           short_rev)
+from bench.results import append_section, markdown_table
+
+PLOT = Path(__file__).resolve().parent / "decode_context.png"
+BASELINE = "563413c"  # per-token INT8, decode through transformers' forward
+INT8_KERNELS = ("quantized::linear_with_input_q_dq_qweight_dq_output_fp32", "quantized::linear_dynamic",
+                "onednn::qlinear_pointwise")
+ATTENTION = "aten::scaled_dot_product_attention"
+
+
+def synthetic_cache(config, tokens: int, seed: int):
+    """A GrowingCache holding `tokens` positions of random keys and values (as a prefill leaves it)."""
+    from service.kv import GrowingCache
+
+    text = config.text_config
+    shape = (1, text.num_key_value_heads, tokens, text.head_dim)
+    g = torch.Generator().manual_seed(seed)
+    return GrowingCache(ddp_cache_data=[(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+                                        for _ in range(text.num_hidden_layers)], config=config)
+
+
+class TransformersStep:
+    """A decode step through the model's forward (as the service did before): one sequence on its
+    own cache, several left-padded into one cache (packed once, as the scheduler did on joining)
+    with an attention mask hiding the padding."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def pack(self, caches: list) -> tuple:
+        from service.kv import GrowingCache
+
+        if len(caches) == 1:
+            return caches[0], None
+        width = max(c.get_seq_length() for c in caches)
+        pad = [width - c.get_seq_length() for c in caches]
+        packed = GrowingCache(config=self.model.config, ddp_cache_data=[
+            tuple(torch.cat([torch.nn.functional.pad(getattr(c.layers[i], kind), (0, 0, p, 0))
+                             for c, p in zip(caches, pad)]) for kind in ("keys", "values"))
+            for i in range(len(caches[0].layers))])
+        return packed, torch.tensor(pad)
+
+    def __call__(self, token_ids, positions, packed) -> torch.Tensor:
+        cache, pad = packed
+        mask = None
+        if pad is not None:
+            mask = (torch.arange(cache.get_seq_length() + 1)[None, :] >= pad[:, None]).long()
+        out = self.model(input_ids=token_ids[:, None], position_ids=positions.view(1, -1, 1).expand(3, -1, 1),
+                         attention_mask=mask, cache=cache, logits_to_keep=1)
+        return out.logits[:, -1]
+
+
+class LeanStep:
+    """service/decoder.DecodeStep over the sequences' own caches."""
+
+    def __init__(self, model):
+        from service.decoder import DecodeStep
+
+        self.step = DecodeStep(model)
+
+    @staticmethod
+    def pack(caches: list) -> list:
+        return caches
+
+    def __call__(self, token_ids, positions, caches) -> torch.Tensor:
+        return self.step(token_ids, positions, caches)
+
+
+def _crop(packed, lengths: list[int]) -> None:
+    caches = packed if isinstance(packed, list) else [packed[0]]
+    for cache, n in zip(caches, lengths):
+        cache.crop(n - cache.get_seq_length())
+
+
+def step_ms(step, caches: list, steps: int) -> float:
+    """Median ms of `steps` decode steps (after one warm-up) over `caches`, cropped back afterwards."""
+    packed = step.pack(caches)
+    owned = packed if isinstance(packed, list) else [packed[0]]
+    lengths = [c.get_seq_length() for c in owned]
+    positions = torch.tensor([c.get_seq_length() for c in caches])
+    token_ids = torch.arange(1, len(caches) + 1)
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        step(token_ids, positions + i, packed)
+        times.append(time.perf_counter() - t0)
+    _crop(packed, lengths)
+    return statistics.median(times[1:]) * 1000
+
+
+def profile_shares(step, caches: list, steps: int = 5) -> dict:
+    """Shares of the step's wall time in the INT8 kernels and in attention, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lengths = [c.get_seq_length() for c in caches]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(torch.arange(1, len(caches) + 1), torch.tensor(lengths) + i, caches)
+        wall = time.perf_counter() - t0
+    _crop(caches, lengths)
+    totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages()}
+    return {"kernels": sum(totals.get(k, 0.0) for k in INT8_KERNELS) / wall,
+            "attention": totals.get(ATTENTION, 0.0) / wall}
+
+
+def prefill_piece(model, cache, tokens: int, repeats: int = 3) -> dict:
+    """A prefill piece of `tokens` text tokens after `cache` through the model's forward (how the
+    engine prefills): median ms, and its shares in the INT8 kernels and in attention."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start = cache.get_seq_length()
+    ids = torch.randint(0, model.config.text_config.vocab_size, (1, tokens))
+    positions = torch.arange(start, start + tokens).view(1, 1, -1).expand(3, 1, -1)
+
+    def run():
+        model(input_ids=ids, position_ids=positions, cache=cache, logits_to_keep=1)
+        cache.crop(-tokens)
+
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        run()
+        wall = time.perf_counter() - t0
+    totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages()}
+    return {"ms": statistics.median(times) * 1000, "kernels": sum(totals.get(k, 0.0) for k in INT8_KERNELS) / wall,
+            "attention": totals.get(ATTENTION, 0.0) / wall}
+
+
+def sweep(model_path: str, threads: int, contexts: list[int], steps: int, batch: int, piece: int) -> dict:
+    """Part 1 (in this process)."""
+    from bench.serving import weight_bytes_read_per_token
+    from service.loading import load_model
+    from service.memory import kv_cache_bytes
+    from service.settings import load_settings
+
+    settings = load_settings(model_path=model_path, quantization="int8", threads=threads, cache_enabled=False)
+    model = load_model(settings).model
+    kinds = {"transformers": TransformersStep(model), "lean": LeanStep(model)}
+    weights = weight_bytes_read_per_token(model)
+    bandwidth = read_bandwidth_gbps(threads)
+    rows = []
+    with torch.inference_mode():
+        for step in kinds.values():  # first-call costs
+            step_ms(step, [synthetic_cache(model.config, 64, 0)], 2)
+        for context in tqdm(contexts, desc="contexts", unit="context"):
+            single = [synthetic_cache(model.config, context, 1)]
+            several = [synthetic_cache(model.config, max(1, context * (batch - i) // batch), 2 + i) for i in range(batch)]
+            ms = {}
+            for kind in ("transformers", "lean", "lean", "transformers"):
+                for name, caches in (("1", single), (str(batch), several)):
+                    value = step_ms(kinds[kind], caches, steps)
+                    ms[kind, name] = min(ms.get((kind, name), value), value)
+            shares = profile_shares(kinds["lean"], single)
+            prefill = prefill_piece(model, single[0], piece)
+            kv = kv_cache_bytes(model.config, context)
+            ceiling = bandwidth * 1e9 / (weights + kv)
+            rows.append({"context": context, "transformers_ms": ms["transformers", "1"], "lean_ms": ms["lean", "1"],
+                         "transformers_batch_ms": ms["transformers", str(batch)],
+                         "lean_batch_ms": ms["lean", str(batch)], "kv_mb": kv / 1e6,
+                         "kernels_share": shares["kernels"], "attention_share": shares["attention"],
+                         "ceiling_tps": ceiling, "prefill_ms": prefill["ms"], "prefill_kernels": prefill["kernels"],
+                         "prefill_attention": prefill["attention"]})
+    return {"rows": rows, "bandwidth_gbps": bandwidth, "weight_gb": weights / 1e9}
+
+
+def engine_throughput(model_path: str, threads: int, streams: int, tokens: int) -> dict:
+    """Part 2 (in this process's `service`): decode tokens/s of one stream and of `streams` at once."""
+    from service.engine import Engine, GenerationRequest, SamplingParams
+    from service.loading import load_model
+    from service.prompts import ChatMessage, TextPart
+    from service.settings import load_settings
+
+    settings = load_settings(model_path=model_path, quantization="int8", threads=threads, cache_enabled=False,
+                             max_batch_size=max(streams, 1))
+    engine = Engine(load_model(settings), settings)
+    prompts = ["Tell me a long story about a red square.", "Describe a harbour in the morning, in detail.",
+               "List every colour you know, with a word about each.", "Explain how a bicycle works, step by step."]
+
+    def run(prompt, out, i):
+        request = GenerationRequest([ChatMessage("user", [TextPart(prompt)])],
+                                    SamplingParams(max_tokens=tokens, temperature=0))
+        done = list(engine.generate(request))[-1]
+        start = request.received_at
+        out[i] = (done, start + done.timings["time_to_first_token"], start + done.timings["total"])
+
+    single = {}
+    run(prompts[0], single, 0)  # warm-up
+    results = []
+    for _ in range(3):
+        run(prompts[0], single, 0)
+        results.append(single[0][0].timings["decode_tokens_per_s"])
+    together = {}
+    threads_ = [threading.Thread(target=run, args=(prompts[i % len(prompts)], together, i)) for i in range(streams)]
+    for t in threads_:
+        t.start()
+    for t in threads_:
+        t.join()
+    generated = sum(d.completion_tokens - 1 for d, _, _ in together.values())
+    span = max(end for _, _, end in together.values()) - min(first for _, first, _ in together.values())
+    return {"single_tps": statistics.median(results), "aggregate_tps": generated / span,
+            "streams_tokens": [d.completion_tokens for d, _, _ in together.values()]}
+
+
+def plot(rows: list[dict], title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = [r["context"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    ax.plot(contexts, [1000 / r["transformers_ms"] for r in rows], "s--", label="transformers forward (before)")
+    ax.plot(contexts, [1000 / r["lean_ms"] for r in rows], "o-", label="lean decode step")
+    ax.plot(contexts, [r["ceiling_tps"] for r in rows], ":", color="gray", label="bandwidth ceiling")
+    ax.set_xscale("log")
+    ax.set_xlabel("context tokens (KV cache length)")
+    ax.set_ylabel("decode tokens/s, one stream")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(PLOT)
+    plt.close(fig)
+    return PLOT
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_checkpoint_args(p)
+    p.add_argument("--contexts", type=int, nargs="+", default=[32, 64, 256, 1024, 3072])
+    p.add_argument("--steps", type=int, default=12, help="timed decode steps per measurement")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--piece", type=int, default=64, help="prefill piece measured at each context (PREFILL_CHUNK_TOKENS)")
+    p.add_argument("--baseline", default=BASELINE, help="git revision for part 2's 'before'")
+    p.add_argument("--no-engines", action="store_true", help="skip part 2")
+    p.add_argument("--no-save", action="store_true")
+    args = p.parse_args(argv)
+    model_path = checkpoint_of(args)
+    part1 = isolated("bench.bench_decode:sweep", model_path=str(model_path), threads=args.threads,
+                     contexts=args.contexts, steps=args.steps, batch=args.batch, piece=args.piece)
+    rows = part1["rows"]
+    base = rows[0]
+    table = markdown_table(
+        ["context", "transformers ms/step", "lean ms/step", "speed-up", f"batch of {args.batch}: transformers ms",
+         f"batch of {args.batch}: lean ms", "batch speed-up", "lean tok/s", "share of ceiling", "INT8 kernels share",
+         "attention share", "KV read/step (MB)", f"lean slowdown vs {base['context']}"],
+        [[r["context"], r["transformers_ms"], r["lean_ms"], f"{r['transformers_ms'] / r['lean_ms']:.2f}x",
+          r["transformers_batch_ms"], r["lean_batch_ms"], f"{r['transformers_batch_ms'] / r['lean_batch_ms']:.2f}x",
+          1000 / r["lean_ms"], f"{1000 / r['lean_ms'] / r['ceiling_tps']:.0%}", f"{r['kernels_share']:.0%}",
+          f"{r['attention_share']:.0%}", f"{r['kv_mb']:.0f}", f"{1 - base['lean_ms'] / r['lean_ms']:.0%}"]
+         for r in rows])
+    prefill_table = markdown_table(
+        ["context", f"prefill piece of {args.piece} tokens (ms)", "ms per token", "INT8 kernels share",
+         "attention share"],
+        [[r["context"], r["prefill_ms"], r["prefill_ms"] / args.piece, f"{r['prefill_kernels']:.0%}",
+          f"{r['prefill_attention']:.0%}"] for r in rows])
+    body = table + "\n\n" + prefill_table + (
+        f"\n\nOne process; each step kind measured twice per context (A B B A), the better median of {args.steps} "
+        f"steps shown. Batch lengths: the context, 3/4, 1/2 and 1/4 of it. Weights read per token "
+        f"{part1['weight_gb']:.2f} GB (int8 decoder + lm_head + norms); streaming read {part1['bandwidth_gbps']:.1f} "
+        "GB/s measured in the same run; ceiling = bandwidth / (weights + the context's fp32 KV). Shares from "
+        "torch.profiler over 5 lean steps (inclusive op times / wall time, profiler overhead included). The "
+        "second table: one prefill piece after a cache of that many tokens, through the model's forward (the "
+        "engine's prefill path), median of 3, shares from one profiled run.")
+    if not args.no_engines:
+        kinds = ["before", "now", "now", "before"]
+        runs: dict[str, list[dict]] = {"before": [], "now": []}
+        with tree_at(args.baseline) as tree:
+            for kind in tqdm(kinds, desc="engines", unit="process"):
+                runs[kind].append(isolated("bench.bench_decode:engine_throughput", tree=tree if kind == "before" else None,
+                                           model_path=str(model_path), threads=args.threads, streams=args.batch,
+                                           tokens=64))
+        med = {k: {m: statistics.median(r[m] for r in v) for m in ("single_tps", "aggregate_tps")}
+               for k, v in runs.items()}
+        single, aggregate = (med["now"][m] / med["before"][m] for m in ("single_tps", "aggregate_tps"))
+        body += "\n\n" + markdown_table(
+            ["engine", "one stream (tok/s)", f"{args.batch} streams, aggregate (tok/s)"],
+            [[f"before ({short_rev(args.baseline)})", med["before"]["single_tps"], med["before"]["aggregate_tps"]],
+             ["now", med["now"]["single_tps"], med["now"]["aggregate_tps"]],
+             ["now / before", f"{single:.2f}x", f"{aggregate:.2f}x"]]) + (
+            f"\n\nThe engine end to end (scheduler, sampling, streaming; caches off; 64 greedy tokens; text prompts of "
+            f"~20 tokens), each in fresh processes in the order before, now, now, before; medians. Targets: one stream "
+            f">= 1.3x before: {single:.2f}x ({'met' if single >= 1.3 else 'missed'}); {args.batch} streams >= 1.2x "
+            f"before: {aggregate:.2f}x ({'met' if aggregate >= 1.2 else 'missed'}).")
+    png = plot(rows, f"{model_path.name}, {args.threads} threads, INT8: decode tokens/s vs context")
+    body += f"\n\n![decode tokens/s against context]({png.name})"
+    if args.no_save:
+        print(body)
+    else:
+        append_section("Decode step: lean vs transformers' forward, by context (bench/bench_decode.py)",
+                       {"MODEL_PATH": model_path.name, "THREADS": args.threads, "QUANTIZATION": "int8"}, body,
+                       threads=args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
