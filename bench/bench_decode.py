@@ -35,7 +35,7 @@ from bench.harness import (add_checkpoint_args, tree_at, checkpoint_of, isolated
 from bench.results import append_section, markdown_table
 
 PLOT = Path(__file__).resolve().parent / "decode_context.png"
-BASELINE = "563413c"  # per-token INT8, decode through transformers' forward
+BASELINE = "6ed1729"  # the session's start: per-tensor INT8, transformers forward, left-padded batches
 INT8_KERNELS = ("quantized::linear_with_input_q_dq_qweight_dq_output_fp32", "quantized::linear_dynamic",
                 "onednn::qlinear_pointwise")
 ATTENTION = "aten::scaled_dot_product_attention"
