@@ -94,13 +94,6 @@ class Int8Linear(nn.Module):
     def from_float(cls, linear: nn.Linear, activations: str = "per_token", kernel: str = "fbgemm") -> "Int8Linear":
         return cls(*quantize_rows(linear.weight.detach()), linear.bias, activations, kernel)
 
-    def weight_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int8 rows, fp32 per-row scales): a copy of the packed weight (FBGEMM packing only)."""
-        if self.kernel != "fbgemm":
-            raise ValueError("only FBGEMM's packed weights can be unpacked")
-        qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
-        return qweight.int_repr(), self._scales.clone()
-
     def _onednn(self, q: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
         return torch.ops.onednn.qlinear_pointwise(q, scale, zero_point, self._packed, self._scales, self._zero_points,
                                                   None, 1.0, 0, torch.float32, "none", [], "")

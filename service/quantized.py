@@ -90,15 +90,10 @@ def skeleton(config) -> nn.Module:
 
 
 def kernel_of(name: str, kernel: str) -> str:
-    """The packing for the Linear `name` (both give the same bits): the lm_head only ever sees a few
-    rows (the last prompt token, a decode batch), where FBGEMM is as fast or faster everywhere; the
-    vision tower only many (a picture's patches), where oneDNN is 2-4x faster on CPUs it suits
-    (`default_kernel`); the text decoder, which sees both, `kernel`."""
-    if name == "lm_head":
-        return "fbgemm"
-    if name.startswith("model.visual."):
-        return default_kernel()
-    return kernel
+    """The packing for the Linear `name` (both give the same bits): the vision tower only ever sees
+    many rows (a picture's patches), where oneDNN is 2-4x faster on CPUs it suits (`default_kernel`);
+    the text decoder and lm_head, which see one row per sequence in decode, `kernel`."""
+    return default_kernel() if name.startswith("model.visual.") else kernel
 
 
 def quantize_in_place(model: nn.Module, activations: str = "per_token", int8_embedding: bool = True,
@@ -109,16 +104,18 @@ def quantize_in_place(model: nn.Module, activations: str = "per_token", int8_emb
     embed_name = _embedding_name(model)
     embed = model.get_submodule(embed_name)
     tied = model.lm_head.weight is embed.weight
+    table = None
     for name, block in quantization_blocks(model):
         block.float()
         for linear in _linear_names(name, block):
-            _replace_module(model, linear, Int8Linear.from_float(model.get_submodule(linear), activations,
-                                                                 kernel_of(linear, kernel)))
+            module = model.get_submodule(linear)
+            rows, scales = quantize_rows(module.weight.detach())
+            if linear == "lm_head" and tied and int8_embedding:  # the same int8 rows serve as the embedding
+                table = Int8Embedding(rows, scales, embed.padding_idx)
+            _replace_module(model, linear, Int8Linear(rows, scales, module.bias, activations, kernel_of(linear, kernel)))
         release_memory()
     if int8_embedding:
-        table = (Int8Embedding(*model.lm_head.weight_rows(), embed.padding_idx) if tied
-                 else Int8Embedding(*quantize_rows(embed.weight), embed.padding_idx))
-        _replace_module(model, embed_name, table)
+        _replace_module(model, embed_name, table or Int8Embedding(*quantize_rows(embed.weight), embed.padding_idx))
     release_memory()
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from conftest import ROOT, make_settings
 from service.fusion import FusedTextAttention, FusedTextMLP
-from service.int8_linear import Int8Linear
+from service.int8_linear import Int8Linear, quantize_rows
 from service.loading import load_model
 from service.quantized import quantize_in_place
 
@@ -27,12 +27,22 @@ from service.quantized import quantize_in_place
 KERNELS = pytest.mark.parametrize("kernel", ["fbgemm", "onednn"])
 
 
-def layer(activations="per_token", bias=True, in_features=2048, out_features=512, seed=0, kernel="fbgemm"
-          ) -> Int8Linear:
+def float_layer(bias=True, in_features=2048, out_features=512, seed=0) -> nn.Linear:
     torch.manual_seed(seed)
     linear = nn.Linear(in_features, out_features, bias=bias)
     nn.init.normal_(linear.weight, std=0.02)
-    return Int8Linear.from_float(linear, activations, kernel)
+    return linear
+
+
+def layer(activations="per_token", bias=True, in_features=2048, out_features=512, seed=0, kernel="fbgemm"
+          ) -> Int8Linear:
+    return Int8Linear.from_float(float_layer(bias, in_features, out_features, seed), activations, kernel)
+
+
+def dequantized_weight(bias=True, in_features=2048, out_features=512, seed=0) -> torch.Tensor:
+    """The int8 weight `layer` multiplies by, as fp32 (rows × their scales)."""
+    rows, scales = quantize_rows(float_layer(bias, in_features, out_features, seed).weight.detach())
+    return rows.float() * scales[:, None]
 
 
 def rows(m, in_features=2048, seed=1) -> torch.Tensor:
@@ -59,8 +69,7 @@ def test_a_spiking_neighbour_leaves_a_rows_output_unchanged(spike, kernel):
     per_token, per_tensor = layer("per_token", kernel=kernel), layer("per_tensor", kernel=kernel)
     keep = [0, 2, 3]
     assert torch.equal(per_token(spiked)[keep], per_token(x)[keep])
-    weight, scales = layer().weight_rows()
-    exact = x[keep] @ weight.float().T * scales + per_token.bias
+    exact = x[keep] @ dequantized_weight().T + per_token.bias
     error = (per_tensor(spiked)[keep] - exact).norm() / exact.norm()
     assert error > 0.5  # per-tensor: the neighbour's scale flattened these rows
 
@@ -82,14 +91,14 @@ def test_every_value_at_its_rows_maximum_is_computed_without_saturation(kernel):
     x = torch.ones(4, 2048)
     x[:, ::2] = -1
     x[1] *= 1e-3
-    weight, scales = layer(bias=False).weight_rows()
-    exact = x @ (weight.float() * scales[:, None]).T
+    exact = x @ dequantized_weight(bias=False).T
     assert ((lin(x) - exact).norm() / exact.norm()) < 1e-5
 
 
 def test_a_fused_projection_gives_each_part_exactly_its_own_output():
-    parts = [layer(bias=False, out_features=n, seed=s) for s, n in enumerate((256, 128, 128))]
-    weights = [p.weight_rows() for p in parts]
+    floats = [float_layer(bias=False, out_features=n, seed=s) for s, n in enumerate((256, 128, 128))]
+    parts = [Int8Linear.from_float(f) for f in floats]
+    weights = [quantize_rows(f.weight.detach()) for f in floats]
     fused = Int8Linear(torch.cat([w for w, _ in weights]), torch.cat([s for _, s in weights]), None)
     x = rows(5)
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
