@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
-.PHONY: install test demo run nginx
+.PHONY: install test demo run nginx chromium
 
 # torch first, alone: its CPU wheel (anything else resolves to a multi-GB CUDA build). Where pip
 # has no local CPU wheel (plain PyPI), add the CPU index:
@@ -17,13 +17,21 @@ nginx:
 	  [ "$$(id -u)" = 0 ] || { echo "nginx is missing: sudo apt-get install nginx" >&2; exit 1; }; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx >/dev/null; }
 
+# Debian's Chromium for the browser tests (tests/test_web_page.py; Playwright downloads nothing), likewise.
+chromium:
+	@[ -x /usr/bin/chromium ] || { \
+	  [ "$$(id -u)" = 0 ] || { echo "chromium is missing (the browser tests need it): sudo apt-get install chromium" >&2; exit 1; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
+
 # The README's first command: the service (embedded random model unless MODEL_PATH is set) behind
 # Nginx on localhost:8080, one pinned Gunicorn instance per core as memory allows; Ctrl-C stops it.
 run: install nginx
 	$(PYTHON) -m service.deploy
 
-# The README's test command: the whole suite on the embedded tiny model.
-test: install nginx
+# The README's test command: lint and format check, then the whole suite on the embedded tiny model.
+test: install nginx chromium
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m pytest -q tests
 
 # Answer a question about a generated picture with the embedded (random!) model.

@@ -26,7 +26,15 @@ threads = _settings.max_batch_size + _settings.queue_size + 3
 timeout = 120
 graceful_timeout = _settings.graceful_timeout
 keepalive = 5
-preload_app = False  # torch in a forked master can hang: each worker loads its own model
+# PRELOAD: the master loads the model (wsgi.py) and forks the worker from it, so a worker that dies
+# is replaced in about a second, sharing the weights copy-on-write. A child forked after OpenMP
+# ran in its parent hangs in its first parallel region (seen with torch here), so the master must
+# never start an OpenMP thread team: every thread defaults to one OpenMP thread (set before torch
+# is imported) and loading runs on one torch thread; the engine's scheduler sets THREADS for itself.
+preload_app = _settings.preload_in_master
+if preload_app:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 accesslog = "-" if _settings.access_log else None
 errorlog = "-"
 loglevel = _settings.log_level

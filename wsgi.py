@@ -3,4 +3,6 @@
 from service.api import create_app
 from service.settings import load_settings
 
-app = create_app(load_settings())
+settings = load_settings()
+# With PRELOAD (default) Gunicorn imports this in its master, which loads the model and forks the worker.
+app = create_app(settings, load="before_fork" if settings.preload_in_master else "background")

@@ -41,15 +41,15 @@ INT8_KERNELS = ("quantized::linear_with_input_q_dq_qweight_dq_output_fp32", "qua
 ATTENTION = "aten::scaled_dot_product_attention"
 
 
-def synthetic_cache(config, tokens: int, seed: int):
+def synthetic_cache(config, tokens: int, seed: int, dtype=torch.float32):
     """A GrowingCache holding `tokens` positions of random keys and values (as a prefill leaves it)."""
     from service.kv import GrowingCache
 
     text = config.text_config
     shape = (1, text.num_key_value_heads, tokens, text.head_dim)
     g = torch.Generator().manual_seed(seed)
-    return GrowingCache(ddp_cache_data=[(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
-                                        for _ in range(text.num_hidden_layers)], config=config)
+    return GrowingCache(ddp_cache_data=[(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g)
+                                         .to(dtype)) for _ in range(text.num_hidden_layers)], config=config)
 
 
 class TransformersStep:
@@ -174,6 +174,7 @@ def sweep(model_path: str, threads: int, contexts: list[int], steps: int, batch:
     settings = load_settings(model_path=model_path, quantization="int8", threads=threads, cache_enabled=False)
     model = load_model(settings).model
     kinds = {"transformers": TransformersStep(model), "lean": LeanStep(model)}
+    kinds["lean, bf16 KV"] = kinds["lean"]  # the same step: the caches' dtype differs
     weights = weight_bytes_read_per_token(model)
     bandwidth = read_bandwidth_gbps(threads)
     rows = []
@@ -183,10 +184,14 @@ def sweep(model_path: str, threads: int, contexts: list[int], steps: int, batch:
         for context in tqdm(contexts, desc="contexts", unit="context"):
             single = [synthetic_cache(model.config, context, 1)]
             several = [synthetic_cache(model.config, max(1, context * (batch - i) // batch), 2 + i) for i in range(batch)]
+            caches = {"transformers": (single, several), "lean": (single, several),
+                      "lean, bf16 KV": ([synthetic_cache(model.config, context, 1, torch.bfloat16)],
+                                        [synthetic_cache(model.config, max(1, context * (batch - i) // batch), 2 + i,
+                                                         torch.bfloat16) for i in range(batch)])}
             ms = {}
-            for kind in ("transformers", "lean", "lean", "transformers"):
-                for name, caches in (("1", single), (str(batch), several)):
-                    value = step_ms(kinds[kind], caches, steps)
+            for kind in ("transformers", "lean", "lean, bf16 KV", "lean, bf16 KV", "lean", "transformers"):
+                for name, group in zip(("1", str(batch)), caches[kind]):
+                    value = step_ms(kinds[kind], group, steps)
                     ms[kind, name] = min(ms.get((kind, name), value), value)
             shares = profile_shares(kinds["lean"], single)
             prefill = prefill_piece(model, single[0], piece)
@@ -195,10 +200,12 @@ def sweep(model_path: str, threads: int, contexts: list[int], steps: int, batch:
             rows.append({"context": context, "transformers_ms": ms["transformers", "1"], "lean_ms": ms["lean", "1"],
                          "transformers_batch_ms": ms["transformers", str(batch)],
                          "lean_batch_ms": ms["lean", str(batch)], "kv_mb": kv / 1e6,
+                         "bf16_ms": ms["lean, bf16 KV", "1"], "bf16_batch_ms": ms["lean, bf16 KV", str(batch)],
                          "kernels_share": shares["kernels"], "attention_share": shares["attention"],
                          "ceiling_tps": ceiling, "prefill_ms": prefill["ms"], "prefill_kernels": prefill["kernels"],
                          "prefill_attention": prefill["attention"]})
-    return {"rows": rows, "bandwidth_gbps": bandwidth, "weight_gb": weights / 1e9}
+    return {"rows": rows, "bandwidth_gbps": bandwidth, "weight_gb": weights / 1e9,
+            "kv_bytes_per_token": kv_cache_bytes(model.config, 1)}
 
 
 def engine_throughput(model_path: str, threads: int, streams: int, tokens: int) -> dict:
@@ -287,18 +294,26 @@ def main(argv=None) -> int:
           1000 / r["lean_ms"], f"{1000 / r['lean_ms'] / r['ceiling_tps']:.0%}", f"{r['kernels_share']:.0%}",
           f"{r['attention_share']:.0%}", f"{r['kv_mb']:.0f}", f"{1 - base['lean_ms'] / r['lean_ms']:.0%}"]
          for r in rows])
+    kv_table = markdown_table(
+        ["context", "fp32 KV ms/step", "bf16 KV ms/step", "bf16 vs fp32", f"batch of {args.batch}: fp32 KV ms",
+         f"batch of {args.batch}: bf16 KV ms", "batch bf16 vs fp32", "KV bytes per token, fp32 / bf16"],
+        [[r["context"], r["lean_ms"], r["bf16_ms"], f"{r['lean_ms'] / r['bf16_ms']:.2f}x", r["lean_batch_ms"],
+          r["bf16_batch_ms"], f"{r['lean_batch_ms'] / r['bf16_batch_ms']:.2f}x",
+          f"{part1['kv_bytes_per_token'] // 1024} KiB / {part1['kv_bytes_per_token'] // 2048} KiB"] for r in rows])
     prefill_table = markdown_table(
         ["context", f"prefill piece of {args.piece} tokens (ms)", "ms per token", "INT8 kernels share",
          "attention share"],
         [[r["context"], r["prefill_ms"], r["prefill_ms"] / args.piece, f"{r['prefill_kernels']:.0%}",
           f"{r['prefill_attention']:.0%}"] for r in rows])
-    body = table + "\n\n" + prefill_table + (
+    body = table + "\n\n" + kv_table + "\n\n" + prefill_table + (
         f"\n\nOne process; each step kind measured twice per context (A B B A), the better median of {args.steps} "
         f"steps shown. Batch lengths: the context, 3/4, 1/2 and 1/4 of it. Weights read per token "
         f"{part1['weight_gb']:.2f} GB (int8 decoder + lm_head + norms); streaming read {part1['bandwidth_gbps']:.1f} "
         "GB/s measured in the same run; ceiling = bandwidth / (weights + the context's fp32 KV). Shares from "
-        "torch.profiler over 5 lean steps (inclusive op times / wall time, profiler overhead included). The "
-        "second table: one prefill piece after a cache of that many tokens, through the model's forward (the "
+        "torch.profiler over 5 lean steps (inclusive op times / wall time, profiler overhead included). The second "
+        "table: the lean step with keys and values cached in bf16 (KV_DTYPE=bfloat16; attention in bf16) against "
+        "fp32, same run. The "
+        "third table: one prefill piece after a cache of that many tokens, through the model's forward (the "
         "engine's prefill path), median of 3, shares from one profiled run.")
     if not args.no_engines:
         kinds = ["before", "now", "now", "before"]

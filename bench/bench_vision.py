@@ -72,7 +72,7 @@ def load_backend(args, backend: str, precision: str):
     """The checkpoint and the encoder `backend` names, loaded as the service loads them."""
     from service.loading import load_model
     from service.settings import load_settings
-    from service.vision import make_vision_encoder
+    from service.encoders import make_vision_encoder
 
     settings = load_settings(model_path=args.model_path, quantization=precision, threads=args.threads,
                              vision_backend=backend, vision_onnx_dir=args.export_dir,

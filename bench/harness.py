@@ -43,11 +43,13 @@ def isolated(target: str, tree: Path | None = None, **kwargs) -> dict:
 
 
 @contextlib.contextmanager
-def tree_at(rev: str):
-    """A directory importing `service` as it was at git revision `rev` and `bench` as it is now:
-    for benchmarks that measure today's code against a change in one run (`isolated(tree=...)`)."""
+def tree_at(rev: str, extra: tuple[str, ...] = ()):
+    """A directory importing `service` (and the `extra` paths) as they were at git revision `rev`,
+    and `bench` and `tests` as they are now: for benchmarks that measure today's code against a
+    change in one run (`isolated(tree=...)`, or a Gunicorn started there)."""
     with tempfile.TemporaryDirectory(prefix="baseline-") as tmp:
-        archive = subprocess.run(["git", "archive", rev, "service"], cwd=ROOT, capture_output=True, check=True).stdout
+        archive = subprocess.run(["git", "archive", rev, "service", *extra], cwd=ROOT, capture_output=True,
+                                 check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         for name in ("bench", "tests"):
             os.symlink(ROOT / name, Path(tmp) / name)

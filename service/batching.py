@@ -124,8 +124,9 @@ class Sequence:
 class Scheduler:
     """Runs sequences on one model; see the module docstring. `submit` from any thread."""
 
-    def __init__(self, model):
+    def __init__(self, model, threads: int):
         self.model = model
+        self.threads = threads
         self._wake = threading.Condition()
         self._inbox: list[Sequence] = []
         self._waiting: deque[Sequence] = deque()  # prefilling, oldest first
@@ -147,6 +148,9 @@ class Scheduler:
             self._wake.notify()
 
     def _loop(self) -> None:
+        # This thread's own OpenMP setting (each thread has one) and torch's: the model may have been
+        # loaded on one thread, to fork safely after it (gunicorn.conf.py's preload).
+        torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while True:
                 with self._wake:

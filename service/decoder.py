@@ -90,9 +90,9 @@ class DecodeStep:
             attended = []
             for b, cache in enumerate(caches):
                 keys, values = cache.layers[i].update(k[b:b + 1, :, None], v[b:b + 1, :, None])
-                out = F.scaled_dot_product_attention(q[b].view(1, self.kv_heads, group, self.head_dim), keys, values,
-                                                     scale=self.scaling)
-                attended.append(out.reshape(1, -1))
+                query = q[b].view(1, self.kv_heads, group, self.head_dim).to(keys.dtype)  # a bf16 cache: bf16 math
+                out = F.scaled_dot_product_attention(query, keys, values, scale=self.scaling)
+                attended.append(out.reshape(1, -1).float())
             x = x + layer.o_proj(attended[0] if batch == 1 else torch.cat(attended))
             h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)

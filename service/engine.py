@@ -21,18 +21,20 @@ from typing import Generator, Iterator
 import torch
 from transformers import GenerationConfig
 
+from . import metrics
 from .admission import Admission
 from .batching import Prefilled, Sampler, Scheduler, Sequence
 from .caches import ConversationCache, ImageSpan, VisionFeatureCache
 from .errors import BadRequest, PromptTooLong
 from .kv import HEADROOM, GrowingCache
 from .loading import LoadedModel
-from .memory import MemoryGuard, kv_cache_bytes
+from .memory import CONVERSATION_CACHE_SHARE, MIB, VISION_CACHE_SHARE, MemoryGuard, kv_cache_bytes
 from .prompts import ChatMessage, PreparedPrompt, PromptLimits, prepare_prompt
 from .settings import Settings
 from .streaming import StopStringMatcher, TokenStreamer
 from .video import VideoLimits
-from .vision import VisionFeatures, as_mm_encoder_outputs, make_vision_encoder
+from .encoders import make_vision_encoder
+from .vision import VisionFeatures, as_mm_encoder_outputs
 from .vision_steps import image_steps, video_steps
 
 log = logging.getLogger(__name__)
@@ -139,25 +141,42 @@ class Engine:
         self.model = loaded.model
         self.processor = loaded.processor
         self.admission = Admission(settings.queue_size, settings.queue_timeout, slots=settings.max_batch_size)
-        self.scheduler = Scheduler(loaded.model)
+        self.scheduler = Scheduler(loaded.model, settings.threads)
+        self.kv_dtype = getattr(torch, settings.kv_dtype)
         self._active: set[GenerationRequest] = set()
         self._defaults = loaded.model.generation_config
         self.vision_encoder = make_vision_encoder(loaded, settings)
-        on = settings.cache_enabled
+        # The memory budget: near it the caches give memory back (KV first: the largest), over it requests get 503.
+        self.memory = MemoryGuard.from_settings(settings)
+        kv_bytes, vision_bytes = self._cache_budgets(settings)
         self.conversation_cache = ConversationCache(
-            loaded.model.config, settings.conversation_cache_max_bytes if on else 0,
-            settings.conversation_cache_max_entries, settings.cache_ttl_seconds)
-        self.vision_cache = VisionFeatureCache(settings.vision_cache_max_bytes if on else 0,
-                                               settings.vision_cache_max_entries, settings.cache_ttl_seconds)
-        # MAX_MEMORY_MB: near it the caches give memory back (KV first: the largest), over it requests get 503.
-        self.memory = MemoryGuard.from_settings(settings, [self.conversation_cache.entries.shrink,
-                                                           self.vision_cache.entries.shrink])
+            loaded.model.config, kv_bytes, settings.conversation_cache_max_entries, settings.cache_ttl_seconds)
+        self.vision_cache = VisionFeatureCache(vision_bytes, settings.vision_cache_max_entries,
+                                               settings.cache_ttl_seconds)
+        self.memory.evict_callbacks += [self.conversation_cache.entries.shrink, self.vision_cache.entries.shrink]
+        metrics.MEMORY_BUDGET.set(self.memory.budget_bytes or 0)
+        metrics.CACHE_BUDGET.labels(cache=self.conversation_cache.name).set(kv_bytes)
+        metrics.CACHE_BUDGET.labels(cache=self.vision_cache.name).set(vision_bytes)
         ip = self.processor.image_processor
         self.video_limits = VideoLimits.from_settings(settings, loaded.image_limits, ip.temporal_patch_size)
         # Everything besides the pixels that shapes the encoder's input: part of every vision-cache key.
         self._vision_settings = hashlib.blake2b(repr((
             ip.patch_size, ip.merge_size, ip.temporal_patch_size, list(ip.image_mean), list(ip.image_std),
             dict(ip.size))).encode(), digest_size=8).hexdigest()
+
+    def _cache_budgets(self, settings: Settings) -> tuple[int, int]:
+        """The caches' byte budgets: as set, or shares of what the memory budget leaves after loading."""
+        if not settings.cache_enabled:
+            return 0, 0
+        room = self.memory.room_bytes()
+        kv = settings.conversation_cache_max_bytes
+        vision = settings.vision_cache_max_bytes
+        kv = int(room * CONVERSATION_CACHE_SHARE) if kv is None else kv
+        vision = int(room * VISION_CACHE_SHARE) if vision is None else vision
+        log.info("memory budget %.0f MiB, %.0f MiB used after loading: conversation cache up to %.0f MiB, vision "
+                 "cache up to %.0f MiB", self.memory.budget_bytes / MIB, self.memory.used_bytes() / MIB, kv / MIB,
+                 vision / MIB)
+        return kv, vision
 
     # -- request path -------------------------------------------------------------------------
 
@@ -194,7 +213,7 @@ class Engine:
     def _check_memory(self, request: GenerationRequest, prompt: PreparedPrompt) -> None:
         """Unavailable (503) if this request's KV cache would not fit MAX_MEMORY_MB, caches evicted first."""
         tokens = prompt.num_tokens + self._max_new_tokens(prompt, request.params) + HEADROOM  # GrowingCache's room
-        self.memory.check(kv_cache_bytes(self.model.config, tokens))
+        self.memory.check(kv_cache_bytes(self.model.config, tokens, self.kv_dtype.itemsize))
 
     def cancel_all(self) -> None:
         """Stop every admitted generation at the scheduler's next step (graceful shutdown)."""
@@ -310,7 +329,7 @@ class Engine:
         reuse = self.conversation_cache.take(prompt.input_ids[0], images, request.conversation_id)
         reused = reuse.tokens if reuse else 0
         # The request owns the cache: each piece extends it in place.
-        cache = reuse.cache if reuse is not None else GrowingCache(config=self.model.config)
+        cache = reuse.cache if reuse is not None else GrowingCache(config=self.model.config, dtype=self.kv_dtype)
         marks.update(reused=reused, cache_lookup=time.perf_counter() - t0)
         try:
             t1 = time.perf_counter()

@@ -52,9 +52,9 @@ class FusedTextAttention(Qwen3VLTextAttention):
         causal = query.shape[2] > 1 and mask is None
         if causal and key.shape[2] > query.shape[2]:  # SDPA's causal mask is top-left aligned
             raise ValueError("a causal piece after cached tokens needs an explicit mask")
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=self.scaling,
-                                             enable_gqa=self.num_key_value_groups > 1)
-        return out.transpose(1, 2)
+        out = F.scaled_dot_product_attention(query.to(key.dtype), key, value, attn_mask=mask, is_causal=causal,
+                                             scale=self.scaling, enable_gqa=self.num_key_value_groups > 1)
+        return out.transpose(1, 2).to(query.dtype)  # a bf16 cache (KV_DTYPE): attention in bf16
 
 
 class FusedTextMLP(Qwen3VLTextMLP):

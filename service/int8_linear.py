@@ -137,32 +137,44 @@ class Int8Linear(nn.Module):
 
 
 class MappedInt8Linear(nn.Module):
-    """Int8 Linear computing from memory-mapped weights (weight-only int8, fp32 activations).
+    """Int8 Linear computing from memory-mapped weights (weight-only int8, bf16 or fp32 activations).
 
     Used when the packed model would not fit MAX_MEMORY_MB: nothing is copied, so the kernel can
     drop the weight pages under pressure and read them back from disk; slower than the packed kernel.
     A fused projection is several mapped parts whose outputs are concatenated.
+
+    `activations="bf16"` (the default) feeds `torch._weight_int8pack_mm` bf16 rows, its vectorized
+    path (fp32 input takes scalar code), and applies the fp32 per-channel scales to its output;
+    "fp32" is the former way (fp32 GEMV for a few rows, fp32 slices of the weight for more).
     """
 
-    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]], bias: torch.Tensor | None):
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]], bias: torch.Tensor | None,
+                 activations: str = "bf16"):
         super().__init__()
+        if activations not in ("bf16", "fp32"):
+            raise ValueError("activations must be bf16 or fp32")
+        self.activations = activations
         self.in_features = parts[0][0].shape[1]
         self.out_features = sum(rows.shape[0] for rows, _ in parts)
         for i, (rows, scales) in enumerate(parts):
             self.register_buffer(f"rows{i}", rows)
             self.register_buffer(f"scales{i}", scales.float())
         self.parts = len(parts)
+        self._ones = torch.ones(max(rows.shape[0] for rows, _ in parts), dtype=torch.bfloat16)
         self.register_buffer("bias", None if bias is None else bias.float())
 
     def _part(self, flat: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        if self.activations == "bf16":
+            return torch._weight_int8pack_mm(flat, rows, self._ones[:rows.shape[0]]).float().mul_(scales)
         if flat.shape[0] <= GEMV_ROWS:
             return torch._weight_int8pack_mm(flat, rows, scales)
-        # that kernel is very slow for many rows: dequantize a slice of the weight at a time
+        # that kernel is very slow for many fp32 rows: dequantize a slice of the weight at a time
         return torch.cat([nn.functional.linear(flat, rows[i:i + MAPPED_SLICE].float() * scales[i:i + MAPPED_SLICE, None])
                           for i in range(0, rows.shape[0], MAPPED_SLICE)], dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float().contiguous()
+        dtype = torch.bfloat16 if self.activations == "bf16" else torch.float32
+        flat = x.reshape(-1, self.in_features).to(dtype).contiguous()
         outs = [self._part(flat, getattr(self, f"rows{i}"), getattr(self, f"scales{i}")) for i in range(self.parts)]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.bias is not None:

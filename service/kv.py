@@ -20,18 +20,20 @@ HEADROOM = 128
 
 
 class GrowingLayer(DynamicLayer):
-    """A DynamicLayer whose `keys`/`values` are views of buffers with spare room at the end."""
+    """A DynamicLayer whose `keys`/`values` are views of buffers with spare room at the end, stored
+    in `dtype` (keys and values are rounded to it as they are written)."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype = torch.float32):
         super().__init__()
+        self.store_dtype = dtype
         self._keys_buffer: torch.Tensor | None = None
         self._values_buffer: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            self.lazy_initialization(key_states.to(self.store_dtype), value_states.to(self.store_dtype))
         if self.keys.numel() == 0:  # the first tokens: kept as they are, no room yet (may never grow)
-            self.keys, self.values = key_states, value_states
+            self.keys, self.values = key_states.to(self.store_dtype), value_states.to(self.store_dtype)
             return self.keys, self.values
         length, new = self.keys.shape[-2], key_states.shape[-2]
         if not self._has_room(length + new):
@@ -62,13 +64,17 @@ class GrowingLayer(DynamicLayer):
 
 
 class GrowingCache(DynamicCache):
-    """A DynamicCache made of GrowingLayers (`ddp_cache_data` and `config` as for DynamicCache)."""
+    """A DynamicCache made of GrowingLayers (`ddp_cache_data` and `config` as for DynamicCache),
+    holding keys and values in `dtype` (default: that of `ddp_cache_data`, else float32)."""
 
-    def __init__(self, ddp_cache_data=None, config=None):
+    def __init__(self, ddp_cache_data=None, config=None, dtype: torch.dtype | None = None):
         super().__init__(config=config)
         if not self.layers or any(layer.is_sliding for layer in self.layers):
             raise ValueError("GrowingCache needs the model config of a model with full attention only")
-        self.layers = [GrowingLayer() for _ in self.layers]
+        if dtype is None:
+            dtype = ddp_cache_data[0][0].dtype if ddp_cache_data else torch.float32
+        self.dtype = dtype
+        self.layers = [GrowingLayer(dtype) for _ in self.layers]
         for layer, (keys, values) in zip(self.layers, ddp_cache_data or []):
             layer.update(keys, values)
 

@@ -103,12 +103,15 @@ class _OnceWarnings:
         return False
 
 
-def load_model(settings: Settings) -> LoadedModel:
-    """Load MODEL_PATH (or build and load the embedded tiny model) as settings say."""
+def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
+    """Load MODEL_PATH (or build and load the embedded tiny model) as settings say, computing on
+    `threads` torch threads (default THREADS; 1 = no OpenMP thread team is started, so the process
+    can fork safely afterwards — the engine's scheduler sets THREADS for itself)."""
     from transformers import Qwen3VLForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
-    torch.set_num_threads(settings.threads)
+    threads = threads or settings.threads
+    torch.set_num_threads(threads)
     start = time.perf_counter()
     path = settings.model_path or embedded_model_dir(settings.cache_dir)
     processor = load_processor(path)
@@ -121,6 +124,7 @@ def load_model(settings: Settings) -> LoadedModel:
     with _OnceWarnings():
         if prequantized:
             model, mapped = load_quantized(path, settings.threads, MemoryGuard.from_settings(settings), kernel)
+            torch.set_num_threads(threads)  # the packing threads set it to 1 for themselves (and globally)
         else:
             # The checkpoint's own dtype (bf16 for Qwen's releases): no whole fp32 copy before quantizing.
             dtype = "auto" if settings.quantization == "int8" else torch.float32

@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+from pathlib import Path
 from typing import Callable
 
 import psutil
@@ -23,6 +24,12 @@ MIB = 1024 * 1024
 
 # Evict cache entries once usage passes this share of the budget; refuse only past the budget itself.
 EVICT_AT = 0.9
+# With MAX_MEMORY_MB unset: the machine's memory less this margin (the OS, Nginx, the page cache
+# the weights are read through), split between the instances.
+MARGIN_SHARE, MIN_MARGIN = 0.10, 256 * MIB
+# With the cache byte budgets unset: these shares of the room the budget leaves after loading; the
+# rest is for requests in flight (their own keys and values, activations).
+CONVERSATION_CACHE_SHARE, VISION_CACHE_SHARE = 0.6, 0.1
 
 EvictCallback = Callable[[int], object]  # called with the bytes wanted back; frees what it can
 
@@ -53,10 +60,53 @@ def unreclaimable_bytes(process: psutil.Process | None = None) -> int:
 
 
 def kv_cache_bytes(config, tokens: int, bytes_per_value: int = 4) -> int:
-    """Bytes of an fp32 KV cache holding `tokens` tokens for this (Qwen3-VL) config."""
+    """Bytes of a KV cache holding `tokens` tokens for this (Qwen3-VL) config (fp32: 4 bytes a value)."""
     text = getattr(config, "text_config", config)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return tokens * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * bytes_per_value
+
+
+def cgroup_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+                  ) -> tuple[int, int] | None:
+    """(limit, usage) in bytes of this process's memory cgroup (v2 `memory.max`, else v1
+    `memory.limit_in_bytes`), or None when no limit is set (or there is no cgroup to read)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and not controllers:
+            folder, limit_file, usage_file = root / path.lstrip("/"), "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            folder, limit_file, usage_file = root / "memory" / path.lstrip("/"), "memory.limit_in_bytes", \
+                "memory.usage_in_bytes"
+        else:
+            continue
+        try:
+            limit = (folder / limit_file).read_text().strip()
+            usage = int((folder / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit != "max" and int(limit) < 2**60:  # v1 reports "no limit" as a huge number
+            return int(limit), usage
+    return None
+
+
+def machine_memory_bytes() -> tuple[int, str]:
+    """The memory this process may use and where that figure comes from: its cgroup's limit (a
+    container's, a systemd unit's) when one is set below the machine's, else the machine's."""
+    total = psutil.virtual_memory().total
+    cgroup = cgroup_memory()
+    if cgroup is not None and cgroup[0] < total:
+        return cgroup[0], "cgroup limit"
+    return total, "machine memory"
+
+
+def default_budget_bytes(instances: int = 1) -> int:
+    """A budget for each of `instances` instances on this machine (MAX_MEMORY_MB unset)."""
+    memory, _ = machine_memory_bytes()
+    return max(MIN_MARGIN, memory - max(MIN_MARGIN, int(memory * MARGIN_SHARE))) // max(1, instances)
 
 
 class MemoryGuard:
@@ -75,8 +125,19 @@ class MemoryGuard:
 
     @classmethod
     def from_settings(cls, settings, evict_callbacks: list[EvictCallback] | None = None) -> "MemoryGuard":
+        """MAX_MEMORY_MB, or (unset) the machine's memory less a margin (`default_budget_bytes`)."""
         mb = settings.max_memory_mb
-        return cls(mb * MIB if mb else None, evict_callbacks)
+        if mb:
+            return cls(mb * MIB, evict_callbacks)
+        memory, source = machine_memory_bytes()
+        budget = default_budget_bytes()
+        log.info("memory budget %.0f MiB: the %s (%.0f MiB) less a margin (MAX_MEMORY_MB unset)", budget / MIB,
+                 source, memory / MIB)
+        return cls(budget, evict_callbacks)
+
+    def room_bytes(self) -> int:
+        """What is left of the budget now."""
+        return max(0, self.budget_bytes - self.used_bytes()) if self.budget_bytes is not None else 0
 
     def used_bytes(self) -> int:
         return unreclaimable_bytes(self._process)
@@ -101,7 +162,7 @@ class MemoryGuard:
             log.info("memory budget: evicted caches, now %.0f MiB of %.0f MiB", used / MIB, self.budget_bytes / MIB)
         if used + needed_bytes > self.budget_bytes:
             raise Unavailable(
-                f"out of memory budget: the server uses {used / MIB:.0f} MiB of its MAX_MEMORY_MB="
-                f"{self.budget_bytes / MIB:.0f} and this request needs about {needed_bytes / MIB:.0f} MiB more "
+                f"out of memory budget: the server uses {used / MIB:.0f} MiB of its {self.budget_bytes / MIB:.0f} "
+                f"MiB (MAX_MEMORY_MB) and this request needs about {needed_bytes / MIB:.0f} MiB more "
                 "(caches already evicted); retry later, shorten the request, or raise MAX_MEMORY_MB",
                 code="memory_budget", headers={"Retry-After": "5"})

@@ -33,6 +33,9 @@ FINISHED = Counter("qwen3vl_generations_total", "generations by how they ended",
 STREAM_ERRORS = Counter("qwen3vl_stream_errors_total", "streams that ended in an error event after their 200",
                         ["code"])
 RSS = Gauge("qwen3vl_process_rss_bytes", "resident memory of each worker", ["pid"], multiprocess_mode="liveall")
+MEMORY_BUDGET = Gauge("qwen3vl_memory_budget_bytes", "the instance's memory budget (MAX_MEMORY_MB or derived)",
+                      multiprocess_mode="livemax")
+CACHE_BUDGET = Gauge("qwen3vl_cache_budget_bytes", "bytes each cache may hold", ["cache"], multiprocess_mode="livemax")
 
 # Caches (conversation KV and vision features)
 CACHE_HITS = Counter("qwen3vl_cache_hits_total", "cache lookups that reused something", ["cache"])

@@ -395,7 +395,9 @@ def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None,
         # Largest first: the lm_head alone packs for seconds on one thread, so it must not come last.
         jobs = sorted(((name, [(reader_of[f"{p}.weight"], p) for p in parts]) for name, parts in sources.items()),
                       key=lambda job: -sum(math.prod(r.shape(f"{p}.weight")) for r, p in job[1]))
-        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:  # packing releases the GIL
+        # Packing releases the GIL: `threads` layers pack at once, each on one torch thread (no OpenMP
+        # thread team, so the process may fork after loading: gunicorn.conf.py's preload).
+        with ThreadPoolExecutor(max_workers=max(1, threads), initializer=torch.set_num_threads, initargs=(1,)) as pool:
             for (name, _), module in zip(jobs, pool.map(lambda job: _packed_linear(job[1], kernel_of(job[0], kernel)),
                                                         jobs)):
                 _replace_module(model, name, module)

@@ -36,8 +36,16 @@ class Settings(BaseSettings):
         "torch", description="vision encoder: torch, or onnxruntime (the `export-onnx` export; torch while "
         "there is none). ORT INT8 was 7-23 % faster here but costs memory and stalls batched streams")
     vision_onnx_dir: Path | None = Field(None, description="ONNX export to use; unset = CACHE_DIR/onnx-vision/<checkpoint>")
+    kv_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="keys and values as cached: bfloat16 halves the KV cache's memory (and what a "
+        "decode step reads of it); see the README for what it costs")
+    preload: bool = Field(True, description="Gunicorn's master loads the model before forking its worker: weights "
+                          "shared copy-on-write, a worker that dies is replaced in about a second (not with "
+                          "VISION_BACKEND=onnxruntime, whose sessions do not survive a fork)")
     max_memory_mb: int | None = Field(None, ge=1, description="memory budget in MiB (RSS minus file-backed pages); "
-                                      "unset = none. Near it caches are evicted, over it requests get 503")
+                                      "unset = the machine's (or cgroup's) memory less 10 % (at least 256 MiB), "
+                                      "split between the deployment's instances. Near it caches are evicted, "
+                                      "over it requests get 503")
 
     # Images
     image_max_pixels: int = Field(448 * 448, ge=32 * 32, le=16_777_216, description="pixel budget an image is resized into")
@@ -67,9 +75,11 @@ class Settings(BaseSettings):
 
     # Caches (per process): conversation KV cache and vision-feature cache
     cache_enabled: bool = Field(True, description="False turns both caches off (every prompt computed in full)")
-    conversation_cache_max_bytes: int = Field(2 * 1024**3, ge=0, description="KV bytes kept across turns; 0 = off")
+    conversation_cache_max_bytes: int | None = Field(None, ge=0, description="KV bytes kept across turns; 0 = off; "
+                                                     "unset = 60 % of what the memory budget leaves after loading")
     conversation_cache_max_entries: int = Field(64, ge=0, description="KV caches kept (one per conversation)")
-    vision_cache_max_bytes: int = Field(256 * 1024**2, ge=0, description="vision-encoder output bytes kept; 0 = off")
+    vision_cache_max_bytes: int | None = Field(None, ge=0, description="vision-encoder output bytes kept; 0 = off; "
+                                               "unset = 10 % of what the memory budget leaves after loading")
     vision_cache_max_entries: int = Field(512, ge=0, description="images whose features are kept")
     cache_ttl_seconds: float = Field(1800.0, gt=0, description="idle seconds before a cache entry is dropped")
 
@@ -89,7 +99,11 @@ class Settings(BaseSettings):
     conversation_history_max_bytes: int = Field(512 * 1024**2, ge=0, description="bytes of remembered histories")
 
     # Deployment (python -m service.deploy): Nginx in front of instances on HOST:PORT, PORT+1, ...
-    instances: int = Field(0, ge=0, description="Gunicorn instances, each pinned to its own cores; 0 = as many as fit")
+    instances: int = Field(0, ge=0, description="Gunicorn instances, each pinned to its own cores; 0 = one per "
+                           "CORES_PER_INSTANCE cores of each NUMA node, as many as the memory holds")
+    cores_per_instance: int = Field(16, ge=1, description="cores one planned instance gets (INSTANCES=0): decoding "
+                                    "is batched inside an instance, so more instances mostly buy copies of the "
+                                    "weights; see the README's instance plan")
     nginx_listen: str = Field("127.0.0.1:8080", description="the address Nginx listens on")
     proxy_read_timeout: float = Field(900.0, gt=0, description="seconds Nginx waits for an instance's next byte")
     start_timeout: float = Field(900.0, gt=0, description="seconds the deploy waits for every instance to load "
@@ -104,13 +118,13 @@ class Settings(BaseSettings):
     request_deadline: float = Field(600.0, gt=0, description="seconds a generation may run before it is ended")
 
     @property
-    def api_key_list(self) -> list[str]:
-        return [k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip()]
+    def preload_in_master(self) -> bool:
+        """Whether Gunicorn loads the model in its master, before the fork (gunicorn.conf.py, wsgi.py)."""
+        return self.preload and self.vision_backend == "torch"
 
     @property
-    def probe_key(self) -> str | None:
-        """The key the service's own probes (deploy, Docker healthcheck) send: the first, if any."""
-        return self.api_key_list[0] if self.api_key_list else None
+    def api_key_list(self) -> list[str]:
+        return [k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip()]
 
     @field_validator("model_path")
     @classmethod

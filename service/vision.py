@@ -1,7 +1,8 @@
 """Vision encoders: pixel patches → per-image features (`pooler_output` and deepstack features).
 
 `VisionFeatures` is what the caches store and what the model's forward takes via `mm_encoder_outputs`.
-Backends share one call: `encoder(pixel_values, image_grid_thw) -> list[VisionFeatures]`.
+Backends share one call: `encoder(pixel_values, image_grid_thw) -> list[VisionFeatures]`
+(service/encoders.py picks one).
 """
 
 from __future__ import annotations
@@ -43,18 +44,6 @@ class TorchVisionEncoder:
         layers = [list(layer) for layer in out.deepstack_features]
         return [VisionFeatures(pooler=p, deepstack=[layer[i] for layer in layers])
                 for i, p in enumerate(out.pooler_output)]
-
-
-def make_vision_encoder(loaded, settings):
-    """The encoder VISION_BACKEND names for this checkpoint. `onnxruntime` needs an export made
-    beforehand (`python -m service export-onnx`); without a current one it warns and uses torch."""
-    if settings.vision_backend == "onnxruntime":
-        from .onnx_vision import load_onnx_encoder
-
-        encoder = load_onnx_encoder(loaded.path, settings)
-        if encoder is not None:
-            return encoder
-    return TorchVisionEncoder(loaded.model)
 
 
 def as_mm_encoder_outputs(features: list[VisionFeatures], modality: str = "image") -> dict:

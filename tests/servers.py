@@ -57,7 +57,7 @@ def wait_ready(base: str, proc: subprocess.Popen | None = None, timeout: float =
 
 @contextmanager
 def gunicorn_server(env: dict[str, str], log_path: Path, ready_path: str = "/ready", timeout: float = 120.0,
-                    headers: dict[str, str] | None = None):
+                    headers: dict[str, str] | None = None, preexec_fn=None):
     """Yield (base_url, process) of `gunicorn -c gunicorn.conf.py wsgi:app` with `env` added, once
     `ready_path` answers 200 (`headers`: e.g. the API key a server with API_KEYS wants)."""
     port = free_port()
@@ -66,7 +66,7 @@ def gunicorn_server(env: dict[str, str], log_path: Path, ready_path: str = "/rea
     log = open(log_path, "ab")
     proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app",
                              "--bind", f"127.0.0.1:{port}"], cwd=ROOT, env=full_env, stdout=log, stderr=log,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=preexec_fn)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, proc, timeout, ready_path, headers)

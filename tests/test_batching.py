@@ -29,6 +29,9 @@ def engines(cache_dir, tiny_dir):
         settings = make_settings(cache_dir, quantization=quantization, max_batch_size=4, prefill_chunk_tokens=24,
                                  cache_enabled=False)
         made[quantization] = Engine(load_model(settings), settings)
+    bf16_kv = make_settings(cache_dir, quantization="int8", max_batch_size=4, prefill_chunk_tokens=24,
+                            cache_enabled=False, kv_dtype="bfloat16")
+    made["int8, bf16 KV"] = Engine(made["int8"].loaded, bf16_kv)
     return made
 
 
@@ -106,7 +109,7 @@ def prompts(engine):
 QUANTIZATIONS = pytest.mark.parametrize("quantization", ["fp32", "int8"])
 
 
-@QUANTIZATIONS
+@pytest.mark.parametrize("quantization", ["fp32", "int8", "int8, bf16 KV"])
 def test_greedy_answers_decoded_together_equal_each_alone(engines, quantization, monkeypatch):
     engine = engines[quantization]
     makers = prompts(engine)

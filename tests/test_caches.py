@@ -53,11 +53,13 @@ class Engines:
         return done
 
 
-@pytest.fixture
-def engines(engine, cache_dir):
-    q = engine.loaded.quantization
-    return Engines(cached=Engine(engine.loaded, make_settings(cache_dir, quantization=q)),
-                   plain=Engine(engine.loaded, make_settings(cache_dir, quantization=q, cache_enabled=False)))
+@pytest.fixture(params=["float32", "bfloat16"], ids=["kv-fp32", "kv-bf16"])
+def engines(engine, cache_dir, request):
+    """Caches on and off, on fp32 and INT8 weights, with fp32 and bf16 keys and values (KV_DTYPE)."""
+    q, kv = engine.loaded.quantization, request.param
+    return Engines(cached=Engine(engine.loaded, make_settings(cache_dir, quantization=q, kv_dtype=kv)),
+                   plain=Engine(engine.loaded, make_settings(cache_dir, quantization=q, kv_dtype=kv,
+                                                             cache_enabled=False)))
 
 
 def converse(engines, turns, conversation_id=None, max_tokens=8):

@@ -91,13 +91,26 @@ def test_cores_are_split_into_disjoint_contiguous_sets_one_port_each(tmp_path):
     assert plan[1].cpu_list == "2,3,4"
 
 
-def test_by_default_as_many_instances_as_cores_and_memory_allow(tiny_dir, cache_dir):
-    settings = load_settings(instances=0, cache_dir=cache_dir)
+def test_by_default_one_instance_per_cores_per_instance_in_each_numa_node_as_memory_allows(tiny_dir, cache_dir):
+    settings = load_settings(instances=0, cores_per_instance=4, cache_dir=cache_dir)
     one = instance_bytes(settings, checkpoint_parameters(tiny_dir))
-    cores = list(range(8))
-    assert len(plan_instances(settings, cores=cores, memory=100 * one)) == 8  # one per core
-    assert len(plan_instances(settings, cores=cores, memory=int(2.5 * one))) == 2  # what the memory holds
-    assert len(plan_instances(settings, cores=cores, memory=one // 2)) == 1  # never none
+    cores = list(range(16))
+    plan = plan_instances(settings, cores=cores, memory=100 * one, nodes=[cores])
+    assert [i.cores for i in plan] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15)]
+    # Two NUMA nodes of 6: one instance each (6 // 4), never one across the nodes.
+    nodes = [list(range(6)), list(range(6, 12))]
+    assert [i.cores for i in plan_instances(settings, cores=list(range(12)), memory=100 * one, nodes=nodes)] == \
+        [tuple(range(6)), tuple(range(6, 12))]
+    assert len(plan_instances(settings, cores=cores, memory=int(2.5 * one), nodes=[cores])) == 2  # what memory holds
+    assert len(plan_instances(settings, cores=cores, memory=one // 2, nodes=[cores])) == 1  # never none
+
+
+def test_this_machine_by_default_gets_one_instance_on_all_its_cores(tmp_path):
+    """2 cores here: the default (CORES_PER_INSTANCE=16) plans one instance using both."""
+    cores = sorted(os.sched_getaffinity(0))
+    plan = plan_instances(load_settings(cache_dir=tmp_path), memory=64 * 1024**3)
+    if len(cores) < 16:
+        assert [i.cores for i in plan] == [tuple(cores)]
 
 
 def test_memory_estimate_counts_the_checkpoint_parameters(tiny_dir):
@@ -317,7 +330,7 @@ def test_sigterm_lets_the_open_stream_finish_then_stops_everything(stack):
         requests.get(stack.url + "/health", timeout=2)
 
 
-def test_with_api_keys_the_stack_starts_and_the_healthcheck_sends_a_key(cache_dir, tiny_dir, logs):
+def test_with_api_keys_the_stack_starts_and_the_healthcheck_needs_none(cache_dir, tiny_dir, logs):
     log = logs / "keys.log"
     with deployment({"CACHE_DIR": str(cache_dir), "API_KEYS": "key-one,key-two"}, log, instances=1) as keyed:
         body = {"prompt": "hi", "max_tokens": 1, "stream": False}

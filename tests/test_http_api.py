@@ -285,7 +285,7 @@ def test_a_model_that_fails_to_load_is_reported_by_ready_and_requests(cache_dir,
 def test_a_bug_in_a_handler_is_a_json_500_with_the_request_id(cache_dir, tiny_dir, caplog):
     """The last-resort handler (here for a route that raises) answers in the API's error shape."""
 
-    app = create_app(make_settings(cache_dir), load_in_background=False)
+    app = create_app(make_settings(cache_dir), load="now")
 
     @app.get("/bug")
     def bug():
@@ -312,7 +312,7 @@ def test_a_failure_after_the_200_ends_the_stream_with_an_error_event_and_is_coun
         return real_call(self, token_ids, logits)
 
     monkeypatch.setattr(Sampler, "__call__", failing_after_two)
-    client = create_app(make_settings(cache_dir), load_in_background=False).test_client()
+    client = create_app(make_settings(cache_dir), load="now").test_client()
     counted = metrics.STREAM_ERRORS.labels("internal_error")
     before = counted._value.get()
 

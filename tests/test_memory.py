@@ -10,13 +10,15 @@ import requests
 import torch
 
 from conftest import make_settings
-from servers import gunicorn_server
+from imaging import encode, pattern
+from servers import gunicorn_server, metric
 from service.caches import BudgetedLRU
 from service.engine import Engine, GenerationRequest, SamplingParams
 from service.errors import Unavailable
 from service.loading import load_model
 from service import metrics
-from service.memory import EVICT_AT, MIB, MemoryGuard, release_memory
+from service.memory import (EVICT_AT, MIB, MemoryGuard, cgroup_memory, default_budget_bytes, machine_memory_bytes,
+                            release_memory)
 from service.prompts import ChatMessage, TextPart
 from service.int8_linear import MappedInt8Linear
 from service.quantized import write_quantized
@@ -59,10 +61,59 @@ def test_request_that_would_not_fit_even_after_eviction_is_refused(big_cache):
     assert len(big_cache) == 0  # everything was tried first
 
 
-def test_no_budget_refuses_nothing():
+def test_unset_budget_is_the_machines_memory_less_a_margin():
     guard = MemoryGuard.from_settings(make_settings("/tmp"))
-    assert guard.budget_bytes is None
-    guard.check(needed_bytes=10**15)
+    memory, _ = machine_memory_bytes()
+    assert guard.budget_bytes == memory - max(256 * MIB, memory // 10) == default_budget_bytes(1)
+    assert default_budget_bytes(4) == guard.budget_bytes // 4
+    with pytest.raises(Unavailable):
+        guard.check(needed_bytes=memory)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_cgroup_memory_limit_is_read_in_either_cgroup_version(tmp_path, version):
+    own = tmp_path / ("memory/box" if version == "v1" else "box")
+    own.mkdir(parents=True)
+    if version == "v1":
+        (tmp_path / "proc").write_text("5:memory:/box\n1:cpu:/\n")
+        (own / "memory.limit_in_bytes").write_text("4294967296\n")
+        (own / "memory.usage_in_bytes").write_text("1000\n")
+    else:
+        (tmp_path / "proc").write_text("0::/box\n")
+        (own / "memory.max").write_text("4294967296\n")
+        (own / "memory.current").write_text("1000\n")
+    assert cgroup_memory(tmp_path / "proc", tmp_path) == (4 * 1024**3, 1000)
+    (own / ("memory.limit_in_bytes" if version == "v1" else "memory.max")).write_text(
+        "9223372036854771712\n" if version == "v1" else "max\n")
+    assert cgroup_memory(tmp_path / "proc", tmp_path) is None
+
+
+def test_under_a_cgroup_limit_the_default_budget_follows_it_and_holds(cache_dir, tiny_dir, tmp_path):
+    """Gunicorn started in a memory cgroup of 1.5 GiB, no MAX_MEMORY_MB, no cache budgets: the budget
+    is the limit less the margin, the caches get shares of what is left after loading, and a run of
+    picture conversations stays inside the limit without an OOM kill."""
+    from cgroups import memory_cgroup
+
+    limit = 1536 * MIB
+    with memory_cgroup(limit) as cgroup:
+        env = {"CACHE_DIR": str(cache_dir)}
+        with gunicorn_server(env, tmp_path / "gunicorn.log", preexec_fn=cgroup.enter) as (base, _):
+            budget = metric(base, "qwen3vl_memory_budget_bytes")
+            assert budget == limit - 256 * MIB
+            kv_budget = metric(base, "qwen3vl_cache_budget_bytes", 'cache="conversation"')
+            vision_budget = metric(base, "qwen3vl_cache_budget_bytes", 'cache="vision"')
+            assert 0 < kv_budget < budget and 0 < vision_budget < kv_budget
+            for i in range(6):
+                conversation = f"c{i}"
+                for turn in range(3):
+                    files = {"image": (f"p{i}.png", encode(pattern(320, 240, seed=i), ".png"), "image/png")} if turn == 0 else None
+                    reply = requests.post(base + "/v1/chat", data={"prompt": f"Turn {turn}: tell me more.",
+                                                                   "conversation_id": conversation,
+                                                                   "max_tokens": "16", "stream": "false"},
+                                          files=files, timeout=120)
+                    assert reply.status_code == 200, reply.text
+            assert metric(base, "qwen3vl_cache_hits_total", 'cache="conversation"') >= 6
+        assert cgroup.oom_kills() == 0 and cgroup.peak_bytes() <= limit
 
 
 def test_engine_over_budget_answers_503_with_a_clear_message(cache_dir, tiny_dir):
@@ -72,7 +123,7 @@ def test_engine_over_budget_answers_503_with_a_clear_message(cache_dir, tiny_dir
         with pytest.raises(Unavailable) as exc:
             attempt()
         assert exc.value.status == 503
-        assert "MAX_MEMORY_MB=1" in exc.value.message and "retry later" in exc.value.message
+        assert "of its 1 MiB (MAX_MEMORY_MB)" in exc.value.message and "retry later" in exc.value.message
     assert not engine.admission.busy  # refused before taking the model
 
 
@@ -106,4 +157,4 @@ def test_http_request_over_budget_gets_503_json_error(cache_dir, tiny_dir, tmp_p
             "model": "any", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello there"}]})
     assert reply.status_code == 503
     error = reply.json()["error"]
-    assert error["code"] == "memory_budget" and "MAX_MEMORY_MB=1" in error["message"]
+    assert error["code"] == "memory_budget" and "of its 1 MiB (MAX_MEMORY_MB)" in error["message"]

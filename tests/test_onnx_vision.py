@@ -20,7 +20,8 @@ from service.loading import load_model
 from service.onnx_vision import GRAPH_FILES, MANIFEST, OnnxVisionEncoder, default_export_dir
 from service.prompts import ChatMessage, ImagePart, TextPart
 from service.quantized import write_quantized
-from service.vision import TorchVisionEncoder, make_vision_encoder
+from service.encoders import make_vision_encoder
+from service.vision import TorchVisionEncoder
 
 # Patch grids (h × w) 28×28, 20×36, 14×20 (small pictures are scaled up to the minimum) and 56×12.
 IMAGE_SIZES = [(448, 448), (640, 360), (96, 64), (200, 900)]

@@ -27,10 +27,13 @@ def chat(base, body, headers=AUTH):
     return requests.post(base + "/v1/chat", json={"max_tokens": 3, "stream": False, **body}, headers=headers)
 
 
-def test_health_is_open_everything_else_needs_a_key(server):
+def test_health_and_ready_are_open_everything_else_needs_a_key(server):
+    """Liveness and readiness probes carry no key; /ready tells only that and the model's name."""
     base, _ = server
     assert requests.get(base + "/health").status_code == 200
-    for method, path in [("get", "/ready"), ("get", "/metrics"), ("get", "/v1/models"), ("get", "/openapi.json"),
+    ready = requests.get(base + "/ready")
+    assert ready.status_code == 200 and set(ready.json()) == {"status", "model", "random_model"}
+    for method, path in [("get", "/metrics"), ("get", "/v1/models"), ("get", "/openapi.json"),
                          ("post", "/v1/chat"), ("post", "/v1/chat/completions")]:
         r = getattr(requests, method)(base + path, json={})
         assert r.status_code == 401, path

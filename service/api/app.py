@@ -2,70 +2,29 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import threading
 import time
 import uuid
 
-from flask import Flask, current_app, g, jsonify, request
+from flask import Flask, current_app, g, request
 from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
 
 from .. import metrics
-from ..engine import Engine
-from ..errors import InternalError, ServiceError, Unavailable
+from ..errors import InternalError, ServiceError
 from ..settings import Settings
 from .auth import check_api_key
+from .native_routes import native
+from .openai_routes import openai_api
+from .ops_routes import ops
+from .state import AppState, error_response
+from .web_routes import web
 
 log = logging.getLogger("service.api")
 _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
-
-
-class AppState:
-    """What the routes share: settings, the engine once loaded, the conversation histories."""
-
-    def __init__(self, settings: Settings):
-        from ..conversations import ConversationStore
-
-        self.settings = settings
-        self.engine: Engine | None = None
-        self.load_error: str | None = None
-        self.conversations = ConversationStore(settings.conversation_history_max,
-                                               settings.conversation_history_ttl,
-                                               settings.conversation_history_max_bytes)
-        self.loaded = threading.Event()
-
-    def load(self) -> None:
-        from ..loading import load_model
-
-        try:
-            self.engine = Engine(load_model(self.settings), self.settings)
-        except Exception as exc:  # reported by /ready and every request, not a dead worker
-            log.exception("model failed to load")
-            self.load_error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self.loaded.set()
-
-    def require_engine(self) -> Engine:
-        if self.engine is not None:
-            return self.engine
-        if self.load_error:
-            raise Unavailable(f"the model failed to load: {self.load_error}", code="model_load_failed")
-        raise Unavailable("the model is still loading; retry shortly", code="model_loading",
-                          headers={"Retry-After": "5"})
-
-
-def state() -> AppState:
-    return current_app.extensions["qwen3vl"]
-
-
-def error_response(exc: ServiceError):
-    response = jsonify(exc.to_dict())
-    response.status_code = exc.status
-    for name, value in exc.headers.items():
-        response.headers[name] = value
-    return response
 
 
 def _validation_error(exc: ValidationError) -> ServiceError:
@@ -85,13 +44,12 @@ def _http_error(exc: HTTPException) -> ServiceError:
     return err
 
 
-def create_app(settings: Settings, load_in_background: bool = True) -> Flask:
-    """A new app with its own state; the model loads in a thread so /health answers at once."""
-    from .native_routes import native
-    from .openai_routes import openai_api
-    from .ops_routes import ops
-    from .web_routes import web
-
+def create_app(settings: Settings, load: str = "background") -> Flask:
+    """A new app with its own state. `load`: "background" (a thread: /health answers at once), "now",
+    or "before_fork" (now, on one torch thread: Gunicorn's master then forks the worker, which
+    shares the weights copy-on-write and sets THREADS when it starts generating)."""
+    if load not in ("background", "now", "before_fork"):
+        raise ValueError(f"unknown load mode {load!r}")
     if not logging.getLogger().handlers:
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = Flask("service", static_folder=None)  # web_routes serves the page's files
@@ -138,8 +96,10 @@ def create_app(settings: Settings, load_in_background: bool = True) -> Flask:
         log.exception("%s unhandled error", g.get("request_id"))
         return error_response(InternalError(g.get("request_id")))
 
-    if load_in_background:
+    if load == "background":
         threading.Thread(target=app_state.load, name="model-loader", daemon=True).start()
     else:
-        app_state.load()
+        app_state.load(threads=1 if load == "before_fork" else None)
+    if load == "before_fork":
+        gc.freeze()  # the loaded objects are never collected: the worker's GC leaves their pages shared
     return app

@@ -1,6 +1,8 @@
 """Optional API keys (API_KEYS): `Authorization: Bearer <key>`, compared in constant time.
 
-Open without a key: /health (liveness probes) and the static page (it only asks for the key).
+Open without a key: /health and /ready (liveness and readiness probes carry none; they reveal only
+whether the server is up and loaded, and the model's name) and the static page (it only asks for
+the key).
 The key is never logged or echoed, not even in the error message.
 """
 
@@ -12,7 +14,7 @@ from flask import request
 
 from ..errors import ServiceError
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/ready")
 OPEN_PREFIXES = ("/static/",)
 
 

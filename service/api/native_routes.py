@@ -16,7 +16,7 @@ from ..engine import Completion, TextDelta
 from ..errors import BadRequest, ServiceError, UnsupportedMediaType
 from ..prompts import ChatMessage, TextPart
 from . import protocol
-from .app import state
+from .state import state
 from .inputs import (decode_file, decode_inline_image, decode_inline_video, decode_video_file, to_chat_messages,
                      user_message, video_decode_seconds)
 from .requests import conversation_header, generation_request, json_body

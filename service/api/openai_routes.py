@@ -11,7 +11,7 @@ from flask import Blueprint, Response, g, jsonify, request
 from ..engine import Completion, TextDelta
 from ..errors import BadRequest, ServiceError
 from . import protocol
-from .app import state
+from .state import state
 from .inputs import to_chat_messages, video_decode_seconds
 from .requests import conversation_header, generation_request, json_body
 from .serving import EventStream, admit, collect

@@ -7,7 +7,7 @@ from flask import Blueprint, Response, jsonify
 from .. import metrics
 from ..checkpoints import RANDOM_MODEL_WARNING
 from ..errors import ServiceError
-from .app import error_response, state
+from .state import error_response, state
 from .openapi import openapi_document
 
 ops = Blueprint("ops", __name__)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 
+from ..memory import MIB, cgroup_memory, default_budget_bytes
 from ..settings import EMBEDDED_MODEL_DIRNAME, Settings, SettingsError
 
 log = logging.getLogger("service.deploy")
@@ -19,6 +20,7 @@ log = logging.getLogger("service.deploy")
 # Resident bytes per parameter, (steady, peak while loading), measured on Qwen3-VL-2B (DESIGN.md).
 BYTES_PER_PARAMETER = {"fp32": (4.2, 6.2), "int8": (1.8, 3.8)}
 RUNTIME_BYTES = 512 * 1024**2  # Python, torch, transformers, Gunicorn: resident before any weight
+MIN_CACHE_BYTES = 256 * 1024**2  # caches sized by the budget (the default) get at least this room
 
 
 @dataclass(frozen=True)
@@ -54,40 +56,78 @@ def checkpoint_parameters(model_dir: Path) -> int:
 
 
 def instance_bytes(settings: Settings, parameters: int) -> int:
-    """Memory one instance may need: the larger of its load peak and its steady weights plus full caches."""
+    """Memory one instance needs at least: the larger of its load peak and its steady weights plus
+    room for its caches (as set, or a minimum when they take a share of the budget)."""
     steady, peak = BYTES_PER_PARAMETER[settings.quantization]
-    caches = settings.conversation_cache_max_bytes + settings.vision_cache_max_bytes if settings.cache_enabled else 0
+    caches = 0
+    if settings.cache_enabled:
+        kv, vision = settings.conversation_cache_max_bytes, settings.vision_cache_max_bytes
+        caches = (MIN_CACHE_BYTES if kv is None else kv) + (0 if vision is None else vision)
     return RUNTIME_BYTES + int(max(parameters * peak, parameters * steady + caches))
 
 
 def available_memory() -> int:
-    """Bytes free for new processes: the machine's available memory, or a container's cgroup limit."""
+    """Bytes free for new processes: the machine's available memory, or what its cgroup limit leaves."""
     available = psutil.virtual_memory().available
-    cgroup = Path("/sys/fs/cgroup")
-    try:
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            available = min(available, int(limit) - int((cgroup / "memory.current").read_text()))
-    except (OSError, ValueError):  # no cgroup v2 memory controller: the machine's figure stands
-        pass
-    return available
+    cgroup = cgroup_memory()
+    return available if cgroup is None else min(available, cgroup[0] - cgroup[1])
 
 
-def plan_instances(settings: Settings, cores: list[int] | None = None, memory: int | None = None) -> list[Instance]:
+def numa_nodes(cores: list[int]) -> list[list[int]]:
+    """`cores` grouped by NUMA node (one group where the machine reports none)."""
+    groups = []
+    for node in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
+        try:
+            listed = {c for part in (node / "cpulist").read_text().strip().split(",") if part
+                      for c in _cpu_range(part)}
+        except OSError:
+            continue
+        group = [c for c in cores if c in listed]
+        if group:
+            groups.append(group)
+    covered = {c for g in groups for c in g}
+    rest = [c for c in cores if c not in covered]
+    return groups + [rest] if rest else groups or [list(cores)]
+
+
+def _cpu_range(part: str) -> range:
+    low, _, high = part.partition("-")
+    return range(int(low), int(high or low) + 1)
+
+
+def plan_instances(settings: Settings, cores: list[int] | None = None, memory: int | None = None,
+                   nodes: list[list[int]] | None = None) -> list[Instance]:
     """Split the usable cores into disjoint, contiguous sets, one per instance.
 
-    INSTANCES=0 means as many instances as fit: at most one per core, and no more than the memory
-    holds. Instance i listens on HOST:PORT+i."""
+    INSTANCES=0: one instance per CORES_PER_INSTANCE cores of each NUMA node (at least one per
+    node: an instance never spans nodes, its weights stay in its node's memory), and no more than
+    the memory holds. Instance i listens on HOST:PORT+i."""
     cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
     count = settings.instances
     if count > len(cores):
         raise SettingsError(f"INSTANCES={count} needs at least {count} cores; this process may use {len(cores)}")
-    if count == 0:
+    if count:
+        groups = [(cores, count)]
+    else:
         model_dir = settings.model_path or settings.cache_dir / EMBEDDED_MODEL_DIRNAME
         need = instance_bytes(settings, checkpoint_parameters(model_dir) if model_dir.is_dir() else 0)
         memory = available_memory() if memory is None else memory
-        count = max(1, min(len(cores), memory // need))
-        log.info("%d instance(s): %d core(s), %.1f GiB available, about %.1f GiB per instance",
-                 count, len(cores), memory / 1024**3, need / 1024**3)
-    return [Instance(i, tuple(cores[i * len(cores) // count:(i + 1) * len(cores) // count]), settings.host,
-                     settings.port + i) for i in range(count)]
+        nodes = numa_nodes(cores) if nodes is None else nodes
+        per_node = [max(1, len(node) // settings.cores_per_instance) for node in nodes]
+        fits = max(1, memory // need)
+        if sum(per_node) > fits:  # fewer, larger instances: what the memory holds, over all the cores
+            groups = [(cores, min(fits, len(cores)))]
+        else:
+            groups = list(zip(nodes, per_node))
+        log.info("%d instance(s) on %d core(s) in %d NUMA node(s), CORES_PER_INSTANCE=%d; %.1f GiB available, "
+                 "about %.1f GiB needed per instance", sum(n for _, n in groups), len(cores), len(nodes),
+                 settings.cores_per_instance, memory / 1024**3, need / 1024**3)
+    planned: list[tuple[int, ...]] = []
+    for group, n in groups:
+        planned += [tuple(group[i * len(group) // n:(i + 1) * len(group) // n]) for i in range(n)]
+    return [Instance(i, c, settings.host, settings.port + i) for i, c in enumerate(planned)]
+
+
+def instance_budget_mb(instances: int) -> int:
+    """Each instance's share of the machine's memory (MAX_MEMORY_MB when the user sets none)."""
+    return default_budget_bytes(instances) // MIB

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..settings import Settings
 from .nginx import ROOT, nginx_config, start_nginx, write_config
-from .planning import Instance
+from .planning import Instance, instance_budget_mb
 
 log = logging.getLogger("service.deploy")
 _PR_SET_PDEATHSIG = 1
@@ -31,11 +31,10 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def get_status(url: str, api_key: str | None = None) -> tuple[int, dict]:
-    """(HTTP status, JSON body) of a GET, with the API key if one is set; (0, {}) if nothing answers."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def get_status(url: str) -> tuple[int, dict]:
+    """(HTTP status, JSON body) of a GET; (0, {}) if nothing answers."""
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as response:
+        with urllib.request.urlopen(urllib.request.Request(url), timeout=5) as response:
             status, raw = response.status, response.read()
     except urllib.error.HTTPError as exc:
         status, raw = exc.code, exc.read()
@@ -75,7 +74,6 @@ class Deployment:
         self.settings = settings
         self.slots = [_Slot(i) for i in instances]
         self.access_log = access_log
-        self.api_key = settings.probe_key  # /ready needs one when keys are set
         self.nginx: subprocess.Popen | None = None
         self.run_dir = Path(tempfile.mkdtemp(prefix="qwen3vl-deploy-"))
         self.run_dir.chmod(0o755)  # Nginx workers started by root run as nobody and need their temp dirs
@@ -118,6 +116,8 @@ class Deployment:
         metrics_dir.mkdir()
         env = {**os.environ, "THREADS": threads, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
+        if self.settings.max_memory_mb is None:  # each instance its share of the machine's memory
+            env["MAX_MEMORY_MB"] = str(instance_budget_mb(len(self.slots)))
         command = ["taskset", "-c", inst.cpu_list, sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py",
                    "wsgi:app", "--bind", f"{inst.host}:{inst.port}",
                    "--control-socket", str(self.run_dir / f"gunicorn-{inst.index}.ctl")]
@@ -143,7 +143,7 @@ class Deployment:
                     log.error("instance %d exited with code %d while starting", slot.instance.index,
                               slot.process.returncode)
                     return False
-                status, body = get_status(f"http://{slot.instance.address}/ready", self.api_key)
+                status, body = get_status(f"http://{slot.instance.address}/ready")
                 if status == 200:
                     log.info("instance %d ready", slot.instance.index)
                     waiting.remove(slot)
@@ -165,8 +165,8 @@ class Deployment:
 
     def _announce(self) -> None:
         url = client_url(self.settings.nginx_listen)
-        _, ready = get_status(f"http://{self.slots[0].instance.address}/ready", self.api_key)
-        auth = " -H 'Authorization: Bearer <one of API_KEYS>'" if self.api_key else ""
+        _, ready = get_status(f"http://{self.slots[0].instance.address}/ready")
+        auth = " -H 'Authorization: Bearer <one of API_KEYS>'" if self.settings.api_key_list else ""
         cores = " | ".join(s.instance.cpu_list for s in self.slots)
         print(f"\nServing {ready.get('model', 'the model')} on {url}: {len(self.slots)} instance(s), cores {cores}."
               + (" The embedded model is RANDOM: its answers are noise." if ready.get("random_model") else "")

@@ -1,0 +1,61 @@
+"""What the routes share: the app's state (settings, the engine once loaded, conversation
+histories) and the one way a ServiceError becomes a JSON response."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from flask import current_app, jsonify
+
+from ..engine import Engine
+from ..errors import ServiceError, Unavailable
+from ..settings import Settings
+
+log = logging.getLogger("service.api")
+
+
+class AppState:
+    """What the routes share: settings, the engine once loaded, the conversation histories."""
+
+    def __init__(self, settings: Settings):
+        from ..conversations import ConversationStore
+
+        self.settings = settings
+        self.engine: Engine | None = None
+        self.load_error: str | None = None
+        self.conversations = ConversationStore(settings.conversation_history_max,
+                                               settings.conversation_history_ttl,
+                                               settings.conversation_history_max_bytes)
+        self.loaded = threading.Event()
+
+    def load(self, threads: int | None = None) -> None:
+        from ..loading import load_model
+
+        try:
+            self.engine = Engine(load_model(self.settings, threads), self.settings)
+        except Exception as exc:  # reported by /ready and every request, not a dead worker
+            log.exception("model failed to load")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.loaded.set()
+
+    def require_engine(self) -> Engine:
+        if self.engine is not None:
+            return self.engine
+        if self.load_error:
+            raise Unavailable(f"the model failed to load: {self.load_error}", code="model_load_failed")
+        raise Unavailable("the model is still loading; retry shortly", code="model_loading",
+                          headers={"Retry-After": "5"})
+
+
+def state() -> AppState:
+    return current_app.extensions["qwen3vl"]
+
+
+def error_response(exc: ServiceError):
+    response = jsonify(exc.to_dict())
+    response.status_code = exc.status
+    for name, value in exc.headers.items():
+        response.headers[name] = value
+    return response
