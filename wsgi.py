@@ -1,8 +1,14 @@
 """WSGI entry point: `gunicorn -c gunicorn.conf.py wsgi:app`. Settings come from the environment."""
 
-from service.api import create_app
+from service import packing
 from service.settings import load_settings
 
 settings = load_settings()
+if settings.preload_in_master:
+    # Pack a pre-quantized checkpoint's weights while the rest of the service (transformers) imports.
+    packing.start_early(settings)
+
+from service.api import create_app  # noqa: E402  (after the packing has begun)
+
 # With PRELOAD (default) Gunicorn imports this in its master, which loads the model and forks the worker.
 app = create_app(settings, load="before_fork" if settings.preload_in_master else "background")

@@ -15,13 +15,6 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (Qwen3VLTextAttention
                                                             apply_rotary_pos_emb, eager_attention_forward)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-# fused module → the checkpoint's modules it replaces, in output order (relative to a decoder layer)
-FUSED_PROJECTIONS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
-
-
 class FusedTextAttention(Qwen3VLTextAttention):
     """Qwen3VLTextAttention.forward with q, k and v from one `qkv_proj`."""
 
@@ -69,12 +62,6 @@ def text_layers(model) -> list[tuple[str, nn.Module]]:
     """(name, module) of each text decoder layer."""
     names = {id(m): n for n, m in model.named_modules()}
     return [(names[id(layer)], layer) for layer in model.model.language_model.layers]
-
-
-def fused_sources(model) -> dict[str, list[str]]:
-    """Full name of every fused Linear → full names of the checkpoint Linears it is made of."""
-    return {f"{name}.{fused}": [f"{name}.{part}" for part in parts]
-            for name, _ in text_layers(model) for fused, parts in FUSED_PROJECTIONS.items()}
 
 
 def _concatenated(linears: list[nn.Linear]) -> nn.Linear:

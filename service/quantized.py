@@ -18,32 +18,26 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
-import struct
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .fusion import fuse_projections, fused_sources
-from .int8_linear import Int8Embedding, Int8Linear, MappedInt8Linear, default_kernel, quantize_rows
+from . import packing
+from .fusion import fuse_projections
+from .int8_linear import Int8Embedding, Int8Linear, MappedInt8Linear, quantize_rows
 from .memory import MIB, MemoryGuard, release_memory
+from .packing import (FORMAT, FORMAT_VERSION, QUANTIZED_MARKER, SCALE, fused_bias, kernel_of, linear_bytes,
+                      linear_groups, quantized_marker)
 
 log = logging.getLogger(__name__)
 
-QUANTIZED_MARKER = "service_int8"
-FORMAT = "qwen3-vl-service-int8"
-FORMAT_VERSION = 1
 RESIDENT_FILE = "resident.safetensors"
 SHARD_BYTES = 256 * MIB  # the writer holds at most about one shard of output in memory
-_SCALE = ".weight_scale"
-_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64,
-           "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
 # -- the model's structure ------------------------------------------------------------------
@@ -87,13 +81,6 @@ def skeleton(config) -> nn.Module:
 
     with init_empty_weights(include_buffers=False):
         return Qwen3VLForConditionalGeneration(config)
-
-
-def kernel_of(name: str, kernel: str) -> str:
-    """The packing for the Linear `name` (both give the same bits): the vision tower only ever sees
-    many rows (a picture's patches), where oneDNN is 2-4x faster on CPUs it suits (`default_kernel`);
-    the text decoder and lm_head, which see one row per sequence in decode, `kernel`."""
-    return default_kernel() if name.startswith("model.visual.") else kernel
 
 
 def quantize_in_place(model: nn.Module, activations: str = "per_token", int8_embedding: bool = True,
@@ -184,7 +171,7 @@ class _ShardWriter:
 def _quantized_linear(source: _SourceTensors, name: str, weight_name: str, has_bias: bool) -> dict:
     tensors = source.read([weight_name] + ([f"{name}.bias"] if has_bias else []))
     rows, scales = quantize_rows(tensors[weight_name])
-    out = {f"{name}.weight": rows, f"{name}{_SCALE}": scales}
+    out = {f"{name}.weight": rows, f"{name}{SCALE}": scales}
     if has_bias:
         out[f"{name}.bias"] = tensors[f"{name}.bias"].to(torch.float32, copy=True)
     return out
@@ -224,14 +211,14 @@ def write_quantized(src: str | Path, dst: str | Path, progress: bool = True) -> 
             tensors = _quantized_linear(source, linear, weight_name, module.bias is not None)
             if linear == "lm_head" and weight_name == tied:
                 embedding = {f"{embed_name}.weight": tensors["lm_head.weight"],
-                             f"{embed_name}{_SCALE}": tensors[f"lm_head{_SCALE}"]}
+                             f"{embed_name}{SCALE}": tensors[f"lm_head{SCALE}"]}
             shards.add(tensors)
             linear_params.update({f"{linear}.weight", f"{linear}.bias"})
         release_memory()
     shards.flush()
     if not embedding:
         rows, scales = quantize_rows(source.read([f"{embed_name}.weight"])[f"{embed_name}.weight"])
-        embedding = {f"{embed_name}.weight": rows, f"{embed_name}{_SCALE}": scales}
+        embedding = {f"{embed_name}.weight": rows, f"{embed_name}{SCALE}": scales}
     rest = [n for n, _ in model.named_parameters() if n not in linear_params and not n.startswith(embed_name + ".")]
     resident = {n: t.to(torch.float32, copy=True) for n, t in source.read(rest).items()}
     save_file({**embedding, **resident}, dst / RESIDENT_FILE, metadata={"format": "pt"})
@@ -261,85 +248,12 @@ def write_quantized(src: str | Path, dst: str | Path, progress: bool = True) -> 
 
 # -- loading --------------------------------------------------------------------------------
 
-class _SafetensorsReader:
-    """Reads tensors of one safetensors file with pread into memory the caller owns.
-
-    Used for the weights that get packed: packing copies them anyway, and a read (unlike a mapping)
-    leaves no file pages in RSS, so the peak stays near the final size. Safe from several threads.
-    """
-
-    def __init__(self, path: Path):
-        self.fd = os.open(path, os.O_RDONLY)
-        (length,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
-        self.entries = json.loads(os.pread(self.fd, length, 8))
-        self.entries.pop("__metadata__", None)
-        self.data_start = 8 + length
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.entries[name]["shape"])
-
-    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
-        begin, end = self.entries[name]["data_offsets"]
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
-        if len(view) != end - begin:
-            raise ValueError(f"{name}: {end - begin} bytes in the file, {len(view)} expected")
-        done = 0
-        while done < len(view):  # pread may return less than asked for very large reads
-            done += os.preadv(self.fd, [view[done:]], self.data_start + begin + done)
-        return out
-
-    def read(self, name: str) -> torch.Tensor:
-        entry = self.entries[name]
-        return self.read_into(name, torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]]))
-
-
-def _packed_linear(parts: list[tuple[_SafetensorsReader, str]], kernel: str) -> Int8Linear:
-    """One Int8Linear from the checkpoint Linears `parts` (several: a fused projection, rows in order),
-    read straight into one int8 weight."""
-    shapes = [reader.shape(f"{name}.weight") for reader, name in parts]
-    scales = torch.cat([reader.read(f"{name}{_SCALE}") for reader, name in parts])
-    rows = torch.empty((sum(shape[0] for shape in shapes), shapes[0][1]), dtype=torch.int8)
-    start = 0
-    for (reader, name), (out, _) in zip(parts, shapes):
-        reader.read_into(f"{name}.weight", rows[start:start + out])
-        start += out
-    bias = _fused_bias([reader.read(f"{name}.bias") if f"{name}.bias" in reader.entries else None
-                        for reader, name in parts])
-    return Int8Linear(rows, scales, bias, kernel=kernel)
-
-
-def _fused_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
-    return None if all(b is None for b in biases) else torch.cat(biases)
-
-
-def _linear_sources(model: nn.Module) -> dict[str, list[str]]:
-    """Every Linear of the (fused) model → the checkpoint Linears its weight is read from."""
-    fused = fused_sources(model)
-    plain = {name: [name] for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in fused}
-    return {**plain, **fused}
-
-
-def quantized_marker(path: Path) -> dict | None:
-    """The QUANTIZED_MARKER of the checkpoint at `path`, or None for an ordinary checkpoint."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
-    return json.loads(config.read_text()).get(QUANTIZED_MARKER)
-
-
-def _linear_bytes(path: Path, marker: dict) -> int:
-    return sum((path / f).stat().st_size for f in marker["linear_shards"])
-
-
 def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None,
                    kernel: str = "fbgemm") -> tuple[nn.Module, bool]:
     """Build the model from an INT8 checkpoint: (model, weights_mapped).
 
-    Linear weights are read (pread) straight into qint8 tensors — q/k/v and gate/up each into
-    one (service/fusion.py) — and packed into `Int8Linear` on `threads` threads; no fp32 weight is made. The embedding and the
+    Linear weights are read (pread) straight into int8 tensors — q/k/v and gate/up each into one —
+    and packed into `Int8Linear` on `threads` threads (service/packing.py); no fp32 weight is made. The embedding and the
     small tensors stay memory-mapped. If the packed weights would not fit the memory budget, the
     Linear weights stay memory-mapped too (MappedInt8Linear): the server still serves, slower.
     """
@@ -356,7 +270,7 @@ def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None,
     config = AutoConfig.from_pretrained(path)
     model = skeleton(config)
     fuse_projections(model)
-    packed_bytes = _linear_bytes(path, marker)
+    packed_bytes = linear_bytes(path, marker)
     mapped = memory is not None and not memory.fits(packed_bytes)
     if mapped:
         log.warning("the INT8 weights need %.1f MiB resident, more than MAX_MEMORY_MB leaves (%.0f MiB used of "
@@ -366,43 +280,29 @@ def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None,
     resident = safe_open(path / marker["resident"], "pt")
     embed_name = _embedding_name(model)
     for name in resident.keys():
-        if name.endswith(_SCALE):
+        if name.endswith(SCALE):
             continue
         module_name = name.rpartition(".")[0]
         if module_name == embed_name:
             padding_idx = model.get_submodule(embed_name).padding_idx
-            table = Int8Embedding(resident.get_tensor(name), resident.get_tensor(f"{module_name}{_SCALE}"), padding_idx)
+            table = Int8Embedding(resident.get_tensor(name), resident.get_tensor(f"{module_name}{SCALE}"), padding_idx)
             _replace_module(model, embed_name, table)
         else:
             _set_tensor(model, name, resident.get_tensor(name))
-    sources = _linear_sources(model)
     if mapped:
+        packing.discard(path, kernel)
         # Kept open for the process's life, like `resident`.
         files = {shard: safe_open(path / shard, "pt") for shard in marker["linear_shards"]}
         file_of = {key: f for f in files.values() for key in f.keys()}
-        for name, parts in sources.items():
-            tensors = [(file_of[f"{p}.weight"].get_tensor(f"{p}.weight"), file_of[f"{p}.weight"].get_tensor(f"{p}{_SCALE}"))
+        for name, parts in linear_groups(sorted(k[:-len(".weight")] for k in file_of if k.endswith(".weight"))).items():
+            tensors = [(file_of[f"{p}.weight"].get_tensor(f"{p}.weight"), file_of[f"{p}.weight"].get_tensor(f"{p}{SCALE}"))
                        for p in parts]
-            bias = _fused_bias([file_of[f"{p}.bias"].get_tensor(f"{p}.bias") if f"{p}.bias" in file_of else None
-                                for p in parts])
+            bias = fused_bias([file_of[f"{p}.bias"].get_tensor(f"{p}.bias") if f"{p}.bias" in file_of else None
+                               for p in parts])
             _replace_module(model, name, MappedInt8Linear(tensors, bias))
-    else:
-        readers = [_SafetensorsReader(path / shard) for shard in marker["linear_shards"]]
-        reader_of = {key: reader for reader in readers for key in reader.entries}
-        missing = [p for parts in sources.values() for p in parts if f"{p}.weight" not in reader_of]
-        if missing:
-            raise ValueError(f"{path} is incomplete: no weights for {missing[:3]} (and {max(0, len(missing) - 3)} more)")
-        # Largest first: the lm_head alone packs for seconds on one thread, so it must not come last.
-        jobs = sorted(((name, [(reader_of[f"{p}.weight"], p) for p in parts]) for name, parts in sources.items()),
-                      key=lambda job: -sum(math.prod(r.shape(f"{p}.weight")) for r, p in job[1]))
-        # Packing releases the GIL: `threads` layers pack at once, each on one torch thread (no OpenMP
-        # thread team, so the process may fork after loading: gunicorn.conf.py's preload).
-        with ThreadPoolExecutor(max_workers=max(1, threads), initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            for (name, _), module in zip(jobs, pool.map(lambda job: _packed_linear(job[1], kernel_of(job[0], kernel)),
-                                                        jobs)):
-                _replace_module(model, name, module)
-        for reader in readers:
-            reader.close()
+    else:  # packed on `threads` threads, begun early if wsgi.py started it (service/packing.py)
+        for name, module in packing.take(path, marker["linear_shards"], threads, kernel).results().items():
+            _replace_module(model, name, module)
     release_memory()
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:

@@ -130,3 +130,18 @@ def test_quantize_refuses_a_non_empty_destination_and_an_int8_source(tiny_dir, i
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
     with pytest.raises(ValueError, match="already an INT8 checkpoint"):
         write_quantized(int8_dir, tmp_path / "again", progress=False)
+
+
+def test_gunicorn_packs_a_prequantized_checkpoint_while_importing_and_answers_alike(serve, int8_dir,
+                                                                                   prequantized_engine):
+    """wsgi.py starts packing the int8 weights before the app (and transformers) is imported; the
+    served answer is the one the loader gives."""
+    import requests
+
+    expected = greedy(prequantized_engine, PROMPTS[1], with_image=False)
+    with serve({"MODEL_PATH": str(int8_dir), "PRELOAD": "true"}, "prequantized") as (base, _):
+        reply = requests.post(base + "/v1/chat", json={"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0,
+                                                       "stream": False}, timeout=60).json()
+    assert reply["text"] == expected.text and reply["usage"]["completion_tokens"] == 24
+    log = serve.log("prequantized").read_text()
+    assert "pre-quantized" in log and "begun before the app was imported" in log
