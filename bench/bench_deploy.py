@@ -69,7 +69,7 @@ def engine_speed(model_path: str, threads: int, max_memory_mb: int | None = None
     ask([ImagePart(picture), TextPart("Warm-up.")], 2)
     w1, _ = ask([ImagePart(picture), TextPart(QUESTION)], 1)
     decode, tokens = ask([TextPart(DECODE_PROMPT)], decode_tokens)
-    return {"ttft_s": w1.timings["time_to_first_token"], "decode_tokens_per_s": decode.timings["decode_tokens_per_s"],
+    return {"ttft_s": w1.timings["time_to_first_token"], "vision_s": w1.timings["vision_encode"], "prefill_s": w1.timings["prefill"], "decode_tokens_per_s": decode.timings["decode_tokens_per_s"],
             "mapped": loaded.weights_mapped, "tokens": tokens}
 
 

@@ -26,7 +26,8 @@ ACTIVATION_ZERO_POINT = 64
 ACTIVATIONS = ("per_token", "per_tensor")
 KERNELS = ("fbgemm", "onednn")
 ROWS_PER_CHUNK = 16384  # per-row quantization is exact in chunks: the 151936-row embedding never goes fp32 whole
-GEMV_ROWS = 4  # MappedInt8Linear: up to this many tokens use the int8 GEMV kernel (decode)
+GEMV_ROWS = 4  # MappedInt8Linear, fp32: up to this many tokens use the int8 GEMV kernel (decode)
+MAPPED_GEMV_ROWS = 16  # MappedInt8Linear, bf16: likewise (its vectorized path stays fast up to about here)
 MAPPED_SLICE = 4096  # MappedInt8Linear: output rows dequantized at once for prefill (bounded scratch memory)
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -54,16 +55,22 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (rows[0], scales[0]) if len(rows) == 1 else (torch.cat(rows), torch.cat(scales))
 
 
+def _cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+_BF16_GEMM = " avx512_bf16" in _cpu_flags()
+
+
 def default_kernel() -> str:
     """The packed-weight kernel for this CPU; both give the same bits, so this is about speed only.
     oneDNN where the CPU has AVX-512 (measured there: the same speed for a decode step's one row,
     2-4x faster for prefill pieces and pictures, packing 3-7x faster); FBGEMM on CPUs without it
     (oneDNN's AVX2 int8 path measured ~4x slower for one row)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        flags = ""
-    return "onednn" if " avx512f" in flags and torch.backends.mkldnn.is_available() else "fbgemm"
+    return "onednn" if " avx512f" in _cpu_flags() and torch.backends.mkldnn.is_available() else "fbgemm"
 
 
 class Int8Linear(nn.Module):
@@ -143,8 +150,11 @@ class MappedInt8Linear(nn.Module):
     drop the weight pages under pressure and read them back from disk; slower than the packed kernel.
     A fused projection is several mapped parts whose outputs are concatenated.
 
-    `activations="bf16"` (the default) feeds `torch._weight_int8pack_mm` bf16 rows, its vectorized
-    path (fp32 input takes scalar code), and applies the fp32 per-channel scales to its output;
+    `activations="bf16"` (the default): a few rows (decode) go to `torch._weight_int8pack_mm` in
+    bf16, its vectorized path (fp32 input takes scalar code), many rows (prefill, pictures) to bf16
+    GEMMs on dequantized slices where the CPU has AVX512-BF16 (fp32 slices elsewhere); the fp32
+    per-channel scales are applied to the outputs. Activations rounded to bf16 (8 bits of mantissa)
+    is this mode's accuracy cost (bench_deploy measures its greedy agreement with the packed mode).
     "fp32" is the former way (fp32 GEMV for a few rows, fp32 slices of the weight for more).
     """
 
@@ -164,13 +174,18 @@ class MappedInt8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.float())
 
     def _part(self, flat: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        if self.activations == "bf16":
+        if self.activations == "bf16" and flat.shape[0] <= MAPPED_GEMV_ROWS:
+            if flat.shape[0] >= 4 and rows.data_ptr() % 16:  # its bf16 kernel crashes there on unaligned weights
+                return torch.cat([self._part(flat[i:i + 3], rows, scales) for i in range(0, flat.shape[0], 3)])
             return torch._weight_int8pack_mm(flat, rows, self._ones[:rows.shape[0]]).float().mul_(scales)
-        if flat.shape[0] <= GEMV_ROWS:
+        if self.activations == "fp32" and flat.shape[0] <= GEMV_ROWS:
             return torch._weight_int8pack_mm(flat, rows, scales)
-        # that kernel is very slow for many fp32 rows: dequantize a slice of the weight at a time
-        return torch.cat([nn.functional.linear(flat, rows[i:i + MAPPED_SLICE].float() * scales[i:i + MAPPED_SLICE, None])
-                          for i in range(0, rows.shape[0], MAPPED_SLICE)], dim=1)
+        # Many rows (prefill, pictures): a slice of the weight dequantized at a time, in bf16 where the CPU
+        # computes bf16 GEMMs natively (AVX512-BF16 / AMX), else in fp32; the scales applied to the output.
+        dtype = torch.bfloat16 if _BF16_GEMM and self.activations == "bf16" else torch.float32
+        x = flat.to(dtype)
+        return torch.cat([nn.functional.linear(x, rows[i:i + MAPPED_SLICE].to(dtype)).float()
+                          .mul_(scales[i:i + MAPPED_SLICE]) for i in range(0, rows.shape[0], MAPPED_SLICE)], dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.bfloat16 if self.activations == "bf16" else torch.float32

@@ -54,6 +54,29 @@ def linear_bytes(path: Path, marker: dict) -> int:
     return sum((path / f).stat().st_size for f in marker["linear_shards"])
 
 
+ALIGNMENT = 64  # bytes: kernels may need aligned weights (bf16 `_weight_int8pack_mm` crashes on 8-aligned ones)
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def write_aligned_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """A safetensors file whose data starts at a multiple of ALIGNMENT (the header padded with spaces,
+    as the format allows), the largest tensors first: every tensor whose predecessors' sizes are
+    multiples of ALIGNMENT is aligned in the file, and so in memory when the file is mapped."""
+    order = sorted(tensors, key=lambda n: (-tensors[n].numel() * tensors[n].element_size(), n))
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name in order:
+        size = tensors[name].numel() * tensors[name].element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[tensors[name].dtype], "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGNMENT)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name in order:
+            f.write(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+
+
 class SafetensorsReader:
     """Reads tensors of one safetensors file with pread into memory the caller owns.
 

@@ -158,11 +158,9 @@ class _ShardWriter:
             self.flush()
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         if self.pending:
             name = f"int8-{len(self.files) + 1:05d}.safetensors"
-            save_file(self.pending, self.dst / name, metadata={"format": "pt"})
+            packing.write_aligned_safetensors(self.pending, self.dst / name)
             self.files.append(name)
             self.pending = {}
             release_memory()

@@ -158,3 +158,34 @@ def test_http_request_over_budget_gets_503_json_error(cache_dir, tiny_dir, tmp_p
     assert reply.status_code == 503
     error = reply.json()["error"]
     assert error["code"] == "memory_budget" and "of its 1 MiB (MAX_MEMORY_MB)" in error["message"]
+
+
+def test_mapped_weights_compute_any_row_count_even_unaligned():
+    """torch's bf16 int8 kernel crashes on weights not 16-byte aligned from 4 rows on (seen on this
+    torch): checkpoints are written 64-byte aligned, and an unaligned (older) one is computed in
+    pieces of 3 rows instead."""
+    rows = torch.randint(-127, 128, (256 * 128 + 64,), dtype=torch.int8)
+    scales = torch.rand(256) / 100
+    aligned = MappedInt8Linear([(rows[:256 * 128].view(256, 128), scales)], None)
+    unaligned = MappedInt8Linear([(rows[8:8 + 256 * 128].view(256, 128), scales)], None)
+    assert unaligned.rows0.data_ptr() % 16
+    x = torch.randn(7, 128)
+    expected = x.bfloat16().float() @ (unaligned.rows0.float() * scales[:, None]).T
+    out = unaligned(x)
+    assert torch.allclose(out, expected, rtol=2e-2, atol=2e-2)
+    assert aligned(x).shape == out.shape == (7, 256)
+
+
+def test_quantized_shards_hold_every_tensor_64_byte_aligned(tmp_path):
+    from safetensors import safe_open
+
+    from service.packing import ALIGNMENT, SafetensorsReader, write_aligned_safetensors
+
+    tensors = {"a.weight": torch.randint(-127, 128, (64, 128), dtype=torch.int8), "a.weight_scale": torch.rand(64),
+               "b.weight": torch.randint(-127, 128, (192, 64), dtype=torch.int8), "b.bias": torch.rand(192)}
+    write_aligned_safetensors(tensors, tmp_path / "x.safetensors")
+    reader = SafetensorsReader(tmp_path / "x.safetensors")
+    assert reader.data_start % ALIGNMENT == 0
+    assert all(entry["data_offsets"][0] % ALIGNMENT == 0 for entry in reader.entries.values())
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
+        assert all(torch.equal(f.get_tensor(name), t) for name, t in tensors.items())
