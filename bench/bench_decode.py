@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.harness import (add_checkpoint_args, tree_at, checkpoint_of, isolated, read_bandwidth_gbps,
+from bench.harness import (add_checkpoint_args, checkpoint_of, isolated, read_bandwidth_gbps, timing, tree_at,
                            short_rev)
 from bench.results import append_section, markdown_table
 
@@ -226,14 +226,14 @@ def engine_throughput(model_path: str, threads: int, streams: int, tokens: int) 
                                     SamplingParams(max_tokens=tokens, temperature=0))
         done = list(engine.generate(request))[-1]
         start = request.received_at
-        out[i] = (done, start + done.timings["time_to_first_token"], start + done.timings["total"])
+        out[i] = (done, start + timing(done, "time_to_first_token"), start + timing(done, "total"))
 
     single = {}
     run(prompts[0], single, 0)  # warm-up
     results = []
     for _ in range(3):
         run(prompts[0], single, 0)
-        results.append(single[0][0].timings["decode_tokens_per_s"])
+        results.append(timing(single[0][0], "decode_tokens_per_s"))
     together = {}
     threads_ = [threading.Thread(target=run, args=(prompts[i % len(prompts)], together, i)) for i in range(streams)]
     for t in threads_:

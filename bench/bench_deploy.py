@@ -32,7 +32,8 @@ import psutil
 import requests
 from tqdm import tqdm
 
-from bench.harness import ROOT, add_checkpoint_args, checkpoint_of, encoded_photo, isolated, short_rev, tree_at
+from bench.harness import (ROOT, add_checkpoint_args, checkpoint_of, encoded_photo, image_limits_of, isolated,
+                           short_rev, timing, tree_at)
 from bench.results import append_section, markdown_table
 
 sys.path.insert(0, str(ROOT / "tests"))
@@ -65,11 +66,12 @@ def engine_speed(model_path: str, threads: int, max_memory_mb: int | None = None
         request = GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=max_tokens, temperature=0))
         return list(engine.generate(request))[-1], request.streamer.token_ids
 
-    picture = decode_image(encoded_photo(".jpg", 448, 448), loaded.image_limits)
+    picture = decode_image(encoded_photo(".jpg", 448, 448), image_limits_of(engine))
     ask([ImagePart(picture), TextPart("Warm-up.")], 2)
     w1, _ = ask([ImagePart(picture), TextPart(QUESTION)], 1)
     decode, tokens = ask([TextPart(DECODE_PROMPT)], decode_tokens)
-    return {"ttft_s": w1.timings["time_to_first_token"], "vision_s": w1.timings["vision_encode"], "prefill_s": w1.timings["prefill"], "decode_tokens_per_s": decode.timings["decode_tokens_per_s"],
+    return {"ttft_s": timing(w1, "time_to_first_token"), "vision_s": timing(w1, "vision_encode"),
+            "prefill_s": timing(w1, "prefill"), "decode_tokens_per_s": timing(decode, "decode_tokens_per_s"),
             "mapped": loaded.weights_mapped, "tokens": tokens}
 
 

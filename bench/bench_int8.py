@@ -20,7 +20,8 @@ import statistics
 
 from tqdm import tqdm
 
-from bench.harness import add_checkpoint_args, tree_at, checkpoint_of, encoded_photo, isolated, short_rev
+from bench.harness import (add_checkpoint_args, checkpoint_of, encoded_photo, image_limits_of, isolated, short_rev,
+                           timing, tree_at)
 from bench.results import append_section, markdown_table
 
 BASELINE = "6ed1729"  # the last commit with torch's per-tensor dynamic Linear
@@ -48,16 +49,16 @@ def measure(model_path: str, threads: int, activations: str | None, repeats: int
         request = GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=max_tokens, temperature=0))
         return list(engine.generate(request))[-1]
 
-    picture = decode_image(encoded_photo(".jpg", 448, 448), loaded.image_limits)
+    picture = decode_image(encoded_photo(".jpg", 448, 448), image_limits_of(engine))
     for _ in range(2):  # steady state: the first requests of a size also pay the allocator's growth
         ask([ImagePart(picture), TextPart("Warm-up.")], 2)
     w1 = [ask([ImagePart(picture), TextPart(QUESTION)], 1) for _ in range(repeats)]
     decode = [ask([TextPart(DECODE_PROMPT)], decode_tokens) for _ in range(repeats)]
-    return {"ttft_s": statistics.median(d.timings["time_to_first_token"] for d in w1),
-            "prefill_s": statistics.median(d.timings["prefill"] for d in w1),
-            "vision_s": statistics.median(d.timings["vision_encode"] for d in w1),
+    return {"ttft_s": statistics.median(timing(d, "time_to_first_token") for d in w1),
+            "prefill_s": statistics.median(timing(d, "prefill") for d in w1),
+            "vision_s": statistics.median(timing(d, "vision_encode") for d in w1),
             "prompt_tokens": w1[0].prompt_tokens,
-            "decode_tokens_per_s": statistics.median(d.timings["decode_tokens_per_s"] for d in decode),
+            "decode_tokens_per_s": statistics.median(timing(d, "decode_tokens_per_s") for d in decode),
             "decoded_tokens": decode[0].completion_tokens}
 
 

@@ -78,12 +78,11 @@ def decoding_table(clips: dict[str, bytes], limits) -> str:
     return markdown_table(header, rows)
 
 
-def ask(engine, messages, conversation_id: str, max_tokens: int, received_at: float, decode_seconds: float):
+def ask(engine, messages, conversation_id: str, max_tokens: int, received_at: float):
     from service.engine import Completion, GenerationRequest, SamplingParams
 
     request = GenerationRequest(messages, SamplingParams(max_tokens=max_tokens, temperature=0),
-                                received_at=received_at, video_decode_seconds=decode_seconds,
-                                conversation_id=conversation_id)
+                                received_at=received_at, conversation_id=conversation_id)
     return [e for e in engine.generate(request) if isinstance(e, Completion)][0]
 
 
@@ -91,12 +90,13 @@ def encoder_calls(engine, video) -> tuple[float, float]:
     """Seconds to encode `video` one frame pair per call (the service) and in one call (get_video_features)."""
     import torch
 
-    from service.video import encode_video, video_patches
+    from service.video import video_patches
+    from service.vision_steps import run_to_end, video_steps
 
     pixel_values, grid = video_patches(video, engine.processor.image_processor)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        encode_video(engine.vision_encoder, pixel_values, grid)
+        run_to_end(video_steps(engine.vision_encoder, pixel_values, grid))
         t1 = time.perf_counter()
         engine.model.model.get_video_features(pixel_values, grid)
         return t1 - t0, time.perf_counter() - t1
@@ -107,39 +107,40 @@ def model_rows(loaded, settings, clip: bytes, budgets: list[int], max_tokens: in
     from service.images import decode_image
     from service.prompts import ChatMessage, ImagePart, TextPart, VideoPart
     from service.settings import load_settings
-    from service.video import decode_video, video_patches, visual_tokens
+    from service.video import decode_video, video_patches
 
     rows = []
     for budget in budgets:
         engine = Engine(loaded, load_settings(**{**settings, "video_max_visual_tokens": budget}))
         warm_up = ChatMessage("user", [ImagePart(decode_image(cv2.imencode(".png", photo(224, 224))[1].tobytes(),
-                                                              loaded.image_limits)), TextPart("Warm-up.")])
-        ask(engine, [warm_up], "warm-up", 2, time.perf_counter(), 0.0)  # first-call costs, not measured
+                                                              engine.limits.image)), TextPart("Warm-up.")])
+        ask(engine, [warm_up], "warm-up", 2, time.perf_counter())  # first-call costs, not measured
 
         def row(label, done, video):
             _, grid = video_patches(video, loaded.processor.image_processor)
             t = done.timings
-            return [label, budget, len(video.frames), "{}x{}".format(*video.size), visual_tokens(grid[0]),
-                    done.prompt_tokens, done.cached_tokens, done.vision_cache_hits, t["video_decode"],
-                    t["vision_encode"], t["prefill"], t["time_to_first_token"], t["decode_tokens_per_s"]]
+            tokens = int(grid[0].prod()) // loaded.processor.image_processor.merge_size ** 2
+            return [label, budget, len(video.frames), "{}x{}".format(*video.size), tokens,
+                    done.prompt_tokens, done.cached_tokens, done.vision_cache_hits, t.video_decode,
+                    t.vision_encode, t.prefill, t.time_to_first_token, t.decode_tokens_per_s]
 
         start = time.perf_counter()
-        video = decode_video(clip, engine.video_limits)
+        video = decode_video(clip, engine.limits.video)
         history = [ChatMessage("user", [VideoPart(video), TextPart(QUESTION)])]
-        first = ask(engine, history, f"clip-{budget}", max_tokens, start, video.decode_seconds)
+        first = ask(engine, history, f"clip-{budget}", max_tokens, start)
         rows.append(row("new clip", first, video))
         bar.update()
         if budget != budgets[0]:
             continue
         history += [ChatMessage("assistant", [TextPart(first.text)]),
                     ChatMessage("user", [TextPart("And what happens at the end?")])]
-        follow = ask(engine, history, f"clip-{budget}", max_tokens, time.perf_counter(), 0.0)
+        follow = ask(engine, history, f"clip-{budget}", max_tokens, time.perf_counter())
         rows.append(row("follow-up question, same conversation", follow, video))
         bar.update()
         start = time.perf_counter()
-        again = decode_video(clip, engine.video_limits)
+        again = decode_video(clip, engine.limits.video)
         reopened = ask(engine, [ChatMessage("user", [VideoPart(again), TextPart("Who is in it?")])], "another",
-                       max_tokens, start, again.decode_seconds)
+                       max_tokens, start)
         rows.append(row("same clip, new conversation", reopened, again))
         bar.update()
         calls = encoder_calls(engine, video)
@@ -161,14 +162,15 @@ def main(argv=None) -> int:
     args.model_path = checkpoint_of(args)
     budgets = [int(b) for b in args.budgets.split(",")]
 
-    from service.loading import image_limits_for, load_model, load_processor
+    from service.limits import RequestLimits, fit_processor
+    from service.loading import load_model, load_processor
     from service.settings import load_settings
-    from service.video import VideoLimits
 
     settings = {"model_path": args.model_path, "quantization": args.quantization, "threads": args.threads}
     base = load_settings(**settings)
     processor = load_processor(args.model_path)
-    limits = VideoLimits.from_settings(base, image_limits_for(processor, base), processor.image_processor.temporal_patch_size)
+    fit_processor(processor, base)
+    limits = RequestLimits.build(base, processor).video
     clip_dir = args.clip_dir or base.cache_dir / "bench-clips"
     clips = {f"{label} {CODECS[container][1]} ({container.upper()})": clip_bytes(clip_dir / f"{label}.{container}", size)
              for label, size, container in tqdm(CLIPS, desc="test clips", unit="clip")}

@@ -48,16 +48,15 @@ def _inputs(engine, index: int) -> dict:
     """generate/forward kwargs for prompt `index` (image prompts get a 1080p photo at the pixel budget)."""
     import torch
 
-    from service.engine import GenerationRequest
     from service.images import decode_image
-    from service.prompts import ChatMessage, ImagePart, TextPart
+    from service.prompts import ChatMessage, ImagePart, TextPart, prepare_prompt
 
     if index < len(TEXT_PROMPTS):
         parts = [TextPart(TEXT_PROMPTS[index])]
     else:
-        image = decode_image(encoded_photo(".jpg"), engine.loaded.image_limits)
+        image = decode_image(encoded_photo(".jpg"), engine.limits.image)
         parts = [ImagePart(image), TextPart(IMAGE_PROMPTS[index - len(TEXT_PROMPTS)])]
-    prompt = engine.prepare(GenerationRequest([ChatMessage("user", parts)]))
+    prompt = prepare_prompt(engine.processor, [ChatMessage("user", parts)], engine.limits.prompt)
     kwargs = dict(input_ids=prompt.input_ids, mm_token_type_ids=prompt.mm_token_type_ids)
     if prompt.pixel_values:
         kwargs.update(pixel_values=torch.cat(prompt.pixel_values), image_grid_thw=prompt.image_grid_thw)

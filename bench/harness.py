@@ -91,6 +91,18 @@ def read_bandwidth_gbps(threads: int, gib: float = 1.0, repeats: int = 5) -> flo
     return nbytes / best / 1e9
 
 
+def image_limits_of(engine):
+    """An engine's image limits, in today's code (`engine.limits.image`) and in a `tree_at` of older
+    code (`engine.loaded.image_limits`)."""
+    limits = getattr(engine, "limits", None)
+    return limits.image if limits is not None else engine.loaded.image_limits
+
+
+def timing(done, name: str) -> float:
+    """One of a Completion's timings: a Timings field today, a dict entry in older code."""
+    return done.timings[name] if isinstance(done.timings, dict) else getattr(done.timings, name)
+
+
 def photo(width: int = 1920, height: int = 1080, seed: int = 0) -> np.ndarray:
     """A photo-like BGR picture: smooth gradients, shapes with edges, and sensor-like noise."""
     import cv2

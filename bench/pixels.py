@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -14,37 +13,37 @@ PLOT = Path(__file__).resolve().parent / "pixel_budget.png"
 
 def sweep(model_path: str, threads: int, budgets: list[int]) -> list[dict]:
     """One engine; for each budget, the photo resized into it and a one-token question about it."""
+    from transformers.image_utils import SizeDict
+
     from service.engine import Engine, GenerationRequest, SamplingParams
     from service.images import decode_image
+    from service.limits import fit_processor
     from service.loading import load_model
-    from service.prompts import ChatMessage, ImagePart, TextPart
+    from service.prompts import ChatMessage, ImagePart, TextPart, prepare_prompt
     from service.settings import load_settings
 
-    settings = load_settings(model_path=model_path, threads=threads, cache_enabled=False,
-                             image_max_pixels=max(budgets))
-    loaded = load_model(settings)
-    engine = Engine(loaded, settings)
+    loaded = load_model(load_settings(model_path=model_path, threads=threads, cache_enabled=False,
+                                      image_max_pixels=max(budgets)))
     jpeg = encoded_photo(".jpg")
     merge = loaded.processor.image_processor.merge_size ** 2
     results = []
     for i, budget in enumerate([min(budgets), *budgets]):  # the first run warms up
-        limits = dataclasses.replace(loaded.image_limits, max_pixels=budget,
-                                     min_pixels=min(loaded.image_limits.min_pixels, budget))
-        # The processor's own resize rule must agree, as load_model makes it for the service's budget.
-        loaded.processor.image_processor.size = {"shortest_edge": limits.min_pixels, "longest_edge": budget}
+        settings = load_settings(model_path=model_path, threads=threads, cache_enabled=False, image_max_pixels=budget)
+        loaded.processor.image_processor.size = SizeDict(longest_edge=max(budgets))  # as loaded, then the budget's
+        fit_processor(loaded.processor, settings)
+        engine = Engine(loaded, settings)
         t0 = time.perf_counter()
-        image = decode_image(jpeg, limits)
+        image = decode_image(jpeg, engine.limits.image)
         request = GenerationRequest([ChatMessage("user", [ImagePart(image), TextPart("What is in this picture?")])],
-                                    SamplingParams(max_tokens=1, temperature=0),
-                                    image_decode_seconds=time.perf_counter() - t0, received_at=t0)
-        prompt = engine.prepare(request)
-        t = list(engine.generate(request, prompt))[-1].timings
+                                    SamplingParams(max_tokens=1, temperature=0), received_at=t0)
+        prompt = prepare_prompt(engine.processor, request.messages, engine.limits.prompt)
+        t = list(engine.generate(request))[-1].timings
         if i:
             width, height = image.size
             results.append({"budget": budget, "width": width, "height": height,
                             "visual_tokens": int(prompt.image_grid_thw.prod()) // merge,
-                            "image_decode_ms": t["image_decode"] * 1000, "vision_encode_s": t["vision_encode"],
-                            "prefill_s": t["prefill"], "ttft_s": t["time_to_first_token"]})
+                            "image_decode_ms": t.image_decode * 1000, "vision_encode_s": t.vision_encode,
+                            "prefill_s": t.prefill, "ttft_s": t.time_to_first_token})
     return results
 
 

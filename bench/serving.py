@@ -49,7 +49,7 @@ def measure(model_path: str, quantization: str, threads: int, image_max_pixels: 
     from service.images import decode_image
     from service.loading import load_model
     from service.memory import kv_cache_bytes, release_memory, unreclaimable_bytes
-    from service.prompts import ChatMessage, ImagePart, TextPart
+    from service.prompts import ChatMessage, ImagePart, TextPart, prepare_prompt
     from service.settings import load_settings
 
     imported = seconds_since_process_start()
@@ -64,20 +64,19 @@ def measure(model_path: str, quantization: str, threads: int, image_max_pixels: 
 
     def ask(jpeg: bytes, max_tokens: int):
         t0 = time.perf_counter()
-        image = decode_image(jpeg, loaded.image_limits)
+        image = decode_image(jpeg, engine.limits.image)
         request = GenerationRequest([ChatMessage("user", [ImagePart(image), TextPart(QUESTION)])],
-                                    SamplingParams(max_tokens=max_tokens, temperature=0),
-                                    image_decode_seconds=time.perf_counter() - t0, received_at=t0)
-        prompt = engine.prepare(request)
-        done = list(engine.generate(request, prompt))[-1]
+                                    SamplingParams(max_tokens=max_tokens, temperature=0), received_at=t0)
+        prompt = prepare_prompt(engine.processor, request.messages, engine.limits.prompt)
+        done = list(engine.generate(request))[-1]
         merge = loaded.processor.image_processor.merge_size ** 2
         return done, int(prompt.image_grid_thw.prod(-1).sum()) // merge
 
     ask(encoded_photo(".jpg", 640, 480), 2)  # warm-up
     done, visual_tokens = ask(encoded_photo(".jpg"), 1)
     t = done.timings
-    out.update(image_decode_ms=t["image_decode"] * 1000, vision_encode_s=t["vision_encode"], prefill_s=t["prefill"],
-               ttft_s=t["time_to_first_token"], visual_tokens=visual_tokens, prompt_tokens=done.prompt_tokens)
+    out.update(image_decode_ms=t.image_decode * 1000, vision_encode_s=t.vision_encode, prefill_s=t.prefill,
+               ttft_s=t.time_to_first_token, visual_tokens=visual_tokens, prompt_tokens=done.prompt_tokens)
 
     class StepClock(StoppingCriteria):
         """Records when each token is ready (generate calls it once per token)."""

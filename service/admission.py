@@ -1,5 +1,5 @@
 """Admission to the model: up to `slots` generations at once (the engine's batch), a bounded FIFO of
-waiters, a wait timeout."""
+waiters (the `qwen3vl_queue_depth` gauge), a wait timeout."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import threading
 import time
 from collections import deque
 
+from . import metrics
 from .errors import QueueFull, Unavailable
 
 
@@ -28,15 +29,6 @@ class Admission:
         self._waiters: deque[threading.Event] = deque()
 
     @property
-    def waiting(self) -> int:
-        return len(self._waiters)
-
-    @property
-    def in_use(self) -> int:
-        """Slots held now."""
-        return self._in_use
-
-    @property
     def busy(self) -> bool:
         return self._in_use > 0
 
@@ -56,12 +48,16 @@ class Admission:
                                 "retry shortly", headers={"Retry-After": str(self.retry_after)})
             turn = threading.Event()
             self._waiters.append(turn)
-        if turn.wait(timeout):
-            return  # release() handed the model to us
-        with self._lock:
-            if turn.is_set():  # handed over just as we timed out
-                return
-            self._waiters.remove(turn)
+        metrics.QUEUE_DEPTH.inc()
+        try:
+            if turn.wait(timeout):
+                return  # release() handed the model to us
+            with self._lock:
+                if turn.is_set():  # handed over just as we timed out
+                    return
+                self._waiters.remove(turn)
+        finally:
+            metrics.QUEUE_DEPTH.dec()
         raise Unavailable(f"timed out after {timeout:.0f} s waiting for the model; retry later",
                           code="queue_timeout", headers={"Retry-After": str(self.retry_after)})
 

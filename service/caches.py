@@ -1,4 +1,4 @@
-"""The engine's two caches, each a byte-budgeted LRU with an idle TTL and an entry cap.
+"""The engine's two caches, each a byte-budgeted LRU with an idle TTL and an entry cap (service/lru.py).
 
 `ConversationCache` keeps the KV cache (`DynamicCache`) of finished generations with the exact
 token ids it covers and the images inside them; a new prompt reuses the longest prefix any entry
@@ -12,20 +12,15 @@ prefix, so eviction and later requests never touch a generation in flight.
 from __future__ import annotations
 
 import itertools
-import threading
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import torch
 from transformers import DynamicCache
 
 from . import metrics
 from .kv import GrowingCache, compacted
+from .lru import BudgetedLRU
 from .vision import VisionFeatures
-
-V = TypeVar("V")
 
 
 def tensor_bytes(tensors) -> int:
@@ -37,140 +32,14 @@ def kv_bytes(cache: DynamicCache) -> int:
     return tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values))
 
 
-@dataclass
-class _Slot(Generic[V]):
-    value: V
-    nbytes: int
-    last_used: float
-
-
-class BudgetedLRU(Generic[V]):
-    """key → value, least recently used first out, bounded by bytes, entries and idle seconds.
-
-    `max_bytes == 0` or `max_entries == 0` disables the cache: it holds and counts nothing.
-    Thread-safe; expired entries go at every access and, while any are held, from a sweeper thread.
-    """
-
-    def __init__(self, name: str, max_bytes: int, max_entries: int, ttl_seconds: float):
-        self.name = name
-        self.max_bytes = max_bytes
-        self.max_entries = max_entries
-        self.ttl_seconds = ttl_seconds
-        self._slots: OrderedDict[str, _Slot[V]] = OrderedDict()
-        self._bytes = 0
-        self.lock = threading.RLock()  # hold it to make several calls one atomic step
-        self._sweeper: threading.Thread | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_bytes > 0 and self.max_entries > 0
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-    def __len__(self) -> int:
-        return len(self._slots)
-
-    def keys(self) -> list[str]:
-        """Keys, least recently used first."""
-        with self.lock:
-            return list(self._slots)
-
-    def peek(self, key: str) -> V | None:
-        """The value, leaving its place in the LRU order as it is."""
-        slot = self._slots.get(key)
-        return slot.value if slot else None
-
-    def get(self, key: str) -> V | None:
-        """The value (now most recently used), or None."""
-        with self.lock:
-            self.sweep()
-            slot = self._slots.get(key)
-            if slot is None:
-                return None
-            slot.last_used = time.monotonic()
-            self._slots.move_to_end(key)
-            return slot.value
-
-    def put(self, key: str, value: V, nbytes: int) -> bool:
-        """Store (replacing `key`), then evict least recently used entries until within bounds.
-        False when the cache is off or the value alone exceeds the byte budget."""
-        if not self.enabled:
-            return False
-        with self.lock:
-            self.sweep()
-            if key in self._slots:
-                self._remove(key, "replaced")
-            if nbytes > self.max_bytes:
-                metrics.CACHE_EVICTIONS.labels(cache=self.name, reason="too_large").inc()
-                return False
-            self._slots[key] = _Slot(value, nbytes, time.monotonic())
-            self._bytes += nbytes
-            metrics.CACHE_BYTES.labels(cache=self.name).inc(nbytes)
-            metrics.CACHE_ENTRIES.labels(cache=self.name).inc()
-            while self._bytes > self.max_bytes or len(self._slots) > self.max_entries:
-                oldest = next(iter(self._slots))
-                self._remove(oldest, "bytes" if self._bytes > self.max_bytes else "entries")
-            self._start_sweeper()
-            return True
-
-    def pop(self, key: str) -> V:
-        """Take the value out of the cache (the caller owns it now)."""
-        with self.lock:
-            return self._remove(key, None).value
-
-    def shrink(self, bytes_wanted: int, reason: str = "memory") -> int:
-        """Evict least recently used entries until `bytes_wanted` are freed (or none is left);
-        the bytes freed. For a memory budget that spans several caches."""
-        freed = 0
-        with self.lock:
-            while self._slots and freed < bytes_wanted:
-                freed += self._remove(next(iter(self._slots)), reason).nbytes
-        return freed
-
-    def sweep(self) -> None:
-        """Drop entries idle for longer than the TTL."""
-        with self.lock:
-            cutoff = time.monotonic() - self.ttl_seconds
-            for key in [k for k, s in self._slots.items() if s.last_used < cutoff]:
-                self._remove(key, "ttl")
-
-    def clear(self) -> None:
-        with self.lock:
-            for key in list(self._slots):
-                self._remove(key, "cleared")
-
-    def _remove(self, key: str, reason: str | None) -> _Slot[V]:
-        slot = self._slots.pop(key)
-        self._bytes -= slot.nbytes
-        metrics.CACHE_BYTES.labels(cache=self.name).dec(slot.nbytes)
-        metrics.CACHE_ENTRIES.labels(cache=self.name).dec()
-        if reason is not None:
-            metrics.CACHE_EVICTIONS.labels(cache=self.name, reason=reason).inc()
-        return slot
-
-    def _start_sweeper(self) -> None:
-        # Started on first use, i.e. in the process that serves (threads do not survive a fork).
-        if self._sweeper is None or not self._sweeper.is_alive():
-            self._sweeper = threading.Thread(target=self._sweep_while_held, name=f"{self.name}-cache-ttl",
-                                             daemon=True)
-            self._sweeper.start()
-
-    def _sweep_while_held(self) -> None:
-        interval = min(60.0, max(self.ttl_seconds / 4, 0.05))
-        while self._slots:
-            time.sleep(interval)
-            self.sweep()
-
-
 # -- conversation KV cache ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class ImageSpan:
-    """An image inside a token sequence: [start, end) from <|vision_start|> to <|vision_end|>, and
-    an identity of its pixels and grid (same tokens with another picture behind them differ here)."""
+class VisionSpan:
+    """An image or a video inside a token sequence: [start, end) from its first <|vision_start|> to
+    its last <|vision_end|>, and an identity of its pixels and grid (the same tokens with another
+    picture behind them differ here)."""
 
     start: int
     end: int
@@ -180,7 +49,7 @@ class ImageSpan:
 @dataclass
 class KVEntry:
     token_ids: torch.Tensor  # 1-D: exactly the tokens `cache` holds keys and values for
-    images: list[ImageSpan]
+    images: list[VisionSpan]
     prompt_tokens: int  # the prompt of the generation that made it (the rest is its answer)
     conversation_id: str | None
     cache: DynamicCache
@@ -195,7 +64,7 @@ class KVReuse:
     tokens: int
 
 
-def reusable_prefix(entry: KVEntry, token_ids: torch.Tensor, images: list[ImageSpan]) -> int:
+def reusable_prefix(entry: KVEntry, token_ids: torch.Tensor, images: list[VisionSpan]) -> int:
     """How many leading tokens of `token_ids` the entry's cache holds exactly: the common token
     prefix, cut back to before the first image whose picture differs or that it would split, and
     leaving at least one token to compute (the forward that gives the first logits needs one)."""
@@ -241,7 +110,7 @@ class ConversationCache:
     def enabled(self) -> bool:
         return self.entries.enabled
 
-    def take(self, token_ids: torch.Tensor, images: list[ImageSpan], conversation_id: str | None) -> KVReuse | None:
+    def take(self, token_ids: torch.Tensor, images: list[VisionSpan], conversation_id: str | None) -> KVReuse | None:
         """The KV cache of the longest reusable prefix of `token_ids` (1-D), or None on a miss.
 
         The entry itself is handed over (no copy) when this request supersedes it — it continues the
@@ -276,7 +145,7 @@ class ConversationCache:
         metrics.CACHE_REUSED_TOKENS.inc(best)
         return KVReuse(cache=cache, tokens=best)
 
-    def put(self, conversation_id: str | None, token_ids: torch.Tensor, images: list[ImageSpan],
+    def put(self, conversation_id: str | None, token_ids: torch.Tensor, images: list[VisionSpan],
             prompt_tokens: int, cache: DynamicCache) -> bool:
         """Keep a finished generation's cache; `token_ids` are the tokens it covers."""
         if not self.enabled:

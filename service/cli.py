@@ -35,6 +35,8 @@ def _peak_rss_gib() -> float:
 
 
 def cmd_chat(args) -> int:
+    from pydantic import ValidationError
+
     from .checkpoints import RANDOM_MODEL_WARNING
     from .engine import Completion, Engine, GenerationRequest, SamplingParams
     from .errors import ServiceError
@@ -49,27 +51,26 @@ def cmd_chat(args) -> int:
     engine = Engine(loaded, settings)
     try:
         t0 = time.perf_counter()
-        parts = [ImagePart(decode_image(Path(p).read_bytes(), loaded.image_limits)) for p in args.image]
-        decode_seconds = time.perf_counter() - t0
+        parts = [ImagePart(decode_image(Path(p).read_bytes(), engine.limits.image)) for p in args.image]
         parts.append(TextPart(args.prompt))
         messages = ([ChatMessage("system", [TextPart(args.system)])] if args.system else []) + \
             [ChatMessage("user", parts)]
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop or [])
-        request = GenerationRequest(messages, params, image_decode_seconds=decode_seconds, received_at=t0)
+        request = GenerationRequest(messages, params, received_at=t0)
         for event in engine.generate(request):
             if isinstance(event, Completion):
                 done = event
             else:
                 print(event.text, end="", flush=True)
-    except (ServiceError, OSError) as exc:
+    except (ServiceError, ValidationError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     t = done.timings
     print("\n")
-    print(f"load {loaded.load_seconds:.2f} s | image decode {t['image_decode'] * 1000:.1f} ms | "
-          f"vision encode {t['vision_encode']:.2f} s | prefill {t['prefill']:.2f} s | "
-          f"time to first token {t['time_to_first_token']:.2f} s | decode {t['decode_tokens_per_s']:.1f} tok/s | "
+    print(f"load {loaded.load_seconds:.2f} s | image decode {t.image_decode * 1000:.1f} ms | "
+          f"vision encode {t.vision_encode:.2f} s | prefill {t.prefill:.2f} s | "
+          f"time to first token {t.time_to_first_token:.2f} s | decode {t.decode_tokens_per_s:.1f} tok/s | "
           f"{done.prompt_tokens} prompt + {done.completion_tokens} new tokens ({done.finish_reason}) | "
           f"peak RSS {_peak_rss_gib():.2f} GiB", file=sys.stderr)
     return 0

@@ -8,6 +8,7 @@ decode when the target is much smaller) → alpha, bit depth, grayscale → resi
 from __future__ import annotations
 
 import hashlib
+import time
 import math
 import struct
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ class DecodedImage:
     source_format: str
     source_size: tuple[int, int]  # (width, height) as stored, before orientation and resizing
     digest: str  # of the resized pixels: the vision-feature cache key
+    decode_seconds: float = 0.0  # checking, decoding and resizing it
 
     @property
     def size(self) -> tuple[int, int]:
@@ -186,6 +188,7 @@ def decode_image(data: bytes, limits: ImageLimits) -> DecodedImage:
     Raises ImageError (400) for empty, unknown, truncated or corrupt data and TooLarge (413) for
     bytes or dimensions beyond the limits.
     """
+    started = time.perf_counter()
     fmt = checked_upload(data, "image", limits.max_bytes, sniff_format, ImageError, "JPEG, PNG, WebP or BMP")
     width, height = header_size(data, fmt)
     if width <= 0 or height <= 0:
@@ -207,4 +210,5 @@ def decode_image(data: bytes, limits: ImageLimits) -> DecodedImage:
     target = fit_to_budget(rgb.shape[1], rgb.shape[0], limits)
     rgb = np.ascontiguousarray(resize_to(rgb, target))
     digest = hashlib.blake2b(rgb.tobytes(), digest_size=16, person=b"qwen3vl-img").hexdigest()
-    return DecodedImage(pixels=rgb, source_format=fmt, source_size=(width, height), digest=digest)
+    return DecodedImage(pixels=rgb, source_format=fmt, source_size=(width, height), digest=digest,
+                        decode_seconds=time.perf_counter() - started)

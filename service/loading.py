@@ -10,12 +10,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers.image_utils import SizeDict
 
 from .checkpoints import RANDOM_MODEL_WARNING, embedded_model_dir, is_random_test_model
-from .images import ImageLimits
 from .fusion import fuse_projections
 from .int8_linear import default_kernel
+from .limits import fit_processor
 from .memory import MemoryGuard
 from .quantized import load_quantized, quantize_in_place, quantized_marker
 from .settings import Settings
@@ -32,14 +31,9 @@ class LoadedModel:
     quantization: str
     is_random: bool
     load_seconds: float
-    image_limits: ImageLimits
     eos_token_ids: list[int] = field(default_factory=list)
     prequantized: bool = False  # loaded from an INT8 checkpoint (`python -m service quantize`)
     weights_mapped: bool = False  # Linear weights memory-mapped: the model did not fit MAX_MEMORY_MB
-
-    @property
-    def tokenizer(self):
-        return self.processor.tokenizer
 
 
 def _processor_class():
@@ -74,19 +68,6 @@ def load_processor(path: Path):
                               chat_template=chat_template)
 
 
-def image_limits_for(processor, settings: Settings) -> ImageLimits:
-    """The decode limits, with the budget clipped to what the processor itself would allow."""
-    ip = processor.image_processor
-    size = ip.size
-    factor = ip.patch_size * ip.merge_size
-    max_pixels = min(settings.image_max_pixels, size.longest_edge or settings.image_max_pixels)
-    min_pixels = min(size.shortest_edge or factor * factor, max_pixels)
-    # Make the processor's own resize rule agree with ours, so it never resizes a second time.
-    ip.size = SizeDict(shortest_edge=min_pixels, longest_edge=max_pixels)  # as loaded: callable again
-    return ImageLimits(max_bytes=settings.image_max_bytes, max_decoded_pixels=settings.image_max_decoded_pixels,
-                       max_pixels=max_pixels, min_pixels=min_pixels, factor=factor)
-
-
 class _OnceWarnings:
     """Collects library warnings during a phase and logs each distinct one once."""
 
@@ -115,6 +96,7 @@ def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
     start = time.perf_counter()
     path = settings.model_path or embedded_model_dir(settings.cache_dir)
     processor = load_processor(path)
+    fit_processor(processor, settings)
     hf_logging.set_verbosity_error()
     prequantized, mapped = quantized_marker(path) is not None, False
     if prequantized and settings.quantization != "int8":
@@ -151,7 +133,7 @@ def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
         name="embedded-random-tiny-qwen3-vl" if settings.model_path is None else path.name,
         quantization=settings.quantization, is_random=is_random,
         load_seconds=time.perf_counter() - start,
-        image_limits=image_limits_for(processor, settings), eos_token_ids=eos_ids,
+        eos_token_ids=eos_ids,
         prequantized=prequantized, weights_mapped=mapped,
     )
     log.info("loaded %s (%s%s) from %s in %.1f s", loaded.name,

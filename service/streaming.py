@@ -20,11 +20,6 @@ class TokenStreamer(TextIteratorStreamer):
         self.longest_gap = 0.0  # the longest wait between two tokens, seconds
         self._held = 0  # tokens held back waiting for the rest of a UTF-8 character
 
-    def put(self, value):
-        """TextIteratorStreamer's entry point (a tensor of ids)."""
-        for token in value.flatten().tolist():
-            self.put_token(token)
-
     def put_token(self, token: int) -> None:
         """One generated token (the scheduler's call: no tensor made per token)."""
         ids = [token]

@@ -32,8 +32,6 @@ import torch
 
 from .errors import TooLarge, VideoError
 from .images import ImageLimits, checked_upload, fit_to_budget, resize_to, to_rgb8
-from .vision import VisionFeatures
-from .vision_steps import run_to_end, video_steps
 
 TEMP_PREFIX = "qwen3vl-video-"
 
@@ -131,11 +129,6 @@ def frame_size(width: int, height: int, num_frames: int, limits: VideoLimits) ->
     if (w // limits.factor) * (h // limits.factor) > tokens_per_frame:
         raise VideoError(f"a {width}x{height} video is too narrow for the visual-token budget")
     return w, h
-
-
-def visual_tokens(grid_thw: torch.Tensor, merge: int = 2) -> int:
-    """Tokens a video (grid row) takes in the prompt."""
-    return int(grid_thw.prod()) // merge ** 2
 
 
 def decode_video(data: bytes, limits: VideoLimits) -> DecodedVideo:
@@ -244,13 +237,3 @@ def video_prompt_text(processor, grid_thw: torch.Tensor, timestamps: list[float]
     pads = processor.video_token * (h * w // processor.image_processor.merge_size ** 2)
     return "".join(f"<{timestamps[i]:.1f} seconds>{processor.vision_start_token}{pads}{processor.vision_end_token}"
                    for i in range(t))
-
-
-def encode_video(encoder, pixel_values_videos: torch.Tensor, video_grid_thw: torch.Tensor) -> VisionFeatures:
-    """One video's features, one temporal patch per encoder call (`vision_steps.video_steps` without pauses).
-
-    The vision tower attends within a temporal patch only and embeds each one alike, so this equals
-    `get_video_features` on the whole video (tests check it), works with any encoder backend, and
-    keeps a frame pair's features independent of the others under INT8 (activation scales are per call).
-    """
-    return run_to_end(video_steps(encoder, pixel_values_videos, video_grid_thw))

@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT))
 from service.checkpoints import embedded_model_dir  # noqa: E402
 from service.engine import Engine  # noqa: E402
 from service.loading import load_model  # noqa: E402
+from service.prompts import prepare_prompt  # noqa: E402
 from service.settings import load_settings  # noqa: E402
 
 # Tests use the embedded model built in a cache of their own, never a user's MODEL_PATH.
@@ -32,6 +33,11 @@ def tiny_dir(cache_dir) -> Path:
 
 def make_settings(cache_dir, **overrides):
     return load_settings(cache_dir=cache_dir, threads=2, **overrides)
+
+
+def prepared(engine, request):
+    """The request's prompt as the engine prepares it (tokens, spans, patches), without running it."""
+    return prepare_prompt(engine.processor, request.messages, engine.limits.prompt)
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,9 @@ import time
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
-from conftest import make_settings
+from conftest import make_settings, prepared
 from imaging import encode, pattern
 from service.batching import Sampler
 from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
@@ -36,7 +37,7 @@ def engines(cache_dir, tiny_dir):
 
 
 def picture(engine, size=256, seed=0):
-    return decode_image(encode(pattern(size, size, seed=seed), ".png"), engine.loaded.image_limits)
+    return decode_image(encode(pattern(size, size, seed=seed), ".png"), engine.limits.image)
 
 
 def request(parts, max_tokens=24, **params) -> GenerationRequest:
@@ -60,7 +61,7 @@ class Stream:
         return self
 
     def _run(self):
-        generation = self.engine.start(self.request)
+        generation = self.engine.submit(self.request)
         try:
             for event in generation:
                 if isinstance(event, TextDelta):
@@ -154,7 +155,7 @@ def test_a_sequence_cancelled_mid_way_leaves_at_once_and_the_others_stay_exact(e
     # It left within a step of the close (one more token may have been in flight as it was read).
     assert len(quitter.token_ids()) <= quitter.tokens_at_close + 2
     assert [s.join().token_ids() for s in streams] == expected
-    assert engine.scheduler.batch_size == 0 and engine.admission.in_use == 0
+    assert engine.scheduler.batch_size == 0 and not engine.admission.busy
 
 
 @QUANTIZATIONS
@@ -212,7 +213,7 @@ def test_a_sampling_failure_ends_only_its_own_request(engines, monkeypatch, fail
     if fail_at > 1:  # it failed inside a decode step shared with its neighbours
         assert calls["batch_at_failure"] >= 2
     assert [s.join().token_ids() for s in streams] == expected
-    assert engine.scheduler.batch_size == 0 and engine.admission.in_use == 0
+    assert engine.scheduler.batch_size == 0 and not engine.admission.busy
 
 
 def test_prefill_of_a_newcomer_is_interleaved_with_the_batchs_decoding(engines):
@@ -239,14 +240,14 @@ def test_beyond_the_batch_requests_wait_in_the_queue_and_beyond_the_queue_get_42
         wait_for_tokens(s, 2)
     waiter = Stream(engine, request([TextPart("Me next.")], max_tokens=3)).start()
     deadline = time.monotonic() + 10
-    while engine.admission.waiting < 1:
+    while (REGISTRY.get_sample_value("qwen3vl_queue_depth") or 0) < 1:  # the queue's gauge
         assert time.monotonic() < deadline
         time.sleep(0.01)
     with pytest.raises(QueueFull):
-        engine.start(request([TextPart("And me.")]))
+        engine.submit(request([TextPart("And me.")]))
     running[0].request.cancel.set()
     waiter.join()
-    assert waiter.done.completion_tokens == 3 and waiter.done.timings["queue_wait"] > 0
+    assert waiter.done.completion_tokens == 3 and waiter.done.timings.queue_wait > 0
     running[1].request.cancel.set()
     running[1].join()
 
@@ -261,7 +262,7 @@ def test_batch_size_one_runs_one_generation_at_a_time(cache_dir, tiny_dir):
 
 def test_vision_tower_in_steps_equals_the_models_own_encoder(engines):
     engine = engines["fp32"]
-    prompt = engine.prepare(request([ImagePart(picture(engine, 320)), TextPart("x")]))
+    prompt = prepared(engine, request([ImagePart(picture(engine, 320)), TextPart("x")]))
     with torch.inference_mode():
         own = engine.model.model.get_image_features(prompt.pixel_values[0], prompt.image_grid_thw)
     steps = run_to_end(image_steps(engine.vision_encoder, prompt.pixel_values[0], prompt.image_grid_thw))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client import REGISTRY
 
-from conftest import make_settings
+from conftest import make_settings, prepared
 from imaging import encode, pattern
 from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
 from service.errors import PromptTooLong
@@ -22,7 +22,7 @@ from service.prompts import ChatMessage, ImagePart, TextPart
 
 
 def image(engine, width=224, height=224, seed=0):
-    return decode_image(encode(pattern(width, height, seed=seed), ".png"), engine.loaded.image_limits)
+    return decode_image(encode(pattern(width, height, seed=seed), ".png"), engine.limits.image)
 
 
 def user(*parts):
@@ -74,7 +74,7 @@ def converse(engines, turns, conversation_id=None, max_tokens=8):
 
 
 def prompt_of(engine, messages):
-    return engine.prepare(GenerationRequest(messages))
+    return prepared(engine, GenerationRequest(messages))
 
 
 def image_end(engine, messages) -> int:
@@ -229,7 +229,7 @@ def test_same_tokens_with_another_picture_is_a_miss_at_that_image(engines):
 
 def test_repeated_image_in_a_new_conversation_skips_the_vision_encoder(engines):
     e = engines.cached
-    e.vision_encoder = counter = CountingEncoder(e.vision_encoder)
+    e.prefiller.vision_encoder = counter = CountingEncoder(e.vision_encoder)
     a = image(e)
     engines.ask([user(a, "What is in this picture?")], "c8")
     assert counter.images == 1
@@ -241,7 +241,7 @@ def test_repeated_image_in_a_new_conversation_skips_the_vision_encoder(engines):
 
 def test_same_picture_opening_a_new_conversation_reuses_its_keys_and_values(engines):
     e = engines.cached
-    e.vision_encoder = counter = CountingEncoder(e.vision_encoder)
+    e.prefiller.vision_encoder = counter = CountingEncoder(e.vision_encoder)
     a = image(e)
     engines.ask([user(a, "What is in this picture?")], "c10")
     done = engines.ask([user(a, "Which colours do you see?")], "c11")
@@ -262,7 +262,7 @@ def test_cached_vision_features_equal_the_encoders(engines):
 
 def test_vision_cache_tells_different_pictures_apart(engines):
     e = engines.cached
-    e.vision_encoder = counter = CountingEncoder(e.vision_encoder)
+    e.prefiller.vision_encoder = counter = CountingEncoder(e.vision_encoder)
     turn(e, [user(image(e, seed=1), "one")], max_tokens=2)
     _, done = turn(e, [user("x", image(e, seed=2), "two")], max_tokens=2)
     assert counter.images == 2 and done.vision_cache_hits == 0

@@ -119,7 +119,7 @@ def test_under_a_cgroup_limit_the_default_budget_follows_it_and_holds(cache_dir,
 def test_engine_over_budget_answers_503_with_a_clear_message(cache_dir, tiny_dir):
     settings = make_settings(cache_dir, quantization="int8", max_memory_mb=1)
     engine = Engine(load_model(settings), settings)
-    for attempt in (lambda: next(engine.generate(question())), lambda: engine.start(question())):
+    for attempt in (lambda: next(engine.generate(question())), lambda: engine.submit(question())):
         with pytest.raises(Unavailable) as exc:
             attempt()
         assert exc.value.status == 503
@@ -141,7 +141,7 @@ def test_model_larger_than_the_budget_is_served_from_memory_mapped_weights(cache
     assert mapped.weights_mapped and not packed.weights_mapped
     assert any(isinstance(m, MappedInt8Linear) for m in mapped.model.modules())
     assert "memory-mapped" in caplog.text and "slower" in caplog.text
-    ids = packed.tokenizer("Tell me a story about a red square.", return_tensors="pt").input_ids
+    ids = packed.processor.tokenizer("Tell me a story about a red square.", return_tensors="pt").input_ids
     with torch.inference_mode():
         a = packed.model(input_ids=ids).logits[0]
         b = mapped.model(input_ids=ids).logits[0]

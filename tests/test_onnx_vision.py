@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import make_settings
+from conftest import make_settings, prepared
 from imaging import encode, pattern
 from service.cli import main
 from service.engine import Completion, Engine, GenerationRequest, SamplingParams
@@ -58,13 +58,13 @@ def onnx_engine(checkpoint, cache_dir, export_dir):
 
 
 def messages(engine, sizes, text="Describe the picture.") -> list[ChatMessage]:
-    parts = [ImagePart(decode_image(encode(pattern(w, h, seed=i), ".png"), engine.loaded.image_limits))
+    parts = [ImagePart(decode_image(encode(pattern(w, h, seed=i), ".png"), engine.limits.image))
              for i, (w, h) in enumerate(sizes)]
     return [ChatMessage("user", [*parts, TextPart(text)])]
 
 
 def prompt(engine, sizes):
-    return engine.prepare(GenerationRequest(messages(engine, sizes)))
+    return prepared(engine, GenerationRequest(messages(engine, sizes)))
 
 
 def outputs(features):

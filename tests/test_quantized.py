@@ -51,7 +51,7 @@ def load_time_engine(cache_dir, tiny_dir) -> Engine:
 def greedy(engine: Engine, text: str, with_image: bool) -> Completion:
     parts = [TextPart(text)]
     if with_image:
-        img = decode_image(encode(pattern(448, 320, seed=len(text)), ".png"), engine.loaded.image_limits)
+        img = decode_image(encode(pattern(448, 320, seed=len(text)), ".png"), engine.limits.image)
         parts.insert(0, ImagePart(img))
     events = list(engine.generate(GenerationRequest([ChatMessage("user", parts)],
                                                     SamplingParams(max_tokens=24, temperature=0))))

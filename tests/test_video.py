@@ -18,15 +18,16 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.video_utils import VideoMetadata
 
 from clips import WRITABLE, noise, write_clip
-from conftest import make_settings
+from conftest import make_settings, prepared
 from imaging import encode, pattern
 from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
 from service.errors import BadRequest, TooLarge, VideoError
 from service.images import decode_image
 from service.prompts import ChatMessage, ImagePart, TextPart, VideoPart
-from service.video import (TEMP_PREFIX, DecodedVideo, VideoLimits, decode_video, encode_video, frame_size,
-                           frame_timestamps, sample_indices, video_patches, video_prompt_text)
+from service.video import (TEMP_PREFIX, DecodedVideo, VideoLimits, decode_video, frame_size, frame_timestamps,
+                           sample_indices, video_patches, video_prompt_text)
 from service.vision import TorchVisionEncoder
+from service.vision_steps import run_to_end, video_steps
 
 LIMITS = VideoLimits(max_bytes=5 * 1024 * 1024, max_seconds=30, max_source_pixels=1920 * 1080, max_source_frames=900,
                      fps=2.0, max_frames=32, max_visual_tokens=1024, max_frame_pixels=448 * 448)
@@ -158,7 +159,7 @@ def test_video_features_one_frame_pair_at_a_time_equal_get_video_features(fp32_e
     pixel_values, grid = video_patches(video, fp32_engine.processor.image_processor)
     with torch.inference_mode():
         whole = model.model.get_video_features(pixel_values, grid)
-        ours = encode_video(TorchVisionEncoder(model), pixel_values, grid)
+        ours = run_to_end(video_steps(TorchVisionEncoder(model), pixel_values, grid))  # what the engine runs
     torch.testing.assert_close(ours.pooler, whole.pooler_output[0], rtol=1e-5, atol=1e-5)
     for mine, theirs in zip(ours.deepstack, whole.deepstack_features, strict=True):
         torch.testing.assert_close(mine, theirs[0], rtol=1e-5, atol=1e-5)
@@ -233,39 +234,39 @@ def engines(engine, cache_dir):
 
 
 def test_a_question_about_a_clip_streams_an_answer(engine, clip):
-    video = decode_video(clip, engine.video_limits)
+    video = decode_video(clip, engine.limits.video)
     events, done = answer(engine, [user(video, "What happens in this clip?")], max_tokens=12)
     assert sum(isinstance(e, TextDelta) for e in events) >= 2 and isinstance(done, Completion)
     assert done.completion_tokens == 12 and done.videos == 1 and done.images == 0
-    text_only = engine.prepare(GenerationRequest([user("What happens in this clip?")])).num_tokens
+    text_only = prepared(engine, GenerationRequest([user("What happens in this clip?")])).num_tokens
     # 80 visual tokens, each of the 4 frame pairs with a "<t seconds>" and its start and end tokens.
     assert done.prompt_tokens - text_only > 80 + 4 * 2
-    assert done.timings["vision_encode"] > 0
+    assert done.timings.vision_encode > 0
 
 
 def test_follow_up_question_reuses_the_cache_and_answers_as_a_full_recompute(engines, clip):
     cached, plain = engines
-    video = decode_video(clip, cached.video_limits)
+    video = decode_video(clip, cached.limits.video)
     history = [user(video, "What happens in this clip?")]
     first, done = answer(cached, history, "clip-1")
     assert [e.text for e in first[:-1]] == [e.text for e in answer(plain, history)[0][:-1]]
     history += [ChatMessage("assistant", [TextPart(done.text)]), user("And then?")]
     second, again = answer(cached, history, "clip-1")
-    video_end = cached.prepare(GenerationRequest(history)).video_spans[0][1]
+    video_end = prepared(cached, GenerationRequest(history)).video_spans[0][1]
     assert again.cached_tokens >= video_end  # the whole video came from the KV cache
-    assert again.timings["vision_encode"] < done.timings["vision_encode"]
+    assert again.timings.vision_encode < done.timings.vision_encode
     assert again.text == answer(plain, history)[1].text
 
 
 def test_another_clip_behind_the_same_tokens_is_not_taken_from_the_cache(engines, clip, tmp_path):
     cached, plain = engines
-    square = decode_video(clip, cached.video_limits)
-    other = decode_video(write_clip(tmp_path / "noise.mp4", frames=40, fps=10.0, frame=noise), cached.video_limits)
+    square = decode_video(clip, cached.limits.video)
+    other = decode_video(write_clip(tmp_path / "noise.mp4", frames=40, fps=10.0, frame=noise), cached.limits.video)
     question = [user(square, "What happens?")]
     answer(cached, question, "square")
     swapped = [user(other, "What happens?")]
-    prompt = cached.prepare(GenerationRequest(swapped))
-    assert prompt.input_ids.tolist() == cached.prepare(GenerationRequest(question)).input_ids.tolist()
+    prompt = prepared(cached, GenerationRequest(swapped))
+    assert prompt.input_ids.tolist() == prepared(cached, GenerationRequest(question)).input_ids.tolist()
     _, done = answer(cached, swapped, "noise")
     assert done.cached_tokens <= prompt.video_spans[0][0] and done.vision_cache_hits == 0
     assert done.text == answer(plain, swapped)[1].text
@@ -273,7 +274,7 @@ def test_another_clip_behind_the_same_tokens_is_not_taken_from_the_cache(engines
 
 def test_same_clip_in_a_new_conversation_skips_the_vision_encoder(engines, clip):
     cached, _ = engines
-    video = decode_video(clip, cached.video_limits)
+    video = decode_video(clip, cached.limits.video)
     answer(cached, [user(video, "What moves?")])
     _, done = answer(cached, [user("Another question.", video)])
     assert done.vision_cache_hits == 1
@@ -283,12 +284,12 @@ def test_images_and_a_video_in_one_conversation_answer_as_the_models_own_pixel_p
     """What this service feeds the model for a video equals what the model computes from the pixels.
     (Sampled with a seed: sampling follows small logit changes that greedy decoding can hide.)"""
     engine = fp32_engine
-    picture = decode_image(encode(pattern(256, 256), ".png"), engine.loaded.image_limits)
-    video = decode_video(write_clip(tmp_path / "noise.avi", frame=noise), engine.video_limits)
+    picture = decode_image(encode(pattern(256, 256), ".png"), engine.limits.image)
+    video = decode_video(write_clip(tmp_path / "noise.avi", frame=noise), engine.limits.video)
     messages = [user(picture, "Look at this picture, then this clip:", video, "What changed?")]
     sampling = SamplingParams(max_tokens=30, temperature=1.0, top_k=0, top_p=1.0, seed=7)
     done = list(engine.generate(GenerationRequest(messages, sampling)))[-1]
-    prompt = engine.prepare(GenerationRequest(messages))
+    prompt = prepared(engine, GenerationRequest(messages))
     assert prompt.image_spans[0][1] <= prompt.video_spans[0][0]
     engine.model.model.rope_deltas = None
     torch.manual_seed(7)
@@ -308,10 +309,10 @@ def test_prompt_with_an_image_and_a_video_is_the_reference_layout(fp32_engine, c
     whole by timestamped frame pairs, the image expanded by the processor itself."""
     engine = fp32_engine
     processor = engine.processor
-    picture = decode_image(encode(pattern(256, 256), ".png"), engine.loaded.image_limits)
-    video = decode_video(clip, engine.video_limits)
+    picture = decode_image(encode(pattern(256, 256), ".png"), engine.limits.image)
+    video = decode_video(clip, engine.limits.video)
     messages = [user(picture, video, "Compare.")]
-    prompt = engine.prepare(GenerationRequest(messages))
+    prompt = prepared(engine, GenerationRequest(messages))
     text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {
         "type": "text", "text": "Compare."}]}], tokenize=False, add_generation_prompt=True)
     image_grid = processor.image_processor(images=[picture.pixels], return_tensors="pt")["image_grid_thw"]
@@ -331,15 +332,15 @@ def test_prompt_with_an_image_and_a_video_is_the_reference_layout(fp32_engine, c
 
 
 def test_placeholder_tokens_typed_in_the_text_are_refused(fp32_engine, clip):
-    video = decode_video(clip, fp32_engine.video_limits)
+    video = decode_video(clip, fp32_engine.limits.video)
     with pytest.raises(BadRequest):
-        fp32_engine.prepare(GenerationRequest([user(video, "a <|video_pad|> in the text")]))
+        prepared(fp32_engine, GenerationRequest([user(video, "a <|video_pad|> in the text")]))
 
 
 def test_videos_beyond_the_per_request_limit_are_refused(fp32_engine, clip):
-    video = decode_video(clip, fp32_engine.video_limits)
+    video = decode_video(clip, fp32_engine.limits.video)
     with pytest.raises(BadRequest) as caught:
-        fp32_engine.prepare(GenerationRequest([user(video, video, video, "three clips")]))
+        prepared(fp32_engine, GenerationRequest([user(video, video, video, "three clips")]))
     assert caught.value.code == "too_many_videos"
 
 

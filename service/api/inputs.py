@@ -6,10 +6,10 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-import time
 
 from ..errors import BadRequest, ImageError, TooLarge, VideoError
 from ..images import DecodedImage, ImageLimits, decode_image
+from ..limits import RequestLimits
 from ..prompts import ChatMessage, ImagePart, TextPart, VideoPart
 from ..video import DecodedVideo, VideoLimits, decode_video
 from .protocol import ImageURLPart, Message, VideoURLPart
@@ -104,12 +104,9 @@ def checked_text(text: str, param: str) -> str:
     return text
 
 
-def to_chat_messages(messages: list[Message], limits: ImageLimits,
-                     video_limits: VideoLimits) -> tuple[list[ChatMessage], float]:
-    """OpenAI-format messages → ChatMessages, and the seconds spent decoding their images
-    (a video's decode time is its own `decode_seconds`)."""
+def to_chat_messages(messages: list[Message], limits: RequestLimits) -> list[ChatMessage]:
+    """OpenAI-format messages → ChatMessages (images and videos decoded, each with its decode time)."""
     out: list[ChatMessage] = []
-    decode_seconds = 0.0
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
         if m.content is None or isinstance(m.content, str):
@@ -119,16 +116,14 @@ def to_chat_messages(messages: list[Message], limits: ImageLimits,
         for j, part in enumerate(m.content):
             if isinstance(part, ImageURLPart):
                 url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
-                t0 = time.perf_counter()
-                parts.append(ImagePart(decode_data_url(url, limits, f"messages[{i}].content[{j}]")))
-                decode_seconds += time.perf_counter() - t0
+                parts.append(ImagePart(decode_data_url(url, limits.image, f"messages[{i}].content[{j}]")))
             elif isinstance(part, VideoURLPart):
                 url = part.video_url if isinstance(part.video_url, str) else part.video_url.url
-                parts.append(VideoPart(decode_video_data_url(url, video_limits, f"messages[{i}].content[{j}]")))
+                parts.append(VideoPart(decode_video_data_url(url, limits.video, f"messages[{i}].content[{j}]")))
             else:
                 parts.append(TextPart(checked_text(part.text, f"messages[{i}].content[{j}]")))
         out.append(ChatMessage(role, parts))
-    return out, decode_seconds
+    return out
 
 
 def user_message(prompt: str, images: list[DecodedImage], videos: list[DecodedVideo] = ()) -> ChatMessage:
@@ -138,6 +133,3 @@ def user_message(prompt: str, images: list[DecodedImage], videos: list[DecodedVi
                                 TextPart(checked_text(prompt, "prompt"))])
 
 
-def video_decode_seconds(messages: list[ChatMessage]) -> float:
-    """Seconds spent decoding the videos in `messages`."""
-    return sum(v.decode_seconds for m in messages for v in m.videos)

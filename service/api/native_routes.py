@@ -12,15 +12,16 @@ import time
 
 from flask import Blueprint, Response, g, jsonify, request
 
-from ..engine import Completion, TextDelta
+from ..generation import Completion, TextDelta
+from ..limits import RequestLimits
 from ..errors import BadRequest, ServiceError, UnsupportedMediaType
 from ..prompts import ChatMessage, TextPart
 from . import protocol
 from .state import state
 from .inputs import (decode_file, decode_inline_image, decode_inline_video, decode_video_file, to_chat_messages,
-                     user_message, video_decode_seconds)
+                     user_message)
 from .requests import conversation_header, generation_request, json_body
-from .serving import EventStream, admit, collect
+from .serving import EventStream, collect
 
 native = Blueprint("native", __name__)
 ENDPOINT = "/v1/chat"
@@ -30,7 +31,7 @@ def _line(obj: dict) -> bytes:
     return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
 
 
-def _from_form(limits, video_limits) -> tuple[protocol.NativeChatRequest, list[ChatMessage], float]:
+def _from_form(limits: RequestLimits) -> tuple[protocol.NativeChatRequest, list[ChatMessage]]:
     form, files = request.form, request.files
     if None in form or None in files or "" in form or "" in files:
         raise BadRequest("a form part has no name: each needs Content-Disposition: form-data; name=\"...\"")
@@ -50,14 +51,12 @@ def _from_form(limits, video_limits) -> tuple[protocol.NativeChatRequest, list[C
     body = protocol.NativeChatRequest.model_validate(fields)
     if body.prompt is None:
         raise BadRequest("the form needs a prompt field: -F prompt='your question'", param="prompt")
-    t0 = time.perf_counter()
-    images = [decode_file(f.read(), limits, f"image[{i}]") for i, f in enumerate(files.getlist("image"))]
-    seconds = time.perf_counter() - t0
-    videos = [decode_video_file(f.read(), video_limits, f"video[{i}]") for i, f in enumerate(files.getlist("video"))]
-    return body, [user_message(body.prompt, images, videos)], seconds
+    images = [decode_file(f.read(), limits.image, f"image[{i}]") for i, f in enumerate(files.getlist("image"))]
+    videos = [decode_video_file(f.read(), limits.video, f"video[{i}]") for i, f in enumerate(files.getlist("video"))]
+    return body, [user_message(body.prompt, images, videos)]
 
 
-def _from_json(limits, video_limits) -> tuple[protocol.NativeChatRequest, list[ChatMessage], float]:
+def _from_json(limits: RequestLimits) -> tuple[protocol.NativeChatRequest, list[ChatMessage]]:
     body = protocol.NativeChatRequest.model_validate(json_body())
     if (body.messages is None) == (body.prompt is None):
         raise BadRequest("send either messages (OpenAI format) or prompt (+ images, videos), not both or neither",
@@ -66,13 +65,10 @@ def _from_json(limits, video_limits) -> tuple[protocol.NativeChatRequest, list[C
         for name in ("images", "videos"):
             if getattr(body, name):
                 raise BadRequest(f"{name} go inside messages when messages are sent", param=name)
-        messages, seconds = to_chat_messages(body.messages, limits, video_limits)
-        return body, messages, seconds
-    t0 = time.perf_counter()
-    images = [decode_inline_image(s, limits, f"images[{i}]") for i, s in enumerate(body.images or [])]
-    seconds = time.perf_counter() - t0
-    videos = [decode_inline_video(s, video_limits, f"videos[{i}]") for i, s in enumerate(body.videos or [])]
-    return body, [user_message(body.prompt, images, videos)], seconds
+        return body, to_chat_messages(body.messages, limits)
+    images = [decode_inline_image(s, limits.image, f"images[{i}]") for i, s in enumerate(body.images or [])]
+    videos = [decode_inline_video(s, limits.video, f"videos[{i}]") for i, s in enumerate(body.videos or [])]
+    return body, [user_message(body.prompt, images, videos)]
 
 
 def _conversation_id(body: protocol.NativeChatRequest) -> str | None:
@@ -90,11 +86,10 @@ def _conversation_id(body: protocol.NativeChatRequest) -> str | None:
 def chat():
     app_state = state()
     engine = app_state.require_engine()
-    limits = engine.loaded.image_limits
     if request.mimetype in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        body, new_messages, decode_seconds = _from_form(limits, engine.video_limits)
+        body, new_messages = _from_form(engine.limits)
     elif request.is_json:
-        body, new_messages, decode_seconds = _from_json(limits, engine.video_limits)
+        body, new_messages = _from_json(engine.limits)
     else:
         raise UnsupportedMediaType("send application/json or multipart/form-data (curl -F prompt=... -F image=@file "
                                    "-F video=@file)")
@@ -104,12 +99,10 @@ def chat():
     if history and new_messages[0].role == "system":
         raise BadRequest("a system message can only open a conversation", param="messages")
     messages = history + new_messages
-    gen_request = generation_request(messages, body.sampling(), decode_seconds, conversation_id,
-                                     video_decode_seconds(new_messages))
-    generation = admit(engine, gen_request)
-    model = engine.loaded.name
-    head = {"id": g.request_id, "model": model, "conversation_id": conversation_id,
-            "created": int(time.time()), "random_model": engine.loaded.is_random}
+    gen_request = generation_request(messages, body.sampling(), conversation_id, remembered=len(history))
+    generation = engine.submit(gen_request)
+    head = {"id": g.request_id, "model": engine.info.name, "conversation_id": conversation_id,
+            "created": int(time.time()), "random_model": engine.info.is_random}
 
     def remember(done: Completion) -> None:
         answer = ChatMessage("assistant", [TextPart(done.text)], token_ids=done.answer_token_ids)

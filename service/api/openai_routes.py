@@ -8,13 +8,13 @@ import time
 
 from flask import Blueprint, Response, g, jsonify, request
 
-from ..engine import Completion, TextDelta
+from ..generation import Completion, TextDelta
 from ..errors import BadRequest, ServiceError
 from . import protocol
 from .state import state
-from .inputs import to_chat_messages, video_decode_seconds
+from .inputs import to_chat_messages
 from .requests import conversation_header, generation_request, json_body
-from .serving import EventStream, admit, collect
+from .serving import EventStream, collect
 
 openai_api = Blueprint("openai", __name__)
 ENDPOINT = "/v1/chat/completions"
@@ -29,14 +29,12 @@ def chat_completions():
     body = protocol.ChatCompletionRequest.model_validate(json_body())
     if body.tools:
         raise BadRequest("tools are not supported by this server", param="tools", code="unsupported_parameter")
-    app_state = state()
-    engine = app_state.require_engine()
-    messages, decode_seconds = to_chat_messages(body.messages, engine.loaded.image_limits, engine.video_limits)
-    conversation_id = conversation_header() or body.user
+    engine = state().require_engine()
+    messages = to_chat_messages(body.messages, engine.limits)
     gen_request = generation_request(messages, body.sampling(body.max_completion_tokens or body.max_tokens),
-                                     decode_seconds, conversation_id, video_decode_seconds(messages))
-    generation = admit(engine, gen_request)
-    model = engine.loaded.name
+                                     conversation_header() or body.user)
+    generation = engine.submit(gen_request)
+    model = engine.info.name
     if not body.stream:
         return jsonify(protocol.chat_completion(g.request_id, model, collect(generation, gen_request, ENDPOINT)))
 

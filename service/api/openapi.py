@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
 
+from ..limits import RequestLimits
 from .protocol import FORM_FIELDS, ChatCompletionRequest, NativeChatRequest
 
 _REF = "#/components/schemas/{model}"
@@ -43,8 +45,21 @@ def _errors(*codes: int) -> dict:
     return {str(c): _ERROR for c in codes}
 
 
+def openapi_document(limits: RequestLimits) -> dict:
+    """The document for this server: the request schemas, and its limits (`x-limits`; the stop
+    strings a request may carry also as maxItems)."""
+    document = copy.deepcopy(_document())
+    document["info"]["x-limits"] = limits.published()
+    for name in ("ChatCompletionRequest", "NativeChatRequest"):
+        stop = document["components"]["schemas"][name]["properties"]["stop"]
+        for option in stop["anyOf"]:
+            if option.get("type") == "array":
+                option["maxItems"] = limits.max_stop_strings
+    return document
+
+
 @lru_cache(maxsize=1)
-def openapi_document() -> dict:
+def _document() -> dict:
     components: dict = {"Error": _ERROR_SCHEMA}
     openai_ref = _schema(ChatCompletionRequest, components)
     native_ref = _schema(NativeChatRequest, components)
@@ -75,8 +90,8 @@ def openapi_document() -> dict:
                                                          "content": {"application/json": {"schema": {
                                                              "type": "object"}}}}, **_errors(401, 503)}}},
             "/health": {"get": {"summary": "liveness", "responses": {"200": {"description": "alive"}}}},
-            "/ready": {"get": {"summary": "readiness (503 while loading)",
-                               "responses": {"200": {"description": "ready"}, **_errors(401, 503)}}},
+            "/ready": {"get": {"summary": "readiness (503 while loading); needs no API key",
+                               "responses": {"200": {"description": "ready"}, **_errors(503)}}},
             "/metrics": {"get": {"summary": "Prometheus metrics",
                                  "responses": {"200": {"description": "exposition text"}, **_errors(401)}}},
         },

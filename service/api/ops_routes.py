@@ -27,24 +27,22 @@ def ready():
         engine = app_state.require_engine()
     except ServiceError as exc:  # loading, or the load failed
         return error_response(exc)
-    return jsonify({"status": "ready", "model": engine.loaded.name, "random_model": engine.loaded.is_random})
+    return jsonify({"status": "ready", "model": engine.info.name, "random_model": engine.info.is_random})
 
 
 @ops.get("/v1/models")
 def models():
-    engine = state().require_engine()
-    loaded = engine.loaded
-    card = {"id": loaded.name, "object": "model", "created": 0, "owned_by": "local",
-            "quantization": loaded.quantization, "random_test_model": loaded.is_random,
-            "image_max_pixels": loaded.image_limits.max_pixels}  # clients may downscale before upload
-    if loaded.is_random:
+    info = state().require_engine().info
+    card = {"id": info.name, "object": "model", "created": 0, "owned_by": "local", "quantization": info.quantization,
+            "random_test_model": info.is_random, "image_max_pixels": info.image_max_pixels}
+    if info.is_random:
         card["warning"] = RANDOM_MODEL_WARNING
     return jsonify({"object": "list", "data": [card]})
 
 
 @ops.get("/openapi.json")
 def openapi():
-    return jsonify(openapi_document())
+    return jsonify(openapi_document(state().require_engine().limits))
 
 
 @ops.get("/metrics")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from ..engine import Completion, SamplingParams
+from ..generation import (Completion, MaxTokens, RepetitionPenalty, SamplingParams, Seed, StopString, Temperature,
+                          TopK, TopP)
 
 
 # A conversation id (body field or X-Conversation-Id header): also a cache key and Nginx's hash key.
@@ -61,14 +63,15 @@ class StreamOptions(_Lenient):
 
 
 class _Sampling(_Lenient):
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: Annotated[str, StringConstraints(max_length=256)] | list[
-        Annotated[str, StringConstraints(max_length=256)]] | None = None
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    """The sampling fields both endpoints take: their bounds are SamplingParams' own (service/generation.py)."""
+
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    stop: StopString | list[StopString] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
 
     def sampling(self, max_tokens: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -80,7 +83,7 @@ class _Sampling(_Lenient):
 class ChatCompletionRequest(_Sampling):
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: MaxTokens | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
@@ -141,5 +144,5 @@ def native_done(done: Completion) -> dict:
         "usage": {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
                   "cached_tokens": done.cached_tokens},
         "vision_cache_hits": done.vision_cache_hits, "images": done.images, "videos": done.videos,
-        "timings": {k: round(v, 4) for k, v in done.timings.items()},
+        "timings": {k: round(v, 4) for k, v in asdict(done.timings).items()},
     }

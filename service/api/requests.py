@@ -7,7 +7,7 @@ import re
 
 from flask import g, request
 
-from ..engine import GenerationRequest, SamplingParams
+from ..generation import GenerationRequest, SamplingParams
 from ..errors import BadRequest, UnsupportedMediaType
 from ..prompts import ChatMessage
 from .protocol import CONVERSATION_ID_PATTERN
@@ -26,11 +26,10 @@ def json_body() -> dict:
     return body
 
 
-def generation_request(messages: list[ChatMessage], params: SamplingParams, decode_seconds: float,
-                       conversation_id: str | None, video_decode_seconds: float = 0.0) -> GenerationRequest:
-    return GenerationRequest(messages=messages, params=params, received_at=g.received_at,
-                             image_decode_seconds=decode_seconds, video_decode_seconds=video_decode_seconds,
-                             request_id=g.request_id, conversation_id=conversation_id)
+def generation_request(messages: list[ChatMessage], params: SamplingParams, conversation_id: str | None,
+                       remembered: int = 0) -> GenerationRequest:
+    return GenerationRequest(messages=messages, params=params, received_at=g.received_at, request_id=g.request_id,
+                             conversation_id=conversation_id, remembered=remembered)
 
 
 def conversation_header() -> str | None:

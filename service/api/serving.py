@@ -1,5 +1,5 @@
-"""What both chat endpoints share: admit a request to the engine, stream its events while the
-client is still there, record metrics and one log line when it ends."""
+"""What both chat endpoints share: stream a generation's events while the client is still there,
+or collect them, and record metrics and one log line when it ends."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import socket
 from typing import Callable, Iterator
 
 from .. import metrics
-from ..engine import Completion, Engine, Generation, GenerationRequest, TextDelta
+from ..generation import Completion, Generation, GenerationRequest, TextDelta
 from ..errors import InternalError, ServiceError
 
 log = logging.getLogger("service.requests")
@@ -25,16 +25,6 @@ def client_gone(environ) -> bool:
         return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
     except (OSError, ValueError):
         return True
-
-
-def admit(engine: Engine, request: GenerationRequest) -> Generation:
-    """Prepare and admit, keeping the queue-depth gauge right; raises 4xx/429/503 ServiceErrors."""
-    prompt = engine.prepare(request)
-    metrics.QUEUE_DEPTH.inc()
-    try:
-        return engine.start(request, prompt)
-    finally:
-        metrics.QUEUE_DEPTH.dec()
 
 
 def record(request: GenerationRequest, done: Completion | None, endpoint: str, error_code: str | None = None) -> None:
@@ -53,18 +43,17 @@ def record(request: GenerationRequest, done: Completion | None, endpoint: str, e
     metrics.FINISHED.labels(done.finish_reason).inc()
     metrics.GENERATED_TOKENS.inc(done.completion_tokens)
     metrics.PROMPT_TOKENS.inc(done.prompt_tokens)
-    metrics.QUEUE_WAIT.observe(t.get("queue_wait", 0.0))
-    metrics.IMAGE_DECODE.observe(t.get("image_decode", 0.0))
-    metrics.VISION_ENCODE.observe(t.get("vision_encode", 0.0))
+    metrics.QUEUE_WAIT.observe(t.queue_wait)
+    metrics.IMAGE_DECODE.observe(t.image_decode)
+    metrics.VISION_ENCODE.observe(t.vision_encode)
     if done.completion_tokens:
-        metrics.TTFT.observe(t.get("time_to_first_token", 0.0))
+        metrics.TTFT.observe(t.time_to_first_token)
     if done.completion_tokens > 1:
-        metrics.INTER_TOKEN.observe(t.get("decode", 0.0) / (done.completion_tokens - 1))
+        metrics.INTER_TOKEN.observe(t.decode / (done.completion_tokens - 1))
     log.info("%s %s %s prompt=%d cached=%d completion=%d queue=%.3fs decode_img=%.3fs vision=%.3fs "
              "prefill=%.3fs ttft=%.3fs tok/s=%.1f total=%.3fs", request.request_id, endpoint, done.finish_reason,
-             done.prompt_tokens, done.cached_tokens, done.completion_tokens, t.get("queue_wait", 0),
-             t.get("image_decode", 0), t.get("vision_encode", 0), t.get("prefill", 0),
-             t.get("time_to_first_token", 0), t.get("decode_tokens_per_s", 0), t.get("total", 0))
+             done.prompt_tokens, done.cached_tokens, done.completion_tokens, t.queue_wait, t.image_decode,
+             t.vision_encode, t.prefill, t.time_to_first_token, t.decode_tokens_per_s, t.total)
 
 
 def collect(generation: Generation, request: GenerationRequest, endpoint: str) -> Completion:

@@ -1,0 +1,128 @@
+"""What goes into the engine and what comes out: sampling parameters (their bounds defined once,
+here, for the HTTP schemas too), a request, its events, its timings, the admitted generation."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Iterator
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from .prompts import ChatMessage
+from .streaming import TokenStreamer
+
+# Bounds of each sampling parameter: the engine's and the HTTP schemas' (service/api/protocol.py).
+MaxTokens = Annotated[int, Field(ge=1)]
+Temperature = Annotated[float, Field(ge=0, le=2, description="0 = greedy")]
+TopP = Annotated[float, Field(gt=0, le=1)]
+TopK = Annotated[int, Field(ge=0, description="0 = off")]
+Seed = Annotated[int, Field(ge=0, lt=2**63)]
+StopString = Annotated[str, StringConstraints(max_length=256)]
+RepetitionPenalty = Annotated[float, Field(gt=0, le=10)]
+
+
+class SamplingParams(BaseModel):
+    """Per-request decoding parameters, validated on construction; None means the checkpoint's
+    generation_config default. How many stop strings a request may have is a setting (the engine
+    checks it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    stop: list[StopString] = Field(default_factory=list)
+    repetition_penalty: RepetitionPenalty | None = None
+
+
+@dataclass(eq=False)
+class GenerationRequest:
+    messages: list[ChatMessage]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    received_at: float = field(default_factory=time.perf_counter)
+    request_id: str = ""
+    conversation_id: str | None = None
+    streamer: TokenStreamer | None = None  # set while generating: live token count for callers
+    deadline: float | None = None  # perf_counter time at which generation is ended (REQUEST_DEADLINE)
+    remembered: int = 0  # leading messages from the server's memory (native endpoint), decoded by earlier requests
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.streamer.token_ids) if self.streamer else 0
+
+    @property
+    def image_decode_seconds(self) -> float:
+        """Decoding the images this request brought (not those of a remembered history)."""
+        return sum(i.decode_seconds for m in self.messages[self.remembered:] for i in m.images)
+
+    @property
+    def video_decode_seconds(self) -> float:
+        return sum(v.decode_seconds for m in self.messages[self.remembered:] for v in m.videos)
+
+
+@dataclass
+class Timings:
+    """Where a request's time went, in seconds (tokens/s for decode_tokens_per_s)."""
+
+    queue_wait: float = 0.0  # waiting for the model: for a batch slot, then behind other prefills
+    image_decode: float = 0.0
+    video_decode: float = 0.0
+    cache_lookup: float = 0.0
+    vision_encode: float = 0.0
+    prefill: float = 0.0
+    time_to_first_token: float = 0.0  # from the request's arrival
+    decode: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    longest_token_gap: float = 0.0  # e.g. while a neighbour in the batch prefilled
+    total: float = 0.0
+
+
+@dataclass
+class TextDelta:
+    text: str
+
+
+@dataclass
+class Completion:
+    """The last event of every stream: how it ended, token counts and timings."""
+
+    text: str
+    finish_reason: str  # stop | length | deadline | cancelled
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    timings: Timings
+    vision_cache_hits: int = 0
+    images: int = 0
+    videos: int = 0
+    answer_token_ids: tuple[int, ...] | None = None  # the ids behind `text`, when they decode to exactly it
+
+
+class Generation:
+    """An admitted generation: iterate for events; close() (or exhaustion) frees the model."""
+
+    def __init__(self, events: Iterator[TextDelta | Completion], release):
+        self._events = events
+        self._release = release
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> TextDelta | Completion:
+        try:
+            return next(self._events)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Cancel (if running) and free the model slot; safe to call more than once."""
+        self._events.close()
+        release, self._release = self._release, None
+        if release:
+            release()

@@ -1,0 +1,57 @@
+"""Every per-request bound, in one object built from Settings (and the processor's own image rules):
+the engine enforces it, the routes decode uploads by it, /openapi.json publishes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers.image_utils import SizeDict
+
+from .images import ImageLimits
+from .prompts import PromptLimits
+from .settings import Settings
+from .video import VideoLimits
+
+
+def image_limits(processor, settings: Settings) -> ImageLimits:
+    """The decode limits, the pixel budget clipped to what the processor itself allows."""
+    ip = processor.image_processor
+    factor = ip.patch_size * ip.merge_size
+    max_pixels = min(settings.image_max_pixels, ip.size.longest_edge or settings.image_max_pixels)
+    min_pixels = min(ip.size.shortest_edge or factor * factor, max_pixels)
+    return ImageLimits(max_bytes=settings.image_max_bytes, max_decoded_pixels=settings.image_max_decoded_pixels,
+                       max_pixels=max_pixels, min_pixels=min_pixels, factor=factor)
+
+
+def fit_processor(processor, settings: Settings) -> None:
+    """Make the processor's own resize rule the pixel budget's, so it never resizes an image the
+    service already sized (idempotent: the budget computed again from it is the same)."""
+    limits = image_limits(processor, settings)
+    processor.image_processor.size = SizeDict(shortest_edge=limits.min_pixels, longest_edge=limits.max_pixels)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    prompt: PromptLimits
+    image: ImageLimits
+    video: VideoLimits
+    max_stop_strings: int
+    default_max_tokens: int
+    max_new_tokens: int  # a request's max_tokens is clipped to this (and to the room the context leaves)
+
+    @classmethod
+    def build(cls, settings: Settings, processor) -> "RequestLimits":
+        image = image_limits(processor, settings)
+        return cls(prompt=PromptLimits.from_settings(settings), image=image,
+                   video=VideoLimits.from_settings(settings, image, processor.image_processor.temporal_patch_size),
+                   max_stop_strings=settings.max_stop_strings, default_max_tokens=settings.default_max_tokens,
+                   max_new_tokens=settings.max_new_tokens)
+
+    def published(self) -> dict:
+        """What /openapi.json tells clients (`x-limits`)."""
+        return {"context_limit": self.prompt.context_limit, "max_prompt_tokens": self.prompt.max_prompt_tokens,
+                "max_messages": self.prompt.max_messages, "max_images_per_request": self.prompt.max_images,
+                "max_videos_per_request": self.prompt.max_videos, "max_stop_strings": self.max_stop_strings,
+                "max_new_tokens": self.max_new_tokens, "default_max_tokens": self.default_max_tokens,
+                "image_max_bytes": self.image.max_bytes, "image_max_pixels": self.image.max_pixels,
+                "video_max_bytes": self.video.max_bytes, "video_max_seconds": self.video.max_seconds}

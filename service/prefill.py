@@ -1,0 +1,142 @@
+"""A request's prefill as steps the batch scheduler runs between decode steps: the conversation
+cache lookup, the vision encoder (a block per step, features from the vision cache when seen
+before), then the prompt in pieces of PREFILL_CHUNK_TOKENS, each one forward on the request's own
+KV cache."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Generator
+
+import torch
+
+from .batching import Prefilled
+from .caches import ConversationCache, VisionFeatureCache, VisionSpan
+from .kv import GrowingCache
+from .prompts import PreparedPrompt
+from .vision import VisionFeatures, as_mm_encoder_outputs
+from .vision_steps import image_steps, video_steps
+
+
+@dataclass
+class PrefillMarks:
+    """What a prefill did and when, for the request's Completion."""
+
+    reused: int = 0  # prompt tokens taken from the conversation cache
+    vision_hits: int = 0  # images and videos whose features came from the vision cache
+    cache_lookup: float = 0.0  # seconds
+    vision_encode: float = 0.0  # seconds
+    prefill_start: float | None = None  # perf_counter time the prompt's first piece began
+
+
+def vision_spans(prompt: PreparedPrompt) -> dict[str, list[VisionSpan]]:
+    """Each image's and video's token span, named by its pixels and grid (what caches must match)."""
+    images = prompt.image_grid_thw if prompt.image_grid_thw is not None else []
+    videos = prompt.video_grid_thw if prompt.video_grid_thw is not None else []
+    return {"image": [VisionSpan(start, end, "{}:{}x{}x{}".format(digest, *grid.tolist()))
+                      for (start, end), digest, grid in zip(prompt.image_spans, prompt.image_digests, images)],
+            "video": [VisionSpan(start, end, "video:{}:{}x{}x{}".format(digest, *grid.tolist()))
+                      for (start, end), digest, grid in zip(prompt.video_spans, prompt.video_digests, videos)]}
+
+
+def _pads_before(prompt: PreparedPrompt, modality: str) -> torch.Tensor:
+    """For each token index (and the end), how many of the prompt's pads of `modality` precede it."""
+    type_id = 1 if modality == "image" else 2
+    return torch.cat([torch.zeros(1, dtype=torch.long), (prompt.mm_token_type_ids[0] == type_id).long().cumsum(0)])
+
+
+def _piece_features(merged: dict, pads_before: dict, reused: int, start: int, end: int) -> dict:
+    """mm_encoder_outputs for prompt tokens [start, end): the rows of the features (`merged`: all
+    images', or videos', after `reused`, concatenated) whose placeholders lie there — a piece may
+    cut through a picture."""
+    outputs = {}
+    for modality, features in merged.items():
+        before = pads_before[modality]
+        lo, hi = int(before[start] - before[reused]), int(before[end] - before[reused])
+        if hi > lo:
+            outputs.update(as_mm_encoder_outputs([features.rows(lo, hi)], modality))
+    return outputs
+
+
+class Prefiller:
+    """Makes each request's prefill generator (`steps`) on one model, its caches and its encoder."""
+
+    def __init__(self, model, vision_encoder, conversation_cache: ConversationCache, vision_cache: VisionFeatureCache,
+                 chunk_tokens: int, kv_dtype: torch.dtype, image_processor):
+        self.model, self.vision_encoder = model, vision_encoder
+        self.conversation_cache, self.vision_cache = conversation_cache, vision_cache
+        self.chunk_tokens, self.kv_dtype = chunk_tokens, kv_dtype
+        ip = image_processor
+        # Everything besides the pixels that shapes the encoder's input: part of every vision-cache key.
+        self._vision_settings = hashlib.blake2b(repr((
+            ip.patch_size, ip.merge_size, ip.temporal_patch_size, list(ip.image_mean), list(ip.image_std),
+            dict(ip.size))).encode(), digest_size=8).hexdigest()
+
+    def piece_ends(self, length: int, reused: int) -> list[int]:
+        """Where the prefill pieces after a cache of `reused` tokens end: every PREFILL_CHUNK_TOKENS,
+        and at the end. (Every INT8 Linear quantizes per token, so where a prompt is cut changes
+        nothing but float rounding in attention.)"""
+        return [*range(reused + self.chunk_tokens, length, self.chunk_tokens), length]
+
+    def _features(self, prompt: PreparedPrompt, spans: dict, reused: int) -> Generator[None, None, tuple[dict, int]]:
+        """Features of each image and video after the first `reused` tokens (the rest are in the KV
+        cache), by modality and index, from the vision cache or the encoder (run in steps); and how
+        many came from the cache. One image (one video frame pair) per encoder call: a step stays
+        short, and the features are those the cache keys name whatever else is being encoded."""
+        encoders = {
+            "image": lambda i: image_steps(self.vision_encoder, prompt.pixel_values[i], prompt.image_grid_thw[i:i + 1]),
+            "video": lambda i: video_steps(self.vision_encoder, prompt.pixel_values_videos[i],
+                                           prompt.video_grid_thw[i:i + 1]),
+        }
+        features, hits = {"image": {}, "video": {}}, 0
+        for modality, encode in encoders.items():
+            for i, span in enumerate(spans[modality]):
+                if span.start < reused:
+                    continue
+                key = f"{self.vision_encoder.name}:{self._vision_settings}:{span.key}"
+                cached = self.vision_cache.get(key)
+                if cached is None:
+                    cached = yield from encode(i)
+                    self.vision_cache.put(key, cached)
+                else:
+                    hits += 1
+                features[modality][i] = cached
+        return features, hits
+
+    def steps(self, prompt: PreparedPrompt, spans: dict, conversation_id: str | None,
+              marks: PrefillMarks) -> Generator[None, None, Prefilled]:
+        """The prefill, a step per `yield`; records cache use and timings in `marks`."""
+        t0 = time.perf_counter()
+        media = spans["image"] + spans["video"]  # what the KV cache matches: the same for both
+        reuse = self.conversation_cache.take(prompt.input_ids[0], media, conversation_id)
+        marks.reused = reuse.tokens if reuse else 0
+        # The request owns the cache: each piece extends it in place.
+        cache = reuse.cache if reuse is not None else GrowingCache(config=self.model.config, dtype=self.kv_dtype)
+        marks.cache_lookup = time.perf_counter() - t0
+        try:
+            t1 = time.perf_counter()
+            features, marks.vision_hits = yield from self._features(prompt, spans, marks.reused)
+            marks.prefill_start = time.perf_counter()
+            marks.vision_encode = marks.prefill_start - t1
+            # M-RoPE positions of the whole prompt, from ALL its images' and videos' grids (a reused
+            # prefix included); every token after it is shifted by the same delta.
+            positions, deltas = self.model.model.get_rope_index(
+                prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, prompt.video_grid_thw)
+            merged = {m: VisionFeatures.cat([f[i] for i in sorted(f)]) for m, f in features.items() if f}
+            pads_before = {m: _pads_before(prompt, m) for m in merged}
+            start = marks.reused
+            for end in self.piece_ends(prompt.num_tokens, marks.reused):
+                yield
+                out = self.model(input_ids=prompt.input_ids[:, start:end], position_ids=positions[:, :, start:end],
+                                 cache=cache, logits_to_keep=1,
+                                 mm_encoder_outputs=_piece_features(merged, pads_before, marks.reused, start, end))
+                start = end
+        except GeneratorExit:  # cancelled while prefilling: hand the reused prefix back for the client's retry
+            if reuse is not None:
+                cache.crop(marks.reused - cache.get_seq_length())
+                self.conversation_cache.put(conversation_id, prompt.input_ids[0, :marks.reused], media, marks.reused,
+                                            cache)
+            raise
+        return Prefilled(cache=cache, logits=out.logits[:, -1].float(), rope_delta=int(deltas[0, 0]))
