@@ -24,7 +24,7 @@ chromium:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
 
 # The README's first command: the service (embedded random model unless MODEL_PATH is set) behind
-# Nginx on localhost:8080, one pinned Gunicorn instance per core as memory allows; Ctrl-C stops it.
+# Nginx on localhost:8080 in front of pinned Gunicorn instances (CORES_PER_INSTANCE, NUMA, memory); Ctrl-C stops it.
 run: install nginx
 	$(PYTHON) -m service.deploy
 

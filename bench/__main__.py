@@ -33,9 +33,15 @@ def _int8(args) -> Path:
 
 
 def _settings(args, **extra) -> dict:
-    return {"weights": args.model_path.name, "INT8 checkpoint": args.int8_path.name, "THREADS": args.threads,
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "quantized engine": torch.backends.quantized.engine, **extra}
+    return {
+        "weights": args.model_path.name,
+        "INT8 checkpoint": args.int8_path.name,
+        "THREADS": args.threads,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "quantized engine": torch.backends.quantized.engine,
+        **extra,
+    }
 
 
 def _save(args, title: str, body: str, **extra) -> None:
@@ -52,10 +58,15 @@ def quantize(args) -> None:
 
 def _serving(args, kinds: list[str], scenarios: list[str], title: str) -> None:
     int8 = _int8(args)
-    results = serving.run_kinds(kinds, args.model_path, int8, args.threads, args.image_max_pixels,
-                                args.decode_tokens)
-    _save(args, title, serving.table(results, scenarios), IMAGE_MAX_PIXELS=args.image_max_pixels,
-          decode_tokens=args.decode_tokens, caches="off")
+    results = serving.run_kinds(kinds, args.model_path, int8, args.threads, args.image_max_pixels, args.decode_tokens)
+    _save(
+        args,
+        title,
+        serving.table(results, scenarios),
+        IMAGE_MAX_PIXELS=args.image_max_pixels,
+        decode_tokens=args.decode_tokens,
+        caches="off",
+    )
 
 
 def start(args) -> None:
@@ -76,28 +87,51 @@ def compare(args) -> None:
 
 def fidelity_(args) -> None:
     body = fidelity.run(args.model_path, _int8(args), args.threads, args.fidelity_tokens)
-    _save(args, f"INT8 fidelity against fp32 ({args.model_path.name})", body, greedy_tokens=args.fidelity_tokens,
-          prompts=f"{len(fidelity.TEXT_PROMPTS)} text + {len(fidelity.IMAGE_PROMPTS)} with a 1080p photo")
+    _save(
+        args,
+        f"INT8 fidelity against fp32 ({args.model_path.name})",
+        body,
+        greedy_tokens=args.fidelity_tokens,
+        prompts=f"{len(fidelity.TEXT_PROMPTS)} text + {len(fidelity.IMAGE_PROMPTS)} with a 1080p photo",
+    )
 
 
 def images(args) -> None:
-    rows = isolated("bench.image_decoding:measure", threads=args.threads, repeats=args.repeats,
-                    image_max_pixels=args.image_max_pixels)
-    _save(args, "Image decoding: OpenCV versus PIL (1920×1080)", image_decoding.table(rows, args.image_max_pixels),
-          repeats=f"median of {args.repeats}")
+    rows = isolated(
+        "bench.image_decoding:measure",
+        threads=args.threads,
+        repeats=args.repeats,
+        image_max_pixels=args.image_max_pixels,
+    )
+    _save(
+        args,
+        "Image decoding: OpenCV versus PIL (1920×1080)",
+        image_decoding.table(rows, args.image_max_pixels),
+        repeats=f"median of {args.repeats}",
+    )
 
 
 def pixels_(args) -> None:
-    results = isolated("bench.pixels:sweep", model_path=str(_int8(args)), threads=args.threads,
-                       budgets=pixels.BUDGETS)
+    results = isolated("bench.pixels:sweep", model_path=str(_int8(args)), threads=args.threads, budgets=pixels.BUDGETS)
     title = f"{args.int8_path.name}, {args.threads} threads: time to first token vs visual tokens"
     plot = pixels.plot(results, title, Path(tempfile.gettempdir()) / pixels.PLOT.name if args.no_save else pixels.PLOT)
-    _save(args, "Pixel budget → visual tokens → time to first token",
-          pixels.table(results) + f"\n\n![time to first token versus visual tokens]({plot.name})")
+    _save(
+        args,
+        "Pixel budget → visual tokens → time to first token",
+        pixels.table(results) + f"\n\n![time to first token versus visual tokens]({plot.name})",
+    )
 
 
-COMMANDS = {"quantize": quantize, "start": start, "ttft": ttft, "decode": decode, "compare": compare,
-            "fidelity": fidelity_, "images": images, "pixels": pixels_}
+COMMANDS = {
+    "quantize": quantize,
+    "start": start,
+    "ttft": ttft,
+    "decode": decode,
+    "compare": compare,
+    "fidelity": fidelity_,
+    "images": images,
+    "pixels": pixels_,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,8 +22,12 @@ from transformers import DynamicCache
 
 from bench.results import append_section, markdown_table
 
-PROMPTS = ["Hi.", "Tell me a long story about a red square and a blue circle on a table, please.",
-           "What is the capital of a small country?", "Count from one to twenty, slowly, with a word for each."]
+PROMPTS = [
+    "Hi.",
+    "Tell me a long story about a red square and a blue circle on a table, please.",
+    "What is the capital of a small country?",
+    "Count from one to twenty, slowly, with a word for each.",
+]
 
 
 def prefill(model, ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
@@ -34,8 +38,9 @@ def prefill(model, ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
 
 
 def copy(cache: DynamicCache, config) -> DynamicCache:
-    return DynamicCache(ddp_cache_data=[(layer.keys.clone(), layer.values.clone()) for layer in cache.layers],
-                        config=config)
+    return DynamicCache(
+        ddp_cache_data=[(layer.keys.clone(), layer.values.clone()) for layer in cache.layers], config=config
+    )
 
 
 def decode(model, caches: list[DynamicCache], lengths: list[int], fed: list[list[int]]) -> list[list[torch.Tensor]]:
@@ -77,8 +82,11 @@ def measure(model, tokenizer, steps: int) -> list[list]:
     return rows
 
 
-VARIANTS = {"fp32": ("fp32", None), "int8 per-token (shipped)": ("int8", "per_token"),
-            "int8 per-tensor (before)": ("int8", "per_tensor")}
+VARIANTS = {
+    "fp32": ("fp32", None),
+    "int8 per-token (shipped)": ("int8", "per_token"),
+    "int8 per-tensor (before)": ("int8", "per_tensor"),
+}
 
 
 def main() -> None:
@@ -103,11 +111,16 @@ def main() -> None:
         with torch.inference_mode():
             for row in measure(model, loaded[quantization].processor.tokenizer, args.steps):
                 table_rows.append([label, *row])
-    body = markdown_table(["weights", "batch size", "largest abs Δlogit vs alone", "greedy tokens that differ"],
-                          table_rows)
+    body = markdown_table(
+        ["weights", "batch size", "largest abs Δlogit vs alone", "greedy tokens that differ"], table_rows
+    )
     name = args.model_path.name if args.model_path else "embedded tiny"
-    append_section(f"Batching: logits in a decode batch vs alone, {name} (bench/batch_exactness.py)",
-                   {"model": name, "steps": args.steps, "prompts": len(PROMPTS)}, body, threads=args.threads)
+    append_section(
+        f"Batching: logits in a decode batch vs alone, {name} (bench/batch_exactness.py)",
+        {"model": name, "steps": args.steps, "prompts": len(PROMPTS)},
+        body,
+        threads=args.threads,
+    )
 
 
 if __name__ == "__main__":

@@ -30,10 +30,10 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from servers import gunicorn_server  # noqa: E402
-
 from bench.harness import add_checkpoint_args, checkpoint_of, encoded_photo  # noqa: E402
 from bench.results import append_section, markdown_table  # noqa: E402
+
+from servers import gunicorn_server  # noqa: E402
 
 QUESTIONS = [
     "Tell me a long story about a red square that travels across a blue sky to find a yellow circle.",
@@ -41,7 +41,6 @@ QUESTIONS = [
     "Describe a busy market in the morning: the sounds, the colors, the people and what they sell.",
     "Write a letter to a friend about a long train journey through mountains, rivers and old towns.",
 ]
-
 
 
 class Stream:
@@ -52,7 +51,7 @@ class Stream:
         self.done: dict = {}
         self.thread = threading.Thread(target=self._run)
 
-    def start(self) -> "Stream":
+    def start(self) -> Stream:
         self.thread.start()
         return self
 
@@ -66,7 +65,7 @@ class Stream:
                 if obj.get("done"):
                     self.done = obj
 
-    def join(self) -> "Stream":
+    def join(self) -> Stream:
         self.thread.join()
         return self
 
@@ -78,7 +77,6 @@ class Stream:
     @property
     def tokens(self) -> int:
         return self.done["usage"]["completion_tokens"]
-
 
 
 def concurrent(base: str, questions: list[str], tokens: int) -> tuple[list[Stream], float]:
@@ -105,16 +103,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_checkpoint_args(parser)
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per text stream")
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
-                        help="PREFILL_CHUNK_TOKENS (default: the setting's)")
+    parser.add_argument(
+        "--prefill-chunk-tokens", type=int, default=None, help="PREFILL_CHUNK_TOKENS (default: the setting's)"
+    )
     args = parser.parse_args()
     model_path = checkpoint_of(args)
     from service.settings import load_settings
 
     chunk = args.prefill_chunk_tokens or load_settings(model_path=model_path).prefill_chunk_tokens
-    env = {"MODEL_PATH": str(model_path), "QUANTIZATION": args.quantization, "THREADS": str(args.threads),
-           "MAX_BATCH_SIZE": "4", "CACHE_ENABLED": "false", "MAX_NEW_TOKENS": str(max(args.tokens * 2, 64)),
-           "PREFILL_CHUNK_TOKENS": str(chunk)}
+    env = {
+        "MODEL_PATH": str(model_path),
+        "QUANTIZATION": args.quantization,
+        "THREADS": str(args.threads),
+        "MAX_BATCH_SIZE": "4",
+        "CACHE_ENABLED": "false",
+        "MAX_NEW_TOKENS": str(max(args.tokens * 2, 64)),
+        "PREFILL_CHUNK_TOKENS": str(chunk),
+    }
     log = Path(tempfile.mkdtemp(prefix="bench-batching-")) / "gunicorn.log"
     print(f"server log: {log}")
     picture = encoded_photo(".png", 448, 448)
@@ -138,33 +143,76 @@ def main() -> None:
 
     rows = []
     one_rate = statistics.mean(s.tokens / wall for s, wall in alone)
-    rows.append([1, sum(s.tokens for s, _ in alone) // len(alone), one_rate, 1.0,
-                 statistics.mean(s.ttft for s, _ in alone), max(s.ttft for s, _ in alone)])
+    rows.append(
+        [
+            1,
+            sum(s.tokens for s, _ in alone) // len(alone),
+            one_rate,
+            1.0,
+            statistics.mean(s.ttft for s, _ in alone),
+            max(s.ttft for s, _ in alone),
+        ]
+    )
     for n, (streams, wall) in together.items():
         rate = sum(s.tokens for s in streams) / wall
-        rows.append([n, sum(s.tokens for s in streams), rate, rate / one_rate, statistics.mean(s.ttft for s in streams),
-                     max(s.ttft for s in streams)])
-    table = markdown_table(["streams", "tokens", "aggregate tok/s", "× one stream", "mean TTFT s", "max TTFT s"],
-                           rows)
+        rows.append(
+            [
+                n,
+                sum(s.tokens for s in streams),
+                rate,
+                rate / one_rate,
+                statistics.mean(s.ttft for s in streams),
+                max(s.ttft for s in streams),
+            ]
+        )
+    table = markdown_table(["streams", "tokens", "aggregate tok/s", "× one stream", "mean TTFT s", "max TTFT s"], rows)
     timings = runner.done["timings"]
     gap = timings["longest_token_gap"]
-    gap_rows = [[f"{gap:.3f}", f"{1 / timings['decode_tokens_per_s']:.3f}", f"{neighbour.ttft:.2f}",
-                 neighbour.done["usage"]["prompt_tokens"], f"{neighbour.done['timings']['vision_encode']:.2f}",
-                 f"{neighbour.done['timings']['prefill']:.2f}"]]
-    gaps = markdown_table(["runner's longest gap between tokens s", "runner's mean gap s", "neighbour TTFT s",
-                           "neighbour prompt tokens", "neighbour vision_encode s (wall)",
-                           "neighbour prefill s (wall)"], gap_rows)
+    gap_rows = [
+        [
+            f"{gap:.3f}",
+            f"{1 / timings['decode_tokens_per_s']:.3f}",
+            f"{neighbour.ttft:.2f}",
+            neighbour.done["usage"]["prompt_tokens"],
+            f"{neighbour.done['timings']['vision_encode']:.2f}",
+            f"{neighbour.done['timings']['prefill']:.2f}",
+        ]
+    ]
+    gaps = markdown_table(
+        [
+            "runner's longest gap between tokens s",
+            "runner's mean gap s",
+            "neighbour TTFT s",
+            "neighbour prompt tokens",
+            "neighbour vision_encode s (wall)",
+            "neighbour prefill s (wall)",
+        ],
+        gap_rows,
+    )
     four = rows[-1][3]
-    verdict = (f"Targets: 4 streams ≥ 2.5× one stream — {four:.2f}× ({'met' if four >= 2.5 else 'NOT met'}); "
-               f"longest gap while a neighbour prefills ≤ 1 s — {gap:.2f} s ({'met' if gap <= 1 else 'NOT met'}). "
-               f"Load average when it started: {load:.2f} (other jobs share these cores).")
-    body = (f"{table}\n\nAggregate tok/s = all streams' completion tokens ÷ wall time from sending the first "
-            f"request to the last answer's end (prefill included); TTFT per stream as the server measured it.\n\n{gaps}\n\n"
-            f"{verdict}")
-    append_section("Batching: concurrent streams through the HTTP API (python -m bench.bench_batching)",
-                   {"model": model_path.name, "QUANTIZATION": args.quantization, "MAX_BATCH_SIZE": 4,
-                    "PREFILL_CHUNK_TOKENS": chunk, "tokens per stream": args.tokens, "CACHE_ENABLED": "false"},
-                   body, threads=args.threads)
+    verdict = (
+        f"Targets: 4 streams ≥ 2.5× one stream — {four:.2f}× ({'met' if four >= 2.5 else 'NOT met'}); "
+        f"longest gap while a neighbour prefills ≤ 1 s — {gap:.2f} s ({'met' if gap <= 1 else 'NOT met'}). "
+        f"Load average when it started: {load:.2f} (other jobs share these cores)."
+    )
+    body = (
+        f"{table}\n\nAggregate tok/s = all streams' completion tokens ÷ wall time from sending the first "
+        f"request to the last answer's end (prefill included); TTFT per stream as the server measured it.\n\n{gaps}\n\n"
+        f"{verdict}"
+    )
+    append_section(
+        "Batching: concurrent streams through the HTTP API (python -m bench.bench_batching)",
+        {
+            "model": model_path.name,
+            "QUANTIZATION": args.quantization,
+            "MAX_BATCH_SIZE": 4,
+            "PREFILL_CHUNK_TOKENS": chunk,
+            "tokens per stream": args.tokens,
+            "CACHE_ENABLED": "false",
+        },
+        body,
+        threads=args.threads,
+    )
 
 
 if __name__ == "__main__":

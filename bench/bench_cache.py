@@ -1,13 +1,14 @@
 """Conversation KV cache and vision-feature cache, through the HTTP API: time to first token.
 
 Two Gunicorn servers side by side, one with the caches and one with CACHE_ENABLED=false (the
-same checkpoint, quantization and threads), taking the requests alternately. On each: a conversation whose second turn is ~500 tokens
-holding one 448x448 picture (native endpoint, `conversation_id`, streaming); the second turn's
-time to first token is the figure. Then, on the caching server only, new conversations opening
-with the picture already seen versus a picture never seen, the picture first (its KV prefix can
-be reused) and after some text (only its vision features can). Times are measured by the client
-(request sent → first text line) and by the server (`timings.time_to_first_token`). Prints and
-appends the table to bench/RESULTS.md.
+same checkpoint, quantization and threads), taking the requests alternately. On each: a
+conversation whose second turn is ~500 tokens holding one 448x448 picture (native endpoint,
+`conversation_id`, streaming); the second turn's time to first token is the figure. Then, on the
+caching server only, new conversations opening with the picture already seen versus a picture
+never seen, the picture first (its KV prefix can be reused) and after some text (only its vision
+features can), and one prompt sent twice. Times are measured by the client (request sent → first
+text line) and by the server (`timings.time_to_first_token`). Prints the table and writes it to
+bench/RESULTS.md.
 
     flock /tmp/heavy.lock python -m bench.bench_cache     # the 2B-shaped random checkpoint, int8, 2 threads
     python -m bench.bench_cache --model-path /path/to/Qwen3-VL-2B-Instruct --threads 4
@@ -33,13 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from servers import gunicorn_server  # noqa: E402
-
 from bench.harness import add_checkpoint_args, checkpoint_of  # noqa: E402
 from bench.results import append_section, markdown_table  # noqa: E402
 
-SENTENCE = ("The harbour was quiet in the early morning, boats resting on grey water while gulls "
-            "circled above the old stone pier and a few fishermen mended their nets. ")
+from servers import gunicorn_server  # noqa: E402
+
+SENTENCE = (
+    "The harbour was quiet in the early morning, boats resting on grey water while gulls "
+    "circled above the old stone pier and a few fishermen mended their nets. "
+)
 
 
 def picture(seed: int, size: int = 448) -> str:
@@ -56,8 +59,13 @@ def picture(seed: int, size: int = 448) -> str:
 
 
 def user(*parts) -> dict:
-    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": p}} if p.startswith("data:")
-                                        else {"type": "text", "text": p} for p in parts]}
+    return {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": p}} if p.startswith("data:") else {"type": "text", "text": p}
+            for p in parts
+        ],
+    }
 
 
 def text_of_tokens(model_path: Path, tokens: int) -> str:
@@ -79,8 +87,13 @@ def text_of_tokens(model_path: Path, tokens: int) -> str:
 def chat(base: str, messages: list[dict], conversation_id: str, max_tokens: int) -> dict:
     """One streamed native-endpoint request: the done line, plus the client's times to the first
     text line (None if none came) and to the done line, and how many text lines came."""
-    body = {"messages": messages, "conversation_id": conversation_id, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
+    body = {
+        "messages": messages,
+        "conversation_id": conversation_id,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
     t0 = time.perf_counter()
     first, done, lines = None, None, 0
     with requests.post(base + "/v1/chat", json=body, stream=True, timeout=900) as r:
@@ -101,15 +114,18 @@ def chat(base: str, messages: list[dict], conversation_id: str, max_tokens: int)
     return done
 
 
-def run_servers(env: dict, logs: Path, steps: list[tuple[str, list[dict], str, int, tuple[str, ...]]],
-                bar: tqdm) -> dict[str, dict]:
+def run_servers(
+    env: dict, logs: Path, steps: list[tuple[str, list[dict], str, int, tuple[str, ...]]], bar: tqdm
+) -> dict[str, dict]:
     """Start the caching and the cache-free server (one after the other: loading peaks in memory),
     warm both up, then run each step on the servers it names, alternating between them, so that
     the machine's other load affects both alike. Done lines by server and step name."""
     servers = {"on": {"CACHE_ENABLED": "true"}, "off": {"CACHE_ENABLED": "false"}}
     results: dict[str, dict] = {name: {} for name in servers}
-    with gunicorn_server({**env, **servers["on"]}, logs / "cached.log", timeout=900) as (on, _), \
-            gunicorn_server({**env, **servers["off"]}, logs / "uncached.log", timeout=900) as (off, _):
+    with (
+        gunicorn_server({**env, **servers["on"]}, logs / "cached.log", timeout=900) as (on, _),
+        gunicorn_server({**env, **servers["off"]}, logs / "uncached.log", timeout=900) as (off, _),
+    ):
         bases = {"on": on, "off": off}
         for base in bases.values():
             chat(base, [user(picture(999, 224), "Warm-up.")], "warm-up", 2)  # first-call costs, not measured
@@ -151,29 +167,68 @@ def main(argv=None) -> int:
     for r in range(args.repeats):
         both = ("on", "off")
         conversation += [
-            ("turn 1", [user(seen, prose + " What is in this picture?")], f"bench-talk-{r}", args.first_answer_tokens,
-             both),
+            (
+                "turn 1",
+                [user(seen, prose + " What is in this picture?")],
+                f"bench-talk-{r}",
+                args.first_answer_tokens,
+                both,
+            ),
             ("turn 2", [user(follow_up)], f"bench-talk-{r}", args.measured_tokens, both),
         ]
         # A different opening sentence each time, so "after text" shares no KV prefix with earlier runs.
         intro = f"Look at photograph number {r + 1} from my holiday, please."
         openings += [
-            ("seen first", [user(seen, "Describe the colours you see.")], f"bench-seen-first-{r}", args.measured_tokens,
-             ("on",)),
-            ("new first", [user(picture(100 + r), "Describe the colours you see.")], f"bench-new-first-{r}",
-             args.measured_tokens, ("on",)),
-            ("seen after text", [user(intro, seen, "Describe the colours.")], f"bench-seen-text-{r}",
-             args.measured_tokens, ("on",)),
-            ("new after text", [user(intro, picture(200 + r), "Describe the colours.")], f"bench-new-text-{r}",
-             args.measured_tokens, ("on",)),
+            (
+                "seen first",
+                [user(seen, "Describe the colours you see.")],
+                f"bench-seen-first-{r}",
+                args.measured_tokens,
+                ("on",),
+            ),
+            (
+                "new first",
+                [user(picture(100 + r), "Describe the colours you see.")],
+                f"bench-new-first-{r}",
+                args.measured_tokens,
+                ("on",),
+            ),
+            (
+                "seen after text",
+                [user(intro, seen, "Describe the colours.")],
+                f"bench-seen-text-{r}",
+                args.measured_tokens,
+                ("on",),
+            ),
+            (
+                "new after text",
+                [user(intro, picture(200 + r), "Describe the colours.")],
+                f"bench-new-text-{r}",
+                args.measured_tokens,
+                ("on",),
+            ),
             # The very same prompt twice (a client retrying): all but its last token is cached.
-            ("original", [user(picture(300 + r), f"{intro} Describe the colours.")], f"bench-original-{r}",
-             args.measured_tokens, ("on",)),
-            ("resent", [user(picture(300 + r), f"{intro} Describe the colours.")], f"bench-resent-{r}",
-             args.measured_tokens, ("on",)),
+            (
+                "original",
+                [user(picture(300 + r), f"{intro} Describe the colours.")],
+                f"bench-original-{r}",
+                args.measured_tokens,
+                ("on",),
+            ),
+            (
+                "resent",
+                [user(picture(300 + r), f"{intro} Describe the colours.")],
+                f"bench-resent-{r}",
+                args.measured_tokens,
+                ("on",),
+            ),
         ]
-    env = {"MODEL_PATH": str(args.model_path), "QUANTIZATION": args.quantization, "THREADS": str(args.threads),
-           "LOG_LEVEL": "warning"}
+    env = {
+        "MODEL_PATH": str(args.model_path),
+        "QUANTIZATION": args.quantization,
+        "THREADS": str(args.threads),
+        "LOG_LEVEL": "warning",
+    }
     logs = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     bar = tqdm(total=2 + len(conversation) * 2 + len(openings), desc="requests", unit="req")
     results = run_servers(env, logs, conversation + openings, bar)
@@ -187,15 +242,35 @@ def main(argv=None) -> int:
         done = median_run(runs, server_ttft)
         speed_up = server_ttft(median_run(baseline_runs, server_ttft)) / server_ttft(done) if baseline_runs else ""
         texts = [d["client_first_text"] for d in runs if d["client_first_text"] is not None]
-        return [label, done["usage"]["prompt_tokens"], done["usage"]["cached_tokens"], done["vision_cache_hits"],
-                done["timings"].get("vision_encode", 0.0), done["timings"]["prefill"], server_ttft(done), speed_up,
-                done["timings"]["decode_tokens_per_s"], statistics.median(texts) if len(texts) == len(runs) else "no text",
-                statistics.median(d["client_done"] for d in runs),
-                f"{done['text_lines']}/{done['usage']['completion_tokens']}"]
+        return [
+            label,
+            done["usage"]["prompt_tokens"],
+            done["usage"]["cached_tokens"],
+            done["vision_cache_hits"],
+            done["timings"].get("vision_encode", 0.0),
+            done["timings"]["prefill"],
+            server_ttft(done),
+            speed_up,
+            done["timings"]["decode_tokens_per_s"],
+            statistics.median(texts) if len(texts) == len(runs) else "no text",
+            statistics.median(d["client_done"] for d in runs),
+            f"{done['text_lines']}/{done['usage']['completion_tokens']}",
+        ]
 
-    header = ["request", "prompt tokens", "cached tokens", "vision cache hits", "vision encode (s)", "prefill (s)",
-              "TTFT (s)", "speed-up (TTFT)", "decode (tok/s)", "client: first text line (s)", "client: done line (s)",
-              "text lines / tokens"]
+    header = [
+        "request",
+        "prompt tokens",
+        "cached tokens",
+        "vision cache hits",
+        "vision encode (s)",
+        "prefill (s)",
+        "TTFT (s)",
+        "speed-up (TTFT)",
+        "decode (tok/s)",
+        "client: first text line (s)",
+        "client: done line (s)",
+        "text lines / tokens",
+    ]
     rows = [
         row("turn 2, caching disabled", off["turn 2"]),
         row("turn 2, reusing turn 1", on["turn 2"], off["turn 2"]),
@@ -211,7 +286,7 @@ def main(argv=None) -> int:
     body = markdown_table(header, rows) + (
         f"\n\nMedians of {args.repeats} runs. TTFT = the server's `timings.time_to_first_token` (request "
         "arrival to first token), sent in the `done` line. The client's first text line comes with the first "
-        "token that decodes to text: a random model's tokens often decode to none (\"no text\"), so the client "
+        'token that decodes to text: a random model\'s tokens often decode to none ("no text"), so the client '
         "sees the done line only.\n"
         f"Targets (this run): second turn {second_turn:.1f}x faster to first token (target >= 25x, "
         f"{'met' if second_turn >= 25 else 'missed'}); repeated picture {repeated:.1f}x (target >= 5x, "
@@ -222,12 +297,22 @@ def main(argv=None) -> int:
         f"(1/{rows[1][8]:.3g} s here). "
         "Turn 1 answered "
         f"{on['turn 1'][0]['usage']['completion_tokens']} tokens; greedy answers with and without the caches "
-        f"identical: {same}.\nCaching server's /metrics after the run: {cache_counters(on['metrics'])}.")
-    settings = {"MODEL_PATH": args.model_path.name, "QUANTIZATION": args.quantization, "THREADS": args.threads,
-                "first-turn max_tokens": args.first_answer_tokens, "measured max_tokens": args.measured_tokens,
-                "client": "requests, streaming NDJSON, loopback, native endpoint"}
-    append_section("Conversation and vision caches: time to first token (bench/bench_cache.py)", settings, body,
-                   threads=args.threads)
+        f"identical: {same}.\nCaching server's /metrics after the run: {cache_counters(on['metrics'])}."
+    )
+    settings = {
+        "MODEL_PATH": args.model_path.name,
+        "QUANTIZATION": args.quantization,
+        "THREADS": args.threads,
+        "first-turn max_tokens": args.first_answer_tokens,
+        "measured max_tokens": args.measured_tokens,
+        "client": "requests, streaming NDJSON, loopback, native endpoint",
+    }
+    append_section(
+        "Conversation and vision caches: time to first token (bench/bench_cache.py)",
+        settings,
+        body,
+        threads=args.threads,
+    )
     return 0
 
 

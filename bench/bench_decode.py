@@ -30,14 +30,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.harness import (add_checkpoint_args, checkpoint_of, isolated, read_bandwidth_gbps, timing, tree_at,
-                           short_rev)
+from bench.harness import add_checkpoint_args, checkpoint_of, isolated, read_bandwidth_gbps, short_rev, timing, tree_at
 from bench.results import append_section, markdown_table
 
 PLOT = Path(__file__).resolve().parent / "decode_context.png"
 BASELINE = "6ed1729"  # the session's start: per-tensor INT8, transformers forward, left-padded batches
-INT8_KERNELS = ("quantized::linear_with_input_q_dq_qweight_dq_output_fp32", "quantized::linear_dynamic",
-                "onednn::qlinear_pointwise")
+INT8_KERNELS = (
+    "quantized::linear_with_input_q_dq_qweight_dq_output_fp32",
+    "quantized::linear_dynamic",
+    "onednn::qlinear_pointwise",
+)
 ATTENTION = "aten::scaled_dot_product_attention"
 
 
@@ -48,8 +50,13 @@ def synthetic_cache(config, tokens: int, seed: int, dtype=torch.float32):
     text = config.text_config
     shape = (1, text.num_key_value_heads, tokens, text.head_dim)
     g = torch.Generator().manual_seed(seed)
-    return GrowingCache(ddp_cache_data=[(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g)
-                                         .to(dtype)) for _ in range(text.num_hidden_layers)], config=config)
+    return GrowingCache(
+        ddp_cache_data=[
+            (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+            for _ in range(text.num_hidden_layers)
+        ],
+        config=config,
+    )
 
 
 class TransformersStep:
@@ -67,10 +74,18 @@ class TransformersStep:
             return caches[0], None
         width = max(c.get_seq_length() for c in caches)
         pad = [width - c.get_seq_length() for c in caches]
-        packed = GrowingCache(config=self.model.config, ddp_cache_data=[
-            tuple(torch.cat([torch.nn.functional.pad(getattr(c.layers[i], kind), (0, 0, p, 0))
-                             for c, p in zip(caches, pad)]) for kind in ("keys", "values"))
-            for i in range(len(caches[0].layers))])
+        packed = GrowingCache(
+            config=self.model.config,
+            ddp_cache_data=[
+                tuple(
+                    torch.cat(
+                        [torch.nn.functional.pad(getattr(c.layers[i], kind), (0, 0, p, 0)) for c, p in zip(caches, pad)]
+                    )
+                    for kind in ("keys", "values")
+                )
+                for i in range(len(caches[0].layers))
+            ],
+        )
         return packed, torch.tensor(pad)
 
     def __call__(self, token_ids, positions, packed) -> torch.Tensor:
@@ -78,8 +93,13 @@ class TransformersStep:
         mask = None
         if pad is not None:
             mask = (torch.arange(cache.get_seq_length() + 1)[None, :] >= pad[:, None]).long()
-        out = self.model(input_ids=token_ids[:, None], position_ids=positions.view(1, -1, 1).expand(3, -1, 1),
-                         attention_mask=mask, cache=cache, logits_to_keep=1)
+        out = self.model(
+            input_ids=token_ids[:, None],
+            position_ids=positions.view(1, -1, 1).expand(3, -1, 1),
+            attention_mask=mask,
+            cache=cache,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1]
 
 
@@ -133,8 +153,10 @@ def profile_shares(step, caches: list, steps: int = 5) -> dict:
         wall = time.perf_counter() - t0
     _crop(caches, lengths)
     totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages()}
-    return {"kernels": sum(totals.get(k, 0.0) for k in INT8_KERNELS) / wall,
-            "attention": totals.get(ATTENTION, 0.0) / wall}
+    return {
+        "kernels": sum(totals.get(k, 0.0) for k in INT8_KERNELS) / wall,
+        "attention": totals.get(ATTENTION, 0.0) / wall,
+    }
 
 
 def prefill_piece(model, cache, tokens: int, repeats: int = 3) -> dict:
@@ -160,8 +182,11 @@ def prefill_piece(model, cache, tokens: int, repeats: int = 3) -> dict:
         run()
         wall = time.perf_counter() - t0
     totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages()}
-    return {"ms": statistics.median(times) * 1000, "kernels": sum(totals.get(k, 0.0) for k in INT8_KERNELS) / wall,
-            "attention": totals.get(ATTENTION, 0.0) / wall}
+    return {
+        "ms": statistics.median(times) * 1000,
+        "kernels": sum(totals.get(k, 0.0) for k in INT8_KERNELS) / wall,
+        "attention": totals.get(ATTENTION, 0.0) / wall,
+    }
 
 
 def sweep(model_path: str, threads: int, contexts: list[int], steps: int, batch: int, piece: int) -> dict:
@@ -183,11 +208,20 @@ def sweep(model_path: str, threads: int, contexts: list[int], steps: int, batch:
             step_ms(step, [synthetic_cache(model.config, 64, 0)], 2)
         for context in tqdm(contexts, desc="contexts", unit="context"):
             single = [synthetic_cache(model.config, context, 1)]
-            several = [synthetic_cache(model.config, max(1, context * (batch - i) // batch), 2 + i) for i in range(batch)]
-            caches = {"transformers": (single, several), "lean": (single, several),
-                      "lean, bf16 KV": ([synthetic_cache(model.config, context, 1, torch.bfloat16)],
-                                        [synthetic_cache(model.config, max(1, context * (batch - i) // batch), 2 + i,
-                                                         torch.bfloat16) for i in range(batch)])}
+            several = [
+                synthetic_cache(model.config, max(1, context * (batch - i) // batch), 2 + i) for i in range(batch)
+            ]
+            caches = {
+                "transformers": (single, several),
+                "lean": (single, several),
+                "lean, bf16 KV": (
+                    [synthetic_cache(model.config, context, 1, torch.bfloat16)],
+                    [
+                        synthetic_cache(model.config, max(1, context * (batch - i) // batch), 2 + i, torch.bfloat16)
+                        for i in range(batch)
+                    ],
+                ),
+            }
             ms = {}
             for kind in ("transformers", "lean", "lean, bf16 KV", "lean, bf16 KV", "lean", "transformers"):
                 for name, group in zip(("1", str(batch)), caches[kind]):
@@ -197,15 +231,30 @@ def sweep(model_path: str, threads: int, contexts: list[int], steps: int, batch:
             prefill = prefill_piece(model, single[0], piece)
             kv = kv_cache_bytes(model.config, context)
             ceiling = bandwidth * 1e9 / (weights + kv)
-            rows.append({"context": context, "transformers_ms": ms["transformers", "1"], "lean_ms": ms["lean", "1"],
-                         "transformers_batch_ms": ms["transformers", str(batch)],
-                         "lean_batch_ms": ms["lean", str(batch)], "kv_mb": kv / 1e6,
-                         "bf16_ms": ms["lean, bf16 KV", "1"], "bf16_batch_ms": ms["lean, bf16 KV", str(batch)],
-                         "kernels_share": shares["kernels"], "attention_share": shares["attention"],
-                         "ceiling_tps": ceiling, "prefill_ms": prefill["ms"], "prefill_kernels": prefill["kernels"],
-                         "prefill_attention": prefill["attention"]})
-    return {"rows": rows, "bandwidth_gbps": bandwidth, "weight_gb": weights / 1e9,
-            "kv_bytes_per_token": kv_cache_bytes(model.config, 1)}
+            rows.append(
+                {
+                    "context": context,
+                    "transformers_ms": ms["transformers", "1"],
+                    "lean_ms": ms["lean", "1"],
+                    "transformers_batch_ms": ms["transformers", str(batch)],
+                    "lean_batch_ms": ms["lean", str(batch)],
+                    "kv_mb": kv / 1e6,
+                    "bf16_ms": ms["lean, bf16 KV", "1"],
+                    "bf16_batch_ms": ms["lean, bf16 KV", str(batch)],
+                    "kernels_share": shares["kernels"],
+                    "attention_share": shares["attention"],
+                    "ceiling_tps": ceiling,
+                    "prefill_ms": prefill["ms"],
+                    "prefill_kernels": prefill["kernels"],
+                    "prefill_attention": prefill["attention"],
+                }
+            )
+    return {
+        "rows": rows,
+        "bandwidth_gbps": bandwidth,
+        "weight_gb": weights / 1e9,
+        "kv_bytes_per_token": kv_cache_bytes(model.config, 1),
+    }
 
 
 def engine_throughput(model_path: str, threads: int, streams: int, tokens: int) -> dict:
@@ -215,15 +264,21 @@ def engine_throughput(model_path: str, threads: int, streams: int, tokens: int) 
     from service.prompts import ChatMessage, TextPart
     from service.settings import load_settings
 
-    settings = load_settings(model_path=model_path, quantization="int8", threads=threads, cache_enabled=False,
-                             max_batch_size=max(streams, 1))
+    settings = load_settings(
+        model_path=model_path, quantization="int8", threads=threads, cache_enabled=False, max_batch_size=max(streams, 1)
+    )
     engine = Engine(load_model(settings), settings)
-    prompts = ["Tell me a long story about a red square.", "Describe a harbour in the morning, in detail.",
-               "List every colour you know, with a word about each.", "Explain how a bicycle works, step by step."]
+    prompts = [
+        "Tell me a long story about a red square.",
+        "Describe a harbour in the morning, in detail.",
+        "List every colour you know, with a word about each.",
+        "Explain how a bicycle works, step by step.",
+    ]
 
     def run(prompt, out, i):
-        request = GenerationRequest([ChatMessage("user", [TextPart(prompt)])],
-                                    SamplingParams(max_tokens=tokens, temperature=0))
+        request = GenerationRequest(
+            [ChatMessage("user", [TextPart(prompt)])], SamplingParams(max_tokens=tokens, temperature=0)
+        )
         done = list(engine.generate(request))[-1]
         start = request.received_at
         out[i] = (done, start + timing(done, "time_to_first_token"), start + timing(done, "total"))
@@ -242,8 +297,11 @@ def engine_throughput(model_path: str, threads: int, streams: int, tokens: int) 
         t.join()
     generated = sum(d.completion_tokens - 1 for d, _, _ in together.values())
     span = max(end for _, _, end in together.values()) - min(first for _, first, _ in together.values())
-    return {"single_tps": statistics.median(results), "aggregate_tps": generated / span,
-            "streams_tokens": [d.completion_tokens for d, _, _ in together.values()]}
+    return {
+        "single_tps": statistics.median(results),
+        "aggregate_tps": generated / span,
+        "streams_tokens": [d.completion_tokens for d, _, _ in together.values()],
+    }
 
 
 def plot(rows: list[dict], title: str) -> Path:
@@ -275,74 +333,175 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[32, 64, 256, 1024, 3072])
     p.add_argument("--steps", type=int, default=12, help="timed decode steps per measurement")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--piece", type=int, default=64, help="prefill piece measured at each context (PREFILL_CHUNK_TOKENS)")
+    p.add_argument(
+        "--piece", type=int, default=64, help="prefill piece measured at each context (PREFILL_CHUNK_TOKENS)"
+    )
     p.add_argument("--baseline", default=BASELINE, help="git revision for part 2's 'before'")
     p.add_argument("--no-engines", action="store_true", help="skip part 2")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
     model_path = checkpoint_of(args)
-    part1 = isolated("bench.bench_decode:sweep", model_path=str(model_path), threads=args.threads,
-                     contexts=args.contexts, steps=args.steps, batch=args.batch, piece=args.piece)
+    part1 = isolated(
+        "bench.bench_decode:sweep",
+        model_path=str(model_path),
+        threads=args.threads,
+        contexts=args.contexts,
+        steps=args.steps,
+        batch=args.batch,
+        piece=args.piece,
+    )
     rows = part1["rows"]
     base = rows[0]
     table = markdown_table(
-        ["context", "transformers ms/step", "lean ms/step", "speed-up", f"batch of {args.batch}: transformers ms",
-         f"batch of {args.batch}: lean ms", "batch speed-up", "lean tok/s", "share of ceiling", "INT8 kernels share",
-         "attention share", "KV read/step (MB)", f"lean slowdown vs {base['context']}"],
-        [[r["context"], r["transformers_ms"], r["lean_ms"], f"{r['transformers_ms'] / r['lean_ms']:.2f}x",
-          r["transformers_batch_ms"], r["lean_batch_ms"], f"{r['transformers_batch_ms'] / r['lean_batch_ms']:.2f}x",
-          1000 / r["lean_ms"], f"{1000 / r['lean_ms'] / r['ceiling_tps']:.0%}", f"{r['kernels_share']:.0%}",
-          f"{r['attention_share']:.0%}", f"{r['kv_mb']:.0f}", f"{1 - base['lean_ms'] / r['lean_ms']:.0%}"]
-         for r in rows])
+        [
+            "context",
+            "transformers ms/step",
+            "lean ms/step",
+            "speed-up",
+            f"batch of {args.batch}: transformers ms",
+            f"batch of {args.batch}: lean ms",
+            "batch speed-up",
+            "lean tok/s",
+            "share of ceiling",
+            "INT8 kernels share",
+            "attention share",
+            "KV read/step (MB)",
+            f"lean slowdown vs {base['context']}",
+        ],
+        [
+            [
+                r["context"],
+                r["transformers_ms"],
+                r["lean_ms"],
+                f"{r['transformers_ms'] / r['lean_ms']:.2f}x",
+                r["transformers_batch_ms"],
+                r["lean_batch_ms"],
+                f"{r['transformers_batch_ms'] / r['lean_batch_ms']:.2f}x",
+                1000 / r["lean_ms"],
+                f"{1000 / r['lean_ms'] / r['ceiling_tps']:.0%}",
+                f"{r['kernels_share']:.0%}",
+                f"{r['attention_share']:.0%}",
+                f"{r['kv_mb']:.0f}",
+                f"{1 - base['lean_ms'] / r['lean_ms']:.0%}",
+            ]
+            for r in rows
+        ],
+    )
     kv_table = markdown_table(
-        ["context", "fp32 KV ms/step", "bf16 KV ms/step", "bf16 vs fp32", f"batch of {args.batch}: fp32 KV ms",
-         f"batch of {args.batch}: bf16 KV ms", "batch bf16 vs fp32", "KV bytes per token, fp32 / bf16"],
-        [[r["context"], r["lean_ms"], r["bf16_ms"], f"{r['lean_ms'] / r['bf16_ms']:.2f}x", r["lean_batch_ms"],
-          r["bf16_batch_ms"], f"{r['lean_batch_ms'] / r['bf16_batch_ms']:.2f}x",
-          f"{part1['kv_bytes_per_token'] // 1024} KiB / {part1['kv_bytes_per_token'] // 2048} KiB"] for r in rows])
+        [
+            "context",
+            "fp32 KV ms/step",
+            "bf16 KV ms/step",
+            "bf16 vs fp32",
+            f"batch of {args.batch}: fp32 KV ms",
+            f"batch of {args.batch}: bf16 KV ms",
+            "batch bf16 vs fp32",
+            "KV bytes per token, fp32 / bf16",
+        ],
+        [
+            [
+                r["context"],
+                r["lean_ms"],
+                r["bf16_ms"],
+                f"{r['lean_ms'] / r['bf16_ms']:.2f}x",
+                r["lean_batch_ms"],
+                r["bf16_batch_ms"],
+                f"{r['lean_batch_ms'] / r['bf16_batch_ms']:.2f}x",
+                f"{part1['kv_bytes_per_token'] // 1024} KiB / {part1['kv_bytes_per_token'] // 2048} KiB",
+            ]
+            for r in rows
+        ],
+    )
     prefill_table = markdown_table(
-        ["context", f"prefill piece of {args.piece} tokens (ms)", "ms per token", "INT8 kernels share",
-         "attention share"],
-        [[r["context"], r["prefill_ms"], r["prefill_ms"] / args.piece, f"{r['prefill_kernels']:.0%}",
-          f"{r['prefill_attention']:.0%}"] for r in rows])
-    body = table + "\n\n" + kv_table + "\n\n" + prefill_table + (
-        f"\n\nOne process; each step kind measured twice per context (A B B A), the better median of {args.steps} "
-        f"steps shown. Batch lengths: the context, 3/4, 1/2 and 1/4 of it. Weights read per token "
-        f"{part1['weight_gb']:.2f} GB (int8 decoder + lm_head + norms); streaming read {part1['bandwidth_gbps']:.1f} "
-        "GB/s measured in the same run; ceiling = bandwidth / (weights + the context's fp32 KV). Shares from "
-        "torch.profiler over 5 lean steps (inclusive op times / wall time, profiler overhead included). The second "
-        "table: the lean step with keys and values cached in bf16 (KV_DTYPE=bfloat16; attention in bf16) against "
-        "fp32, same run. The "
-        "third table: one prefill piece after a cache of that many tokens, through the model's forward (the "
-        "engine's prefill path), median of 3, shares from one profiled run.")
+        [
+            "context",
+            f"prefill piece of {args.piece} tokens (ms)",
+            "ms per token",
+            "INT8 kernels share",
+            "attention share",
+        ],
+        [
+            [
+                r["context"],
+                r["prefill_ms"],
+                r["prefill_ms"] / args.piece,
+                f"{r['prefill_kernels']:.0%}",
+                f"{r['prefill_attention']:.0%}",
+            ]
+            for r in rows
+        ],
+    )
+    body = (
+        table
+        + "\n\n"
+        + kv_table
+        + "\n\n"
+        + prefill_table
+        + (
+            "\n\nOne process; each step kind measured twice per context (A B B A), the better median of "
+            f"{args.steps} steps shown. Batch lengths: the context, 3/4, 1/2 and 1/4 of it. Weights read per token "
+            f"{part1['weight_gb']:.2f} GB (int8 decoder + lm_head + norms); streaming read "
+            f"{part1['bandwidth_gbps']:.1f} GB/s measured in the same run; ceiling = bandwidth / (weights + the "
+            "context's fp32 KV). Shares from "
+            "torch.profiler over 5 lean steps (inclusive op times / wall time, profiler overhead included). The second "
+            "table: the lean step with keys and values cached in bf16 (KV_DTYPE=bfloat16; attention in bf16) against "
+            "fp32, same run. The "
+            "third table: one prefill piece after a cache of that many tokens, through the model's forward (the "
+            "engine's prefill path), median of 3, shares from one profiled run."
+        )
+    )
     if not args.no_engines:
         kinds = ["before", "now", "now", "before"]
         runs: dict[str, list[dict]] = {"before": [], "now": []}
         with tree_at(args.baseline) as tree:
             for kind in tqdm(kinds, desc="engines", unit="process"):
-                runs[kind].append(isolated("bench.bench_decode:engine_throughput", tree=tree if kind == "before" else None,
-                                           model_path=str(model_path), threads=args.threads, streams=args.batch,
-                                           tokens=64))
-        med = {k: {m: statistics.median(r[m] for r in v) for m in ("single_tps", "aggregate_tps")}
-               for k, v in runs.items()}
+                runs[kind].append(
+                    isolated(
+                        "bench.bench_decode:engine_throughput",
+                        tree=tree if kind == "before" else None,
+                        model_path=str(model_path),
+                        threads=args.threads,
+                        streams=args.batch,
+                        tokens=64,
+                    )
+                )
+        med = {
+            k: {m: statistics.median(r[m] for r in v) for m in ("single_tps", "aggregate_tps")} for k, v in runs.items()
+        }
         single, aggregate = (med["now"][m] / med["before"][m] for m in ("single_tps", "aggregate_tps"))
-        body += "\n\n" + markdown_table(
-            ["engine", "one stream (tok/s)", f"{args.batch} streams, aggregate (tok/s)"],
-            [[f"before ({short_rev(args.baseline)})", med["before"]["single_tps"], med["before"]["aggregate_tps"]],
-             ["now", med["now"]["single_tps"], med["now"]["aggregate_tps"]],
-             ["now / before", f"{single:.2f}x", f"{aggregate:.2f}x"]]) + (
-            f"\n\nThe engine end to end (scheduler, sampling, streaming; caches off; 64 greedy tokens; text prompts of "
-            f"~20 tokens), each in fresh processes in the order before, now, now, before; medians. Targets: one stream "
-            f">= 1.3x before: {single:.2f}x ({'met' if single >= 1.3 else 'missed'}); {args.batch} streams >= 1.2x "
-            f"before: {aggregate:.2f}x ({'met' if aggregate >= 1.2 else 'missed'}).")
+        body += (
+            "\n\n"
+            + markdown_table(
+                ["engine", "one stream (tok/s)", f"{args.batch} streams, aggregate (tok/s)"],
+                [
+                    [
+                        f"before ({short_rev(args.baseline)})",
+                        med["before"]["single_tps"],
+                        med["before"]["aggregate_tps"],
+                    ],
+                    ["now", med["now"]["single_tps"], med["now"]["aggregate_tps"]],
+                    ["now / before", f"{single:.2f}x", f"{aggregate:.2f}x"],
+                ],
+            )
+            + (
+                "\n\nThe engine end to end (scheduler, sampling, streaming; caches off; 64 greedy tokens; text prompts "
+                "of ~20 tokens), each in fresh processes in the order before, now, now, before; medians. Targets: one "
+                f"stream "
+                f">= 1.3x before: {single:.2f}x ({'met' if single >= 1.3 else 'missed'}); {args.batch} streams >= 1.2x "
+                f"before: {aggregate:.2f}x ({'met' if aggregate >= 1.2 else 'missed'})."
+            )
+        )
     png = plot(rows, f"{model_path.name}, {args.threads} threads, INT8: decode tokens/s vs context")
     body += f"\n\n![decode tokens/s against context]({png.name})"
     if args.no_save:
         print(body)
     else:
-        append_section("Decode step: lean vs transformers' forward, by context (bench/bench_decode.py)",
-                       {"MODEL_PATH": model_path.name, "THREADS": args.threads, "QUANTIZATION": "int8"}, body,
-                       threads=args.threads)
+        append_section(
+            "Decode step: lean vs transformers' forward, by context (bench/bench_decode.py)",
+            {"MODEL_PATH": model_path.name, "THREADS": args.threads, "QUANTIZATION": "int8"},
+            body,
+            threads=args.threads,
+        )
     return 0
 
 

@@ -32,20 +32,34 @@ import psutil
 import requests
 from tqdm import tqdm
 
-from bench.harness import (ROOT, add_checkpoint_args, checkpoint_of, encoded_photo, image_limits_of, isolated,
-                           short_rev, timing, tree_at)
+from bench.harness import (
+    ROOT,
+    add_checkpoint_args,
+    checkpoint_of,
+    encoded_photo,
+    image_limits_of,
+    isolated,
+    short_rev,
+    timing,
+    tree_at,
+)
 from bench.results import append_section, markdown_table
 
 sys.path.insert(0, str(ROOT / "tests"))
 
 BASELINE = "6ed1729"  # the session's start: FBGEMM packing, the worker loads the model
-MIB = 1024 ** 2
+MIB = 1024**2
 
 
-def engine_speed(model_path: str, threads: int, max_memory_mb: int | None = None, mapped_activations: str | None = None,
-                 decode_tokens: int = 32) -> dict:
+def engine_speed(
+    model_path: str,
+    threads: int,
+    max_memory_mb: int | None = None,
+    mapped_activations: str | None = None,
+    decode_tokens: int = 32,
+) -> dict:
     """TTFT (W1) and decode tokens/s of one engine in this process; the greedy answer's tokens."""
-    from bench.bench_int8 import QUESTION, DECODE_PROMPT
+    from bench.bench_int8 import DECODE_PROMPT, QUESTION
     from service.engine import Engine, GenerationRequest, SamplingParams
     from service.images import decode_image
     from service.int8_linear import MappedInt8Linear
@@ -53,8 +67,9 @@ def engine_speed(model_path: str, threads: int, max_memory_mb: int | None = None
     from service.prompts import ChatMessage, ImagePart, TextPart
     from service.settings import load_settings
 
-    settings = load_settings(model_path=model_path, quantization="int8", threads=threads, cache_enabled=False,
-                             max_memory_mb=max_memory_mb)
+    settings = load_settings(
+        model_path=model_path, quantization="int8", threads=threads, cache_enabled=False, max_memory_mb=max_memory_mb
+    )
     loaded = load_model(settings)
     if mapped_activations:
         for module in loaded.model.modules():
@@ -70,9 +85,14 @@ def engine_speed(model_path: str, threads: int, max_memory_mb: int | None = None
     ask([ImagePart(picture), TextPart("Warm-up.")], 2)
     w1, _ = ask([ImagePart(picture), TextPart(QUESTION)], 1)
     decode, tokens = ask([TextPart(DECODE_PROMPT)], decode_tokens)
-    return {"ttft_s": timing(w1, "time_to_first_token"), "vision_s": timing(w1, "vision_encode"),
-            "prefill_s": timing(w1, "prefill"), "decode_tokens_per_s": timing(decode, "decode_tokens_per_s"),
-            "mapped": loaded.weights_mapped, "tokens": tokens}
+    return {
+        "ttft_s": timing(w1, "time_to_first_token"),
+        "vision_s": timing(w1, "vision_encode"),
+        "prefill_s": timing(w1, "prefill"),
+        "decode_tokens_per_s": timing(decode, "decode_tokens_per_s"),
+        "mapped": loaded.weights_mapped,
+        "tokens": tokens,
+    }
 
 
 def _gunicorn(env: dict, root: Path, log_path: Path, preexec_fn=None) -> tuple[subprocess.Popen, str]:
@@ -81,9 +101,15 @@ def _gunicorn(env: dict, root: Path, log_path: Path, preexec_fn=None) -> tuple[s
     port = free_port()
     full = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "PROMETHEUS_MULTIPROC_DIR")}
     full.update(env)
-    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app", "--bind",
-                             f"127.0.0.1:{port}"], cwd=root, env=full, stdout=log_path.open("ab"),
-                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec_fn)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app", "--bind", f"127.0.0.1:{port}"],
+        cwd=root,
+        env=full,
+        stdout=log_path.open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=preexec_fn,
+    )
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -140,21 +166,37 @@ def conversations(env: dict, log_path: Path, cgroup=None, count: int = 10) -> di
         statuses = []
         for i in range(count):
             for turn in range(3):
-                files = {"image": (f"p{i}.jpg", encoded_photo(".jpg", 448 + 32 * (i % 3), 448), "image/jpeg")} \
-                    if turn == 0 else None
-                reply = requests.post(base + "/v1/chat", data={"prompt": f"Turn {turn + 1}: describe it further.",
-                                                               "conversation_id": f"bench-{i}", "max_tokens": "16",
-                                                               "stream": "false", "temperature": "0"},
-                                      files=files, timeout=900)
+                files = (
+                    {"image": (f"p{i}.jpg", encoded_photo(".jpg", 448 + 32 * (i % 3), 448), "image/jpeg")}
+                    if turn == 0
+                    else None
+                )
+                reply = requests.post(
+                    base + "/v1/chat",
+                    data={
+                        "prompt": f"Turn {turn + 1}: describe it further.",
+                        "conversation_id": f"bench-{i}",
+                        "max_tokens": "16",
+                        "stream": "false",
+                        "temperature": "0",
+                    },
+                    files=files,
+                    timeout=900,
+                )
                 statuses.append(reply.status_code)
-        return {"loaded_gib": loaded_rss / 1024**3, "end_gib": _rss_tree(proc.pid) / 1024**3,
-                "peak_gib": _peak_rss(proc.pid) / 1024**3,
-                "budget_mib": metric(base, "qwen3vl_memory_budget_bytes") / MIB,
-                "kv_budget_mib": metric(base, "qwen3vl_cache_budget_bytes", 'cache="conversation"') / MIB,
-                "kv_hits": metric(base, "qwen3vl_cache_hits_total", 'cache="conversation"'),
-                "ok": statuses.count(200), "refused": sum(s == 503 for s in statuses), "requests": len(statuses),
-                "cgroup_peak_gib": cgroup.peak_bytes() / 1024**3 if cgroup else None,
-                "oom_kills": cgroup.oom_kills() if cgroup else None}
+        return {
+            "loaded_gib": loaded_rss / 1024**3,
+            "end_gib": _rss_tree(proc.pid) / 1024**3,
+            "peak_gib": _peak_rss(proc.pid) / 1024**3,
+            "budget_mib": metric(base, "qwen3vl_memory_budget_bytes") / MIB,
+            "kv_budget_mib": metric(base, "qwen3vl_cache_budget_bytes", 'cache="conversation"') / MIB,
+            "kv_hits": metric(base, "qwen3vl_cache_hits_total", 'cache="conversation"'),
+            "ok": statuses.count(200),
+            "refused": sum(s == 503 for s in statuses),
+            "requests": len(statuses),
+            "cgroup_peak_gib": cgroup.peak_bytes() / 1024**3 if cgroup else None,
+            "oom_kills": cgroup.oom_kills() if cgroup else None,
+        }
     finally:
         _stop(proc)
 
@@ -165,15 +207,18 @@ def recovery(env: dict, log_path: Path) -> float:
     try:
         _wait_ready(base, proc)
         worker = psutil.Process(proc.pid).children()[0]
-        with requests.post(base + "/v1/chat", json={"prompt": "Talk forever.", "max_tokens": 500}, stream=True,
-                           timeout=60) as stream:
+        with requests.post(
+            base + "/v1/chat", json={"prompt": "Talk forever.", "max_tokens": 500}, stream=True, timeout=60
+        ) as stream:
             next(stream.iter_lines())
             killed = time.monotonic()
             os.kill(worker.pid, signal.SIGKILL)
         while True:
             try:
-                if requests.get(base + "/ready", timeout=1).status_code == 200 and \
-                        psutil.Process(proc.pid).children()[0].pid != worker.pid:
+                if (
+                    requests.get(base + "/ready", timeout=1).status_code == 200
+                    and psutil.Process(proc.pid).children()[0].pid != worker.pid
+                ):
                     return time.monotonic() - killed
             except (requests.RequestException, IndexError):
                 pass
@@ -200,11 +245,19 @@ def main(argv=None) -> int:
     for n in (1, 2):
         threads[n] = isolated("bench.bench_deploy:engine_speed", model_path=str(model_path), threads=n)
         bar.update()
-    sections.append(markdown_table(
-        ["threads", "W1 time to first token (s)", "decode (tok/s)"],
-        [[n, r["ttft_s"], r["decode_tokens_per_s"]] for n, r in threads.items()]
-        + [["2 vs 1", f"{threads[1]['ttft_s'] / threads[2]['ttft_s']:.2f}x faster",
-            f"{threads[2]['decode_tokens_per_s'] / threads[1]['decode_tokens_per_s']:.2f}x"]]))
+    sections.append(
+        markdown_table(
+            ["threads", "W1 time to first token (s)", "decode (tok/s)"],
+            [[n, r["ttft_s"], r["decode_tokens_per_s"]] for n, r in threads.items()]
+            + [
+                [
+                    "2 vs 1",
+                    f"{threads[1]['ttft_s'] / threads[2]['ttft_s']:.2f}x faster",
+                    f"{threads[2]['decode_tokens_per_s'] / threads[1]['decode_tokens_per_s']:.2f}x",
+                ]
+            ],
+        )
+    )
 
     # 2. start -> ready
     env = {"MODEL_PATH": str(model_path), "THREADS": str(args.threads), "LOG_LEVEL": "warning"}
@@ -214,15 +267,23 @@ def main(argv=None) -> int:
             starts[kind].append(start_to_ready(env, old if kind == "before" else ROOT, logs / f"start-{kind}.log"))
             bar.update()
     before, now = (statistics.median(starts[k]) for k in ("before", "now"))
-    sections.append(markdown_table(["code", "process start → /ready 200 (s), each run", "median (s)"], [
-        [f"before ({short_rev(args.baseline)})", ", ".join(f"{t:.1f}" for t in starts["before"]), before],
-        ["now", ", ".join(f"{t:.1f}" for t in starts["now"]), now]]) +
-        f"\n\nTarget start <= 8 s: {now:.1f} s ({'met' if now <= 8 else 'missed'}).")
+    sections.append(
+        markdown_table(
+            ["code", "process start → /ready 200 (s), each run", "median (s)"],
+            [
+                [f"before ({short_rev(args.baseline)})", ", ".join(f"{t:.1f}" for t in starts["before"]), before],
+                ["now", ", ".join(f"{t:.1f}" for t in starts["now"]), now],
+            ],
+        )
+        + f"\n\nTarget start <= 8 s: {now:.1f} s ({'met' if now <= 8 else 'missed'})."
+    )
 
     # 3. memory
-    runs = {"defaults (no MAX_MEMORY_MB, 24 GiB machine)": (env, None),
-            "MAX_MEMORY_MB=3500": ({**env, "MAX_MEMORY_MB": "3500"}, None),
-            "defaults in a 4 GiB cgroup": (env, 4096 * MIB)}
+    runs = {
+        "defaults (no MAX_MEMORY_MB, 24 GiB machine)": (env, None),
+        "MAX_MEMORY_MB=3500": ({**env, "MAX_MEMORY_MB": "3500"}, None),
+        "defaults in a 4 GiB cgroup": (env, 4096 * MIB),
+    }
     rows = []
     for label, (run_env, limit) in runs.items():
         if limit:
@@ -231,42 +292,93 @@ def main(argv=None) -> int:
         else:
             r = conversations(run_env, logs / "memory.log")
         bar.update()
-        rows.append([label, f"{r['budget_mib']:.0f}", f"{r['kv_budget_mib']:.0f}", f"{r['loaded_gib']:.2f}",
-                     f"{r['end_gib']:.2f}", f"{r['peak_gib']:.2f}",
-                     "" if r["cgroup_peak_gib"] is None else f"{r['cgroup_peak_gib']:.2f} ({r['oom_kills']} OOM kills)",
-                     f"{r['ok']}/{r['requests']}", r["refused"], int(r["kv_hits"])])
-    sections.append(markdown_table(
-        ["run", "budget (MiB)", "KV cache budget (MiB)", "worker after load (GiB)", "at the end (GiB)",
-         "peak (GiB)", "cgroup peak", "answered", "503", "KV cache hits"], rows) +
-        "\n\nRSS minus file-backed pages of the worker (what the budget counts; its weights are shared with the "
-        "preloading master); peak = the worker's VmHWM (all resident pages).")
+        rows.append(
+            [
+                label,
+                f"{r['budget_mib']:.0f}",
+                f"{r['kv_budget_mib']:.0f}",
+                f"{r['loaded_gib']:.2f}",
+                f"{r['end_gib']:.2f}",
+                f"{r['peak_gib']:.2f}",
+                "" if r["cgroup_peak_gib"] is None else f"{r['cgroup_peak_gib']:.2f} ({r['oom_kills']} OOM kills)",
+                f"{r['ok']}/{r['requests']}",
+                r["refused"],
+                int(r["kv_hits"]),
+            ]
+        )
+    sections.append(
+        markdown_table(
+            [
+                "run",
+                "budget (MiB)",
+                "KV cache budget (MiB)",
+                "worker after load (GiB)",
+                "at the end (GiB)",
+                "peak (GiB)",
+                "cgroup peak",
+                "answered",
+                "503",
+                "KV cache hits",
+            ],
+            rows,
+        )
+        + "\n\nRSS minus file-backed pages of the worker (what the budget counts; its weights are shared with the "
+        "preloading master); peak = the worker's VmHWM (all resident pages)."
+    )
 
     # 4. recovery
     back = [recovery(env, logs / "recovery.log") for _ in range(3)]
     bar.update(3)
-    sections.append(f"SIGKILL of the worker mid-stream → `/ready` 200 from its replacement: "
-                    f"{', '.join(f'{t:.2f}' for t in back)} s (target <= 3 s: "
-                    f"{'met' if max(back) <= 3 else 'missed'}).")
+    sections.append(
+        f"SIGKILL of the worker mid-stream → `/ready` 200 from its replacement: "
+        f"{', '.join(f'{t:.2f}' for t in back)} s (target <= 3 s: "
+        f"{'met' if max(back) <= 3 else 'missed'})."
+    )
 
     # 5. mapped mode
     packed = isolated("bench.bench_deploy:engine_speed", model_path=str(model_path), threads=args.threads)
     bar.update()
-    mapped = {a: isolated("bench.bench_deploy:engine_speed", model_path=str(model_path), threads=args.threads,
-                          max_memory_mb=args.mapped_budget_mb, mapped_activations=a) for a in ("fp32", "bf16")}
+    mapped = {
+        a: isolated(
+            "bench.bench_deploy:engine_speed",
+            model_path=str(model_path),
+            threads=args.threads,
+            max_memory_mb=args.mapped_budget_mb,
+            mapped_activations=a,
+        )
+        for a in ("fp32", "bf16")
+    }
     bar.update(2)
     same = {a: sum(x == y for x, y in zip(r["tokens"], packed["tokens"])) for a, r in mapped.items()}
-    sections.append(markdown_table(
-        ["weights", "W1 time to first token (s)", "decode (tok/s)", "greedy tokens equal to packed"],
-        [["packed (INT8 kernels)", packed["ttft_s"], packed["decode_tokens_per_s"], ""],
-         *[[f"mapped, {a} activations{' (before)' if a == 'fp32' else ''}", r["ttft_s"], r["decode_tokens_per_s"],
-            f"{same[a]}/{len(packed['tokens'])}"] for a, r in mapped.items()]]) + (
-        f"\n\nMAX_MEMORY_MB={args.mapped_budget_mb} forces the mapped mode. Targets: mapped decode >= 4x before: "
-        f"{mapped['bf16']['decode_tokens_per_s'] / mapped['fp32']['decode_tokens_per_s']:.1f}x; mapped TTFT <= 3x "
-        f"packed: {mapped['bf16']['ttft_s'] / packed['ttft_s']:.1f}x."))
+    sections.append(
+        markdown_table(
+            ["weights", "W1 time to first token (s)", "decode (tok/s)", "greedy tokens equal to packed"],
+            [
+                ["packed (INT8 kernels)", packed["ttft_s"], packed["decode_tokens_per_s"], ""],
+                *[
+                    [
+                        f"mapped, {a} activations{' (before)' if a == 'fp32' else ''}",
+                        r["ttft_s"],
+                        r["decode_tokens_per_s"],
+                        f"{same[a]}/{len(packed['tokens'])}",
+                    ]
+                    for a, r in mapped.items()
+                ],
+            ],
+        )
+        + (
+            f"\n\nMAX_MEMORY_MB={args.mapped_budget_mb} forces the mapped mode. Targets: mapped decode >= 4x before: "
+            f"{mapped['bf16']['decode_tokens_per_s'] / mapped['fp32']['decode_tokens_per_s']:.1f}x; mapped TTFT <= 3x "
+            f"packed: {mapped['bf16']['ttft_s'] / packed['ttft_s']:.1f}x."
+        )
+    )
     bar.close()
-    append_section("Deployment: threads, start-up, memory budget, recovery, mapped weights (bench/bench_deploy.py)",
-                   {"MODEL_PATH": model_path.name, "THREADS": args.threads}, "\n\n".join(sections),
-                   threads=args.threads)
+    append_section(
+        "Deployment: threads, start-up, memory budget, recovery, mapped weights (bench/bench_deploy.py)",
+        {"MODEL_PATH": model_path.name, "THREADS": args.threads},
+        "\n\n".join(sections),
+        threads=args.threads,
+    )
     return 0
 
 

@@ -20,8 +20,16 @@ import statistics
 
 from tqdm import tqdm
 
-from bench.harness import (add_checkpoint_args, checkpoint_of, encoded_photo, image_limits_of, isolated, short_rev,
-                           timing, tree_at)
+from bench.harness import (
+    add_checkpoint_args,
+    checkpoint_of,
+    encoded_photo,
+    image_limits_of,
+    isolated,
+    short_rev,
+    timing,
+    tree_at,
+)
 from bench.results import append_section, markdown_table
 
 BASELINE = "6ed1729"  # the last commit with torch's per-tensor dynamic Linear
@@ -54,12 +62,14 @@ def measure(model_path: str, threads: int, activations: str | None, repeats: int
         ask([ImagePart(picture), TextPart("Warm-up.")], 2)
     w1 = [ask([ImagePart(picture), TextPart(QUESTION)], 1) for _ in range(repeats)]
     decode = [ask([TextPart(DECODE_PROMPT)], decode_tokens) for _ in range(repeats)]
-    return {"ttft_s": statistics.median(timing(d, "time_to_first_token") for d in w1),
-            "prefill_s": statistics.median(timing(d, "prefill") for d in w1),
-            "vision_s": statistics.median(timing(d, "vision_encode") for d in w1),
-            "prompt_tokens": w1[0].prompt_tokens,
-            "decode_tokens_per_s": statistics.median(timing(d, "decode_tokens_per_s") for d in decode),
-            "decoded_tokens": decode[0].completion_tokens}
+    return {
+        "ttft_s": statistics.median(timing(d, "time_to_first_token") for d in w1),
+        "prefill_s": statistics.median(timing(d, "prefill") for d in w1),
+        "vision_s": statistics.median(timing(d, "vision_encode") for d in w1),
+        "prompt_tokens": w1[0].prompt_tokens,
+        "decode_tokens_per_s": statistics.median(timing(d, "decode_tokens_per_s") for d in decode),
+        "decoded_tokens": decode[0].completion_tokens,
+    }
 
 
 def main(argv=None) -> int:
@@ -77,27 +87,62 @@ def main(argv=None) -> int:
         base_tree = stack.enter_context(tree_at(args.baseline))
         now_tree = stack.enter_context(tree_at(args.revision)) if args.revision else None
         for kind in tqdm(order, desc="engines", unit="process"):
-            results[kind].append(isolated("bench.bench_int8:measure", tree=base_tree if kind == "baseline" else now_tree,
-                                          model_path=str(model_path), threads=args.threads,
-                                          activations=kinds[kind]))
+            results[kind].append(
+                isolated(
+                    "bench.bench_int8:measure",
+                    tree=base_tree if kind == "baseline" else now_tree,
+                    model_path=str(model_path),
+                    threads=args.threads,
+                    activations=kinds[kind],
+                )
+            )
     base = {key: statistics.median(r[key] for r in results["baseline"]) for key in ("ttft_s", "decode_tokens_per_s")}
     rows = []
     for kind, runs in results.items():
         med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        rows.append([f"{kind} ({short_rev(args.baseline)})" if kind == "baseline" else kind,
-                     med["prompt_tokens"], med["vision_s"], med["prefill_s"], med["ttft_s"],
-                     f"{med['ttft_s'] / base['ttft_s']:.3f}", med["decode_tokens_per_s"],
-                     f"{med['decode_tokens_per_s'] / base['decode_tokens_per_s']:.3f}"])
+        rows.append(
+            [
+                f"{kind} ({short_rev(args.baseline)})" if kind == "baseline" else kind,
+                med["prompt_tokens"],
+                med["vision_s"],
+                med["prefill_s"],
+                med["ttft_s"],
+                f"{med['ttft_s'] / base['ttft_s']:.3f}",
+                med["decode_tokens_per_s"],
+                f"{med['decode_tokens_per_s'] / base['decode_tokens_per_s']:.3f}",
+            ]
+        )
     shipped = rows[-1]
-    body = markdown_table(["engine", "W1 prompt tokens", "vision encode (s)", "prefill (s)", "TTFT (s)",
-                           "TTFT vs baseline", "decode (tok/s)", "decode vs baseline"], rows) + (
+    body = markdown_table(
+        [
+            "engine",
+            "W1 prompt tokens",
+            "vision encode (s)",
+            "prefill (s)",
+            "TTFT (s)",
+            "TTFT vs baseline",
+            "decode (tok/s)",
+            "decode vs baseline",
+        ],
+        rows,
+    ) + (
         f"\n\nMedians over {len(order) // len(kinds)} processes per kind (order A B C C B A), each the median of 3 "
         f"requests. Targets: per-token TTFT <= 1.10x the baseline's: {shipped[5]} "
         f"({'met' if float(shipped[5]) <= 1.10 else 'missed'}); decode >= the baseline's: {shipped[7]} "
-        f"({'met' if float(shipped[7]) >= 1.0 else 'missed'}).")
-    append_section("Per-token INT8 against per-tensor: time to first token and decode (bench/bench_int8.py)",
-                   {"MODEL_PATH": model_path.name, "THREADS": args.threads, "caches": "off",
-                    "decode": "64 greedy tokens", "W1": "448x448 JPEG + question"}, body, threads=args.threads)
+        f"({'met' if float(shipped[7]) >= 1.0 else 'missed'})."
+    )
+    append_section(
+        "Per-token INT8 against per-tensor: time to first token and decode (bench/bench_int8.py)",
+        {
+            "MODEL_PATH": model_path.name,
+            "THREADS": args.threads,
+            "caches": "off",
+            "decode": "64 greedy tokens",
+            "W1": "448x448 JPEG + question",
+        },
+        body,
+        threads=args.threads,
+    )
     return 0
 
 

@@ -29,13 +29,18 @@ def decode_ms(model, cache, context: int, steps: int) -> float:
     ids = torch.randint(0, model.config.text_config.vocab_size, (1, context))
     for start in range(0, context, 512):
         end = min(context, start + 512)
-        out = model(input_ids=ids[:, start:end], position_ids=torch.arange(start, end).view(1, 1, -1).expand(3, 1, -1),
-                    cache=cache, logits_to_keep=1)
+        out = model(
+            input_ids=ids[:, start:end],
+            position_ids=torch.arange(start, end).view(1, 1, -1).expand(3, 1, -1),
+            cache=cache,
+            logits_to_keep=1,
+        )
     token, times = out.logits[:, -1].argmax(-1, keepdim=True), []
     for i in range(steps + 2):
         t0 = time.perf_counter()
-        out = model(input_ids=token, position_ids=torch.tensor([[[context + i]]]).expand(3, 1, 1), cache=cache,
-                    logits_to_keep=1)
+        out = model(
+            input_ids=token, position_ids=torch.tensor([[[context + i]]]).expand(3, 1, 1), cache=cache, logits_to_keep=1
+        )
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[2:]) * 1000
@@ -55,8 +60,9 @@ def main(argv=None) -> int:
     from service.settings import load_settings
 
     model_path = checkpoint_of(args)
-    settings = load_settings(model_path=model_path, quantization=args.quantization, threads=args.threads,
-                             cache_enabled=False)
+    settings = load_settings(
+        model_path=model_path, quantization=args.quantization, threads=args.threads, cache_enabled=False
+    )
     model = load_model(settings).model
     rows = []
     kinds = {"plain": DynamicCache, "growing": GrowingCache}
@@ -70,14 +76,19 @@ def main(argv=None) -> int:
                     best[kind] = min(best.get(kind, ms), ms)
                 rows.append([context, best["plain"], best["growing"], f"{best['plain'] / best['growing']:.2f}×"])
     table = markdown_table(["context tokens", "DynamicCache ms/token", "GrowingCache ms/token", "speed-up"], rows)
-    note = (f"Median of {args.steps} greedy decode steps after the prompt (random tokens, prefilled in pieces of "
-            f"512); each cache measured twice per context in ABBA order in one process, the better of the two "
-            f"shown; HEADROOM={HEADROOM}.")
+    note = (
+        f"Median of {args.steps} greedy decode steps after the prompt (random tokens, prefilled in pieces of "
+        f"512); each cache measured twice per context in ABBA order in one process, the better of the two "
+        f"shown; HEADROOM={HEADROOM}."
+    )
     print(table + "\n\n" + note)
     if not args.no_save:
-        append_section("KV cache: appending in place vs torch.cat (bench/bench_kv.py)",
-                       {"MODEL_PATH": model_path.name, "QUANTIZATION": args.quantization, "THREADS": args.threads},
-                       table + "\n\n" + note, threads=args.threads)
+        append_section(
+            "KV cache: appending in place vs torch.cat (bench/bench_kv.py)",
+            {"MODEL_PATH": model_path.name, "QUANTIZATION": args.quantization, "THREADS": args.threads},
+            table + "\n\n" + note,
+            threads=args.threads,
+        )
     return 0
 
 

@@ -32,8 +32,13 @@ from bench.harness import add_checkpoint_args, checkpoint_of, photo  # noqa: E40
 from bench.results import append_section, markdown_table  # noqa: E402
 
 CODECS = {"mp4": ("mp4v", "MPEG-4 Part 2"), "avi": ("MJPG", "MJPEG"), "webm": ("VP90", "VP9")}
-CLIPS = [("720p", (1280, 720), "mp4"), ("720p", (1280, 720), "avi"), ("720p", (1280, 720), "webm"),
-         ("1080p", (1920, 1080), "mp4"), ("1080p", (1920, 1080), "avi")]
+CLIPS = [
+    ("720p", (1280, 720), "mp4"),
+    ("720p", (1280, 720), "avi"),
+    ("720p", (1280, 720), "webm"),
+    ("1080p", (1920, 1080), "mp4"),
+    ("1080p", (1920, 1080), "avi"),
+]
 QUESTION = "What happens in this clip? Describe the motion."
 
 
@@ -50,7 +55,7 @@ def clip_bytes(path: Path, size: tuple[int, int], seconds: float = 10.0, fps: fl
     for i in range(int(seconds * fps)):
         frame = background.copy()
         x = int((width - side) * i / (seconds * fps))
-        frame[height // 3:height // 3 + side, x:x + side] = (40, 40, 230)
+        frame[height // 3 : height // 3 + side, x : x + side] = (40, 40, 230)
         writer.write(frame)
     writer.release()
     partial.rename(path)
@@ -61,7 +66,7 @@ def decoding_table(clips: dict[str, bytes], limits) -> str:
     """Decode each clip three times; bytes beyond VIDEO_MAX_BYTES are decoded anyway and marked."""
     from service.video import decode_video
 
-    unlimited = dataclasses.replace(limits, max_bytes=2 ** 40)
+    unlimited = dataclasses.replace(limits, max_bytes=2**40)
     rows = []
     for name, data in tqdm(clips.items(), desc="decoding", unit="clip"):
         best, video = float("inf"), None
@@ -71,18 +76,40 @@ def decoding_table(clips: dict[str, bytes], limits) -> str:
             best = min(best, time.perf_counter() - t0)
         w, h = video.size
         accepted = "yes" if len(data) <= limits.max_bytes else "no (413)"
-        rows.append([name, f"{len(data) / 1e6:.1f} MB", accepted, video.source_frames, len(video.frames),
-                     f"{w}x{h}", best, best / video.source_frames * 1000])
-    header = ["clip (10 s, 30 fps)", "file", "within VIDEO_MAX_BYTES", "frames in clip", "frames sampled",
-              "sampled size", "decode (s)", "ms per source frame"]
+        rows.append(
+            [
+                name,
+                f"{len(data) / 1e6:.1f} MB",
+                accepted,
+                video.source_frames,
+                len(video.frames),
+                f"{w}x{h}",
+                best,
+                best / video.source_frames * 1000,
+            ]
+        )
+    header = [
+        "clip (10 s, 30 fps)",
+        "file",
+        "within VIDEO_MAX_BYTES",
+        "frames in clip",
+        "frames sampled",
+        "sampled size",
+        "decode (s)",
+        "ms per source frame",
+    ]
     return markdown_table(header, rows)
 
 
 def ask(engine, messages, conversation_id: str, max_tokens: int, received_at: float):
     from service.engine import Completion, GenerationRequest, SamplingParams
 
-    request = GenerationRequest(messages, SamplingParams(max_tokens=max_tokens, temperature=0),
-                                received_at=received_at, conversation_id=conversation_id)
+    request = GenerationRequest(
+        messages,
+        SamplingParams(max_tokens=max_tokens, temperature=0),
+        received_at=received_at,
+        conversation_id=conversation_id,
+    )
     return [e for e in engine.generate(request) if isinstance(e, Completion)][0]
 
 
@@ -112,17 +139,34 @@ def model_rows(loaded, settings, clip: bytes, budgets: list[int], max_tokens: in
     rows = []
     for budget in budgets:
         engine = Engine(loaded, load_settings(**{**settings, "video_max_visual_tokens": budget}))
-        warm_up = ChatMessage("user", [ImagePart(decode_image(cv2.imencode(".png", photo(224, 224))[1].tobytes(),
-                                                              engine.limits.image)), TextPart("Warm-up.")])
+        warm_up = ChatMessage(
+            "user",
+            [
+                ImagePart(decode_image(cv2.imencode(".png", photo(224, 224))[1].tobytes(), engine.limits.image)),
+                TextPart("Warm-up."),
+            ],
+        )
         ask(engine, [warm_up], "warm-up", 2, time.perf_counter())  # first-call costs, not measured
 
-        def row(label, done, video):
+        def row(label, done, video, budget=budget):
             _, grid = video_patches(video, loaded.processor.image_processor)
             t = done.timings
-            tokens = int(grid[0].prod()) // loaded.processor.image_processor.merge_size ** 2
-            return [label, budget, len(video.frames), "{}x{}".format(*video.size), tokens,
-                    done.prompt_tokens, done.cached_tokens, done.vision_cache_hits, t.video_decode,
-                    t.vision_encode, t.prefill, t.time_to_first_token, t.decode_tokens_per_s]
+            tokens = int(grid[0].prod()) // loaded.processor.image_processor.merge_size**2
+            return [
+                label,
+                budget,
+                len(video.frames),
+                "{}x{}".format(*video.size),
+                tokens,
+                done.prompt_tokens,
+                done.cached_tokens,
+                done.vision_cache_hits,
+                t.video_decode,
+                t.vision_encode,
+                t.prefill,
+                t.time_to_first_token,
+                t.decode_tokens_per_s,
+            ]
 
         start = time.perf_counter()
         video = decode_video(clip, engine.limits.video)
@@ -132,15 +176,18 @@ def model_rows(loaded, settings, clip: bytes, budgets: list[int], max_tokens: in
         bar.update()
         if budget != budgets[0]:
             continue
-        history += [ChatMessage("assistant", [TextPart(first.text)]),
-                    ChatMessage("user", [TextPart("And what happens at the end?")])]
+        history += [
+            ChatMessage("assistant", [TextPart(first.text)]),
+            ChatMessage("user", [TextPart("And what happens at the end?")]),
+        ]
         follow = ask(engine, history, f"clip-{budget}", max_tokens, time.perf_counter())
         rows.append(row("follow-up question, same conversation", follow, video))
         bar.update()
         start = time.perf_counter()
         again = decode_video(clip, engine.limits.video)
-        reopened = ask(engine, [ChatMessage("user", [VideoPart(again), TextPart("Who is in it?")])], "another",
-                       max_tokens, start)
+        reopened = ask(
+            engine, [ChatMessage("user", [VideoPart(again), TextPart("Who is in it?")])], "another", max_tokens, start
+        )
         rows.append(row("same clip, new conversation", reopened, again))
         bar.update()
         calls = encoder_calls(engine, video)
@@ -153,12 +200,16 @@ def main(argv=None) -> int:
     add_checkpoint_args(p)
     p.add_argument("--budgets", default="1024,512,256", help="VIDEO_MAX_VISUAL_TOKENS values, the default first")
     p.add_argument("--max-tokens", type=int, default=16, help="answer length of each request")
-    p.add_argument("--clip-dir", type=Path, default=None, help="where the test clips are kept (default: "
-                   "CACHE_DIR/bench-clips)")
+    p.add_argument(
+        "--clip-dir", type=Path, default=None, help="where the test clips are kept (default: CACHE_DIR/bench-clips)"
+    )
     p.add_argument("--no-save", action="store_true", help="print the tables, do not append them to RESULTS.md")
     args = p.parse_args(argv)
-    report = (lambda title, settings, body, threads: print(f"\n## {title}\n\n{settings}\n\n{body}")) \
-        if args.no_save else append_section
+    report = (
+        (lambda title, settings, body, threads: print(f"\n## {title}\n\n{settings}\n\n{body}"))
+        if args.no_save
+        else append_section
+    )
     args.model_path = checkpoint_of(args)
     budgets = [int(b) for b in args.budgets.split(",")]
 
@@ -172,35 +223,61 @@ def main(argv=None) -> int:
     fit_processor(processor, base)
     limits = RequestLimits.build(base, processor).video
     clip_dir = args.clip_dir or base.cache_dir / "bench-clips"
-    clips = {f"{label} {CODECS[container][1]} ({container.upper()})": clip_bytes(clip_dir / f"{label}.{container}", size)
-             for label, size, container in tqdm(CLIPS, desc="test clips", unit="clip")}
+    clips = {
+        f"{label} {CODECS[container][1]} ({container.upper()})": clip_bytes(clip_dir / f"{label}.{container}", size)
+        for label, size, container in tqdm(CLIPS, desc="test clips", unit="clip")
+    }
     decode_body = decoding_table(clips, limits)
-    decode_settings = {"VIDEO_FPS": base.video_fps, "VIDEO_MAX_FRAMES": base.video_max_frames,
-                       "VIDEO_MAX_VISUAL_TOKENS": base.video_max_visual_tokens, "decoder threads": 1,
-                       "OpenCV": cv2.__version__}
+    decode_settings = {
+        "VIDEO_FPS": base.video_fps,
+        "VIDEO_MAX_FRAMES": base.video_max_frames,
+        "VIDEO_MAX_VISUAL_TOKENS": base.video_max_visual_tokens,
+        "decoder threads": 1,
+        "OpenCV": cv2.__version__,
+    }
     report("Video decoding and sampling with OpenCV (bench/bench_video.py)", decode_settings, decode_body, 1)
 
     bar = tqdm(total=len(budgets) + 3, desc="requests", unit="req")
     t0 = time.perf_counter()
     loaded = load_model(base)
     load_seconds = time.perf_counter() - t0
-    rows, (per_pair, whole) = model_rows(loaded, settings, clips[f"720p {CODECS['mp4'][1]} (MP4)"], budgets,
-                                         args.max_tokens, bar)
+    rows, (per_pair, whole) = model_rows(
+        loaded, settings, clips[f"720p {CODECS['mp4'][1]} (MP4)"], budgets, args.max_tokens, bar
+    )
     bar.close()
-    header = ["request", "VIDEO_MAX_VISUAL_TOKENS", "frames", "frame size", "visual tokens", "prompt tokens",
-              "cached tokens", "vision cache hits", "video decode (s)", "vision encode (s)", "prefill (s)",
-              "time to first token (s)", "decode (tok/s)"]
+    header = [
+        "request",
+        "VIDEO_MAX_VISUAL_TOKENS",
+        "frames",
+        "frame size",
+        "visual tokens",
+        "prompt tokens",
+        "cached tokens",
+        "vision cache hits",
+        "video decode (s)",
+        "vision encode (s)",
+        "prefill (s)",
+        "time to first token (s)",
+        "decode (tok/s)",
+    ]
     default = rows[0]
     body = markdown_table(header, rows) + (
         f"\n\nThe 10-second 720p clip at the default budget: {default[2]} frames, {default[4]} visual tokens, "
         f"first token after {default[11]:.1f} s (of which vision encoding {default[9]:.1f} s, prefill "
         f"{default[10]:.1f} s, decoding the clip {default[8]:.2f} s). Model load: {load_seconds:.0f} s.\n"
         f"Vision encoder on that clip: one call per frame pair (what the service does) {per_pair:.1f} s, one call "
-        f"for the whole video (get_video_features) {whole:.1f} s.")
-    model_settings = {"MODEL_PATH": args.model_path.name, "QUANTIZATION": args.quantization, "THREADS": args.threads,
-                      "VIDEO_FPS": base.video_fps, "VIDEO_MAX_FRAMES": base.video_max_frames,
-                      "IMAGE_MAX_PIXELS": base.image_max_pixels, "max_tokens": args.max_tokens,
-                      "clip": "10 s, 1280x720, 30 fps, MPEG-4 Part 2 in MP4"}
+        f"for the whole video (get_video_features) {whole:.1f} s."
+    )
+    model_settings = {
+        "MODEL_PATH": args.model_path.name,
+        "QUANTIZATION": args.quantization,
+        "THREADS": args.threads,
+        "VIDEO_FPS": base.video_fps,
+        "VIDEO_MAX_FRAMES": base.video_max_frames,
+        "IMAGE_MAX_PIXELS": base.image_max_pixels,
+        "max_tokens": args.max_tokens,
+        "clip": "10 s, 1280x720, 30 fps, MPEG-4 Part 2 in MP4",
+    }
     report("A 10-second clip through the engine (bench/bench_video.py)", model_settings, body, args.threads)
     return 0
 

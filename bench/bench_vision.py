@@ -70,13 +70,19 @@ def image_inputs(processor, side: int):
 
 def load_backend(args, backend: str, precision: str):
     """The checkpoint and the encoder `backend` names, loaded as the service loads them."""
+    from service.encoders import make_vision_encoder
     from service.loading import load_model
     from service.settings import load_settings
-    from service.encoders import make_vision_encoder
 
-    settings = load_settings(model_path=args.model_path, quantization=precision, threads=args.threads,
-                             vision_backend=backend, vision_onnx_dir=args.export_dir,
-                             image_max_pixels=max(args.sizes) ** 2, cache_dir=args.cache_dir)
+    settings = load_settings(
+        model_path=args.model_path,
+        quantization=precision,
+        threads=args.threads,
+        vision_backend=backend,
+        vision_onnx_dir=args.export_dir,
+        image_max_pixels=max(args.sizes) ** 2,
+        cache_dir=args.cache_dir,
+    )
     loaded = load_model(settings)
     encoder = make_vision_encoder(loaded, settings)
     if encoder.name != backend:
@@ -120,15 +126,18 @@ def speed_worker(args, precision: str) -> dict:
                 t = time.perf_counter()
                 encoder(pixels, grid)
                 times[name][side].append(time.perf_counter() - t)
-    return {"times": times, "tokens": {side: int(image_inputs(loaded.processor, side)[1].prod()) // 4
-                                       for side in args.sizes}}
+    return {
+        "times": times,
+        "tokens": {side: int(image_inputs(loaded.processor, side)[1].prod()) // 4 for side in args.sizes},
+    }
 
 
 def cosines(reference: Path, other: Path) -> float:
     """The smallest cosine similarity over the pooler and deepstack outputs."""
     a, b = np.load(reference), np.load(other)
-    return min(float(np.dot(a[k].ravel(), b[k].ravel()) / (np.linalg.norm(a[k]) * np.linalg.norm(b[k])))
-               for k in a.files)
+    return min(
+        float(np.dot(a[k].ravel(), b[k].ravel()) / (np.linalg.norm(a[k]) * np.linalg.norm(b[k]))) for k in a.files
+    )
 
 
 def ensure_export(model_path: Path, export_dir: Path, fresh: bool = False) -> str:
@@ -142,25 +151,44 @@ def ensure_export(model_path: Path, export_dir: Path, fresh: bool = False) -> st
         except StaleExport as exc:
             print(f"{exc}: exporting (python -m service export-onnx)")
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "service", "--log-level", "WARNING", "export-onnx", str(model_path),
-                    str(export_dir)], check=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "service", "--log-level", "WARNING", "export-onnx", str(model_path), str(export_dir)],
+        check=True,
+        cwd=ROOT,
+    )
     # The export is this process's first child: the children's peak RSS is its own.
     peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024**2
     return f"built in {time.perf_counter() - t0:.0f} s, peak RSS {peak_gib:.1f} GiB"
 
 
 def run_worker(args, name: str, *worker_args: str, features: Path | None = None) -> dict:
-    cmd = [sys.executable, "-m", "bench.bench_vision", "--worker", *worker_args,
-           "--model-path", str(args.model_path), "--threads", str(args.threads), "--repeats", str(args.repeats),
-           "--cache-dir", str(args.cache_dir), "--export-dir", str(args.export_dir),
-           "--sizes", *map(str, args.sizes)] + (["--features-out", str(features)] if features else [])
-    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"},
-                         capture_output=True, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.bench_vision",
+        "--worker",
+        *worker_args,
+        "--model-path",
+        str(args.model_path),
+        "--threads",
+        str(args.threads),
+        "--repeats",
+        str(args.repeats),
+        "--cache-dir",
+        str(args.cache_dir),
+        "--export-dir",
+        str(args.export_dir),
+        "--sizes",
+        *map(str, args.sizes),
+    ] + (["--features-out", str(features)] if features else [])
+    out = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"}, capture_output=True, text=True
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
         print(out.stderr[-3000:], file=sys.stderr)
         raise SystemExit(f"{name} failed (exit {out.returncode})")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main() -> int:
@@ -201,28 +229,56 @@ def main() -> int:
 
     best = {(b, p): {s: min(speed[p]["times"][b][str(s)]) for s in args.sizes} for b, p in BACKENDS}
     tokens = speed["int8"]["tokens"]
-    header = ["backend", "precision", *[f"{s}² encode s ({tokens[str(s)]} tokens)" for s in args.sizes],
-              *[f"{s}² ÷ torch same precision" for s in args.sizes], *[f"{s}² ÷ torch int8" for s in args.sizes],
-              "RSS after load GiB", "peak RSS encoding GiB", "process peak RSS GiB", "load s", "cosine vs torch fp32"]
+    header = [
+        "backend",
+        "precision",
+        *[f"{s}² encode s ({tokens[str(s)]} tokens)" for s in args.sizes],
+        *[f"{s}² ÷ torch same precision" for s in args.sizes],
+        *[f"{s}² ÷ torch int8" for s in args.sizes],
+        "RSS after load GiB",
+        "peak RSS encoding GiB",
+        "process peak RSS GiB",
+        "load s",
+        "cosine vs torch fp32",
+    ]
     rows = []
     for backend, precision in BACKENDS:
         b, m = best[backend, precision], memory[backend, precision]
-        rows.append([backend, precision, *[b[s] for s in args.sizes],
-                     *[f"{b[s] / best['torch', precision][s]:.2f}×" for s in args.sizes],
-                     *[f"{b[s] / best['torch', 'int8'][s]:.2f}×" for s in args.sizes],
-                     m["rss_after_load"] / GIB, m["peak_rss_encoding"] / GIB, m["ru_maxrss"] / GIB,
-                     m["load_seconds"], f"{m['cosine']:.5f}"])
-    body = (markdown_table(header, rows) + f"\n\nEncode: the fastest of {args.repeats} runs after a warm-up; torch "
-            "and ONNX Runtime of one precision share a fresh process and run alternately, so load from other "
-            "processes falls on both alike. Memory: each backend alone in a fresh process loading the checkpoint "
-            "as the service does (`load_model` + `make_vision_encoder`; the ONNX rows also hold the torch "
-            "model, as the service does). Cosine: the smallest over the pooler and deepstack outputs of the "
-            f"{min(args.sizes)}² image.")
+        rows.append(
+            [
+                backend,
+                precision,
+                *[b[s] for s in args.sizes],
+                *[f"{b[s] / best['torch', precision][s]:.2f}×" for s in args.sizes],
+                *[f"{b[s] / best['torch', 'int8'][s]:.2f}×" for s in args.sizes],
+                m["rss_after_load"] / GIB,
+                m["peak_rss_encoding"] / GIB,
+                m["ru_maxrss"] / GIB,
+                m["load_seconds"],
+                f"{m['cosine']:.5f}",
+            ]
+        )
+    body = (
+        markdown_table(header, rows) + f"\n\nEncode: the fastest of {args.repeats} runs after a warm-up; torch "
+        "and ONNX Runtime of one precision share a fresh process and run alternately, so load from other "
+        "processes falls on both alike. Memory: each backend alone in a fresh process loading the checkpoint "
+        "as the service does (`load_model` + `make_vision_encoder`; the ONNX rows also hold the torch "
+        "model, as the service does). Cosine: the smallest over the pooler and deepstack outputs of the "
+        f"{min(args.sizes)}² image."
+    )
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
-    append_section("Vision encoder: torch vs ONNX Runtime (bench/bench_vision.py)",
-                   {"checkpoint": args.model_path.name, "threads": args.threads, "onnx export": export_note,
-                    "load average at the end": load}, body, threads=args.threads)
+    append_section(
+        "Vision encoder: torch vs ONNX Runtime (bench/bench_vision.py)",
+        {
+            "checkpoint": args.model_path.name,
+            "threads": args.threads,
+            "onnx export": export_note,
+            "load average at the end": load,
+        },
+        body,
+        threads=args.threads,
+    )
     return 0
 
 

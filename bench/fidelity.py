@@ -22,8 +22,7 @@ TEXT_PROMPTS = [
 ]
 IMAGE_PROMPTS = ["Describe this picture.", "How many circles are in this image, and what colors are they?"]
 
-VARIANTS = {"int8 per-token activations (shipped)": "per_token",
-            "int8 per-tensor activations (before)": "per_tensor"}
+VARIANTS = {"int8 per-token activations (shipped)": "per_token", "int8 per-tensor activations (before)": "per_tensor"}
 SCENARIOS = ("no spikes", "spikes")
 SPIKE = 1000.0
 
@@ -78,7 +77,7 @@ def _answer_logits(model, kwargs: dict, sequence, prompt_len: int):
     model.model.rope_deltas = None
     with torch.inference_mode():
         logits = model(**_extended(kwargs, sequence)).logits[0]
-    return logits[prompt_len - 1:-1].float()
+    return logits[prompt_len - 1 : -1].float()
 
 
 def _greedy(model, kwargs: dict, tokens: int):
@@ -86,8 +85,13 @@ def _greedy(model, kwargs: dict, tokens: int):
 
     model.model.rope_deltas = None
     with torch.inference_mode():
-        return model.generate(**kwargs, attention_mask=torch.ones_like(kwargs["input_ids"]), max_new_tokens=tokens,
-                              min_new_tokens=tokens, do_sample=False)
+        return model.generate(
+            **kwargs,
+            attention_mask=torch.ones_like(kwargs["input_ids"]),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+        )
 
 
 def _engine(model_path: str, threads: int, quantization: str, activations: str | None, spikes: bool):
@@ -115,8 +119,13 @@ def reference(model_path: str, threads: int, tokens: int, out_file: str, spikes:
         kwargs = _inputs(engine, i)
         sequence = _greedy(engine.model, kwargs, tokens)
         prompt_len = kwargs["input_ids"].shape[1]
-        saved.append({"sequence": sequence, "prompt_len": prompt_len,
-                      "logits": _answer_logits(engine.model, kwargs, sequence, prompt_len)})
+        saved.append(
+            {
+                "sequence": sequence,
+                "prompt_len": prompt_len,
+                "logits": _answer_logits(engine.model, kwargs, sequence, prompt_len),
+            }
+        )
     torch.save(saved, out_file)
     return {"prompts": len(saved)}
 
@@ -132,16 +141,21 @@ def compare(model_path: str, threads: int, tokens: int, ref_file: str, activatio
         logits = _answer_logits(engine.model, kwargs, ref["sequence"], ref["prompt_len"])
         cosines.append(torch.nn.functional.cosine_similarity(logits, ref["logits"], dim=-1))
         top1.append((logits.argmax(-1) == ref["logits"].argmax(-1)).float())
-        answer = _greedy(engine.model, kwargs, tokens)[0, ref["prompt_len"]:]
-        expected = ref["sequence"][0, ref["prompt_len"]:]
+        answer = _greedy(engine.model, kwargs, tokens)[0, ref["prompt_len"] :]
+        expected = ref["sequence"][0, ref["prompt_len"] :]
         same = (answer == expected).tolist()
         free_same.append(sum(same) / len(same))
         free_prefix.append(same.index(False) if False in same else len(same))
     cos = torch.cat(cosines)
-    return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
-            "top1_agreement": float(torch.cat(top1).mean()), "greedy_agreement": sum(free_same) / len(free_same),
-            "greedy_identical_answers": sum(p == tokens for p in free_prefix), "prompts": len(free_prefix),
-            "mean_tokens_before_divergence": sum(free_prefix) / len(free_prefix)}
+    return {
+        "cosine_mean": float(cos.mean()),
+        "cosine_min": float(cos.min()),
+        "top1_agreement": float(torch.cat(top1).mean()),
+        "greedy_agreement": sum(free_same) / len(free_same),
+        "greedy_identical_answers": sum(p == tokens for p in free_prefix),
+        "prompts": len(free_prefix),
+        "mean_tokens_before_divergence": sum(free_prefix) / len(free_prefix),
+    }
 
 
 def run(source, int8, threads: int, tokens: int) -> str:
@@ -161,17 +175,49 @@ def run(source, int8, threads: int, tokens: int) -> str:
         for scenario in SCENARIOS:
             spikes = scenario == "spikes"
             ref = str(Path(tmp) / f"fp32-{spikes}.pt")
-            isolated("bench.fidelity:reference", model_path=str(source), threads=threads, tokens=tokens, out_file=ref,
-                     spikes=spikes)
+            isolated(
+                "bench.fidelity:reference",
+                model_path=str(source),
+                threads=threads,
+                tokens=tokens,
+                out_file=ref,
+                spikes=spikes,
+            )
             steps.update()
             for label, activations in VARIANTS.items():
-                r = isolated("bench.fidelity:compare", model_path=str(int8), threads=threads, tokens=tokens,
-                             ref_file=ref, activations=activations, spikes=spikes)
+                r = isolated(
+                    "bench.fidelity:compare",
+                    model_path=str(int8),
+                    threads=threads,
+                    tokens=tokens,
+                    ref_file=ref,
+                    activations=activations,
+                    spikes=spikes,
+                )
                 steps.update()
-                rows.append([scenario, label, f"{r['cosine_mean']:.5f}", f"{r['cosine_min']:.5f}",
-                             f"{r['top1_agreement']:.1%}", f"{r['greedy_agreement']:.1%}",
-                             f"{r['greedy_identical_answers']}/{r['prompts']}", f"{r['mean_tokens_before_divergence']:.1f}"])
+                rows.append(
+                    [
+                        scenario,
+                        label,
+                        f"{r['cosine_mean']:.5f}",
+                        f"{r['cosine_min']:.5f}",
+                        f"{r['top1_agreement']:.1%}",
+                        f"{r['greedy_agreement']:.1%}",
+                        f"{r['greedy_identical_answers']}/{r['prompts']}",
+                        f"{r['mean_tokens_before_divergence']:.1f}",
+                    ]
+                )
         steps.close()
-    return markdown_table(["scenario", "INT8 variant vs fp32", "logit cosine (mean)", "logit cosine (min)",
-                           "top-1 agreement (teacher-forced)", "greedy token agreement",
-                           f"identical {tokens}-token answers", "tokens before first difference"], rows)
+    return markdown_table(
+        [
+            "scenario",
+            "INT8 variant vs fp32",
+            "logit cosine (mean)",
+            "logit cosine (min)",
+            "top-1 agreement (teacher-forced)",
+            "greedy token agreement",
+            f"identical {tokens}-token answers",
+            "tokens before first difference",
+        ],
+        rows,
+    )

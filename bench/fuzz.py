@@ -31,22 +31,43 @@ def main(argv=None) -> int:
     tally_file = Path(name)
     env = {**os.environ, "FUZZ_EXAMPLES": str(args.examples), "FUZZ_TALLY_FILE": str(tally_file)}
     t0 = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz.py"],
-                            cwd=ROOT, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz.py"], cwd=ROOT, env=env
+    )
     elapsed = time.perf_counter() - t0
     tally = json.loads(tally_file.read_text() or "{}")
     tally_file.unlink()
     statuses = {k: int(v) for k, v in sorted(tally.get("statuses", {}).items())}
     server_errors = sum(v for k, v in statuses.items() if int(k) >= 500)
     table = markdown_table(
-        ["requests", "by status", "5xx", "errors after a 200", "worker restarts", "same answer after", "pytest",
-         "minutes"],
-        [[sum(statuses.values()), statuses, server_errors, int(tally.get("stream_errors", 0)),
-          "yes" if tally.get("worker_restarted") else "none",
-          "yes" if tally.get("same_answer") else "NO", "passed" if result.returncode == 0 else "FAILED",
-          elapsed / 60]])
-    settings = {"examples_per_test": args.examples, "weights": "embedded tiny random",
-                "command": "python -m bench.fuzz"}
+        [
+            "requests",
+            "by status",
+            "5xx",
+            "errors after a 200",
+            "worker restarts",
+            "same answer after",
+            "pytest",
+            "minutes",
+        ],
+        [
+            [
+                sum(statuses.values()),
+                statuses,
+                server_errors,
+                int(tally.get("stream_errors", 0)),
+                "yes" if tally.get("worker_restarted") else "none",
+                "yes" if tally.get("same_answer") else "NO",
+                "passed" if result.returncode == 0 else "FAILED",
+                elapsed / 60,
+            ]
+        ],
+    )
+    settings = {
+        "examples_per_test": args.examples,
+        "weights": "embedded tiny random",
+        "command": "python -m bench.fuzz",
+    }
     if args.no_save:
         print(table)
     else:

@@ -22,8 +22,8 @@ import numpy as np
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-GIB = 1024 ** 3
-MIB = 1024 ** 2
+GIB = 1024**3
+MIB = 1024**2
 
 
 def isolated(target: str, tree: Path | None = None, **kwargs) -> dict:
@@ -35,8 +35,12 @@ def isolated(target: str, tree: Path | None = None, **kwargs) -> dict:
         root = tree or ROOT
         env = {k: v for k, v in os.environ.items() if k != "MODEL_PATH"}
         env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-        run = subprocess.run([sys.executable, "-m", "bench.harness", target, json.dumps(kwargs), str(out)],
-                             cwd=root, env=env, stdout=subprocess.DEVNULL)
+        run = subprocess.run(
+            [sys.executable, "-m", "bench.harness", target, json.dumps(kwargs), str(out)],
+            cwd=root,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
         if run.returncode != 0:
             raise RuntimeError(f"{target}({kwargs}) failed with exit code {run.returncode}")
         return json.loads(out.read_text())
@@ -48,8 +52,9 @@ def tree_at(rev: str, extra: tuple[str, ...] = ()):
     and `bench` and `tests` as they are now: for benchmarks that measure today's code against a
     change in one run (`isolated(tree=...)`, or a Gunicorn started there)."""
     with tempfile.TemporaryDirectory(prefix="baseline-") as tmp:
-        archive = subprocess.run(["git", "archive", rev, "service", *extra], cwd=ROOT, capture_output=True,
-                                 check=True).stdout
+        archive = subprocess.run(
+            ["git", "archive", rev, "service", *extra], cwd=ROOT, capture_output=True, check=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         for name in ("bench", "tests"):
             os.symlink(ROOT / name, Path(tmp) / name)
@@ -57,8 +62,9 @@ def tree_at(rev: str, extra: tuple[str, ...] = ()):
 
 
 def short_rev(rev: str) -> str:
-    return subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def peak_rss_bytes() -> int:
@@ -121,7 +127,9 @@ def photo(width: int = 1920, height: int = 1080, seed: int = 0) -> np.ndarray:
 def encoded_photo(ext: str = ".jpg", width: int = 1920, height: int = 1080) -> bytes:
     import cv2
 
-    params = [cv2.IMWRITE_JPEG_QUALITY, 90] if ext == ".jpg" else [cv2.IMWRITE_WEBP_QUALITY, 90] if ext == ".webp" else []
+    params = (
+        [cv2.IMWRITE_JPEG_QUALITY, 90] if ext == ".jpg" else [cv2.IMWRITE_WEBP_QUALITY, 90] if ext == ".webp" else []
+    )
     ok, buf = cv2.imencode(ext, photo(width, height), params)
     assert ok
     return buf.tobytes()
@@ -144,8 +152,12 @@ def default_int8_path() -> Path:
 
 def add_checkpoint_args(parser) -> None:
     """--model-path, --quantization, --threads: what every model benchmark takes (see `checkpoint_of`)."""
-    parser.add_argument("--model-path", type=Path, default=None,
-                        help="default: CACHE_DIR/qwen3vl-2b-random (its -int8 copy for INT8, when made)")
+    parser.add_argument(
+        "--model-path",
+        type=Path,
+        default=None,
+        help="default: CACHE_DIR/qwen3vl-2b-random (its -int8 copy for INT8, when made)",
+    )
     parser.add_argument("--quantization", default="int8", choices=["int8", "fp32"])
     parser.add_argument("--threads", type=int, default=2)
 
@@ -158,9 +170,11 @@ def checkpoint_of(args) -> Path:
 
 def require_checkpoint(path: Path) -> Path:
     if not (path / "config.json").exists():
-        raise SystemExit(f"no checkpoint at {path}: create it with\n"
-                         f"  flock /tmp/heavy.lock python -m service make-model --preset 2b {path}\n"
-                         "or pass --model-path (a Qwen3-VL checkpoint directory)")
+        raise SystemExit(
+            f"no checkpoint at {path}: create it with\n"
+            f"  flock /tmp/heavy.lock python -m service make-model --preset 2b {path}\n"
+            "or pass --model-path (a Qwen3-VL checkpoint directory)"
+        )
     return path
 
 

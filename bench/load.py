@@ -24,9 +24,9 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from servers import gunicorn_server  # noqa: E402
-
 from bench.results import append_section, markdown_table  # noqa: E402
+
+from servers import gunicorn_server  # noqa: E402
 
 PROMPTS = ["What is in this picture?", "Describe the colours.", "Count the shapes.", "Tell me a story."]
 
@@ -45,14 +45,14 @@ async def one_request(client: httpx.AsyncClient, base: str, i: int, max_tokens: 
                     tokens = json.loads(line)["usage"]["completion_tokens"]
                     return {"status": status, "ttft": first, "total": time.perf_counter() - t0, "tokens": tokens}
             # A 200 whose stream ended without its done line (an error event after the status) failed.
-            return {"status": "incomplete" if status == 200 else status, "total": time.perf_counter() - t0,
-                    "tokens": 0}
+            return {"status": "incomplete" if status == 200 else status, "total": time.perf_counter() - t0, "tokens": 0}
     except httpx.TimeoutException:
         return {"status": "timeout", "total": time.perf_counter() - t0, "tokens": 0}
 
 
-async def run_load(base: str, clients: int, requests: int, max_tokens: int, timeout: float,
-                   time_cap: float, backoff: float = 0.5) -> tuple[list[dict], float]:
+async def run_load(
+    base: str, clients: int, requests: int, max_tokens: int, timeout: float, time_cap: float, backoff: float = 0.5
+) -> tuple[list[dict], float]:
     """`clients` workers share `requests` requests, each pausing `backoff` s after a refusal;
     stops starting new ones after `time_cap` s."""
     results: list[dict] = []
@@ -89,10 +89,16 @@ def summarize(results: list[dict], elapsed: float) -> dict:
     ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
     total = [r["total"] for r in ok]
     return {
-        "statuses": dict(statuses), "elapsed": elapsed, "requests_per_s": len(ok) / elapsed,
+        "statuses": dict(statuses),
+        "elapsed": elapsed,
+        "requests_per_s": len(ok) / elapsed,
         "tokens_per_s": sum(r["tokens"] for r in ok) / elapsed,
-        "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
-        "total_p50": percentile(total, 50), "total_p90": percentile(total, 90), "total_p99": percentile(total, 99),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p90": percentile(ttft, 90),
+        "ttft_p99": percentile(ttft, 99),
+        "total_p50": percentile(total, 50),
+        "total_p90": percentile(total, 90),
+        "total_p99": percentile(total, 99),
         "unexpected": sum(n for s, n in statuses.items() if s not in (200, 429, 503)),
     }
 
@@ -115,17 +121,43 @@ def main(argv=None) -> int:
     log = Path(args.cache_dir) / "load-gunicorn.log"
     Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
     with gunicorn_server(env, log) as (base, _):
-        results, elapsed = asyncio.run(run_load(base, args.clients, args.requests, args.max_tokens, args.timeout,
-                                                args.time_cap))
+        results, elapsed = asyncio.run(
+            run_load(base, args.clients, args.requests, args.max_tokens, args.timeout, args.time_cap)
+        )
     s = summarize(results, elapsed)
     table = markdown_table(
-        ["requests", "200", "429", "503", "other/hung", "req/s", "tokens/s", "TTFT p50/p90/p99 s", "total p50/p90/p99 s"],
-        [[len(results), s["statuses"].get(200, 0), s["statuses"].get(429, 0), s["statuses"].get(503, 0),
-          s["unexpected"], s["requests_per_s"], s["tokens_per_s"],
-          f"{s['ttft_p50']:.3f} / {s['ttft_p90']:.3f} / {s['ttft_p99']:.3f}",
-          f"{s['total_p50']:.3f} / {s['total_p90']:.3f} / {s['total_p99']:.3f}"]])
-    settings = {"clients": args.clients, "queue_size": args.queue_size, "max_tokens": args.max_tokens,
-                "weights": args.model_path or "embedded tiny random", "command": "python -m bench.load"}
+        [
+            "requests",
+            "200",
+            "429",
+            "503",
+            "other/hung",
+            "req/s",
+            "tokens/s",
+            "TTFT p50/p90/p99 s",
+            "total p50/p90/p99 s",
+        ],
+        [
+            [
+                len(results),
+                s["statuses"].get(200, 0),
+                s["statuses"].get(429, 0),
+                s["statuses"].get(503, 0),
+                s["unexpected"],
+                s["requests_per_s"],
+                s["tokens_per_s"],
+                f"{s['ttft_p50']:.3f} / {s['ttft_p90']:.3f} / {s['ttft_p99']:.3f}",
+                f"{s['total_p50']:.3f} / {s['total_p90']:.3f} / {s['total_p99']:.3f}",
+            ]
+        ],
+    )
+    settings = {
+        "clients": args.clients,
+        "queue_size": args.queue_size,
+        "max_tokens": args.max_tokens,
+        "weights": args.model_path or "embedded tiny random",
+        "command": "python -m bench.load",
+    }
     if args.no_save:
         print(table)
     else:

@@ -17,8 +17,10 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 ROOT = RESULTS.parent.parent
-PREAMBLE = ("# Benchmark results\n\nEvery section below was written by the command named in it (rerunning the "
-            "command replaces its section); timings are from one run on the machine named. Do not edit by hand.\n")
+PREAMBLE = (
+    "# Benchmark results\n\nEvery section below was written by the command named in it (rerunning the "
+    "command replaces its section); timings are from one run on the machine named. Do not edit by hand.\n"
+)
 COMMAND_PREFIX = "Command: `"
 
 
@@ -36,12 +38,15 @@ def machine_line(threads: int | None = None) -> str:
     cores = len(os.sched_getaffinity(0))
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     isa = [name for name in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f" {name}" in flags]
-    return (f"{cpu_model()}, {cores} cores ({', '.join(isa) or 'no AVX2'}), "
-            f"{threads if threads is not None else cores} threads, Python {platform.python_version()}")
+    return (
+        f"{cpu_model()}, {cores} cores ({', '.join(isa) or 'no AVX2'}), "
+        f"{threads if threads is not None else cores} threads, Python {platform.python_version()}"
+    )
 
 
 def commit() -> str:
     """HEAD's short hash, marked `+changes` when the tree differs from it."""
+
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
@@ -75,10 +80,12 @@ def sections(text: str) -> list[tuple[str, str]]:
 def append_section(title: str, settings: dict, body: str, threads: int | None = None) -> str:
     """Write `## title` with the command, commit, date, machine and settings lines, then `body`,
     replacing the section of that title if there is one; returns the section."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     setting_text = ", ".join(f"{k}={v}" for k, v in settings.items())
-    section = (f"## {title}\n\n{COMMAND_PREFIX}{command_line()}` · commit {commit()}\n\n"
-               f"{stamp} · {machine_line(threads)}\n\nSettings: {setting_text}\n\n{body.strip()}\n\n")
+    section = (
+        f"## {title}\n\n{COMMAND_PREFIX}{command_line()}` · commit {commit()}\n\n"
+        f"{stamp} · {machine_line(threads)}\n\nSettings: {setting_text}\n\n{body.strip()}\n\n"
+    )
     old = sections(RESULTS.read_text()) if RESULTS.exists() else []
     titles = [t for t, _ in old]
     kept = [(t, s) for t, s in old if t != title]
@@ -87,3 +94,24 @@ def append_section(title: str, settings: dict, body: str, threads: int | None = 
     RESULTS.write_text(PREAMBLE + "\n" + "".join(s if s.endswith("\n\n") else s.rstrip("\n") + "\n\n" for _, s in kept))
     print("\n" + section)
     return section
+
+
+def drop_sections(titles: list[str]) -> list[str]:
+    """Remove the sections of these titles (scenarios a bench no longer has); the titles dropped."""
+    old = sections(RESULTS.read_text())
+    kept = [(t, s) for t, s in old if t not in titles]
+    RESULTS.write_text(PREAMBLE + "\n" + "".join(s if s.endswith("\n\n") else s.rstrip("\n") + "\n\n" for _, s in kept))
+    return [t for t, _ in old if t in titles]
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="List bench/RESULTS.md's sections, or drop obsolete ones.")
+    parser.add_argument("--drop", nargs="+", metavar="TITLE", help="sections to remove (a scenario that is gone)")
+    args = parser.parse_args()
+    if args.drop:
+        print("dropped:", *drop_sections(args.drop), sep="\n  ")
+    else:
+        for title, _ in sections(RESULTS.read_text()):
+            print(title)

@@ -27,15 +27,21 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from servers import gunicorn_server, metric  # noqa: E402
-
 from bench.results import append_section, markdown_table  # noqa: E402
+
+from servers import gunicorn_server, metric  # noqa: E402
 
 # Small cache budgets, so the caches are full (and evicting) before warm-up ends: growth after
 # that is a leak, not a cache filling up.
-SOAK_ENV = {"CONVERSATION_CACHE_MAX_ENTRIES": "16", "VISION_CACHE_MAX_ENTRIES": "16",
-            "CONVERSATION_CACHE_MAX_BYTES": str(32 * 1024**2), "VISION_CACHE_MAX_BYTES": str(16 * 1024**2),
-            "CONVERSATION_HISTORY_MAX": "16", "QUEUE_SIZE": "4", "MAX_NEW_TOKENS": "48"}
+SOAK_ENV = {
+    "CONVERSATION_CACHE_MAX_ENTRIES": "16",
+    "VISION_CACHE_MAX_ENTRIES": "16",
+    "CONVERSATION_CACHE_MAX_BYTES": str(32 * 1024**2),
+    "VISION_CACHE_MAX_BYTES": str(16 * 1024**2),
+    "CONVERSATION_HISTORY_MAX": "16",
+    "QUEUE_SIZE": "4",
+    "MAX_NEW_TOKENS": "48",
+}
 BUDGETS = {"conversation": 32 * 1024**2, "vision": 16 * 1024**2}
 
 
@@ -59,9 +65,12 @@ class Soak:
         return self.rng.choice(self.pool)
 
     def native_image(self) -> int:
-        r = requests.post(self.base + "/v1/chat", files=[("image", ("i.png", self._image(), "image/png"))],
-                          data={"prompt": "What is it?", "max_tokens": str(self.rng.randint(4, 24)),
-                                "stream": "false"}, timeout=60)
+        r = requests.post(
+            self.base + "/v1/chat",
+            files=[("image", ("i.png", self._image(), "image/png"))],
+            data={"prompt": "What is it?", "max_tokens": str(self.rng.randint(4, 24)), "stream": "false"},
+            timeout=60,
+        )
         if r.ok:
             self.conversations = (self.conversations + [r.json()["conversation_id"]])[-8:]
         return r.status_code
@@ -69,19 +78,29 @@ class Soak:
     def follow_up(self) -> int:
         if not self.conversations:
             return self.native_image()
-        r = requests.post(self.base + "/v1/chat", data={"prompt": "And then?", "max_tokens": "8",
-                                                        "conversation_id": self.rng.choice(self.conversations)},
-                          timeout=60)
+        r = requests.post(
+            self.base + "/v1/chat",
+            data={"prompt": "And then?", "max_tokens": "8", "conversation_id": self.rng.choice(self.conversations)},
+            timeout=60,
+        )
         return r.status_code
 
     def openai_stream(self) -> int:
         url = "data:image/png;base64," + base64.b64encode(self._image()).decode()
-        history = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                {"type": "text", "text": "Describe."}]},
-                   {"role": "assistant", "content": "It is noise."},
-                   {"role": "user", "content": "Again?"}]
-        with requests.post(self.base + "/v1/chat/completions", json={"messages": history, "max_tokens": 12,
-                                                                     "stream": True}, stream=True, timeout=60) as r:
+        history = [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe."}],
+            },
+            {"role": "assistant", "content": "It is noise."},
+            {"role": "user", "content": "Again?"},
+        ]
+        with requests.post(
+            self.base + "/v1/chat/completions",
+            json={"messages": history, "max_tokens": 12, "stream": True},
+            stream=True,
+            timeout=60,
+        ) as r:
             for _ in r.iter_lines():
                 pass
             return r.status_code
@@ -90,8 +109,12 @@ class Soak:
         body = json.dumps({"prompt": "Go on and on.", "max_tokens": 48}).encode()
         host, port = self.base.rsplit("//", 1)[1].split(":")
         with socket.create_connection((host, int(port)), timeout=30) as sock:
-            sock.sendall(b"POST /v1/chat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            sock.sendall(
+                b"POST /v1/chat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
             received = b""
             while received.count(b"\n") < 12 and (chunk := sock.recv(4096)):
                 received += chunk
@@ -128,8 +151,15 @@ def run_soak(base: str, requests_total: int, warmup_fraction: float = 0.5) -> di
         statuses[status] = statuses.get(status, 0) + 1
     end = snapshot(proc)
     cache_bytes = {name: metric(base, "qwen3vl_cache_bytes", f'cache="{name}"') for name in BUDGETS}
-    return {"warm": warm, "end": end, "statuses": statuses, "kinds": soak.counts, "cache_bytes": cache_bytes,
-            "rss_growth": (end["rss"] - warm["rss"]) / warm["rss"], "same_worker": proc.is_running()}
+    return {
+        "warm": warm,
+        "end": end,
+        "statuses": statuses,
+        "kinds": soak.counts,
+        "cache_bytes": cache_bytes,
+        "rss_growth": (end["rss"] - warm["rss"]) / warm["rss"],
+        "same_worker": proc.is_running(),
+    }
 
 
 def main(argv=None) -> int:
@@ -141,19 +171,44 @@ def main(argv=None) -> int:
     Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
     with gunicorn_server({**SOAK_ENV, "CACHE_DIR": args.cache_dir}, Path(args.cache_dir) / "soak.log") as (base, _):
         r = run_soak(base, args.requests)
-    ok = (r["rss_growth"] < 0.02 and r["end"]["threads"] <= r["warm"]["threads"]
-          and r["end"]["fds"] <= r["warm"]["fds"] and all(r["cache_bytes"][k] <= BUDGETS[k] for k in BUDGETS)
-          and not any(s >= 500 and s != 503 for s in r["statuses"]))
+    ok = (
+        r["rss_growth"] < 0.02
+        and r["end"]["threads"] <= r["warm"]["threads"]
+        and r["end"]["fds"] <= r["warm"]["fds"]
+        and all(r["cache_bytes"][k] <= BUDGETS[k] for k in BUDGETS)
+        and not any(s >= 500 and s != 503 for s in r["statuses"])
+    )
     table = markdown_table(
-        ["requests", "statuses", "RSS after warm-up → end (MiB)", "growth", "threads", "fds",
-         "KV / vision cache bytes (budget)", "verdict"],
-        [[args.requests, r["statuses"], f"{r['warm']['rss'] / 2**20:.1f} → {r['end']['rss'] / 2**20:.1f}",
-          f"{100 * r['rss_growth']:+.2f} %", f"{r['warm']['threads']} → {r['end']['threads']}",
-          f"{r['warm']['fds']} → {r['end']['fds']}",
-          f"{r['cache_bytes']['conversation'] / 2**20:.1f} / {r['cache_bytes']['vision'] / 2**20:.1f} MiB "
-          f"({BUDGETS['conversation'] // 2**20} / {BUDGETS['vision'] // 2**20})", "pass" if ok else "FAIL"]])
-    settings = {"mix": r["kinds"], "weights": "embedded tiny random", "command": "python -m bench.soak",
-                **{k.lower(): v for k, v in SOAK_ENV.items()}}
+        [
+            "requests",
+            "statuses",
+            "RSS after warm-up → end (MiB)",
+            "growth",
+            "threads",
+            "fds",
+            "KV / vision cache bytes (budget)",
+            "verdict",
+        ],
+        [
+            [
+                args.requests,
+                r["statuses"],
+                f"{r['warm']['rss'] / 2**20:.1f} → {r['end']['rss'] / 2**20:.1f}",
+                f"{100 * r['rss_growth']:+.2f} %",
+                f"{r['warm']['threads']} → {r['end']['threads']}",
+                f"{r['warm']['fds']} → {r['end']['fds']}",
+                f"{r['cache_bytes']['conversation'] / 2**20:.1f} / {r['cache_bytes']['vision'] / 2**20:.1f} MiB "
+                f"({BUDGETS['conversation'] // 2**20} / {BUDGETS['vision'] // 2**20})",
+                "pass" if ok else "FAIL",
+            ]
+        ],
+    )
+    settings = {
+        "mix": r["kinds"],
+        "weights": "embedded tiny random",
+        "command": "python -m bench.soak",
+        **{k.lower(): v for k, v in SOAK_ENV.items()},
+    }
     if args.no_save:
         print(table)
     else:

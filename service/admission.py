@@ -44,8 +44,10 @@ class Admission:
                 self._in_use += 1
                 return
             if len(self._waiters) >= self.queue_size:
-                raise QueueFull(f"the server is busy: {len(self._waiters)} requests are already waiting; "
-                                "retry shortly", headers={"Retry-After": str(self.retry_after)})
+                raise QueueFull(
+                    f"the server is busy: {len(self._waiters)} requests are already waiting; retry shortly",
+                    headers={"Retry-After": str(self.retry_after)},
+                )
             turn = threading.Event()
             self._waiters.append(turn)
         metrics.QUEUE_DEPTH.inc()
@@ -58,8 +60,11 @@ class Admission:
                 self._waiters.remove(turn)
         finally:
             metrics.QUEUE_DEPTH.dec()
-        raise Unavailable(f"timed out after {timeout:.0f} s waiting for the model; retry later",
-                          code="queue_timeout", headers={"Retry-After": str(self.retry_after)})
+        raise Unavailable(
+            f"timed out after {timeout:.0f} s waiting for the model; retry later",
+            code="queue_timeout",
+            headers={"Retry-After": str(self.retry_after)},
+        )
 
     def release(self) -> None:
         with self._lock:

@@ -25,13 +25,17 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Callable, Generator
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
-from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from . import metrics
 from .decoder import DecodeStep
@@ -93,7 +97,7 @@ class Sequence:
     cancel: threading.Event
     max_new_tokens: int
     eos_token_ids: frozenset[int]
-    on_leave: Callable[["Sequence"], None]
+    on_leave: Callable[[Sequence], None]
     deadline: float | None = None  # perf_counter time at which it is ended like a cancelled one
     submitted_at: float = field(default_factory=time.perf_counter)
     prefill_started_at: float | None = None
@@ -225,7 +229,7 @@ class Scheduler:
             return
         for i, sequence in enumerate(running):
             try:
-                sequence.accept(logits[i:i + 1])
+                sequence.accept(logits[i : i + 1])
             except Exception as exc:  # this sequence's sampling only: it leaves, its neighbours go on
                 log.exception("sampling a token failed")
                 sequence.error = exc

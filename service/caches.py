@@ -85,8 +85,12 @@ def reusable_prefix(entry: KVEntry, token_ids: torch.Tensor, images: list[Vision
 
 def copy_prefix(cache: DynamicCache, tokens: int, config) -> DynamicCache:
     """A new cache holding the first `tokens` positions of `cache` (its own memory)."""
-    return GrowingCache(ddp_cache_data=[(layer.keys[..., :tokens, :].clone(), layer.values[..., :tokens, :].clone())
-                                        for layer in cache.layers], config=config)
+    return GrowingCache(
+        ddp_cache_data=[
+            (layer.keys[..., :tokens, :].clone(), layer.values[..., :tokens, :].clone()) for layer in cache.layers
+        ],
+        config=config,
+    )
 
 
 class ConversationCache:
@@ -133,7 +137,8 @@ class ConversationCache:
                 return None
             entry = self.entries.peek(best_key)
             supersedes = best >= entry.prompt_tokens or (
-                conversation_id is not None and entry.conversation_id == conversation_id)
+                conversation_id is not None and entry.conversation_id == conversation_id
+            )
             if supersedes:
                 self.entries.pop(best_key)
                 cache = entry.cache
@@ -145,16 +150,27 @@ class ConversationCache:
         metrics.CACHE_REUSED_TOKENS.inc(best)
         return KVReuse(cache=cache, tokens=best)
 
-    def put(self, conversation_id: str | None, token_ids: torch.Tensor, images: list[VisionSpan],
-            prompt_tokens: int, cache: DynamicCache) -> bool:
+    def put(
+        self,
+        conversation_id: str | None,
+        token_ids: torch.Tensor,
+        images: list[VisionSpan],
+        prompt_tokens: int,
+        cache: DynamicCache,
+    ) -> bool:
         """Keep a finished generation's cache; `token_ids` are the tokens it covers."""
         if not self.enabled:
             return False
         length = cache.get_seq_length()
         if length != len(token_ids):
             raise ValueError(f"the cache holds {length} tokens, the ids given are {len(token_ids)}")
-        entry = KVEntry(token_ids=token_ids.clone(), images=[s for s in images if s.end <= length],
-                        prompt_tokens=prompt_tokens, conversation_id=conversation_id, cache=cache)
+        entry = KVEntry(
+            token_ids=token_ids.clone(),
+            images=[s for s in images if s.end <= length],
+            prompt_tokens=prompt_tokens,
+            conversation_id=conversation_id,
+            cache=cache,
+        )
         key = f"id:{conversation_id}" if conversation_id is not None else f"anon:{next(self._anonymous)}"
         return self.entries.put(key, entry, kv_bytes(compacted(cache)))  # kept, not extended: no spare room
 

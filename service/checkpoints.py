@@ -145,36 +145,78 @@ def _model_config(preset: str, ids: dict[str, int], vocab_size: int):
 
     if preset == "tiny":
         text = dict(
-            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=32768,
-            rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
-                             "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=32768,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [4, 2, 2],
+                "mrope_interleaved": True,
+            },
             # Large init so greedy tokens vary: at 0.02 a random model emits one constant token.
             initializer_range=0.3,
         )
         vision = dict(
-            depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64,
-            deepstack_visual_indexes=[0, 1], initializer_range=0.3,
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=4,
+            out_hidden_size=64,
+            deepstack_visual_indexes=[0, 1],
+            initializer_range=0.3,
         )
     elif preset == "2b":
         text = dict(
-            vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-            num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
-            rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
-                             "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=262144,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [24, 20, 20],
+                "mrope_interleaved": True,
+            },
             initializer_range=0.02,
         )
         vision = dict(
-            depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
-            deepstack_visual_indexes=[5, 11, 17], initializer_range=0.02,
+            depth=24,
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_heads=16,
+            out_hidden_size=2048,
+            deepstack_visual_indexes=[5, 11, 17],
+            initializer_range=0.02,
         )
     else:
         raise ValueError(f"unknown preset {preset!r}: use 'tiny' or '2b'")
-    vision.update(patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
-                  num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")
-    text.update(hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=True,
-                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                pad_token_id=ids["<|endoftext|>"])
+    vision.update(
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        in_channels=3,
+        num_position_embeddings=2304,
+        hidden_act="gelu_pytorch_tanh",
+    )
+    text.update(
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+        tie_word_embeddings=True,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
     return Qwen3VLConfig(
         text_config=text,
         vision_config=vision,

@@ -23,8 +23,15 @@ def _settings_flags(parser: argparse.ArgumentParser) -> None:
 def _settings(args):
     from .settings import load_settings
 
-    names = ["model_path", "quantization", "threads", "image_max_pixels", "max_new_tokens", "context_limit",
-             "cache_dir"]
+    names = [
+        "model_path",
+        "quantization",
+        "threads",
+        "image_max_pixels",
+        "max_new_tokens",
+        "context_limit",
+        "cache_dir",
+    ]
     return load_settings(**{n: getattr(args, n, None) for n in names})
 
 
@@ -53,10 +60,17 @@ def cmd_chat(args) -> int:
         t0 = time.perf_counter()
         parts = [ImagePart(decode_image(Path(p).read_bytes(), engine.limits.image)) for p in args.image]
         parts.append(TextPart(args.prompt))
-        messages = ([ChatMessage("system", [TextPart(args.system)])] if args.system else []) + \
-            [ChatMessage("user", parts)]
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+        messages = ([ChatMessage("system", [TextPart(args.system)])] if args.system else []) + [
+            ChatMessage("user", parts)
+        ]
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop or [],
+        )
         request = GenerationRequest(messages, params, received_at=t0)
         for event in engine.generate(request):
             if isinstance(event, Completion):
@@ -68,11 +82,14 @@ def cmd_chat(args) -> int:
         return 2
     t = done.timings
     print("\n")
-    print(f"load {loaded.load_seconds:.2f} s | image decode {t.image_decode * 1000:.1f} ms | "
-          f"vision encode {t.vision_encode:.2f} s | prefill {t.prefill:.2f} s | "
-          f"time to first token {t.time_to_first_token:.2f} s | decode {t.decode_tokens_per_s:.1f} tok/s | "
-          f"{done.prompt_tokens} prompt + {done.completion_tokens} new tokens ({done.finish_reason}) | "
-          f"peak RSS {_peak_rss_gib():.2f} GiB", file=sys.stderr)
+    print(
+        f"load {loaded.load_seconds:.2f} s | image decode {t.image_decode * 1000:.1f} ms | "
+        f"vision encode {t.vision_encode:.2f} s | prefill {t.prefill:.2f} s | "
+        f"time to first token {t.time_to_first_token:.2f} s | decode {t.decode_tokens_per_s:.1f} tok/s | "
+        f"{done.prompt_tokens} prompt + {done.completion_tokens} new tokens ({done.finish_reason}) | "
+        f"peak RSS {_peak_rss_gib():.2f} GiB",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -91,8 +108,10 @@ def cmd_quantize(args) -> int:
 
     t0 = time.perf_counter()
     out = write_quantized(args.src, args.dst)
-    print(f"wrote the INT8 checkpoint {out} in {time.perf_counter() - t0:.1f} s (peak RSS {_peak_rss_gib():.2f} GiB); "
-          f"serve it with MODEL_PATH={out}")
+    print(
+        f"wrote the INT8 checkpoint {out} in {time.perf_counter() - t0:.1f} s (peak RSS {_peak_rss_gib():.2f} GiB); "
+        f"serve it with MODEL_PATH={out}"
+    )
     return 0
 
 
@@ -106,22 +125,29 @@ def cmd_export_onnx(args) -> int:
     if not (model_dir / "config.json").is_file():
         print(f"error: {model_dir} is not a Hugging Face checkpoint directory (no config.json)", file=sys.stderr)
         return 2
-    out_dir = Path(args.out_dir) if args.out_dir else default_export_dir(
-        model_dir, load_settings(cache_dir=args.cache_dir).cache_dir)
+    out_dir = (
+        Path(args.out_dir)
+        if args.out_dir
+        else default_export_dir(model_dir, load_settings(cache_dir=args.cache_dir).cache_dir)
+    )
     t0 = time.perf_counter()
     with tqdm(total=len(EXPORT_STEPS), desc="export-onnx", unit="step") as bar:
+
         def step_done(step: str) -> None:
             bar.set_postfix_str(step)
             bar.update()
+
         try:
             export_vision_onnx(model_dir, out_dir, progress=step_done)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     where = f" VISION_ONNX_DIR={out_dir}" if args.out_dir else ""
-    print(f"wrote the ONNX vision encoder (fp32 and int8) of {model_dir} to {out_dir} in "
-          f"{time.perf_counter() - t0:.1f} s (peak RSS {_peak_rss_gib():.2f} GiB); "
-          f"use it with VISION_BACKEND=onnxruntime{where}")
+    print(
+        f"wrote the ONNX vision encoder (fp32 and int8) of {model_dir} to {out_dir} in "
+        f"{time.perf_counter() - t0:.1f} s (peak RSS {_peak_rss_gib():.2f} GiB); "
+        f"use it with VISION_BACKEND=onnxruntime{where}"
+    )
     return 0
 
 
@@ -155,8 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export-onnx", help="export the vision encoder to ONNX (fp32 and INT8) for ONNX Runtime")
     export.add_argument("model_dir", help="a Qwen3-VL checkpoint directory (bf16 or fp32 weights)")
-    export.add_argument("out_dir", nargs="?",
-                        help="where to write it; default: the cache directory the service looks in for this checkpoint")
+    export.add_argument(
+        "out_dir",
+        nargs="?",
+        help="where to write it; default: the cache directory the service looks in for this checkpoint",
+    )
     export.add_argument("--cache-dir", help="CACHE_DIR, for the default out_dir")
     export.set_defaults(func=cmd_export_onnx)
     return parser

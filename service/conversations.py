@@ -11,18 +11,19 @@ from .prompts import ChatMessage
 
 
 def _nbytes(messages: list[ChatMessage]) -> int:
-    return sum(img.pixels.nbytes for m in messages for img in m.images) + \
-        sum(video.nbytes for m in messages for video in m.videos) + \
-        sum(len(getattr(p, "text", "")) for m in messages for p in m.parts) + \
-        sum(8 * len(m.token_ids or ()) for m in messages)
+    return (
+        sum(img.pixels.nbytes for m in messages for img in m.images)
+        + sum(video.nbytes for m in messages for video in m.videos)
+        + sum(len(getattr(p, "text", "")) for m in messages for p in m.parts)
+        + sum(8 * len(m.token_ids or ()) for m in messages)
+    )
 
 
 class ConversationStore:
     """conversation_id → messages so far (images kept decoded, so an evicted KV cache can be rebuilt)."""
 
     def __init__(self, max_conversations: int, ttl_seconds: float, max_bytes: int):
-        self.entries: BudgetedLRU[list[ChatMessage]] = BudgetedLRU("history", max_bytes, max_conversations,
-                                                                   ttl_seconds)
+        self.entries: BudgetedLRU[list[ChatMessage]] = BudgetedLRU("history", max_bytes, max_conversations, ttl_seconds)
 
     @staticmethod
     def new_id() -> str:

@@ -47,16 +47,28 @@ class DecodeStep:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.eps = config.rms_norm_eps
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.inv_freq = lm.rotary_emb.inv_freq.float()
         self.rope_scaling = lm.rotary_emb.attention_scaling
         self.final_norm = lm.norm.weight
-        self.layers = [_Layer(input_norm=layer.input_layernorm.weight, qkv=layer.self_attn.qkv_proj,
-                              qk_norm=torch.cat([layer.self_attn.q_norm.weight.expand(self.heads, -1),
-                                                 layer.self_attn.k_norm.weight.expand(self.kv_heads, -1)]),
-                              o_proj=layer.self_attn.o_proj, post_norm=layer.post_attention_layernorm.weight,
-                              gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj, act=layer.mlp.act_fn)
-                       for layer in lm.layers]
+        self.layers = [
+            _Layer(
+                input_norm=layer.input_layernorm.weight,
+                qkv=layer.self_attn.qkv_proj,
+                qk_norm=torch.cat(
+                    [
+                        layer.self_attn.q_norm.weight.expand(self.heads, -1),
+                        layer.self_attn.k_norm.weight.expand(self.kv_heads, -1),
+                    ]
+                ),
+                o_proj=layer.self_attn.o_proj,
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_up=layer.mlp.gate_up_proj,
+                down=layer.mlp.down_proj,
+                act=layer.mlp.act_fn,
+            )
+            for layer in lm.layers
+        ]
         self._qk_width = (self.heads + self.kv_heads) * self.head_dim
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,13 +95,13 @@ class DecodeStep:
             h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
             qkv = layer.qkv(h)
             # q and k heads normed and rotated in one go: one call each instead of two
-            qk = qkv[:, :self._qk_width].view(batch, self.heads + self.kv_heads, self.head_dim)
+            qk = qkv[:, : self._qk_width].view(batch, self.heads + self.kv_heads, self.head_dim)
             qk = self._rotate(F.rms_norm(qk, (self.head_dim,), eps=self.eps) * layer.qk_norm, cos, sin)
-            q, k = qk[:, :self.heads], qk[:, self.heads:]
-            v = qkv[:, self._qk_width:].view(batch, self.kv_heads, self.head_dim)
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
+            v = qkv[:, self._qk_width :].view(batch, self.kv_heads, self.head_dim)
             attended = []
             for b, cache in enumerate(caches):
-                keys, values = cache.layers[i].update(k[b:b + 1, :, None], v[b:b + 1, :, None])
+                keys, values = cache.layers[i].update(k[b : b + 1, :, None], v[b : b + 1, :, None])
                 query = q[b].view(1, self.kv_heads, group, self.head_dim).to(keys.dtype)  # a bf16 cache: bf16 math
                 out = F.scaled_dot_product_attention(query, keys, values, scale=self.scaling)
                 attended.append(out.reshape(1, -1).float())

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from transformers import GenerationConfig
@@ -71,16 +71,25 @@ class Engine:
         self.memory = MemoryGuard.from_settings(settings)
         kv_bytes, vision_bytes = self._cache_budgets(settings)
         self.conversation_cache = ConversationCache(
-            loaded.model.config, kv_bytes, settings.conversation_cache_max_entries, settings.cache_ttl_seconds)
-        self.vision_cache = VisionFeatureCache(vision_bytes, settings.vision_cache_max_entries,
-                                               settings.cache_ttl_seconds)
+            loaded.model.config, kv_bytes, settings.conversation_cache_max_entries, settings.cache_ttl_seconds
+        )
+        self.vision_cache = VisionFeatureCache(
+            vision_bytes, settings.vision_cache_max_entries, settings.cache_ttl_seconds
+        )
         self.memory.evict_callbacks += [self.conversation_cache.entries.shrink, self.vision_cache.entries.shrink]
         metrics.MEMORY_BUDGET.set(self.memory.budget_bytes or 0)
         metrics.CACHE_BUDGET.labels(cache=self.conversation_cache.name).set(kv_bytes)
         metrics.CACHE_BUDGET.labels(cache=self.vision_cache.name).set(vision_bytes)
         self.kv_dtype = getattr(torch, settings.kv_dtype)
-        self.prefiller = Prefiller(loaded.model, self.vision_encoder, self.conversation_cache, self.vision_cache,
-                                   settings.prefill_chunk_tokens, self.kv_dtype, self.processor.image_processor)
+        self.prefiller = Prefiller(
+            loaded.model,
+            self.vision_encoder,
+            self.conversation_cache,
+            self.vision_cache,
+            settings.prefill_chunk_tokens,
+            self.kv_dtype,
+            self.processor.image_processor,
+        )
 
     def _cache_budgets(self, settings: Settings) -> tuple[int, int]:
         """The caches' byte budgets: as set, or shares of what the memory budget leaves after loading."""
@@ -91,9 +100,14 @@ class Engine:
         vision = settings.vision_cache_max_bytes
         kv = int(room * CONVERSATION_CACHE_SHARE) if kv is None else kv
         vision = int(room * VISION_CACHE_SHARE) if vision is None else vision
-        log.info("memory budget %.0f MiB, %.0f MiB used after loading: conversation cache up to %.0f MiB, vision "
-                 "cache up to %.0f MiB", self.memory.budget_bytes / MIB, self.memory.used_bytes() / MIB, kv / MIB,
-                 vision / MIB)
+        log.info(
+            "memory budget %.0f MiB, %.0f MiB used after loading: conversation cache up to %.0f MiB, vision "
+            "cache up to %.0f MiB",
+            self.memory.budget_bytes / MIB,
+            self.memory.used_bytes() / MIB,
+            kv / MIB,
+            vision / MIB,
+        )
         return kv, vision
 
     # -- request path -------------------------------------------------------------------------
@@ -142,17 +156,21 @@ class Engine:
     def _max_new_tokens(self, prompt: PreparedPrompt, params: SamplingParams) -> int:
         room = self.limits.prompt.context_limit - prompt.num_tokens
         if room < 1:
-            raise PromptTooLong(f"the prompt is {prompt.num_tokens} tokens; the context limit is "
-                                f"{self.limits.prompt.context_limit}", param="messages")
+            raise PromptTooLong(
+                f"the prompt is {prompt.num_tokens} tokens; the context limit is {self.limits.prompt.context_limit}",
+                param="messages",
+            )
         wanted = params.max_tokens or self.limits.default_max_tokens
         return max(1, min(wanted, self.limits.max_new_tokens, room))
 
     def _generation_config(self, params: SamplingParams, max_new_tokens: int) -> GenerationConfig:
         d = self._defaults
-        temperature = params.temperature if params.temperature is not None else (
-            (d.temperature if d.do_sample else 0.0) or 0.0)
+        temperature = (
+            params.temperature if params.temperature is not None else ((d.temperature if d.do_sample else 0.0) or 0.0)
+        )
         config = GenerationConfig(
-            max_new_tokens=max_new_tokens, eos_token_id=self.loaded.eos_token_ids,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.loaded.eos_token_ids,
             pad_token_id=d.pad_token_id if d.pad_token_id is not None else self.loaded.eos_token_ids[0],
             repetition_penalty=params.repetition_penalty or d.repetition_penalty or 1.0,
         )
@@ -169,18 +187,20 @@ class Engine:
 
     # -- inside the model slot ----------------------------------------------------------------
 
-    def _keep_cache(self, request: GenerationRequest, prompt: PreparedPrompt, media: list[VisionSpan],
-                    sequence: Sequence) -> None:
+    def _keep_cache(
+        self, request: GenerationRequest, prompt: PreparedPrompt, media: list[VisionSpan], sequence: Sequence
+    ) -> None:
         """Store a finished sequence's KV cache for the next turn (on the scheduler's thread): it
         covers the prompt and the answer except its last token (never fed back to the model)."""
         cache = sequence.cache
         if cache is None or sequence.error is not None:
             return
-        covered = torch.tensor(sequence.token_ids[:cache.get_seq_length()])
+        covered = torch.tensor(sequence.token_ids[: cache.get_seq_length()])
         self.conversation_cache.put(request.conversation_id, covered, media, prompt.num_tokens, cache)
 
-    def _sequence(self, request: GenerationRequest, prompt: PreparedPrompt, max_new_tokens: int,
-                  marks: PrefillMarks) -> Sequence:
+    def _sequence(
+        self, request: GenerationRequest, prompt: PreparedPrompt, max_new_tokens: int, marks: PrefillMarks
+    ) -> Sequence:
         """The request as the scheduler runs it: its prefill steps, sampler, streamer and limits."""
         params = request.params
         spans = vision_spans(prompt)
@@ -190,11 +210,18 @@ class Engine:
         return Sequence(
             prompt_ids=prompt.input_ids[0].tolist(),
             prefill=self.prefiller.steps(prompt, spans, request.conversation_id, marks),
-            sampler=Sampler(self._generation_config(params, max_new_tokens), seed), streamer=request.streamer,
-            cancel=request.cancel, max_new_tokens=max_new_tokens, eos_token_ids=frozenset(self.loaded.eos_token_ids),
-            deadline=request.deadline, on_leave=lambda done: self._keep_cache(request, prompt, media, done))
+            sampler=Sampler(self._generation_config(params, max_new_tokens), seed),
+            streamer=request.streamer,
+            cancel=request.cancel,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=frozenset(self.loaded.eos_token_ids),
+            deadline=request.deadline,
+            on_leave=lambda done: self._keep_cache(request, prompt, media, done),
+        )
 
-    def _run(self, request: GenerationRequest, prompt: PreparedPrompt, waited: float) -> Iterator[TextDelta | Completion]:
+    def _run(
+        self, request: GenerationRequest, prompt: PreparedPrompt, waited: float
+    ) -> Iterator[TextDelta | Completion]:
         max_new_tokens = self._max_new_tokens(prompt, request.params)
         marks = PrefillMarks()
         sequence = self._sequence(request, prompt, max_new_tokens, marks)
@@ -222,11 +249,21 @@ class Engine:
             # Client gone (GeneratorExit) or error: the sequence leaves the batch at the next step.
             request.cancel.set()
             sequence.done.wait()
-        yield self._completion(request, prompt, sequence, marks, waited, "".join(parts), stopper.stopped,
-                               max_new_tokens)
+        yield self._completion(
+            request, prompt, sequence, marks, waited, "".join(parts), stopper.stopped, max_new_tokens
+        )
 
-    def _completion(self, request: GenerationRequest, prompt: PreparedPrompt, sequence: Sequence,
-                    marks: PrefillMarks, waited: float, text: str, stopped: bool, max_new_tokens: int) -> Completion:
+    def _completion(
+        self,
+        request: GenerationRequest,
+        prompt: PreparedPrompt,
+        sequence: Sequence,
+        marks: PrefillMarks,
+        waited: float,
+        text: str,
+        stopped: bool,
+        max_new_tokens: int,
+    ) -> Completion:
         ids = request.streamer.token_ids
         end = time.perf_counter()
         if stopped or (ids and ids[-1] in self.loaded.eos_token_ids):
@@ -237,27 +274,41 @@ class Engine:
             finish = "deadline"
         else:
             finish = "cancelled"
-        return Completion(text=text, finish_reason=finish, prompt_tokens=prompt.num_tokens,
-                          completion_tokens=len(ids), cached_tokens=marks.reused,
-                          timings=self._timings(request, sequence, marks, waited, end),
-                          vision_cache_hits=marks.vision_hits, images=len(prompt.pixel_values),
-                          videos=len(prompt.pixel_values_videos), answer_token_ids=self._answer_ids(ids, text))
+        return Completion(
+            text=text,
+            finish_reason=finish,
+            prompt_tokens=prompt.num_tokens,
+            completion_tokens=len(ids),
+            cached_tokens=marks.reused,
+            timings=self._timings(request, sequence, marks, waited, end),
+            vision_cache_hits=marks.vision_hits,
+            images=len(prompt.pixel_values),
+            videos=len(prompt.pixel_values_videos),
+            answer_token_ids=self._answer_ids(ids, text),
+        )
 
     @staticmethod
-    def _timings(request: GenerationRequest, sequence: Sequence, marks: PrefillMarks, waited: float,
-                 end: float) -> Timings:
+    def _timings(
+        request: GenerationRequest, sequence: Sequence, marks: PrefillMarks, waited: float, end: float
+    ) -> Timings:
         streamer = request.streamer
         first = streamer.first_token_at or end
         decode = end - first
         tokens = len(streamer.token_ids)
         started = sequence.prefill_started_at or end
         return Timings(
-            queue_wait=waited + started - sequence.submitted_at, image_decode=request.image_decode_seconds,
-            video_decode=request.video_decode_seconds, cache_lookup=marks.cache_lookup,
-            vision_encode=marks.vision_encode, prefill=first - (marks.prefill_start or first),
-            time_to_first_token=first - request.received_at, decode=decode,
+            queue_wait=waited + started - sequence.submitted_at,
+            image_decode=request.image_decode_seconds,
+            video_decode=request.video_decode_seconds,
+            cache_lookup=marks.cache_lookup,
+            vision_encode=marks.vision_encode,
+            prefill=first - (marks.prefill_start or first),
+            time_to_first_token=first - request.received_at,
+            decode=decode,
             decode_tokens_per_s=(tokens - 1) / decode if tokens > 1 and decode > 0 else 0.0,
-            longest_token_gap=streamer.longest_gap, total=end - request.received_at)
+            longest_token_gap=streamer.longest_gap,
+            total=end - request.received_at,
+        )
 
     def _answer_ids(self, ids: list[int], text: str) -> tuple[int, ...] | None:
         """The generated ids of an answer whose text they are exactly (no stop string cut it, no

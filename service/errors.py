@@ -11,8 +11,15 @@ class ServiceError(Exception):
     type = "invalid_request_error"
     code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 status: int | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.param = param

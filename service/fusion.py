@@ -11,9 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.qwen3_vl.modeling_qwen3_vl import (Qwen3VLTextAttention, Qwen3VLTextMLP,
-                                                            apply_rotary_pos_emb, eager_attention_forward)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3_vl.modeling_qwen3_vl import (
+    Qwen3VLTextAttention,
+    Qwen3VLTextMLP,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
 
 class FusedTextAttention(Qwen3VLTextAttention):
     """Qwen3VLTextAttention.forward with q, k and v from one `qkv_proj`."""
@@ -33,8 +38,16 @@ class FusedTextAttention(Qwen3VLTextAttention):
             out, weights = self._sdpa(query_states, key_states, value_states, attention_mask), None
         else:
             attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-            out, weights = attention(self, query_states, key_states, value_states, attention_mask, dropout=0.0,
-                                     scaling=self.scaling, **kwargs)
+            out, weights = attention(
+                self,
+                query_states,
+                key_states,
+                value_states,
+                attention_mask,
+                dropout=0.0,
+                scaling=self.scaling,
+                **kwargs,
+            )
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
     def _sdpa(self, query, key, value, mask):
@@ -45,8 +58,15 @@ class FusedTextAttention(Qwen3VLTextAttention):
         causal = query.shape[2] > 1 and mask is None
         if causal and key.shape[2] > query.shape[2]:  # SDPA's causal mask is top-left aligned
             raise ValueError("a causal piece after cached tokens needs an explicit mask")
-        out = F.scaled_dot_product_attention(query.to(key.dtype), key, value, attn_mask=mask, is_causal=causal,
-                                             scale=self.scaling, enable_gqa=self.num_key_value_groups > 1)
+        out = F.scaled_dot_product_attention(
+            query.to(key.dtype),
+            key,
+            value,
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.scaling,
+            enable_gqa=self.num_key_value_groups > 1,
+        )
         return out.transpose(1, 2).to(query.dtype)  # a bf16 cache (KV_DTYPE): attention in bf16
 
 
@@ -67,8 +87,9 @@ def text_layers(model) -> list[tuple[str, nn.Module]]:
 def _concatenated(linears: list[nn.Linear]) -> nn.Linear:
     """One Linear whose output is the linears' outputs side by side (meta weights stay meta)."""
     weight = torch.cat([lin.weight.detach() for lin in linears])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None,
-                      device=weight.device, dtype=weight.dtype)
+    fused = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=linears[0].bias is not None, device=weight.device, dtype=weight.dtype
+    )
     fused.weight = nn.Parameter(weight, requires_grad=False)
     if fused.bias is not None:
         fused.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Annotated, Iterator
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -58,11 +59,11 @@ class GenerationRequest:
     @property
     def image_decode_seconds(self) -> float:
         """Decoding the images this request brought (not those of a remembered history)."""
-        return sum(i.decode_seconds for m in self.messages[self.remembered:] for i in m.images)
+        return sum(i.decode_seconds for m in self.messages[self.remembered :] for i in m.images)
 
     @property
     def video_decode_seconds(self) -> float:
-        return sum(v.decode_seconds for m in self.messages[self.remembered:] for v in m.videos)
+        return sum(v.decode_seconds for m in self.messages[self.remembered :] for v in m.videos)
 
 
 @dataclass

@@ -8,9 +8,9 @@ decode when the target is much smaller) → alpha, bit depth, grayscale → resi
 from __future__ import annotations
 
 import hashlib
-import time
 import math
 import struct
+import time
 from dataclasses import dataclass
 
 import cv2
@@ -104,9 +104,9 @@ def _jpeg_size(data: bytes) -> tuple[int, int]:
         if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
             pos += 2
             continue
-        length = struct.unpack(">H", data[pos + 2:pos + 4])[0]
+        length = struct.unpack(">H", data[pos + 2 : pos + 4])[0]
         if marker in _JPEG_SOF:
-            height, width = struct.unpack(">HH", data[pos + 5:pos + 9])
+            height, width = struct.unpack(">HH", data[pos + 5 : pos + 9])
             return width, height
         pos += 2 + length
     raise ValueError("no SOF marker")
@@ -135,10 +135,17 @@ def fit_to_budget(width: int, height: int, limits: ImageLimits) -> tuple[int, in
 
 def _jpeg_reduce_flag(width: int, height: int, target: tuple[int, int]) -> int:
     """The largest libjpeg DCT scaling (1/2, 1/4, 1/8) that still leaves ≥ the target size."""
-    for factor, flag in ((8, cv2.IMREAD_REDUCED_COLOR_8), (4, cv2.IMREAD_REDUCED_COLOR_4),
-                         (2, cv2.IMREAD_REDUCED_COLOR_2)):
-        if width // factor >= target[0] and height // factor >= target[1] and \
-                height // factor >= target[0] and width // factor >= target[1]:
+    for factor, flag in (
+        (8, cv2.IMREAD_REDUCED_COLOR_8),
+        (4, cv2.IMREAD_REDUCED_COLOR_4),
+        (2, cv2.IMREAD_REDUCED_COLOR_2),
+    ):
+        if (
+            width // factor >= target[0]
+            and height // factor >= target[1]
+            and height // factor >= target[0]
+            and width // factor >= target[1]
+        ):
             return flag
     return cv2.IMREAD_COLOR
 
@@ -194,8 +201,10 @@ def decode_image(data: bytes, limits: ImageLimits) -> DecodedImage:
     if width <= 0 or height <= 0:
         raise ImageError(f"{fmt.upper()} header gives an empty image ({width}x{height})")
     if width * height > limits.max_decoded_pixels:
-        raise TooLarge(f"image is {width}x{height} = {width * height} pixels; the limit is "
-                       f"{limits.max_decoded_pixels}", code="image_too_large")
+        raise TooLarge(
+            f"image is {width}x{height} = {width * height} pixels; the limit is {limits.max_decoded_pixels}",
+            code="image_too_large",
+        )
     target = fit_to_budget(width, height, limits)
     buffer = np.frombuffer(data, dtype=np.uint8)
     if fmt == "jpeg":
@@ -210,5 +219,10 @@ def decode_image(data: bytes, limits: ImageLimits) -> DecodedImage:
     target = fit_to_budget(rgb.shape[1], rgb.shape[0], limits)
     rgb = np.ascontiguousarray(resize_to(rgb, target))
     digest = hashlib.blake2b(rgb.tobytes(), digest_size=16, person=b"qwen3vl-img").hexdigest()
-    return DecodedImage(pixels=rgb, source_format=fmt, source_size=(width, height), digest=digest,
-                        decode_seconds=time.perf_counter() - started)
+    return DecodedImage(
+        pixels=rgb,
+        source_format=fmt,
+        source_size=(width, height),
+        digest=digest,
+        decode_seconds=time.perf_counter() - started,
+    )

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-ACTIVATION_SCALE = 2.0 ** -6
+ACTIVATION_SCALE = 2.0**-6
 ACTIVATION_ZERO_POINT = 64
 ACTIVATIONS = ("per_token", "per_tensor")
 KERNELS = ("fbgemm", "onednn")
@@ -45,7 +45,7 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     rows, scales = [], []
     for start in range(0, weight.shape[0], ROWS_PER_CHUNK):
-        chunk = weight[start:start + ROWS_PER_CHUNK].float()
+        chunk = weight[start : start + ROWS_PER_CHUNK].float()
         observer = int8_qconfig().weight()
         observer(chunk)
         q = _quantize_weight(chunk, observer)
@@ -77,8 +77,14 @@ class Int8Linear(nn.Module):
     """A Linear on packed int8 weights (FBGEMM or oneDNN), activations quantized per row (see the
     module docstring). `rows`: int8 [out, in]; `scales`: fp32 [out]."""
 
-    def __init__(self, rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 activations: str = "per_token", kernel: str = "fbgemm"):
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        activations: str = "per_token",
+        kernel: str = "fbgemm",
+    ):
         super().__init__()
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}")
@@ -90,7 +96,8 @@ class Int8Linear(nn.Module):
         # Packed without the bias: per-token outputs are scaled back first, then the bias is added.
         if kernel == "fbgemm":
             qweight = torch._make_per_channel_quantized_tensor(
-                rows, self._scales.double(), torch.zeros(rows.shape[0], dtype=torch.long), 0)
+                rows, self._scales.double(), torch.zeros(rows.shape[0], dtype=torch.long), 0
+            )
             self._packed = torch.ops.quantized.linear_prepack(qweight, None)
         else:
             self._packed = torch.ops.onednn.qlinear_prepack(rows, None)
@@ -98,12 +105,25 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, activations: str = "per_token", kernel: str = "fbgemm") -> "Int8Linear":
+    def from_float(cls, linear: nn.Linear, activations: str = "per_token", kernel: str = "fbgemm") -> Int8Linear:
         return cls(*quantize_rows(linear.weight.detach()), linear.bias, activations, kernel)
 
     def _onednn(self, q: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
-        return torch.ops.onednn.qlinear_pointwise(q, scale, zero_point, self._packed, self._scales, self._zero_points,
-                                                  None, 1.0, 0, torch.float32, "none", [], "")
+        return torch.ops.onednn.qlinear_pointwise(
+            q,
+            scale,
+            zero_point,
+            self._packed,
+            self._scales,
+            self._zero_points,
+            None,
+            1.0,
+            0,
+            torch.float32,
+            "none",
+            [],
+            "",
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -120,7 +140,8 @@ class Int8Linear(nn.Module):
                 peak = torch.maximum(flat.amax(-1, keepdim=True), flat.amin(-1, keepdim=True).neg_()).clamp_min_(_TINY)
             if self.kernel == "fbgemm":
                 y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-                    flat / peak, ACTIVATION_SCALE, ACTIVATION_ZERO_POINT, self._packed)
+                    flat / peak, ACTIVATION_SCALE, ACTIVATION_ZERO_POINT, self._packed
+                )
             else:  # the uint8 values FBGEMM makes of flat / peak: round(x / peak · 64 + 64), the sum rounded
                 # before the rounding to an integer (its fma), and x / (peak · 2^-6) = (x / peak) · 64 exactly
                 q = torch.div(flat, peak * ACTIVATION_SCALE).add_(ACTIVATION_ZERO_POINT).round_().to(torch.uint8)
@@ -139,8 +160,10 @@ class Int8Linear(nn.Module):
         return self._onednn(q, scale, zero_point)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 ({self.kernel}), "
-                f"{self.activations} activations")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int8 ({self.kernel}), "
+            f"{self.activations} activations"
+        )
 
 
 class MappedInt8Linear(nn.Module):
@@ -158,8 +181,9 @@ class MappedInt8Linear(nn.Module):
     "fp32" is the former way (fp32 GEMV for a few rows, fp32 slices of the weight for more).
     """
 
-    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]], bias: torch.Tensor | None,
-                 activations: str = "bf16"):
+    def __init__(
+        self, parts: list[tuple[torch.Tensor, torch.Tensor]], bias: torch.Tensor | None, activations: str = "bf16"
+    ):
         super().__init__()
         if activations not in ("bf16", "fp32"):
             raise ValueError("activations must be bf16 or fp32")
@@ -176,16 +200,21 @@ class MappedInt8Linear(nn.Module):
     def _part(self, flat: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         if self.activations == "bf16" and flat.shape[0] <= MAPPED_GEMV_ROWS:
             if flat.shape[0] >= 4 and rows.data_ptr() % 16:  # its bf16 kernel crashes there on unaligned weights
-                return torch.cat([self._part(flat[i:i + 3], rows, scales) for i in range(0, flat.shape[0], 3)])
-            return torch._weight_int8pack_mm(flat, rows, self._ones[:rows.shape[0]]).float().mul_(scales)
+                return torch.cat([self._part(flat[i : i + 3], rows, scales) for i in range(0, flat.shape[0], 3)])
+            return torch._weight_int8pack_mm(flat, rows, self._ones[: rows.shape[0]]).float().mul_(scales)
         if self.activations == "fp32" and flat.shape[0] <= GEMV_ROWS:
             return torch._weight_int8pack_mm(flat, rows, scales)
         # Many rows (prefill, pictures): a slice of the weight dequantized at a time, in bf16 where the CPU
         # computes bf16 GEMMs natively (AVX512-BF16 / AMX), else in fp32; the scales applied to the output.
         dtype = torch.bfloat16 if _BF16_GEMM and self.activations == "bf16" else torch.float32
         x = flat.to(dtype)
-        return torch.cat([nn.functional.linear(x, rows[i:i + MAPPED_SLICE].to(dtype)).float()
-                          .mul_(scales[i:i + MAPPED_SLICE]) for i in range(0, rows.shape[0], MAPPED_SLICE)], dim=1)
+        return torch.cat(
+            [
+                nn.functional.linear(x, rows[i : i + MAPPED_SLICE].to(dtype)).float().mul_(scales[i : i + MAPPED_SLICE])
+                for i in range(0, rows.shape[0], MAPPED_SLICE)
+            ],
+            dim=1,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.bfloat16 if self.activations == "bf16" else torch.float32

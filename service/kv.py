@@ -38,20 +38,24 @@ class GrowingLayer(DynamicLayer):
         length, new = self.keys.shape[-2], key_states.shape[-2]
         if not self._has_room(length + new):
             self._grow(length + new + HEADROOM)
-        self._keys_buffer[:, :, length:length + new].copy_(key_states)
-        self._values_buffer[:, :, length:length + new].copy_(value_states)
-        self.keys = self._keys_buffer[:, :, :length + new]
-        self.values = self._values_buffer[:, :, :length + new]
+        self._keys_buffer[:, :, length : length + new].copy_(key_states)
+        self._values_buffer[:, :, length : length + new].copy_(value_states)
+        self.keys = self._keys_buffer[:, :, : length + new]
+        self.values = self._values_buffer[:, :, : length + new]
         return self.keys, self.values
 
     def _has_room(self, needed: int) -> bool:
         """Whether `keys` is still the start of our buffer (crop keeps it; anything assigning new
         tensors — batch selection, a compacting clone — does not) and the buffer holds `needed`."""
         buffer = self._keys_buffer
-        return (buffer is not None and buffer.shape[-2] >= needed
-                and self.keys.data_ptr() == buffer.data_ptr() and self.keys.stride() == buffer.stride()
-                and self.values.data_ptr() == self._values_buffer.data_ptr()
-                and self.keys.shape[:2] == buffer.shape[:2])
+        return (
+            buffer is not None
+            and buffer.shape[-2] >= needed
+            and self.keys.data_ptr() == buffer.data_ptr()
+            and self.keys.stride() == buffer.stride()
+            and self.values.data_ptr() == self._values_buffer.data_ptr()
+            and self.keys.shape[:2] == buffer.shape[:2]
+        )
 
     def _grow(self, capacity: int) -> None:
         length = self.keys.shape[-2]
@@ -82,7 +86,10 @@ class GrowingCache(DynamicCache):
 def compacted(cache: DynamicCache) -> DynamicCache:
     """The cache with no spare room behind any layer (in place): for caches that are kept, not extended."""
     for layer in cache.layers:
-        if layer.is_initialized and layer.keys.numel() and \
-                layer.keys.untyped_storage().nbytes() > layer.keys.numel() * layer.keys.element_size():
+        if (
+            layer.is_initialized
+            and layer.keys.numel()
+            and layer.keys.untyped_storage().nbytes() > layer.keys.numel() * layer.keys.element_size()
+        ):
             layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
     return cache

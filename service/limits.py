@@ -19,8 +19,13 @@ def image_limits(processor, settings: Settings) -> ImageLimits:
     factor = ip.patch_size * ip.merge_size
     max_pixels = min(settings.image_max_pixels, ip.size.longest_edge or settings.image_max_pixels)
     min_pixels = min(ip.size.shortest_edge or factor * factor, max_pixels)
-    return ImageLimits(max_bytes=settings.image_max_bytes, max_decoded_pixels=settings.image_max_decoded_pixels,
-                       max_pixels=max_pixels, min_pixels=min_pixels, factor=factor)
+    return ImageLimits(
+        max_bytes=settings.image_max_bytes,
+        max_decoded_pixels=settings.image_max_decoded_pixels,
+        max_pixels=max_pixels,
+        min_pixels=min_pixels,
+        factor=factor,
+    )
 
 
 def fit_processor(processor, settings: Settings) -> None:
@@ -40,18 +45,30 @@ class RequestLimits:
     max_new_tokens: int  # a request's max_tokens is clipped to this (and to the room the context leaves)
 
     @classmethod
-    def build(cls, settings: Settings, processor) -> "RequestLimits":
+    def build(cls, settings: Settings, processor) -> RequestLimits:
         image = image_limits(processor, settings)
-        return cls(prompt=PromptLimits.from_settings(settings), image=image,
-                   video=VideoLimits.from_settings(settings, image, processor.image_processor.temporal_patch_size),
-                   max_stop_strings=settings.max_stop_strings, default_max_tokens=settings.default_max_tokens,
-                   max_new_tokens=settings.max_new_tokens)
+        return cls(
+            prompt=PromptLimits.from_settings(settings),
+            image=image,
+            video=VideoLimits.from_settings(settings, image, processor.image_processor.temporal_patch_size),
+            max_stop_strings=settings.max_stop_strings,
+            default_max_tokens=settings.default_max_tokens,
+            max_new_tokens=settings.max_new_tokens,
+        )
 
     def published(self) -> dict:
         """What /openapi.json tells clients (`x-limits`)."""
-        return {"context_limit": self.prompt.context_limit, "max_prompt_tokens": self.prompt.max_prompt_tokens,
-                "max_messages": self.prompt.max_messages, "max_images_per_request": self.prompt.max_images,
-                "max_videos_per_request": self.prompt.max_videos, "max_stop_strings": self.max_stop_strings,
-                "max_new_tokens": self.max_new_tokens, "default_max_tokens": self.default_max_tokens,
-                "image_max_bytes": self.image.max_bytes, "image_max_pixels": self.image.max_pixels,
-                "video_max_bytes": self.video.max_bytes, "video_max_seconds": self.video.max_seconds}
+        return {
+            "context_limit": self.prompt.context_limit,
+            "max_prompt_tokens": self.prompt.max_prompt_tokens,
+            "max_messages": self.prompt.max_messages,
+            "max_images_per_request": self.prompt.max_images,
+            "max_videos_per_request": self.prompt.max_videos,
+            "max_stop_strings": self.max_stop_strings,
+            "max_new_tokens": self.max_new_tokens,
+            "default_max_tokens": self.default_max_tokens,
+            "image_max_bytes": self.image.max_bytes,
+            "image_max_pixels": self.image.max_pixels,
+            "video_max_bytes": self.video.max_bytes,
+            "video_max_seconds": self.video.max_seconds,
+        }

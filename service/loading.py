@@ -64,8 +64,9 @@ def load_processor(path: Path):
         chat_template = template_file.read_text()
     if chat_template is None:
         raise ValueError(f"{path} has no chat template (chat_template.jinja or tokenizer_config.json)")
-    return _processor_class()(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
-                              chat_template=chat_template)
+    return _processor_class()(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template
+    )
 
 
 class _OnceWarnings:
@@ -100,8 +101,10 @@ def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
     hf_logging.set_verbosity_error()
     prequantized, mapped = quantized_marker(path) is not None, False
     if prequantized and settings.quantization != "int8":
-        raise ValueError(f"{path} is an INT8 checkpoint (made by `python -m service quantize`): use "
-                         "QUANTIZATION=int8, or point MODEL_PATH at the original checkpoint for fp32")
+        raise ValueError(
+            f"{path} is an INT8 checkpoint (made by `python -m service quantize`): use "
+            "QUANTIZATION=int8, or point MODEL_PATH at the original checkpoint for fp32"
+        )
     kernel = default_kernel() if settings.int8_kernel == "auto" else settings.int8_kernel
     with _OnceWarnings():
         if prequantized:
@@ -129,14 +132,23 @@ def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
         if isinstance(tid, int) and tid >= 0 and tid not in eos_ids:
             eos_ids.append(tid)
     loaded = LoadedModel(
-        model=model, processor=processor, path=path,
+        model=model,
+        processor=processor,
+        path=path,
         name="embedded-random-tiny-qwen3-vl" if settings.model_path is None else path.name,
-        quantization=settings.quantization, is_random=is_random,
+        quantization=settings.quantization,
+        is_random=is_random,
         load_seconds=time.perf_counter() - start,
         eos_token_ids=eos_ids,
-        prequantized=prequantized, weights_mapped=mapped,
+        prequantized=prequantized,
+        weights_mapped=mapped,
     )
-    log.info("loaded %s (%s%s) from %s in %.1f s", loaded.name,
-             f"int8, {kernel} kernels" if settings.quantization == "int8" else "fp32",
-             ", pre-quantized" if prequantized else "", path, loaded.load_seconds)
+    log.info(
+        "loaded %s (%s%s) from %s in %.1f s",
+        loaded.name,
+        f"int8, {kernel} kernels" if settings.quantization == "int8" else "fp32",
+        ", pre-quantized" if prequantized else "",
+        path,
+        loaded.load_seconds,
+    )
     return loaded

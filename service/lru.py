@@ -130,8 +130,7 @@ class BudgetedLRU(Generic[V]):
     def _start_sweeper(self) -> None:
         # Started on first use, i.e. in the process that serves (threads do not survive a fork).
         if self._sweeper is None or not self._sweeper.is_alive():
-            self._sweeper = threading.Thread(target=self._sweep_while_held, name=f"{self.name}-cache-ttl",
-                                             daemon=True)
+            self._sweeper = threading.Thread(target=self._sweep_while_held, name=f"{self.name}-cache-ttl", daemon=True)
             self._sweeper.start()
 
     def _sweep_while_held(self) -> None:

@@ -11,8 +11,8 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import psutil
 
@@ -66,8 +66,9 @@ def kv_cache_bytes(config, tokens: int, bytes_per_value: int = 4) -> int:
     return tokens * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * bytes_per_value
 
 
-def cgroup_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
-                  ) -> tuple[int, int] | None:
+def cgroup_memory(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+) -> tuple[int, int] | None:
     """(limit, usage) in bytes of this process's memory cgroup (v2 `memory.max`, else v1
     `memory.limit_in_bytes`), or None when no limit is set (or there is no cgroup to read)."""
     try:
@@ -79,8 +80,11 @@ def cgroup_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Pa
         if hierarchy == "0" and not controllers:
             folder, limit_file, usage_file = root / path.lstrip("/"), "memory.max", "memory.current"
         elif "memory" in controllers.split(","):
-            folder, limit_file, usage_file = root / "memory" / path.lstrip("/"), "memory.limit_in_bytes", \
-                "memory.usage_in_bytes"
+            folder, limit_file, usage_file = (
+                root / "memory" / path.lstrip("/"),
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            )
         else:
             continue
         try:
@@ -124,15 +128,19 @@ class MemoryGuard:
         self._process = psutil.Process()
 
     @classmethod
-    def from_settings(cls, settings, evict_callbacks: list[EvictCallback] | None = None) -> "MemoryGuard":
+    def from_settings(cls, settings, evict_callbacks: list[EvictCallback] | None = None) -> MemoryGuard:
         """MAX_MEMORY_MB, or (unset) the machine's memory less a margin (`default_budget_bytes`)."""
         mb = settings.max_memory_mb
         if mb:
             return cls(mb * MIB, evict_callbacks)
         memory, source = machine_memory_bytes()
         budget = default_budget_bytes()
-        log.info("memory budget %.0f MiB: the %s (%.0f MiB) less a margin (MAX_MEMORY_MB unset)", budget / MIB,
-                 source, memory / MIB)
+        log.info(
+            "memory budget %.0f MiB: the %s (%.0f MiB) less a margin (MAX_MEMORY_MB unset)",
+            budget / MIB,
+            source,
+            memory / MIB,
+        )
         return cls(budget, evict_callbacks)
 
     def room_bytes(self) -> int:
@@ -165,4 +173,6 @@ class MemoryGuard:
                 f"out of memory budget: the server uses {used / MIB:.0f} MiB of its {self.budget_bytes / MIB:.0f} "
                 f"MiB (MAX_MEMORY_MB) and this request needs about {needed_bytes / MIB:.0f} MiB more "
                 "(caches already evicted); retry later, shorten the request, or raise MAX_MEMORY_MB",
-                code="memory_budget", headers={"Retry-After": "5"})
+                code="memory_budget",
+                headers={"Retry-After": "5"},
+            )

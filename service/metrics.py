@@ -6,8 +6,7 @@ from __future__ import annotations
 import os
 
 import psutil
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import multiprocess
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 _LATENCY = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 _TOKEN_GAP = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
@@ -16,13 +15,20 @@ REQUESTS = Counter("qwen3vl_requests_total", "HTTP requests by endpoint and stat
 QUEUE_DEPTH = Gauge("qwen3vl_queue_depth", "requests waiting for the model", multiprocess_mode="livesum")
 GENERATING = Gauge("qwen3vl_generating", "generations running now", multiprocess_mode="livesum")
 BATCH_SIZE = Gauge("qwen3vl_batch_size", "sequences in the running decode batch", multiprocess_mode="livesum")
-PREFILL_WAIT = Histogram("qwen3vl_prefill_wait_seconds", "admitted request to the start of its prefill "
-                         "(behind other prefills)", buckets=_LATENCY)
-FIRST_TOKEN_WAIT = Histogram("qwen3vl_first_token_wait_seconds", "admitted request to its first token "
-                             "(vision encode and prefill, interleaved with the batch's decoding)", buckets=_LATENCY)
+PREFILL_WAIT = Histogram(
+    "qwen3vl_prefill_wait_seconds",
+    "admitted request to the start of its prefill (behind other prefills)",
+    buckets=_LATENCY,
+)
+FIRST_TOKEN_WAIT = Histogram(
+    "qwen3vl_first_token_wait_seconds",
+    "admitted request to its first token (vision encode and prefill, interleaved with the batch's decoding)",
+    buckets=_LATENCY,
+)
 TTFT = Histogram("qwen3vl_time_to_first_token_seconds", "request arrival to first token", buckets=_LATENCY)
-INTER_TOKEN = Histogram("qwen3vl_inter_token_seconds", "mean gap between streamed tokens per request",
-                        buckets=_TOKEN_GAP)
+INTER_TOKEN = Histogram(
+    "qwen3vl_inter_token_seconds", "mean gap between streamed tokens per request", buckets=_TOKEN_GAP
+)
 QUEUE_WAIT = Histogram("qwen3vl_queue_wait_seconds", "time waiting for the model", buckets=_LATENCY)
 IMAGE_DECODE = Histogram("qwen3vl_image_decode_seconds", "image decoding per request", buckets=_LATENCY)
 VISION_ENCODE = Histogram("qwen3vl_vision_encode_seconds", "vision encoder per request", buckets=_LATENCY)
@@ -30,11 +36,13 @@ PROMPT_TOKENS = Counter("qwen3vl_prompt_tokens_total", "prompt tokens processed 
 GENERATED_TOKENS = Counter("qwen3vl_generated_tokens_total", "tokens generated")
 FINISHED = Counter("qwen3vl_generations_total", "generations by how they ended", ["finish_reason"])
 # A stream's status (200) is sent before its first token: an error after that shows here, not in REQUESTS.
-STREAM_ERRORS = Counter("qwen3vl_stream_errors_total", "streams that ended in an error event after their 200",
-                        ["code"])
+STREAM_ERRORS = Counter("qwen3vl_stream_errors_total", "streams that ended in an error event after their 200", ["code"])
 RSS = Gauge("qwen3vl_process_rss_bytes", "resident memory of each worker", ["pid"], multiprocess_mode="liveall")
-MEMORY_BUDGET = Gauge("qwen3vl_memory_budget_bytes", "the instance's memory budget (MAX_MEMORY_MB or derived)",
-                      multiprocess_mode="livemax")
+MEMORY_BUDGET = Gauge(
+    "qwen3vl_memory_budget_bytes",
+    "the instance's memory budget (MAX_MEMORY_MB or derived)",
+    multiprocess_mode="livemax",
+)
 CACHE_BUDGET = Gauge("qwen3vl_cache_budget_bytes", "bytes each cache may hold", ["cache"], multiprocess_mode="livemax")
 
 # Caches (conversation KV and vision features)

@@ -22,9 +22,9 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ class StaleExport(Exception):
 
 # -- which export belongs to which checkpoint ---------------------------------------------------
 
+
 def checkpoint_key(model_dir: Path) -> str:
     """A hash of the checkpoint's identity: resolved path, and name, size and mtime of its config
     and weight files, plus EXPORT_VERSION. Changing any weight file changes the key."""
@@ -74,11 +75,14 @@ def check_export(export_dir: Path, model_dir: Path) -> dict:
         raise StaleExport(f"no ONNX export in {export_dir}")
     manifest = json.loads(manifest_file.read_text())
     if manifest.get("export_version") != EXPORT_VERSION:
-        raise StaleExport(f"{export_dir} holds export version {manifest.get('export_version')}, "
-                          f"this service needs {EXPORT_VERSION}")
+        raise StaleExport(
+            f"{export_dir} holds export version {manifest.get('export_version')}, this service needs {EXPORT_VERSION}"
+        )
     if manifest.get("checkpoint_key") != checkpoint_key(model_dir):
-        raise StaleExport(f"{export_dir} was exported from {manifest.get('checkpoint_path')} as it was then, "
-                          f"not from {model_dir} as it is now")
+        raise StaleExport(
+            f"{export_dir} was exported from {manifest.get('checkpoint_path')} as it was then, "
+            f"not from {model_dir} as it is now"
+        )
     missing = [name for name in GRAPH_FILES.values() if not (Path(export_dir) / name).is_file()]
     if missing:
         raise StaleExport(f"{export_dir} lacks {', '.join(missing)}")
@@ -86,6 +90,7 @@ def check_export(export_dir: Path, model_dir: Path) -> dict:
 
 
 # -- the graph ----------------------------------------------------------------------------------
+
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding as `apply_rotary_pos_emb_vision` does it (x: tokens × heads × head_dim)."""
@@ -141,13 +146,21 @@ def grid_inputs(grid_thw: torch.Tensor, spatial_merge_size: int, num_grid_per_si
 
     position_ids = get_vision_position_ids(grid_thw, spatial_merge_size)
     indices, weights = get_vision_interpolation_indices_and_weights(
-        grid_thw, num_grid_per_side=num_grid_per_side, mode="bilinear", align_corners=True,
-        spatial_merge_size=spatial_merge_size)
-    return {"position_ids": position_ids.numpy().astype(np.int64), "interp_indices": indices.numpy().astype(np.int64),
-            "interp_weights": weights.numpy().astype(np.float32)}
+        grid_thw,
+        num_grid_per_side=num_grid_per_side,
+        mode="bilinear",
+        align_corners=True,
+        spatial_merge_size=spatial_merge_size,
+    )
+    return {
+        "position_ids": position_ids.numpy().astype(np.int64),
+        "interp_indices": indices.numpy().astype(np.int64),
+        "interp_weights": weights.numpy().astype(np.float32),
+    }
 
 
 # -- export ---------------------------------------------------------------------------------------
+
 
 def _load_visual(model_dir: Path) -> tuple[nn.Module, object]:
     """The checkpoint's vision tower in fp32 (loaded in its stored dtype: bf16 → fp32 is exact)."""
@@ -190,16 +203,17 @@ def _example_inputs(config) -> tuple[torch.Tensor, ...]:
     """Tracing inputs for a 64 × 48-patch image (not square, so no dimension is special-cased)."""
     m = config.spatial_merge_size
     grid = torch.tensor([[1, 4 * m * 8, 3 * m * 8]])
-    grid_tensors = grid_inputs(grid, m, int(config.num_position_embeddings ** 0.5))
-    patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+    grid_tensors = grid_inputs(grid, m, int(config.num_position_embeddings**0.5))
+    patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
     return (torch.randn(int(grid.prod()), patch_dim), *(torch.from_numpy(grid_tensors[n]) for n in INPUT_NAMES[1:]))
 
 
 EXPORT_STEPS = ["load the checkpoint", "export fp32", "quantize int8", "install"]
 
 
-def export_vision_onnx(model_dir: Path, out_dir: Path, progress: Callable[[str], None] = lambda step: None,
-                       per_channel: bool = True) -> dict:
+def export_vision_onnx(
+    model_dir: Path, out_dir: Path, progress: Callable[[str], None] = lambda step: None, per_channel: bool = True
+) -> dict:
     """Export `model_dir`'s vision tower to `out_dir`: the fp32 graph, then its dynamic-INT8 copy
     (`per_channel` weight scales), then the manifest. `out_dir` is replaced atomically, so a
     crashed export leaves no half-written directory. `progress(step)` is called as each step of
@@ -210,8 +224,10 @@ def export_vision_onnx(model_dir: Path, out_dir: Path, progress: Callable[[str],
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if quantized_marker(model_dir):
-        raise ValueError(f"{model_dir} is a pre-quantized INT8 checkpoint (`quantize`): the export needs the "
-                         "float weights, so export an ordinary bf16 or fp32 checkpoint")
+        raise ValueError(
+            f"{model_dir} is a pre-quantized INT8 checkpoint (`quantize`): the export needs the "
+            "float weights, so export an ordinary bf16 or fp32 checkpoint"
+        )
     started = time.perf_counter()
     visual, config = _load_visual(model_dir)
     progress(EXPORT_STEPS[0])
@@ -224,9 +240,16 @@ def export_vision_onnx(model_dir: Path, out_dir: Path, progress: Callable[[str],
         output_names = ["pooler"] + [f"deepstack_{i}" for i in range(len(config.deepstack_visual_indexes))]
         with torch.no_grad(), _quiet_exporters():
             program = torch.onnx.export(
-                SingleImageVisionTower(visual).eval(), _example_inputs(config), input_names=INPUT_NAMES,
-                output_names=output_names, dynamic_shapes={name: {0: patches} for name in INPUT_NAMES},
-                dynamo=True, opset_version=OPSET, optimize=True, verbose=False)
+                SingleImageVisionTower(visual).eval(),
+                _example_inputs(config),
+                input_names=INPUT_NAMES,
+                output_names=output_names,
+                dynamic_shapes={name: {0: patches} for name in INPUT_NAMES},
+                dynamo=True,
+                opset_version=OPSET,
+                optimize=True,
+                verbose=False,
+            )
         program.save(str(fp32_path), external_data=True)  # fp32 weights of a 2B model pass protobuf's 2 GB
         del program, visual
         progress(EXPORT_STEPS[1])
@@ -234,17 +257,27 @@ def export_vision_onnx(model_dir: Path, out_dir: Path, progress: Callable[[str],
         # Linear layers only (MatMul/Gemm): the patch embedding, norms and attention stay fp32,
         # as in the torch INT8 path.
         with _quiet_exporters():
-            quantize_dynamic(fp32_path, staging / GRAPH_FILES["int8"], op_types_to_quantize=["MatMul"],
-                             per_channel=per_channel, weight_type=QuantType.QInt8)
+            quantize_dynamic(
+                fp32_path,
+                staging / GRAPH_FILES["int8"],
+                op_types_to_quantize=["MatMul"],
+                per_channel=per_channel,
+                weight_type=QuantType.QInt8,
+            )
         progress(EXPORT_STEPS[2])
 
         manifest = {
-            "export_version": EXPORT_VERSION, "checkpoint_path": str(model_dir.resolve()),
-            "checkpoint_key": checkpoint_key(model_dir), "files": GRAPH_FILES,
+            "export_version": EXPORT_VERSION,
+            "checkpoint_path": str(model_dir.resolve()),
+            "checkpoint_key": checkpoint_key(model_dir),
+            "files": GRAPH_FILES,
             "spatial_merge_size": config.spatial_merge_size,
-            "num_grid_per_side": int(config.num_position_embeddings ** 0.5),
-            "deepstack_layers": len(config.deepstack_visual_indexes), "int8_per_channel": per_channel,
-            "opset": OPSET, "torch": torch.__version__, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "num_grid_per_side": int(config.num_position_embeddings**0.5),
+            "deepstack_layers": len(config.deepstack_visual_indexes),
+            "int8_per_channel": per_channel,
+            "opset": OPSET,
+            "torch": torch.__version__,
+            "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "export_seconds": round(time.perf_counter() - started, 1),
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -259,6 +292,7 @@ def export_vision_onnx(model_dir: Path, out_dir: Path, progress: Callable[[str],
 
 
 # -- the encoder --------------------------------------------------------------------------------
+
 
 class OnnxVisionEncoder:
     """The exported tower on ONNX Runtime; same call as TorchVisionEncoder, one session run per image."""
@@ -275,23 +309,26 @@ class OnnxVisionEncoder:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        session = ort.InferenceSession(str(self.export_dir / GRAPH_FILES[precision]), options,
-                                       providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(
+            str(self.export_dir / GRAPH_FILES[precision]), options, providers=["CPUExecutionProvider"]
+        )
         self._session = session
         self._output_names = [o.name for o in session.get_outputs()]
 
     def __call__(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[VisionFeatures]:
         features = []
-        for patches, (t, h, w) in zip(torch.split(pixel_values, image_grid_thw.prod(-1).tolist()),
-                                      image_grid_thw.tolist()):
+        for patches, (_, h, w) in zip(
+            torch.split(pixel_values, image_grid_thw.prod(-1).tolist()), image_grid_thw.tolist()
+        ):
             # Frames attend only within themselves (the torch tower's attention segments): one run each.
             frames = [self._run(frame, h, w) for frame in torch.split(patches, h * w)]
             features.append(VisionFeatures.cat([VisionFeatures(pooler=f[0], deepstack=f[1:]) for f in frames]))
         return features
 
     def _run(self, patches: torch.Tensor, h: int, w: int) -> list[torch.Tensor]:
-        feeds = grid_inputs(torch.tensor([[1, h, w]]), self.manifest["spatial_merge_size"],
-                            self.manifest["num_grid_per_side"])
+        feeds = grid_inputs(
+            torch.tensor([[1, h, w]]), self.manifest["spatial_merge_size"], self.manifest["num_grid_per_side"]
+        )
         feeds["pixel_values"] = patches.to(torch.float32).numpy()
         return [torch.from_numpy(out) for out in self._session.run(self._output_names, feeds)]
 
@@ -303,8 +340,12 @@ def load_onnx_encoder(model_dir: Path, settings) -> OnnxVisionEncoder | None:
     try:
         manifest = check_export(export_dir, model_dir)
     except StaleExport as exc:
-        log.warning("VISION_BACKEND=onnxruntime, but %s: using the torch vision encoder. Build the export "
-                    "with `python -m service export-onnx %s`.", exc, model_dir)
+        log.warning(
+            "VISION_BACKEND=onnxruntime, but %s: using the torch vision encoder. Build the export "
+            "with `python -m service export-onnx %s`.",
+            exc,
+            model_dir,
+        )
         return None
     encoder = OnnxVisionEncoder(export_dir, settings.quantization, settings.threads, manifest)
     log.info("vision encoder: ONNX Runtime %s graph from %s", settings.quantization, export_dir)

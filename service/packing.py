@@ -32,8 +32,16 @@ QUANTIZED_MARKER = "service_int8"  # the config.json entry of a checkpoint writt
 FORMAT = "qwen3-vl-service-int8"
 FORMAT_VERSION = 1
 SCALE = ".weight_scale"
-DTYPES = {"I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64,
-          "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+DTYPES = {
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
 # fused module → the checkpoint's modules it replaces, in output order, inside each text decoder layer
 FUSED_PROJECTIONS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -66,8 +74,11 @@ def write_aligned_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> N
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name in order:
         size = tensors[name].numel() * tensors[name].element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[tensors[name].dtype], "shape": list(tensors[name].shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _DTYPE_NAMES[tensors[name].dtype],
+            "shape": list(tensors[name].shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % ALIGNMENT)
@@ -145,10 +156,11 @@ def packed_linear(parts: list[tuple[SafetensorsReader, str]], kernel: str) -> In
     rows = torch.empty((sum(shape[0] for shape in shapes), shapes[0][1]), dtype=torch.int8)
     start = 0
     for (reader, name), (out, _) in zip(parts, shapes):
-        reader.read_into(f"{name}.weight", rows[start:start + out])
+        reader.read_into(f"{name}.weight", rows[start : start + out])
         start += out
-    bias = fused_bias([reader.read(f"{name}.bias") if f"{name}.bias" in reader.entries else None
-                       for reader, name in parts])
+    bias = fused_bias(
+        [reader.read(f"{name}.bias") if f"{name}.bias" in reader.entries else None for reader, name in parts]
+    )
     return Int8Linear(rows, scales, bias, kernel=kernel)
 
 
@@ -158,15 +170,20 @@ class Packing:
     def __init__(self, path: Path, shards: list[str], threads: int, kernel: str):
         self.began = time.perf_counter()
         self.readers = [SafetensorsReader(Path(path) / shard) for shard in shards]
-        reader_of = {key[:-len(".weight")]: r for r in self.readers for key in r.entries if key.endswith(".weight")}
+        reader_of = {key[: -len(".weight")]: r for r in self.readers for key in r.entries if key.endswith(".weight")}
         groups = linear_groups(sorted(reader_of))
         # Largest first: the lm_head alone packs for seconds on one thread, so it must not come last.
         jobs = sorted(groups.items(), key=lambda g: -sum(math.prod(reader_of[p].shape(f"{p}.weight")) for p in g[1]))
-        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), initializer=torch.set_num_threads, initargs=(1,),
-                                        thread_name_prefix="int8-packing")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, threads),
+            initializer=torch.set_num_threads,
+            initargs=(1,),
+            thread_name_prefix="int8-packing",
+        )
         self.futures: dict[str, Future] = {
             name: self._pool.submit(packed_linear, [(reader_of[p], p) for p in parts], kernel_of(name, kernel))
-            for name, parts in jobs}
+            for name, parts in jobs
+        }
 
     def results(self) -> dict[str, Int8Linear]:
         """Wait for every Linear; the packed modules by model name (the readers are closed after)."""
@@ -195,8 +212,10 @@ def take(path: Path, shards: list[str], threads: int, kernel: str) -> Packing:
     with _lock:
         started = _started.pop((str(Path(path).resolve()), kernel), None)
     if started is not None:
-        log.info("the INT8 weights have been packing for %.1f s (begun before the app was imported)",
-                 time.perf_counter() - started.began)
+        log.info(
+            "the INT8 weights have been packing for %.1f s (begun before the app was imported)",
+            time.perf_counter() - started.began,
+        )
     return started or Packing(path, shards, threads, kernel)
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Generator
 
 import torch
 
@@ -35,10 +35,16 @@ def vision_spans(prompt: PreparedPrompt) -> dict[str, list[VisionSpan]]:
     """Each image's and video's token span, named by its pixels and grid (what caches must match)."""
     images = prompt.image_grid_thw if prompt.image_grid_thw is not None else []
     videos = prompt.video_grid_thw if prompt.video_grid_thw is not None else []
-    return {"image": [VisionSpan(start, end, "{}:{}x{}x{}".format(digest, *grid.tolist()))
-                      for (start, end), digest, grid in zip(prompt.image_spans, prompt.image_digests, images)],
-            "video": [VisionSpan(start, end, "video:{}:{}x{}x{}".format(digest, *grid.tolist()))
-                      for (start, end), digest, grid in zip(prompt.video_spans, prompt.video_digests, videos)]}
+    return {
+        "image": [
+            VisionSpan(start, end, "{}:{}x{}x{}".format(digest, *grid.tolist()))
+            for (start, end), digest, grid in zip(prompt.image_spans, prompt.image_digests, images)
+        ],
+        "video": [
+            VisionSpan(start, end, "video:{}:{}x{}x{}".format(digest, *grid.tolist()))
+            for (start, end), digest, grid in zip(prompt.video_spans, prompt.video_digests, videos)
+        ],
+    }
 
 
 def _pads_before(prompt: PreparedPrompt, modality: str) -> torch.Tensor:
@@ -63,16 +69,34 @@ def _piece_features(merged: dict, pads_before: dict, reused: int, start: int, en
 class Prefiller:
     """Makes each request's prefill generator (`steps`) on one model, its caches and its encoder."""
 
-    def __init__(self, model, vision_encoder, conversation_cache: ConversationCache, vision_cache: VisionFeatureCache,
-                 chunk_tokens: int, kv_dtype: torch.dtype, image_processor):
+    def __init__(
+        self,
+        model,
+        vision_encoder,
+        conversation_cache: ConversationCache,
+        vision_cache: VisionFeatureCache,
+        chunk_tokens: int,
+        kv_dtype: torch.dtype,
+        image_processor,
+    ):
         self.model, self.vision_encoder = model, vision_encoder
         self.conversation_cache, self.vision_cache = conversation_cache, vision_cache
         self.chunk_tokens, self.kv_dtype = chunk_tokens, kv_dtype
         ip = image_processor
         # Everything besides the pixels that shapes the encoder's input: part of every vision-cache key.
-        self._vision_settings = hashlib.blake2b(repr((
-            ip.patch_size, ip.merge_size, ip.temporal_patch_size, list(ip.image_mean), list(ip.image_std),
-            dict(ip.size))).encode(), digest_size=8).hexdigest()
+        self._vision_settings = hashlib.blake2b(
+            repr(
+                (
+                    ip.patch_size,
+                    ip.merge_size,
+                    ip.temporal_patch_size,
+                    list(ip.image_mean),
+                    list(ip.image_std),
+                    dict(ip.size),
+                )
+            ).encode(),
+            digest_size=8,
+        ).hexdigest()
 
     def piece_ends(self, length: int, reused: int) -> list[int]:
         """Where the prefill pieces after a cache of `reused` tokens end: every PREFILL_CHUNK_TOKENS,
@@ -86,9 +110,12 @@ class Prefiller:
         many came from the cache. One image (one video frame pair) per encoder call: a step stays
         short, and the features are those the cache keys name whatever else is being encoded."""
         encoders = {
-            "image": lambda i: image_steps(self.vision_encoder, prompt.pixel_values[i], prompt.image_grid_thw[i:i + 1]),
-            "video": lambda i: video_steps(self.vision_encoder, prompt.pixel_values_videos[i],
-                                           prompt.video_grid_thw[i:i + 1]),
+            "image": lambda i: image_steps(
+                self.vision_encoder, prompt.pixel_values[i], prompt.image_grid_thw[i : i + 1]
+            ),
+            "video": lambda i: video_steps(
+                self.vision_encoder, prompt.pixel_values_videos[i], prompt.video_grid_thw[i : i + 1]
+            ),
         }
         features, hits = {"image": {}, "video": {}}, 0
         for modality, encode in encoders.items():
@@ -105,8 +132,9 @@ class Prefiller:
                 features[modality][i] = cached
         return features, hits
 
-    def steps(self, prompt: PreparedPrompt, spans: dict, conversation_id: str | None,
-              marks: PrefillMarks) -> Generator[None, None, Prefilled]:
+    def steps(
+        self, prompt: PreparedPrompt, spans: dict, conversation_id: str | None, marks: PrefillMarks
+    ) -> Generator[None, None, Prefilled]:
         """The prefill, a step per `yield`; records cache use and timings in `marks`."""
         t0 = time.perf_counter()
         media = spans["image"] + spans["video"]  # what the KV cache matches: the same for both
@@ -123,20 +151,26 @@ class Prefiller:
             # M-RoPE positions of the whole prompt, from ALL its images' and videos' grids (a reused
             # prefix included); every token after it is shifted by the same delta.
             positions, deltas = self.model.model.get_rope_index(
-                prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, prompt.video_grid_thw)
+                prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, prompt.video_grid_thw
+            )
             merged = {m: VisionFeatures.cat([f[i] for i in sorted(f)]) for m, f in features.items() if f}
             pads_before = {m: _pads_before(prompt, m) for m in merged}
             start = marks.reused
             for end in self.piece_ends(prompt.num_tokens, marks.reused):
                 yield
-                out = self.model(input_ids=prompt.input_ids[:, start:end], position_ids=positions[:, :, start:end],
-                                 cache=cache, logits_to_keep=1,
-                                 mm_encoder_outputs=_piece_features(merged, pads_before, marks.reused, start, end))
+                out = self.model(
+                    input_ids=prompt.input_ids[:, start:end],
+                    position_ids=positions[:, :, start:end],
+                    cache=cache,
+                    logits_to_keep=1,
+                    mm_encoder_outputs=_piece_features(merged, pads_before, marks.reused, start, end),
+                )
                 start = end
         except GeneratorExit:  # cancelled while prefilling: hand the reused prefix back for the client's retry
             if reuse is not None:
                 cache.crop(marks.reused - cache.get_seq_length())
-                self.conversation_cache.put(conversation_id, prompt.input_ids[0, :marks.reused], media, marks.reused,
-                                            cache)
+                self.conversation_cache.put(
+                    conversation_id, prompt.input_ids[0, : marks.reused], media, marks.reused, cache
+                )
             raise
         return Prefilled(cache=cache, logits=out.logits[:, -1].float(), rope_delta=int(deltas[0, 0]))

@@ -59,9 +59,14 @@ class PromptLimits:
     max_videos: int = 2
 
     @classmethod
-    def from_settings(cls, settings) -> "PromptLimits":
-        return cls(settings.context_limit, settings.max_prompt_tokens, settings.max_messages,
-                   settings.max_images_per_request, settings.max_videos_per_request)
+    def from_settings(cls, settings) -> PromptLimits:
+        return cls(
+            settings.context_limit,
+            settings.max_prompt_tokens,
+            settings.max_messages,
+            settings.max_images_per_request,
+            settings.max_videos_per_request,
+        )
 
 
 @dataclass
@@ -77,7 +82,9 @@ class PreparedPrompt:
     video_grid_thw: torch.Tensor | None = None  # n_videos × 3
     pixel_values_videos: list[torch.Tensor] = field(default_factory=list)  # one patch tensor per video
     video_digests: list[str] = field(default_factory=list)
-    video_spans: list[tuple[int, int]] = field(default_factory=list)  # first frame's <|vision_start|> … last <|vision_end|>
+    video_spans: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # first frame's <|vision_start|> … last <|vision_end|>
 
     @property
     def num_tokens(self) -> int:
@@ -92,8 +99,10 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
     for m in messages:
         if m.role not in ROLES:
             raise BadRequest(f"unsupported role {m.role!r}: use one of {', '.join(ROLES)}", param="messages")
-        content = [{"type": _PART_TYPES[type(p)]} if type(p) in _PART_TYPES else {"type": "text", "text": p.text}
-                   for p in m.parts]
+        content = [
+            {"type": _PART_TYPES[type(p)]} if type(p) in _PART_TYPES else {"type": "text", "text": p.text}
+            for p in m.parts
+        ]
         if m.role != "user" and any(type(p) in _PART_TYPES for p in m.parts):
             raise BadRequest(f"images and videos are accepted in user messages only, not {m.role}", param="messages")
         rendered.append({"role": m.role, "content": content})
@@ -104,21 +113,32 @@ def validate_conversation(messages: list[ChatMessage], limits: PromptLimits) -> 
     if not messages:
         raise BadRequest("messages must not be empty", param="messages")
     if len(messages) > limits.max_messages:
-        raise BadRequest(f"{len(messages)} messages (history included); the limit is {limits.max_messages}",
-                         param="messages", code="too_many_messages")
+        raise BadRequest(
+            f"{len(messages)} messages (history included); the limit is {limits.max_messages}",
+            param="messages",
+            code="too_many_messages",
+        )
     images = sum(len(m.images) for m in messages)
     if images > limits.max_images:
-        raise BadRequest(f"{images} images (history included); the limit is {limits.max_images} per request",
-                         param="messages", code="too_many_images")
+        raise BadRequest(
+            f"{images} images (history included); the limit is {limits.max_images} per request",
+            param="messages",
+            code="too_many_images",
+        )
     videos = sum(len(m.videos) for m in messages)
     if videos > limits.max_videos:
-        raise BadRequest(f"{videos} videos (history included); the limit is {limits.max_videos} per request",
-                         param="messages", code="too_many_videos")
+        raise BadRequest(
+            f"{videos} videos (history included); the limit is {limits.max_videos} per request",
+            param="messages",
+            code="too_many_videos",
+        )
     for i, m in enumerate(messages):
         for part in m.parts:
             if isinstance(part, TextPart) and any(marker in part.text for marker in VISION_MARKERS):
-                raise BadRequest("text may not hold the model's image/video placeholder tokens "
-                                 f"({', '.join(VISION_MARKERS)})", param=f"messages[{i}]")
+                raise BadRequest(
+                    f"text may not hold the model's image/video placeholder tokens ({', '.join(VISION_MARKERS)})",
+                    param=f"messages[{i}]",
+                )
     if messages[-1].role not in ("user", "system"):
         raise BadRequest("the last message must be from the user", param="messages")
     for i, m in enumerate(messages):
@@ -143,8 +163,11 @@ def prepare_prompt(processor, messages: list[ChatMessage], limits: PromptLimits)
         mm = torch.zeros_like(batch["input_ids"])
     input_ids, mm = _with_generated_ids(processor.tokenizer, messages, batch["input_ids"], mm)
     if input_ids.shape[1] > limits.max_prompt_tokens:
-        raise PromptTooLong(f"the prompt is {input_ids.shape[1]} tokens; the limit is {limits.max_prompt_tokens} "
-                            f"(and {limits.context_limit} for prompt and answer together)", param="messages")
+        raise PromptTooLong(
+            f"the prompt is {input_ids.shape[1]} tokens; the limit is {limits.max_prompt_tokens} "
+            f"(and {limits.context_limit} for prompt and answer together)",
+            param="messages",
+        )
     grid = batch.get("image_grid_thw")
     pixel_values: list[torch.Tensor] = []
     if images:
@@ -152,15 +175,22 @@ def prepare_prompt(processor, messages: list[ChatMessage], limits: PromptLimits)
     video_grid = batch.get("video_grid_thw")
     image_spans, video_spans = _vision_spans(mm[0], video_grid)
     return PreparedPrompt(
-        input_ids=input_ids, mm_token_type_ids=mm, image_grid_thw=grid, pixel_values=pixel_values,
-        image_digests=[img.digest for img in images], image_spans=image_spans,
-        video_grid_thw=video_grid, pixel_values_videos=batch.get("pixel_values_videos", []),
-        video_digests=[v.digest for v in videos], video_spans=video_spans,
+        input_ids=input_ids,
+        mm_token_type_ids=mm,
+        image_grid_thw=grid,
+        pixel_values=pixel_values,
+        image_digests=[img.digest for img in images],
+        image_spans=image_spans,
+        video_grid_thw=video_grid,
+        pixel_values_videos=batch.get("pixel_values_videos", []),
+        video_digests=[v.digest for v in videos],
+        video_spans=video_spans,
     )
 
 
-def _with_generated_ids(tokenizer, messages: list[ChatMessage], input_ids: torch.Tensor, mm: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def _with_generated_ids(
+    tokenizer, messages: list[ChatMessage], input_ids: torch.Tensor, mm: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt with each kept answer (`ChatMessage.token_ids`) as its generated ids: the answer's
     re-tokenized text is found right after its assistant header and replaced. Where the template
     rendered it otherwise, the text's own tokens stay (a correct prompt, only less of it cached)."""
@@ -170,14 +200,14 @@ def _with_generated_ids(tokenizer, messages: list[ChatMessage], input_ids: torch
     opening = tokenizer("<|im_start|>assistant", add_special_tokens=False)["input_ids"]
     newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
     ids, types = input_ids[0].tolist(), mm[0].tolist()
-    starts = [i + len(opening) for i in range(len(ids) - len(opening)) if ids[i:i + len(opening)] == opening]
+    starts = [i + len(opening) for i in range(len(ids) - len(opening)) if ids[i : i + len(opening)] == opening]
     out_ids, out_types, done = [], [], 0
     for message, start in zip(kept, starts):  # the k-th assistant turn opens the k-th answer
         if not message.token_ids:
             continue
         text = "".join(p.text for p in message.parts if isinstance(p, TextPart))
         rendered = tokenizer("\n" + text, add_special_tokens=False)["input_ids"]
-        if ids[start:start + len(rendered)] != rendered or rendered[:len(newline)] != newline:
+        if ids[start : start + len(rendered)] != rendered or rendered[: len(newline)] != newline:
             continue
         start += len(newline)
         out_ids += ids[done:start] + list(message.token_ids)
@@ -193,23 +223,32 @@ def _tokenize_with_videos(processor, text: str, images: list[DecodedImage], vide
     # Qwen's processor replaces the template's whole <|vision_start|><|video_pad|><|vision_end|> by
     # the per-frame layout (each frame brings its own start/end); transformers 5.24 would replace only
     # the pad, so it is handed the bare pad, as Qwen's processor accepts too.
-    text = text.replace(processor.vision_start_token + processor.video_token + processor.vision_end_token,
-                        processor.video_token)
-    image_inputs = processor.image_processor(images=[img.pixels for img in images], return_tensors="pt") \
-        if images else {}
+    text = text.replace(
+        processor.vision_start_token + processor.video_token + processor.vision_end_token, processor.video_token
+    )
+    image_inputs = (
+        processor.image_processor(images=[img.pixels for img in images], return_tensors="pt") if images else {}
+    )
     temporal = processor.image_processor.temporal_patch_size
     patches = [video_patches(v, processor.image_processor) for v in videos]
-    video_text = [video_prompt_text(processor, grid[0], v.timestamps(temporal)) for v, (_, grid) in zip(videos, patches)]
+    video_text = [
+        video_prompt_text(processor, grid[0], v.timestamps(temporal)) for v, (_, grid) in zip(videos, patches)
+    ]
     image_text = [processor.replace_image_token(image_inputs, image_idx=i) for i in range(len(images))]
     (text,), _ = processor.get_text_with_replacements([text], image_text, video_text)
     input_ids = processor.tokenizer([text], return_tensors="pt", return_token_type_ids=False)["input_ids"]
-    return {**image_inputs, "input_ids": input_ids,
-            "mm_token_type_ids": torch.tensor(processor.create_mm_token_type_ids(input_ids)),
-            "pixel_values_videos": [p for p, _ in patches], "video_grid_thw": torch.cat([g for _, g in patches])}
+    return {
+        **image_inputs,
+        "input_ids": input_ids,
+        "mm_token_type_ids": torch.tensor(processor.create_mm_token_type_ids(input_ids)),
+        "pixel_values_videos": [p for p, _ in patches],
+        "video_grid_thw": torch.cat([g for _, g in patches]),
+    }
 
 
-def _vision_spans(mm_token_type_ids: torch.Tensor, video_grid_thw: torch.Tensor | None
-                  ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def _vision_spans(
+    mm_token_type_ids: torch.Tensor, video_grid_thw: torch.Tensor | None
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """[start, end) of each image and each video, <|vision_start|> to <|vision_end|> included.
 
     Runs of pads are found as the model finds them (by token type: 1 image, 2 video); a video is
@@ -226,7 +265,7 @@ def _vision_spans(mm_token_type_ids: torch.Tensor, video_grid_thw: torch.Tensor 
     images = [(start, end) for kind, start, end in runs if kind == 1]
     frames = [(start, end) for kind, start, end in runs if kind == 2]
     videos, k = [], 0
-    for t in (video_grid_thw[:, 0].tolist() if video_grid_thw is not None else []):
+    for t in video_grid_thw[:, 0].tolist() if video_grid_thw is not None else []:
         videos.append((frames[k][0], frames[k + t - 1][1]))
         k += t
     return images, videos

@@ -2,8 +2,9 @@
 
 Both paths make the same `Int8Linear`s (service/int8_linear.py: int8 weights symmetric per output
 channel, activations quantized per token at run time; q/k/v and gate/up fused, service/fusion.py),
-so a pre-quantized checkpoint answers exactly like quantizing at load time. The input embedding is stored as int8 rows with per-row scales — for
-Qwen3-VL's tied embeddings that is the lm_head's own INT8 weight — and dequantized on lookup.
+so a pre-quantized checkpoint answers exactly like quantizing at load time. The input embedding
+is stored as int8 rows with per-row scales — for Qwen3-VL's tied embeddings that is the lm_head's
+own INT8 weight — and dequantized on lookup.
 
 A checkpoint written by `python -m service quantize SRC DST` holds:
   config.json             SRC's config plus QUANTIZED_MARKER (how it was made, and its files)
@@ -18,10 +19,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -31,8 +31,17 @@ from . import packing
 from .fusion import fuse_projections
 from .int8_linear import Int8Embedding, Int8Linear, MappedInt8Linear, quantize_rows
 from .memory import MIB, MemoryGuard, release_memory
-from .packing import (FORMAT, FORMAT_VERSION, QUANTIZED_MARKER, SCALE, fused_bias, kernel_of, linear_bytes,
-                      linear_groups, quantized_marker)
+from .packing import (
+    FORMAT,
+    FORMAT_VERSION,
+    QUANTIZED_MARKER,
+    SCALE,
+    fused_bias,
+    kernel_of,
+    linear_bytes,
+    linear_groups,
+    quantized_marker,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +51,18 @@ SHARD_BYTES = 256 * MIB  # the writer holds at most about one shard of output in
 
 # -- the model's structure ------------------------------------------------------------------
 
+
 def quantization_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of each unit quantized at once: vision blocks, mergers, decoder layers, lm_head."""
     names = {id(m): n for n, m in model.named_modules()}
     visual = model.model.visual
-    blocks = [*visual.blocks, visual.merger, *getattr(visual, "deepstack_merger_list", []),
-              *model.model.language_model.layers, model.lm_head]
+    blocks = [
+        *visual.blocks,
+        visual.merger,
+        *getattr(visual, "deepstack_merger_list", []),
+        *model.model.language_model.layers,
+        model.lm_head,
+    ]
     return [(names[id(b)], b) for b in blocks]
 
 
@@ -83,8 +98,9 @@ def skeleton(config) -> nn.Module:
         return Qwen3VLForConditionalGeneration(config)
 
 
-def quantize_in_place(model: nn.Module, activations: str = "per_token", int8_embedding: bool = True,
-                      kernel: str = "fbgemm") -> None:
+def quantize_in_place(
+    model: nn.Module, activations: str = "per_token", int8_embedding: bool = True, kernel: str = "fbgemm"
+) -> None:
     """INT8-quantize every nn.Linear (`Int8Linear`) one block at a time (at most one block is fp32
     at once), and turn the embedding into int8 rows (the lm_head's when tied). The defaults are
     what the service and `quantize` use; the other choices exist for the fidelity benchmark."""
@@ -99,7 +115,9 @@ def quantize_in_place(model: nn.Module, activations: str = "per_token", int8_emb
             rows, scales = quantize_rows(module.weight.detach())
             if linear == "lm_head" and tied and int8_embedding:  # the same int8 rows serve as the embedding
                 table = Int8Embedding(rows, scales, embed.padding_idx)
-            _replace_module(model, linear, Int8Linear(rows, scales, module.bias, activations, kernel_of(linear, kernel)))
+            _replace_module(
+                model, linear, Int8Linear(rows, scales, module.bias, activations, kernel_of(linear, kernel))
+            )
         release_memory()
     if int8_embedding:
         _replace_module(model, embed_name, table or Int8Embedding(*quantize_rows(embed.weight), embed.padding_idx))
@@ -107,6 +125,7 @@ def quantize_in_place(model: nn.Module, activations: str = "per_token", int8_emb
 
 
 # -- writing --------------------------------------------------------------------------------
+
 
 class _SourceTensors:
     """Per-tensor reads from a checkpoint's safetensors; files are opened per call, so the pages
@@ -208,8 +227,10 @@ def write_quantized(src: str | Path, dst: str | Path, progress: bool = True) -> 
                 weight_name = tied  # tied lm_head: SRC stores the embedding only
             tensors = _quantized_linear(source, linear, weight_name, module.bias is not None)
             if linear == "lm_head" and weight_name == tied:
-                embedding = {f"{embed_name}.weight": tensors["lm_head.weight"],
-                             f"{embed_name}{SCALE}": tensors[f"lm_head{SCALE}"]}
+                embedding = {
+                    f"{embed_name}.weight": tensors["lm_head.weight"],
+                    f"{embed_name}{SCALE}": tensors[f"lm_head{SCALE}"],
+                }
             shards.add(tensors)
             linear_params.update({f"{linear}.weight", f"{linear}.bias"})
         release_memory()
@@ -223,20 +244,27 @@ def write_quantized(src: str | Path, dst: str | Path, progress: bool = True) -> 
     del embedding, resident
     release_memory()
     for file in src.iterdir():
-        if file.is_file() and file.suffix != ".safetensors" and file.name not in (
-                "config.json", "model.safetensors.index.json"):
+        if (
+            file.is_file()
+            and file.suffix != ".safetensors"
+            and file.name not in ("config.json", "model.safetensors.index.json")
+        ):
             shutil.copy2(file, dst / file.name)
     config_dict = json.loads((src / "config.json").read_text())
     config_dict[QUANTIZED_MARKER] = {
-        "format": FORMAT, "version": FORMAT_VERSION,
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
         "weights": "int8, symmetric per output channel (torch per_channel_dynamic_qconfig), zero point 0",
         "activations": "quantized at run time, per token (service/int8_linear.py)",
         "embedding": "int8 rows with per-row scales" + (" = the tied lm_head's INT8 weight" if tied else ""),
         "other_tensors": "float32",
-        "made_by": "python -m service quantize", "source": str(src.resolve()),
+        "made_by": "python -m service quantize",
+        "source": str(src.resolve()),
         "source_dtype": str(config_dict.get("dtype") or config_dict.get("torch_dtype")),
-        "torch": torch.__version__, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "linear_shards": shards.files, "resident": RESIDENT_FILE,
+        "torch": torch.__version__,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "linear_shards": shards.files,
+        "resident": RESIDENT_FILE,
     }
     # config.json last: a half-written directory has none, so it cannot be mistaken for a checkpoint.
     (dst / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
@@ -246,13 +274,15 @@ def write_quantized(src: str | Path, dst: str | Path, progress: bool = True) -> 
 
 # -- loading --------------------------------------------------------------------------------
 
-def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None,
-                   kernel: str = "fbgemm") -> tuple[nn.Module, bool]:
+
+def load_quantized(
+    path: Path, threads: int, memory: MemoryGuard | None = None, kernel: str = "fbgemm"
+) -> tuple[nn.Module, bool]:
     """Build the model from an INT8 checkpoint: (model, weights_mapped).
 
     Linear weights are read (pread) straight into int8 tensors — q/k/v and gate/up each into one —
-    and packed into `Int8Linear` on `threads` threads (service/packing.py); no fp32 weight is made. The embedding and the
-    small tensors stay memory-mapped. If the packed weights would not fit the memory budget, the
+    and packed into `Int8Linear` on `threads` threads (service/packing.py); no fp32 weight is made.
+    The embedding and the small tensors stay memory-mapped. If the packed weights would not fit the memory budget, the
     Linear weights stay memory-mapped too (MappedInt8Linear): the server still serves, slower.
     """
     from safetensors import safe_open
@@ -263,17 +293,25 @@ def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None,
     if not marker or marker.get("format") != FORMAT:
         raise ValueError(f"{path} is not an INT8 checkpoint written by `python -m service quantize`")
     if marker.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{path} has INT8 format version {marker.get('version')}; this service reads "
-                         f"{FORMAT_VERSION}: re-run `python -m service quantize`")
+        raise ValueError(
+            f"{path} has INT8 format version {marker.get('version')}; this service reads "
+            f"{FORMAT_VERSION}: re-run `python -m service quantize`"
+        )
     config = AutoConfig.from_pretrained(path)
     model = skeleton(config)
     fuse_projections(model)
     packed_bytes = linear_bytes(path, marker)
     mapped = memory is not None and not memory.fits(packed_bytes)
     if mapped:
-        log.warning("the INT8 weights need %.1f MiB resident, more than MAX_MEMORY_MB leaves (%.0f MiB used of "
-                    "%.0f): serving them memory-mapped from %s instead. %s", packed_bytes / MIB,
-                    memory.used_bytes() / MIB, memory.budget_bytes / MIB, path, mapped_slowdown(threads))
+        log.warning(
+            "the INT8 weights need %.1f MiB resident, more than MAX_MEMORY_MB leaves (%.0f MiB used of "
+            "%.0f): serving them memory-mapped from %s instead. %s",
+            packed_bytes / MIB,
+            memory.used_bytes() / MIB,
+            memory.budget_bytes / MIB,
+            path,
+            mapped_slowdown(threads),
+        )
     # Kept open for the process's life: these tensors are views of the mapped file.
     resident = safe_open(path / marker["resident"], "pt")
     embed_name = _embedding_name(model)
@@ -292,11 +330,16 @@ def load_quantized(path: Path, threads: int, memory: MemoryGuard | None = None,
         # Kept open for the process's life, like `resident`.
         files = {shard: safe_open(path / shard, "pt") for shard in marker["linear_shards"]}
         file_of = {key: f for f in files.values() for key in f.keys()}
-        for name, parts in linear_groups(sorted(k[:-len(".weight")] for k in file_of if k.endswith(".weight"))).items():
-            tensors = [(file_of[f"{p}.weight"].get_tensor(f"{p}.weight"), file_of[f"{p}.weight"].get_tensor(f"{p}{SCALE}"))
-                       for p in parts]
-            bias = fused_bias([file_of[f"{p}.bias"].get_tensor(f"{p}.bias") if f"{p}.bias" in file_of else None
-                               for p in parts])
+        for name, parts in linear_groups(
+            sorted(k[: -len(".weight")] for k in file_of if k.endswith(".weight"))
+        ).items():
+            tensors = [
+                (file_of[f"{p}.weight"].get_tensor(f"{p}.weight"), file_of[f"{p}.weight"].get_tensor(f"{p}{SCALE}"))
+                for p in parts
+            ]
+            bias = fused_bias(
+                [file_of[f"{p}.bias"].get_tensor(f"{p}.bias") if f"{p}.bias" in file_of else None for p in parts]
+            )
             _replace_module(model, name, MappedInt8Linear(tensors, bias))
     else:  # packed on `threads` threads, begun early if wsgi.py started it (service/packing.py)
         for name, module in packing.take(path, marker["linear_shards"], threads, kernel).results().items():
@@ -325,5 +368,7 @@ def mapped_slowdown(threads: int) -> str:
         for _ in range(20):
             module(x)
         timings.append(time.perf_counter() - t0)
-    return (f"Expect decode about {timings[1] / timings[0]:.1f}x slower (mapped vs packed kernel, measured now), "
-            "and slower still whenever the OS has to read dropped weight pages back from disk.")
+    return (
+        f"Expect decode about {timings[1] / timings[0]:.1f}x slower (mapped vs packed kernel, measured now), "
+        "and slower still whenever the OS has to read dropped weight pages back from disk."
+    )

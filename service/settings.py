@@ -9,7 +9,6 @@ from typing import Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-
 # The embedded random test model's directory under CACHE_DIR (checkpoints builds it; deploy sizes it).
 EMBEDDED_MODEL_DIRNAME = "embedded-tiny-qwen3-vl-2"  # -2: the chat template keeps its newlines
 
@@ -24,39 +23,60 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="", case_sensitive=False, extra="ignore")
 
     # Model
-    model_path: Path | None = Field(None, description="Qwen3-VL checkpoint directory; unset = embedded random test model")
-    quantization: Literal["int8", "fp32"] = Field("int8", description="int8 = INT8 Linear layers, activations "
-                                                  "quantized per token")
+    model_path: Path | None = Field(
+        None, description="Qwen3-VL checkpoint directory; unset = embedded random test model"
+    )
+    quantization: Literal["int8", "fp32"] = Field(
+        "int8", description="int8 = INT8 Linear layers, activations quantized per token"
+    )
     int8_kernel: Literal["auto", "fbgemm", "onednn"] = Field(
-        "auto", description="INT8 packed-weight kernels: auto = oneDNN on CPUs with AVX-512, FBGEMM otherwise "
-        "(the same answers bit for bit; only speed differs)")
+        "auto",
+        description="INT8 packed-weight kernels: auto = oneDNN on CPUs with AVX-512, FBGEMM otherwise "
+        "(the same answers bit for bit; only speed differs)",
+    )
     threads: int = Field(default_factory=_available_cores, ge=1, le=512, description="torch threads")
     cache_dir: Path = Field(Path(os.path.expanduser("~/.cache/qwen3vl-service")), description="embedded model, exports")
     vision_backend: Literal["torch", "onnxruntime"] = Field(
-        "torch", description="vision encoder: torch, or onnxruntime (the `export-onnx` export; torch while "
-        "there is none). ORT INT8 was 7-23 % faster here but costs memory and stalls batched streams")
-    vision_onnx_dir: Path | None = Field(None, description="ONNX export to use; unset = CACHE_DIR/onnx-vision/<checkpoint>")
+        "torch",
+        description="vision encoder: torch, or onnxruntime (the `export-onnx` export; torch while "
+        "there is none). ORT INT8 was 7-23 % faster here but costs memory and stalls batched streams",
+    )
+    vision_onnx_dir: Path | None = Field(
+        None, description="ONNX export to use; unset = CACHE_DIR/onnx-vision/<checkpoint>"
+    )
     kv_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="keys and values as cached: bfloat16 halves the KV cache's memory (and what a "
-        "decode step reads of it); see the README for what it costs")
-    preload: bool = Field(True, description="Gunicorn's master loads the model before forking its worker: weights "
-                          "shared copy-on-write, a worker that dies is replaced in about a second (not with "
-                          "VISION_BACKEND=onnxruntime, whose sessions do not survive a fork)")
-    max_memory_mb: int | None = Field(None, ge=1, description="memory budget in MiB (RSS minus file-backed pages); "
-                                      "unset = the machine's (or cgroup's) memory less 10 % (at least 256 MiB), "
-                                      "split between the deployment's instances. Near it caches are evicted, "
-                                      "over it requests get 503")
+        "float32",
+        description="keys and values as cached: bfloat16 halves the KV cache's memory (and what a "
+        "decode step reads of it); see the README for what it costs",
+    )
+    preload: bool = Field(
+        True,
+        description="Gunicorn's master loads the model before forking its worker: weights "
+        "shared copy-on-write, a worker that dies is replaced in about a second (not with "
+        "VISION_BACKEND=onnxruntime, whose sessions do not survive a fork)",
+    )
+    max_memory_mb: int | None = Field(
+        None,
+        ge=1,
+        description="memory budget in MiB (RSS minus file-backed pages); "
+        "unset = the machine's (or cgroup's) memory less 10 % (at least 256 MiB), "
+        "split between the deployment's instances. Near it caches are evicted, "
+        "over it requests get 503",
+    )
 
     # Images
-    image_max_pixels: int = Field(448 * 448, ge=32 * 32, le=16_777_216, description="pixel budget an image is resized into")
+    image_max_pixels: int = Field(
+        448 * 448, ge=32 * 32, le=16_777_216, description="pixel budget an image is resized into"
+    )
     image_max_bytes: int = Field(20 * 1024 * 1024, ge=1024, description="largest encoded image accepted")
     image_max_decoded_pixels: int = Field(64_000_000, ge=1024, description="largest width*height decoded (bomb guard)")
 
     # Video (frames sampled with OpenCV; each frame at most IMAGE_MAX_PIXELS)
     video_fps: float = Field(2.0, gt=0, le=30, description="frames sampled per second of video")
     video_max_frames: int = Field(32, ge=2, le=768, description="frames sampled from one video, at most")
-    video_max_visual_tokens: int = Field(1024, ge=16, description="prompt tokens one video may take; frames "
-                                         "are shrunk to fit")
+    video_max_visual_tokens: int = Field(
+        1024, ge=16, description="prompt tokens one video may take; frames are shrunk to fit"
+    )
     video_max_bytes: int = Field(20 * 1024 * 1024, ge=1024, description="largest video file accepted")
     video_max_seconds: float = Field(120.0, gt=0, description="longest video accepted (from its metadata)")
     video_max_source_pixels: int = Field(3840 * 2160, ge=1024, description="largest width*height of a video's frames")
@@ -67,19 +87,31 @@ class Settings(BaseSettings):
     max_new_tokens: int = Field(1024, ge=1, description="cap on tokens generated per request")
     default_max_tokens: int = Field(256, ge=1, description="tokens generated when a request names no limit")
     context_limit: int = Field(8192, ge=64, description="prompt + new tokens, at most")
-    max_batch_size: int = Field(4, ge=1, le=64, description="sequences decoded together (continuous batching); "
-                                "more wait in the queue")
-    prefill_chunk_tokens: int = Field(128, ge=1, description="prompt tokens prefilled per step between the "
-                                      "batch's decode steps (each step reads every weight once: larger pieces "
-                                      "prefill faster, smaller ones pause running streams less)")
+    max_batch_size: int = Field(
+        4, ge=1, le=64, description="sequences decoded together (continuous batching); more wait in the queue"
+    )
+    prefill_chunk_tokens: int = Field(
+        128,
+        ge=1,
+        description="prompt tokens prefilled per step between the "
+        "batch's decode steps (each step reads every weight once: larger pieces "
+        "prefill faster, smaller ones pause running streams less)",
+    )
 
     # Caches (per process): conversation KV cache and vision-feature cache
     cache_enabled: bool = Field(True, description="False turns both caches off (every prompt computed in full)")
-    conversation_cache_max_bytes: int | None = Field(None, ge=0, description="KV bytes kept across turns; 0 = off; "
-                                                     "unset = 60 % of what the memory budget leaves after loading")
+    conversation_cache_max_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="KV bytes kept across turns; 0 = off; unset = 60 % of what the memory budget leaves after loading",
+    )
     conversation_cache_max_entries: int = Field(64, ge=0, description="KV caches kept (one per conversation)")
-    vision_cache_max_bytes: int | None = Field(None, ge=0, description="vision-encoder output bytes kept; 0 = off; "
-                                               "unset = 10 % of what the memory budget leaves after loading")
+    vision_cache_max_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="vision-encoder output bytes kept; 0 = off; "
+        "unset = 10 % of what the memory budget leaves after loading",
+    )
     vision_cache_max_entries: int = Field(512, ge=0, description="images whose features are kept")
     cache_ttl_seconds: float = Field(1800.0, gt=0, description="idle seconds before a cache entry is dropped")
 
@@ -90,7 +122,8 @@ class Settings(BaseSettings):
     graceful_timeout: int = Field(30, ge=1, description="seconds in-flight requests get on SIGTERM")
     access_log: bool = Field(False, description="Gunicorn's access log on stdout (the app logs each request anyway)")
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
-        "info", description="log level of Gunicorn and the service")
+        "info", description="log level of Gunicorn and the service"
+    )
     max_body_bytes: int = Field(25 * 1024 * 1024, ge=1024, description="largest request body")
     queue_size: int = Field(8, ge=0, description="requests waiting for the model beyond the running batch")
     queue_timeout: float = Field(120.0, gt=0, description="seconds a request may wait for the model")
@@ -99,15 +132,24 @@ class Settings(BaseSettings):
     conversation_history_max_bytes: int = Field(512 * 1024**2, ge=0, description="bytes of remembered histories")
 
     # Deployment (python -m service.deploy): Nginx in front of instances on HOST:PORT, PORT+1, ...
-    instances: int = Field(0, ge=0, description="Gunicorn instances, each pinned to its own cores; 0 = one per "
-                           "CORES_PER_INSTANCE cores of each NUMA node, as many as the memory holds")
-    cores_per_instance: int = Field(16, ge=1, description="cores one planned instance gets (INSTANCES=0): decoding "
-                                    "is batched inside an instance, so more instances mostly buy copies of the "
-                                    "weights; see the README's instance plan")
+    instances: int = Field(
+        0,
+        ge=0,
+        description="Gunicorn instances, each pinned to its own cores; 0 = one per "
+        "CORES_PER_INSTANCE cores of each NUMA node, as many as the memory holds",
+    )
+    cores_per_instance: int = Field(
+        16,
+        ge=1,
+        description="cores one planned instance gets (INSTANCES=0): decoding "
+        "is batched inside an instance, so more instances mostly buy copies of the "
+        "weights; see the README's instance plan",
+    )
     nginx_listen: str = Field("127.0.0.1:8080", description="the address Nginx listens on")
     proxy_read_timeout: float = Field(900.0, gt=0, description="seconds Nginx waits for an instance's next byte")
-    start_timeout: float = Field(900.0, gt=0, description="seconds the deploy waits for every instance to load "
-                                 "its model before it gives up")
+    start_timeout: float = Field(
+        900.0, gt=0, description="seconds the deploy waits for every instance to load its model before it gives up"
+    )
 
     # Security and per-request limits
     api_keys: SecretStr = Field(SecretStr(""), description="comma-separated keys; empty = no authentication")
@@ -149,15 +191,19 @@ class Settings(BaseSettings):
         return None if value == "" else value
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Settings":
+    def _consistent(self) -> Settings:
         if self.default_max_tokens > self.max_new_tokens:
             self.default_max_tokens = self.max_new_tokens
         self.max_prompt_tokens = min(self.max_prompt_tokens, self.context_limit - 1)
         if self.max_new_tokens >= self.context_limit:
-            raise ValueError(f"MAX_NEW_TOKENS ({self.max_new_tokens}) must be below CONTEXT_LIMIT ({self.context_limit})")
+            raise ValueError(
+                f"MAX_NEW_TOKENS ({self.max_new_tokens}) must be below CONTEXT_LIMIT ({self.context_limit})"
+            )
         if self.video_max_visual_tokens < 4 * -(-self.video_max_frames // 2):
-            raise ValueError(f"VIDEO_MAX_VISUAL_TOKENS ({self.video_max_visual_tokens}) must give each pair of the "
-                             f"VIDEO_MAX_FRAMES ({self.video_max_frames}) frames at least 4 tokens")
+            raise ValueError(
+                f"VIDEO_MAX_VISUAL_TOKENS ({self.video_max_visual_tokens}) must give each pair of the "
+                f"VIDEO_MAX_FRAMES ({self.video_max_frames}) frames at least 4 tokens"
+            )
         return self
 
 

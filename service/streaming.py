@@ -37,7 +37,7 @@ class TokenStreamer(TextIteratorStreamer):
             self._held += 1
             return
         self._held = 0
-        printable, self.print_len = text[self.print_len:], len(text)
+        printable, self.print_len = text[self.print_len :], len(text)
         if text.endswith("\n"):  # keep the decode window short
             self.token_cache, self.print_len = [], 0
         if printable:
@@ -62,8 +62,8 @@ class StopStringMatcher:
             self.stopped, self._held = True, ""
             return buf[:cut]
         hold = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
-        self._held = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold]
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold]
 
     def flush(self) -> str:
         held, self._held = self._held, ""

@@ -51,13 +51,19 @@ class VideoLimits:
     temporal_patch: int = 2
 
     @classmethod
-    def from_settings(cls, settings, image_limits: ImageLimits, temporal_patch: int) -> "VideoLimits":
-        return cls(max_bytes=settings.video_max_bytes, max_seconds=settings.video_max_seconds,
-                   max_source_pixels=settings.video_max_source_pixels,
-                   max_source_frames=settings.video_max_source_frames, fps=settings.video_fps,
-                   max_frames=settings.video_max_frames, max_visual_tokens=settings.video_max_visual_tokens,
-                   max_frame_pixels=image_limits.max_pixels, factor=image_limits.factor,
-                   temporal_patch=temporal_patch)
+    def from_settings(cls, settings, image_limits: ImageLimits, temporal_patch: int) -> VideoLimits:
+        return cls(
+            max_bytes=settings.video_max_bytes,
+            max_seconds=settings.video_max_seconds,
+            max_source_pixels=settings.video_max_source_pixels,
+            max_source_frames=settings.video_max_source_frames,
+            fps=settings.video_fps,
+            max_frames=settings.video_max_frames,
+            max_visual_tokens=settings.video_max_visual_tokens,
+            max_frame_pixels=image_limits.max_pixels,
+            factor=image_limits.factor,
+            temporal_patch=temporal_patch,
+        )
 
 
 @dataclass(frozen=True)
@@ -121,11 +127,12 @@ def frame_size(width: int, height: int, num_frames: int, limits: VideoLimits) ->
     that keeps all temporal patches together within `max_visual_tokens`."""
     groups = math.ceil(num_frames / limits.temporal_patch)
     tokens_per_frame = limits.max_visual_tokens // groups
-    budget = min(tokens_per_frame * limits.factor ** 2, limits.max_frame_pixels)
-    if budget < limits.factor ** 2:
+    budget = min(tokens_per_frame * limits.factor**2, limits.max_frame_pixels)
+    if budget < limits.factor**2:
         raise VideoError(f"{groups} frame pairs do not fit VIDEO_MAX_VISUAL_TOKENS={limits.max_visual_tokens}")
-    w, h = fit_to_budget(width, height, ImageLimits(0, 0, max_pixels=budget, min_pixels=limits.factor ** 2,
-                                                    factor=limits.factor))
+    w, h = fit_to_budget(
+        width, height, ImageLimits(0, 0, max_pixels=budget, min_pixels=limits.factor**2, factor=limits.factor)
+    )
     if (w // limits.factor) * (h // limits.factor) > tokens_per_frame:
         raise VideoError(f"a {width}x{height} video is too narrow for the visual-token budget")
     return w, h
@@ -150,11 +157,19 @@ def decode_video(data: bytes, limits: VideoLimits) -> DecodedVideo:
     frames = _pad_to_temporal_patch(frames, limits.temporal_patch)
     indices += [indices[-1]] * (len(frames) - len(indices))
     stacked = np.ascontiguousarray(np.stack(frames))
-    digest = hashlib.blake2b(repr(stacked.shape).encode() + stacked.tobytes(), digest_size=16,
-                             person=b"qwen3vl-vid").hexdigest()
-    return DecodedVideo(frames=stacked, frame_indices=tuple(indices), source_fps=meta["fps"], source_format=fmt,
-                        source_size=meta["size"], source_frames=meta["frames"],
-                        decode_seconds=time.perf_counter() - start, digest=digest)
+    digest = hashlib.blake2b(
+        repr(stacked.shape).encode() + stacked.tobytes(), digest_size=16, person=b"qwen3vl-vid"
+    ).hexdigest()
+    return DecodedVideo(
+        frames=stacked,
+        frame_indices=tuple(indices),
+        source_fps=meta["fps"],
+        source_format=fmt,
+        source_size=meta["size"],
+        source_frames=meta["frames"],
+        decode_seconds=time.perf_counter() - start,
+        digest=digest,
+    )
 
 
 def _metadata(capture: cv2.VideoCapture, fmt: str, limits: VideoLimits) -> dict:
@@ -167,13 +182,16 @@ def _metadata(capture: cv2.VideoCapture, fmt: str, limits: VideoLimits) -> dict:
     if width <= 0 or height <= 0:
         raise VideoError(f"the {fmt.upper()} video has no readable frame size")
     if width * height > limits.max_source_pixels:
-        raise TooLarge(f"video frames are {width}x{height} = {width * height} pixels; the limit is "
-                       f"{limits.max_source_pixels}", code="video_too_large")
+        raise TooLarge(
+            f"video frames are {width}x{height} = {width * height} pixels; the limit is {limits.max_source_pixels}",
+            code="video_too_large",
+        )
     if not 0 < fps <= 1000 or frames <= 0:
         raise VideoError(f"the {fmt.upper()} video gives no frame rate or frame count: truncated or corrupt")
     if frames / fps > limits.max_seconds:
-        raise TooLarge(f"video is {frames / fps:.1f} s long; the limit is {limits.max_seconds:g} s",
-                       code="video_too_long")
+        raise TooLarge(
+            f"video is {frames / fps:.1f} s long; the limit is {limits.max_seconds:g} s", code="video_too_long"
+        )
     if frames > limits.max_source_frames:
         raise TooLarge(f"video holds {frames} frames; the limit is {limits.max_source_frames}", code="video_too_long")
     return {"fps": fps, "frames": frames, "size": (width, height)}
@@ -203,8 +221,10 @@ def _read_frames(capture: cv2.VideoCapture, fmt: str, limits: VideoLimits) -> tu
         raise VideoError(f"the {fmt.upper()} video holds no decodable frames")
     # Containers overstate their frame count by a frame or two at times; more is a cut or broken file.
     if pending and meta["frames"] - position > max(2, meta["frames"] // 50):
-        raise VideoError(f"the {fmt.upper()} video is truncated or corrupt: its frames stop at "
-                         f"{position / meta['fps']:.1f} s of {meta['frames'] / meta['fps']:.1f} s")
+        raise VideoError(
+            f"the {fmt.upper()} video is truncated or corrupt: its frames stop at "
+            f"{position / meta['fps']:.1f} s of {meta['frames'] / meta['fps']:.1f} s"
+        )
     return frames, indices, meta
 
 
@@ -234,6 +254,8 @@ def video_patches(video: DecodedVideo, image_processor) -> tuple[torch.Tensor, t
 def video_prompt_text(processor, grid_thw: torch.Tensor, timestamps: list[float]) -> str:
     """The tokens that stand for one video in the prompt (`Qwen3VLProcessor.replace_video_token`)."""
     t, h, w = (int(v) for v in grid_thw)
-    pads = processor.video_token * (h * w // processor.image_processor.merge_size ** 2)
-    return "".join(f"<{timestamps[i]:.1f} seconds>{processor.vision_start_token}{pads}{processor.vision_end_token}"
-                   for i in range(t))
+    pads = processor.video_token * (h * w // processor.image_processor.merge_size**2)
+    return "".join(
+        f"<{timestamps[i]:.1f} seconds>{processor.vision_start_token}{pads}{processor.vision_end_token}"
+        for i in range(t)
+    )

@@ -21,12 +21,14 @@ class VisionFeatures:
     deepstack: list[torch.Tensor]
 
     @classmethod
-    def cat(cls, parts: list["VisionFeatures"]) -> "VisionFeatures":
+    def cat(cls, parts: list[VisionFeatures]) -> VisionFeatures:
         """Several features (frames, pictures) as one, rows in order."""
-        return cls(pooler=torch.cat([p.pooler for p in parts]),
-                   deepstack=[torch.cat(layer) for layer in zip(*(p.deepstack for p in parts))])
+        return cls(
+            pooler=torch.cat([p.pooler for p in parts]),
+            deepstack=[torch.cat(layer) for layer in zip(*(p.deepstack for p in parts))],
+        )
 
-    def rows(self, lo: int, hi: int) -> "VisionFeatures":
+    def rows(self, lo: int, hi: int) -> VisionFeatures:
         return VisionFeatures(pooler=self.pooler[lo:hi], deepstack=[d[lo:hi] for d in self.deepstack])
 
 
@@ -42,13 +44,17 @@ class TorchVisionEncoder:
     def __call__(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[VisionFeatures]:
         out = self.model.model.get_image_features(pixel_values, image_grid_thw)
         layers = [list(layer) for layer in out.deepstack_features]
-        return [VisionFeatures(pooler=p, deepstack=[layer[i] for layer in layers])
-                for i, p in enumerate(out.pooler_output)]
+        return [
+            VisionFeatures(pooler=p, deepstack=[layer[i] for layer in layers]) for i, p in enumerate(out.pooler_output)
+        ]
 
 
 def as_mm_encoder_outputs(features: list[VisionFeatures], modality: str = "image") -> dict:
     """Per-image (or per-video) features in the container `model(..., mm_encoder_outputs=...)` expects."""
     depth = len(features[0].deepstack)
-    return {modality: BaseModelOutputWithDeepstackFeatures(
-        pooler_output=[f.pooler for f in features],
-        deepstack_features=[[f.deepstack[k] for f in features] for k in range(depth)])}
+    return {
+        modality: BaseModelOutputWithDeepstackFeatures(
+            pooler_output=[f.pooler for f in features],
+            deepstack_features=[[f.deepstack[k] for f in features] for k in range(depth)],
+        )
+    }

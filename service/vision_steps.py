@@ -8,11 +8,14 @@ computes (same modules, same order). Other backends (ONNX Runtime) run an image 
 
 from __future__ import annotations
 
-from typing import Generator
+from collections.abc import Generator
 
 import torch
-from transformers.vision_utils import (get_vision_attention_seqlens, get_vision_interpolation_indices_and_weights,
-                                       get_vision_position_ids)
+from transformers.vision_utils import (
+    get_vision_attention_seqlens,
+    get_vision_interpolation_indices_and_weights,
+    get_vision_position_ids,
+)
 
 from .vision import TorchVisionEncoder, VisionFeatures
 
@@ -43,8 +46,13 @@ def video_steps(encoder, pixel_values_videos: torch.Tensor, video_grid_thw: torc
     per_frame = h * w
     parts = []
     for i in range(t):
-        parts.append((yield from image_steps(encoder, pixel_values_videos[i * per_frame:(i + 1) * per_frame],
-                                             torch.tensor([[1, h, w]]))))
+        parts.append(
+            (
+                yield from image_steps(
+                    encoder, pixel_values_videos[i * per_frame : (i + 1) * per_frame], torch.tensor([[1, h, w]])
+                )
+            )
+        )
     return VisionFeatures.cat(parts)
 
 
@@ -54,9 +62,13 @@ def _tower_steps(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> 
     kwargs: dict = {}
     hidden = pixel_values.type(visual.dtype)
     interp_indices, interp_weights = get_vision_interpolation_indices_and_weights(
-        grid_thw, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
-        align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size,
-        kwargs=kwargs)
+        grid_thw,
+        num_grid_per_side=visual.num_grid_per_side,
+        mode=visual.interpolation_mode,
+        align_corners=visual.interpolation_align_corners,
+        spatial_merge_size=visual.config.spatial_merge_size,
+        kwargs=kwargs,
+    )
     position_ids = get_vision_position_ids(grid_thw, visual.spatial_merge_size, kwargs=kwargs)
     cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid_thw, visual.config, kwargs=kwargs)
     hidden = visual.patch_embed(hidden)

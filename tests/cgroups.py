@@ -41,8 +41,11 @@ class MemoryCgroup:
         if self.version == "v2":
             events = dict(line.split() for line in (self.folder / "memory.events").read_text().splitlines())
             return int(events.get("oom_kill", 0))
-        return int(dict(line.split() for line in (self.folder / "memory.oom_control").read_text().splitlines())
-                   .get("oom_kill", 0))
+        return int(
+            dict(line.split() for line in (self.folder / "memory.oom_control").read_text().splitlines()).get(
+                "oom_kill", 0
+            )
+        )
 
 
 @contextmanager

@@ -17,7 +17,7 @@ def moving_square(index: int, width: int, height: int) -> np.ndarray:
     frame[..., 1] = np.linspace(0, 200, width, dtype=np.uint8)[None, :]
     side = max(4, min(width, height) // 4)
     x = (index * 3) % max(1, width - side)
-    frame[height // 3:height // 3 + side, x:x + side] = (0, 0, 255)
+    frame[height // 3 : height // 3 + side, x : x + side] = (0, 0, 255)
     return frame
 
 
@@ -27,8 +27,14 @@ def noise(index: int, width: int, height: int) -> np.ndarray:
     return np.ascontiguousarray(np.kron(blocks, np.ones((8, 8, 1), np.uint8))[:height, :width])
 
 
-def write_clip(path: Path, frames: int = 40, fps: float = 10.0, size: tuple[int, int] = (160, 120),
-               container: str | None = None, frame=moving_square) -> bytes:
+def write_clip(
+    path: Path,
+    frames: int = 40,
+    fps: float = 10.0,
+    size: tuple[int, int] = (160, 120),
+    container: str | None = None,
+    frame=moving_square,
+) -> bytes:
     """Write a clip of `frame(index, width, height)` images (container from the suffix unless given)
     and return its bytes."""
     container = container or path.suffix[1:]

@@ -25,7 +25,7 @@ def _giant_png(width: int, height: int) -> bytes:
 def _giant_jpeg(width: int, height: int) -> bytes:
     data = bytearray(_JPEG)
     sof = data.find(b"\xff\xc0")
-    data[sof + 5:sof + 9] = struct.pack(">HH", height, width)
+    data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)
     return bytes(data)
 
 
@@ -38,7 +38,9 @@ image_bytes = st.one_of(
     st.tuples(st.integers(0, 65535), st.integers(0, 65535)).map(lambda wh: _giant_jpeg(*wh)),
     st.sampled_from([_PNG, _JPEG, _WEBP]).flatmap(
         lambda b: st.tuples(st.integers(0, len(b) - 1), st.integers(0, 255)).map(
-            lambda ib: b[:ib[0]] + bytes([ib[1]]) + b[ib[0] + 1:])),  # one corrupted byte
+            lambda ib: b[: ib[0]] + bytes([ib[1]]) + b[ib[0] + 1 :]
+        )
+    ),  # one corrupted byte
 )
 
 unicode_text = st.one_of(
@@ -48,8 +50,11 @@ unicode_text = st.one_of(
 )
 
 json_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), unicode_text)
-json_values = st.recursive(json_scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(unicode_text, inner, max_size=4)), max_leaves=20)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(unicode_text, inner, max_size=4)),
+    max_leaves=20,
+)
 
 
 def data_url(data: bytes, mime: str = "image/png") -> str:
@@ -59,8 +64,18 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 image_urls = st.one_of(
     image_bytes.map(data_url),
     st.text(max_size=100).map(lambda t: "data:image/png;base64," + t),  # base64 that is not base64
-    st.sampled_from(["http://127.0.0.1:1/x.png", "https://example.com/a.jpg", "file:///etc/passwd",
-                     "data:text/plain;base64,aGVsbG8=", "data:image/png,rawbytes", "ftp://x/y", "", "data:"]),
+    st.sampled_from(
+        [
+            "http://127.0.0.1:1/x.png",
+            "https://example.com/a.jpg",
+            "file:///etc/passwd",
+            "data:text/plain;base64,aGVsbG8=",
+            "data:image/png,rawbytes",
+            "ftp://x/y",
+            "",
+            "data:",
+        ]
+    ),
 )
 
 content_parts = st.one_of(
@@ -70,17 +85,31 @@ content_parts = st.one_of(
     st.dictionaries(st.sampled_from(["type", "text", "image_url", "input_audio"]), json_values, max_size=3),
 )
 
-messages = st.lists(st.fixed_dictionaries({
-    "role": st.one_of(st.sampled_from(["user", "assistant", "system", "developer"]), unicode_text),
-    "content": st.one_of(unicode_text, st.lists(content_parts, max_size=3), json_values),
-}), max_size=4)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.one_of(st.sampled_from(["user", "assistant", "system", "developer"]), unicode_text),
+            "content": st.one_of(unicode_text, st.lists(content_parts, max_size=3), json_values),
+        }
+    ),
+    max_size=4,
+)
 
-sampling = st.fixed_dictionaries({}, optional={
-    "max_tokens": st.one_of(st.integers(-5, 6), json_values), "temperature": st.one_of(st.floats(-1, 3), json_values),
-    "top_p": st.floats(-1, 2), "top_k": st.integers(-3, 100), "seed": st.integers(-5, 2**64),
-    "stop": st.one_of(unicode_text, st.lists(unicode_text, max_size=6)), "stream": json_values,
-    "n": st.integers(-1, 3), "stream_options": json_values, "user": json_values,
-})
+sampling = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_tokens": st.one_of(st.integers(-5, 6), json_values),
+        "temperature": st.one_of(st.floats(-1, 3), json_values),
+        "top_p": st.floats(-1, 2),
+        "top_k": st.integers(-3, 100),
+        "seed": st.integers(-5, 2**64),
+        "stop": st.one_of(unicode_text, st.lists(unicode_text, max_size=6)),
+        "stream": json_values,
+        "n": st.integers(-1, 3),
+        "stream_options": json_values,
+        "user": json_values,
+    },
+)
 
 
 @st.composite
@@ -92,12 +121,20 @@ def openai_bodies(draw) -> bytes:
 
 @st.composite
 def native_bodies(draw) -> bytes:
-    body = draw(st.one_of(
-        st.fixed_dictionaries({"prompt": unicode_text}, optional={"images": st.lists(
-            st.one_of(image_urls, image_bytes.map(lambda b: base64.b64encode(b).decode())), max_size=2)}),
-        st.fixed_dictionaries({"messages": st.one_of(messages, json_values)}),
-        st.dictionaries(unicode_text, json_values, max_size=4),
-    ))
+    body = draw(
+        st.one_of(
+            st.fixed_dictionaries(
+                {"prompt": unicode_text},
+                optional={
+                    "images": st.lists(
+                        st.one_of(image_urls, image_bytes.map(lambda b: base64.b64encode(b).decode())), max_size=2
+                    )
+                },
+            ),
+            st.fixed_dictionaries({"messages": st.one_of(messages, json_values)}),
+            st.dictionaries(unicode_text, json_values, max_size=4),
+        )
+    )
     if isinstance(body, dict):
         body.update(draw(sampling))
         body.setdefault("max_tokens", 3)
@@ -116,8 +153,10 @@ raw_bodies = st.one_of(
 @st.composite
 def multipart_forms(draw) -> tuple[list, dict]:
     """(files, data) for requests: missing, duplicate and unknown parts, hostile images."""
-    files = [("image", ("f.bin", draw(image_bytes), draw(st.sampled_from(["image/png", "application/x-foo"]))))
-             for _ in range(draw(st.integers(0, 3)))]
+    files = [
+        ("image", ("f.bin", draw(image_bytes), draw(st.sampled_from(["image/png", "application/x-foo"]))))
+        for _ in range(draw(st.integers(0, 3)))
+    ]
     names = st.sampled_from(["prompt", "conversation_id", "max_tokens", "temperature", "stop", "stream", "junk"])
     fields = draw(st.lists(st.tuples(names, unicode_text), max_size=5))
     if draw(st.booleans()):

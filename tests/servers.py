@@ -40,8 +40,13 @@ def free_ports(count: int) -> int:
             continue
 
 
-def wait_ready(base: str, proc: subprocess.Popen | None = None, timeout: float = 120.0, path: str = "/ready",
-               headers: dict[str, str] | None = None) -> None:
+def wait_ready(
+    base: str,
+    proc: subprocess.Popen | None = None,
+    timeout: float = 120.0,
+    path: str = "/ready",
+    headers: dict[str, str] | None = None,
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -56,17 +61,29 @@ def wait_ready(base: str, proc: subprocess.Popen | None = None, timeout: float =
 
 
 @contextmanager
-def gunicorn_server(env: dict[str, str], log_path: Path, ready_path: str = "/ready", timeout: float = 120.0,
-                    headers: dict[str, str] | None = None, preexec_fn=None):
+def gunicorn_server(
+    env: dict[str, str],
+    log_path: Path,
+    ready_path: str = "/ready",
+    timeout: float = 120.0,
+    headers: dict[str, str] | None = None,
+    preexec_fn=None,
+):
     """Yield (base_url, process) of `gunicorn -c gunicorn.conf.py wsgi:app` with `env` added, once
     `ready_path` answers 200 (`headers`: e.g. the API key a server with API_KEYS wants)."""
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "PROMETHEUS_MULTIPROC_DIR")}
     full_env.update({"THREADS": "2", **env})
     log = open(log_path, "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app",
-                             "--bind", f"127.0.0.1:{port}"], cwd=ROOT, env=full_env, stdout=log, stderr=log,
-                            start_new_session=True, preexec_fn=preexec_fn)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app", "--bind", f"127.0.0.1:{port}"],
+        cwd=ROOT,
+        env=full_env,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+        preexec_fn=preexec_fn,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, proc, timeout, ready_path, headers)
@@ -84,7 +101,7 @@ def metric(base: str, name: str, labels: str = "") -> float:
         if line.startswith("#") or not line.startswith(name):
             continue
         key, _, value = line.rpartition(" ")
-        if key == name or (key.startswith(name + "{") and all(l in key for l in labels.split(",") if l)):
+        if key == name or (key.startswith(name + "{") and all(label in key for label in labels.split(",") if label)):
             total += float(value)
     return total
 
@@ -126,11 +143,13 @@ def deployment(env: dict[str, str], log_path: Path, instances: int = 2, timeout:
     """Yield a Stack of `python -m service.deploy` with INSTANCES=`instances` and `env` added."""
     first_port, nginx_port = free_ports(instances), free_port()
     full_env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "PROMETHEUS_MULTIPROC_DIR")}
-    full_env.update({"INSTANCES": str(instances), "PORT": str(first_port),
-                     "NGINX_LISTEN": f"127.0.0.1:{nginx_port}", **env})
+    full_env.update(
+        {"INSTANCES": str(instances), "PORT": str(first_port), "NGINX_LISTEN": f"127.0.0.1:{nginx_port}", **env}
+    )
     log = open(log_path, "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "service.deploy"], cwd=ROOT, env=full_env, stdout=log,
-                            stderr=log, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.deploy"], cwd=ROOT, env=full_env, stdout=log, stderr=log, start_new_session=True
+    )
     stack = Stack(f"http://127.0.0.1:{nginx_port}", list(range(first_port, first_port + instances)), proc)
     try:
         wait_ready(stack.url, proc, timeout, "/health")  # Nginx starts once every instance is ready

@@ -11,8 +11,6 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from conftest import make_settings, prepared
-from imaging import encode, pattern
 from service.batching import Sampler
 from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
 from service.errors import QueueFull
@@ -21,17 +19,27 @@ from service.loading import load_model
 from service.prompts import ChatMessage, ImagePart, TextPart
 from service.vision_steps import image_steps, run_to_end
 
+from conftest import make_settings, prepared
+from imaging import encode, pattern
+
 
 @pytest.fixture(scope="module")
 def engines(cache_dir, tiny_dir):
     """fp32 and int8 engines with small prefill chunks, so prompts prefill in several pieces."""
     made = {}
     for quantization in ("fp32", "int8"):
-        settings = make_settings(cache_dir, quantization=quantization, max_batch_size=4, prefill_chunk_tokens=24,
-                                 cache_enabled=False)
+        settings = make_settings(
+            cache_dir, quantization=quantization, max_batch_size=4, prefill_chunk_tokens=24, cache_enabled=False
+        )
         made[quantization] = Engine(load_model(settings), settings)
-    bf16_kv = make_settings(cache_dir, quantization="int8", max_batch_size=4, prefill_chunk_tokens=24,
-                            cache_enabled=False, kv_dtype="bfloat16")
+    bf16_kv = make_settings(
+        cache_dir,
+        quantization="int8",
+        max_batch_size=4,
+        prefill_chunk_tokens=24,
+        cache_enabled=False,
+        kv_dtype="bfloat16",
+    )
     made["int8, bf16 KV"] = Engine(made["int8"].loaded, bf16_kv)
     return made
 
@@ -41,8 +49,9 @@ def picture(engine, size=256, seed=0):
 
 
 def request(parts, max_tokens=24, **params) -> GenerationRequest:
-    return GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=max_tokens,
-                                                                          **{"temperature": 0, **params}))
+    return GenerationRequest(
+        [ChatMessage("user", parts)], SamplingParams(max_tokens=max_tokens, **{"temperature": 0, **params})
+    )
 
 
 class Stream:
@@ -56,7 +65,7 @@ class Stream:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run)
 
-    def start(self) -> "Stream":
+    def start(self) -> Stream:
         self.thread.start()
         return self
 
@@ -76,7 +85,7 @@ class Stream:
         finally:
             generation.close()
 
-    def join(self) -> "Stream":
+    def join(self) -> Stream:
         self.thread.join(120)
         assert not self.thread.is_alive()
         return self
@@ -101,8 +110,9 @@ def prompts(engine):
     return [
         lambda: request([TextPart("Hi.")], max_tokens=30),
         lambda: request([ImagePart(picture(engine, 256)), TextPart("What is in this picture, in detail?")]),
-        lambda: request([TextPart("Tell me a long story about a red square and a blue circle, please.")],
-                        max_tokens=20),
+        lambda: request(
+            [TextPart("Tell me a long story about a red square and a blue circle, please.")], max_tokens=20
+        ),
         lambda: request([ImagePart(picture(engine, 128, seed=2)), TextPart("And this one?")], max_tokens=28),
     ]
 
@@ -117,8 +127,9 @@ def test_greedy_answers_decoded_together_equal_each_alone(engines, quantization,
     expected = [alone(engine, make()) for make in makers]
     batch_sizes = []
     step = engine.scheduler._decode_step
-    monkeypatch.setattr(engine.scheduler, "_decode_step", lambda: (batch_sizes.append(engine.scheduler.batch_size),
-                                                                   step()))
+    monkeypatch.setattr(
+        engine.scheduler, "_decode_step", lambda: (batch_sizes.append(engine.scheduler.batch_size), step())
+    )
     streams = [Stream(engine, make()).start() for make in makers]
     for s in streams:
         s.join()
@@ -164,8 +175,10 @@ def test_seeded_sampling_in_a_batch_equals_alone(engines, quantization):
     engine = engines[quantization]
 
     def sampled(seed):
-        return GenerationRequest([ChatMessage("user", [TextPart("Make something up.")])],
-                                 SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=seed))
+        return GenerationRequest(
+            [ChatMessage("user", [TextPart("Make something up.")])],
+            SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=seed),
+        )
 
     expected = [alone(engine, sampled(seed)) for seed in (1, 2, 3)]
     streams = [Stream(engine, sampled(seed)).start() for seed in (1, 2, 3)]
@@ -178,8 +191,9 @@ def test_a_temperature_so_small_that_the_scores_overflow_answers_greedily(engine
     (the greedy answer), alone and in a batch, instead of an error."""
     engine = engines["fp32"]
     greedy = alone(engine, request([TextPart("Make something up.")]))
-    tiny = [Stream(engine, request([TextPart("Make something up.")], temperature=1e-45, seed=s)).start()
-            for s in (1, 2)]
+    tiny = [
+        Stream(engine, request([TextPart("Make something up.")], temperature=1e-45, seed=s)).start() for s in (1, 2)
+    ]
     neighbour = Stream(engine, request([TextPart("Hi.")], max_tokens=30)).start()
     assert [s.join().token_ids() for s in tiny] == [greedy, greedy]
     assert neighbour.join().error is None and [s.error for s in tiny] == [None, None]
@@ -281,8 +295,10 @@ def test_conversations_decoded_together_each_keep_their_kv_cache(fp32_engine, en
 
     questions = {"a": "Tell me about squares.", "b": "And what about circles, in a few words?"}
     firsts = {c: Stream(fp32_engine, turn(c, q)).start() for c, q in questions.items()}
-    histories = {c: [ChatMessage("user", [TextPart(questions[c])]),
-                     ChatMessage("assistant", [TextPart(s.join().done.text)])] for c, s in firsts.items()}
+    histories = {
+        c: [ChatMessage("user", [TextPart(questions[c])]), ChatMessage("assistant", [TextPart(s.join().done.text)])]
+        for c, s in firsts.items()
+    }
     seconds = {c: Stream(fp32_engine, turn(c, "Go on.", histories[c])).start() for c in questions}
     for c, s in seconds.items():
         s.join()

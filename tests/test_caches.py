@@ -13,12 +13,13 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client import REGISTRY
 
-from conftest import make_settings, prepared
-from imaging import encode, pattern
 from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
 from service.errors import PromptTooLong
 from service.images import decode_image
 from service.prompts import ChatMessage, ImagePart, TextPart
+
+from conftest import make_settings, prepared
+from imaging import encode, pattern
 
 
 def image(engine, width=224, height=224, seed=0):
@@ -35,8 +36,9 @@ def assistant(text):
 
 def turn(engine, messages, conversation_id=None, max_tokens=8):
     """One greedy generation: (token ids, Completion)."""
-    request = GenerationRequest(messages, SamplingParams(max_tokens=max_tokens, temperature=0),
-                                conversation_id=conversation_id)
+    request = GenerationRequest(
+        messages, SamplingParams(max_tokens=max_tokens, temperature=0), conversation_id=conversation_id
+    )
     done = [e for e in engine.generate(request) if isinstance(e, Completion)][0]
     return request.streamer.token_ids, done
 
@@ -57,9 +59,10 @@ class Engines:
 def engines(engine, cache_dir, request):
     """Caches on and off, on fp32 and INT8 weights, with fp32 and bf16 keys and values (KV_DTYPE)."""
     q, kv = engine.loaded.quantization, request.param
-    return Engines(cached=Engine(engine.loaded, make_settings(cache_dir, quantization=q, kv_dtype=kv)),
-                   plain=Engine(engine.loaded, make_settings(cache_dir, quantization=q, kv_dtype=kv,
-                                                             cache_enabled=False)))
+    return Engines(
+        cached=Engine(engine.loaded, make_settings(cache_dir, quantization=q, kv_dtype=kv)),
+        plain=Engine(engine.loaded, make_settings(cache_dir, quantization=q, kv_dtype=kv, cache_enabled=False)),
+    )
 
 
 def converse(engines, turns, conversation_id=None, max_tokens=8):
@@ -102,6 +105,16 @@ class CountingEncoder:
 # -- exactness --------------------------------------------------------------------------------
 
 
+def test_answers_depend_on_the_picture_so_equal_answers_prove_something(engines):
+    """The tiny random model's 8 greedy tokens change with the picture (and the text): an answer
+    computed from a wrong cached picture or prefix would not pass for the right one."""
+    e = engines.plain
+    question = "What is in this picture?"
+    answers = {tuple(turn(e, [user(image(e, seed=seed), question)])[0]) for seed in (0, 1, 2)}
+    assert len(answers) == 3
+    assert turn(e, [user(image(e), question)])[0] != turn(e, [user(image(e), "Describe the colours.")])[0]
+
+
 def test_second_turn_reuses_cached_prefix_and_answers_the_same(engines):
     a = image(engines.cached)
     first, second = converse(engines, [user(a, "What is in this picture?"), user("Tell me more.")], "c1")
@@ -120,8 +133,11 @@ def test_follow_up_adding_a_new_image_answers_the_same(engines):
 
 def test_three_turns_with_images_in_first_and_third_answer_the_same(engines):
     e = engines.cached
-    turns = [user(image(e), "Describe it."), user("What colour dominates?"),
-             user(image(e, 160, 256, seed=5), "Compare with this.")]
+    turns = [
+        user(image(e), "Describe it."),
+        user("What colour dominates?"),
+        user(image(e, 160, 256, seed=5), "Compare with this."),
+    ]
     dones = converse(engines, turns, "c3")
     assert dones[1].cached_tokens >= dones[0].prompt_tokens - 1
     assert dones[2].cached_tokens >= dones[1].prompt_tokens - 1
@@ -149,14 +165,19 @@ def test_a_kept_answers_ids_replace_its_re_tokenized_text_in_the_prompt(engines)
     e = engines.cached
     tok = e.processor.tokenizer
     text = "Purple squares everywhere."
-    spelled = tuple(tok.convert_tokens_to_ids(list(tok.tokenize(text)[0])) + tok(tok.convert_tokens_to_string(
-        tok.tokenize(text)[1:]), add_special_tokens=False)["input_ids"])
+    spelled = tuple(
+        tok.convert_tokens_to_ids(list(tok.tokenize(text)[0]))
+        + tok(tok.convert_tokens_to_string(tok.tokenize(text)[1:]), add_special_tokens=False)["input_ids"]
+    )
     assert tok.decode(spelled) == text and list(spelled) != tok(text, add_special_tokens=False)["input_ids"]
     history = [user("Hi."), None, user("More.")]
     plain = prompt_of(e, [history[0], assistant(text), history[2]]).input_ids[0].tolist()
-    kept = prompt_of(e, [history[0], ChatMessage("assistant", [TextPart(text)], token_ids=spelled),
-                         history[2]]).input_ids[0].tolist()
-    assert any(kept[i:i + len(spelled)] == list(spelled) for i in range(len(kept)))
+    kept = (
+        prompt_of(e, [history[0], ChatMessage("assistant", [TextPart(text)], token_ids=spelled), history[2]])
+        .input_ids[0]
+        .tolist()
+    )
+    assert any(kept[i : i + len(spelled)] == list(spelled) for i in range(len(kept)))
     assert len(kept) == len(plain) - len(tok(text, add_special_tokens=False)["input_ids"]) + len(spelled)
 
 
@@ -311,8 +332,9 @@ def test_idle_entries_expire_without_further_requests(engine, cache_dir):
     _, done = turn(quick, history, "A", max_tokens=4)
     time.sleep(1.0)
     assert quick.conversation_cache.entries.nbytes == 0 and quick.vision_cache.entries.nbytes == 0
-    assert [metric("qwen3vl_cache_evictions_total", cache=c, reason="ttl")
-            for c in ("conversation", "vision")] == [n + 1 for n in expired]
+    assert [metric("qwen3vl_cache_evictions_total", cache=c, reason="ttl") for c in ("conversation", "vision")] == [
+        n + 1 for n in expired
+    ]
     history += [assistant(done.text), user("More.")]
     _, again = turn(quick, history, "A", max_tokens=4)
     assert again.cached_tokens == 0 and again.vision_cache_hits == 0
@@ -367,12 +389,14 @@ def metric(name, **labels) -> float:
 
 def test_metrics_count_hits_misses_reused_tokens_evictions_and_bytes(engine, cache_dir):
     e = engine_with(engine, cache_dir, conversation_cache_max_entries=1)
-    names = [("qwen3vl_cache_hits_total", {"cache": "conversation"}),
-             ("qwen3vl_cache_misses_total", {"cache": "conversation"}),
-             ("qwen3vl_cache_hits_total", {"cache": "vision"}),
-             ("qwen3vl_cache_reused_tokens_total", {}),
-             ("qwen3vl_cache_evictions_total", {"cache": "conversation", "reason": "entries"}),
-             ("qwen3vl_cache_bytes", {"cache": "conversation"})]
+    names = [
+        ("qwen3vl_cache_hits_total", {"cache": "conversation"}),
+        ("qwen3vl_cache_misses_total", {"cache": "conversation"}),
+        ("qwen3vl_cache_hits_total", {"cache": "vision"}),
+        ("qwen3vl_cache_reused_tokens_total", {}),
+        ("qwen3vl_cache_evictions_total", {"cache": "conversation", "reason": "entries"}),
+        ("qwen3vl_cache_bytes", {"cache": "conversation"}),
+    ]
     before = [metric(n, **labels) for n, labels in names]
     a = image(e)
     history = [user(a, "What is in this picture?")]

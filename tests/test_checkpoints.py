@@ -9,17 +9,25 @@ import sys
 
 from torch import nn
 
-from conftest import ROOT, make_settings
 from service.checkpoints import make_checkpoint
 from service.int8_linear import Int8Linear
 from service.loading import load_model
+
+from conftest import ROOT, make_settings
 
 
 def test_checkpoint_creation_is_deterministic(tmp_path):
     a, b = make_checkpoint("tiny", tmp_path / "a"), make_checkpoint("tiny", tmp_path / "b")
     names = sorted(p.name for p in a.iterdir())
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "preprocessor_config.json", "chat_template.jinja", "generation_config.json"} <= set(names)
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "preprocessor_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    } <= set(names)
     match, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
     assert mismatch == [] and errors == []
 
@@ -51,9 +59,28 @@ def test_cli_chat_streams_an_answer_and_prints_timings(cache_dir, tiny_dir, tmp_
     photo = tmp_path / "photo.jpg"
     photo.write_bytes(encode(pattern(640, 480), ".jpg"))
     result = subprocess.run(
-        [sys.executable, "-m", "service", "chat", "--image", str(photo), "--image", str(photo),
-         "What is in this picture?", "--max-tokens", "12", "--temperature", "0", "--cache-dir", str(cache_dir)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "service",
+            "chat",
+            "--image",
+            str(photo),
+            "--image",
+            str(photo),
+            "What is in this picture?",
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--cache-dir",
+            str(cache_dir),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "RANDOM-WEIGHT" in result.stderr  # says loudly that the answer is noise
     for label in ("load", "image decode", "vision encode", "time to first token", "tok/s", "peak RSS"):
@@ -62,15 +89,25 @@ def test_cli_chat_streams_an_answer_and_prints_timings(cache_dir, tiny_dir, tmp_
 
 
 def test_cli_reports_bad_settings_readably(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "service", "chat", "hi", "--model-path", str(tmp_path / "nope")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "chat", "hi", "--model-path", str(tmp_path / "nope")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0
     assert "MODEL_PATH" in result.stderr and "is not a directory" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_cli_make_model_writes_a_checkpoint(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "service", "make-model", "--preset", "tiny", str(tmp_path / "m")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "make-model", "--preset", "tiny", str(tmp_path / "m")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "m" / "model.safetensors").exists()

@@ -6,14 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_settings
 from service.caches import copy_prefix
 from service.decoder import DecodeStep
 from service.kv import GrowingCache
 from service.loading import load_model
 
-PROMPTS = ["Hi.", "Tell me a long story about a red square and a blue circle, please.",
-           "What is the capital of a small country?"]
+from conftest import make_settings
+
+PROMPTS = [
+    "Hi.",
+    "Tell me a long story about a red square and a blue circle, please.",
+    "What is the capital of a small country?",
+]
 STEPS = 24
 
 
@@ -44,8 +48,9 @@ def greedy_with_transformers(model, cache, token, rope_delta=0):
     with torch.inference_mode():
         for _ in range(STEPS):
             position = torch.tensor([cache.get_seq_length() + rope_delta]).view(1, 1, 1).expand(3, 1, 1)
-            row = model(input_ids=torch.tensor([[token]]), position_ids=position, cache=cache,
-                        logits_to_keep=1).logits[0, -1]
+            row = model(input_ids=torch.tensor([[token]]), position_ids=position, cache=cache, logits_to_keep=1).logits[
+                0, -1
+            ]
             token = int(row.argmax())
             tokens.append(token)
             logits.append(row)
@@ -71,18 +76,30 @@ def greedy_batch_with_transformers(model, caches, tokens, rope_delta):
     with an attention mask (how the scheduler batched before the decode step)."""
     width = max(c.get_seq_length() for c in caches)
     pad = torch.tensor([width - c.get_seq_length() for c in caches])
-    packed = GrowingCache(config=model.config, ddp_cache_data=[
-        tuple(torch.cat([torch.nn.functional.pad(getattr(c.layers[i], kind), (0, 0, int(p), 0))
-                         for c, p in zip(caches, pad)]) for kind in ("keys", "values"))
-        for i in range(len(caches[0].layers))])
+    packed = GrowingCache(
+        config=model.config,
+        ddp_cache_data=[
+            tuple(
+                torch.cat(
+                    [
+                        torch.nn.functional.pad(getattr(c.layers[i], kind), (0, 0, int(p), 0))
+                        for c, p in zip(caches, pad)
+                    ]
+                )
+                for kind in ("keys", "values")
+            )
+            for i in range(len(caches[0].layers))
+        ],
+    )
     lengths = torch.tensor([c.get_seq_length() for c in caches])
     tokens, logits = torch.tensor(tokens), []
     with torch.inference_mode():
         for i in range(STEPS):
             mask = (torch.arange(width + i + 1)[None, :] >= pad[:, None]).long()
             positions = (lengths + i + rope_delta).view(1, -1, 1).expand(3, -1, 1)
-            rows = model(input_ids=tokens[:, None], position_ids=positions, attention_mask=mask, cache=packed,
-                         logits_to_keep=1).logits[:, -1]
+            rows = model(
+                input_ids=tokens[:, None], position_ids=positions, attention_mask=mask, cache=packed, logits_to_keep=1
+            ).logits[:, -1]
             tokens = rows.argmax(-1)
             logits.append(rows)
     return [[step[b] for step in logits] for b in range(len(caches))]
@@ -94,11 +111,13 @@ def test_the_step_decodes_what_transformers_forward_decodes_alone_and_in_a_batch
     model = loaded.model
     caches = prefilled(loaded)
     firsts = [t for _, t in caches]
-    expected = [greedy_with_transformers(model, cache, token, rope_delta)
-                for cache, token in zip(copies(model, caches), firsts)]
+    expected = [
+        greedy_with_transformers(model, cache, token, rope_delta) for cache, token in zip(copies(model, caches), firsts)
+    ]
     step = DecodeStep(model)
-    alone = [greedy_with_step(step, [cache], [token], [rope_delta])
-             for cache, token in zip(copies(model, caches), firsts)]
+    alone = [
+        greedy_with_step(step, [cache], [token], [rope_delta]) for cache, token in zip(copies(model, caches), firsts)
+    ]
     together = greedy_with_step(step, copies(model, caches), firsts, [rope_delta] * len(caches))
     batch_reference = greedy_batch_with_transformers(model, copies(model, caches), firsts, rope_delta)
     # Float rounding apart (attention's summation order, fp32 GEMMs of B rows): within 1e-5 of the

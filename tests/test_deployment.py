@@ -19,15 +19,22 @@ import pytest
 import requests
 from safetensors import safe_open
 
-from imaging import encode, pattern
-from servers import deployment, free_port, gunicorn_server, metric, nginx_proxy
 from service.deploy.planning import checkpoint_parameters, instance_bytes, plan_instances
 from service.settings import SettingsError, load_settings
 
+from imaging import encode, pattern
+from servers import deployment, free_port, gunicorn_server, metric, nginx_proxy
+
 MAX_BODY = 1024 * 1024
 SLOW_SIDE = 1536  # a 1536x1536 image: ~2300 visual tokens, a prefill of about a second on one core
-STACK_ENV = {"MAX_BODY_BYTES": str(MAX_BODY), "IMAGE_MAX_PIXELS": str(SLOW_SIDE * SLOW_SIDE), "CONTEXT_LIMIT": "4096",
-             "MAX_NEW_TOKENS": "600", "QUEUE_SIZE": "2", "GRACEFUL_TIMEOUT": "10"}
+STACK_ENV = {
+    "MAX_BODY_BYTES": str(MAX_BODY),
+    "IMAGE_MAX_PIXELS": str(SLOW_SIDE * SLOW_SIDE),
+    "CONTEXT_LIMIT": "4096",
+    "MAX_NEW_TOKENS": "600",
+    "QUEUE_SIZE": "2",
+    "GRACEFUL_TIMEOUT": "10",
+}
 CHAT_OK = 'endpoint="/v1/chat",status="200"'
 # Long enough that turn 1 leaves more than the few tokens the conversation cache ignores.
 LONG_QUESTION = "Describe a cat in some detail: its fur, its eyes, its tail, and the way it moves about."
@@ -77,11 +84,12 @@ def timed_lines(response) -> list[tuple[float, dict]]:
 def slow_image(variant: int) -> bytes:
     """A large grayscale PNG (small on the wire); each variant differs, so no cache shortens its prefill."""
     img = pattern(SLOW_SIDE, SLOW_SIDE, channels=1)
-    img[40 * variant:40 * variant + 20, :] = 128
+    img[40 * variant : 40 * variant + 20, :] = 128
     return encode(img, ".png")
 
 
 # -- planning: cores and memory -------------------------------------------------------------------
+
 
 def test_cores_are_split_into_disjoint_contiguous_sets_one_port_each(tmp_path):
     settings = load_settings(instances=2, port=9100, cache_dir=tmp_path)
@@ -99,8 +107,10 @@ def test_by_default_one_instance_per_cores_per_instance_in_each_numa_node_as_mem
     assert [i.cores for i in plan] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15)]
     # Two NUMA nodes of 6: one instance each (6 // 4), never one across the nodes.
     nodes = [list(range(6)), list(range(6, 12))]
-    assert [i.cores for i in plan_instances(settings, cores=list(range(12)), memory=100 * one, nodes=nodes)] == \
-        [tuple(range(6)), tuple(range(6, 12))]
+    assert [i.cores for i in plan_instances(settings, cores=list(range(12)), memory=100 * one, nodes=nodes)] == [
+        tuple(range(6)),
+        tuple(range(6, 12)),
+    ]
     assert len(plan_instances(settings, cores=cores, memory=int(2.5 * one), nodes=[cores])) == 2  # what memory holds
     assert len(plan_instances(settings, cores=cores, memory=one // 2, nodes=[cores])) == 1  # never none
 
@@ -126,6 +136,7 @@ def test_more_instances_than_cores_is_refused(tmp_path):
 
 # -- the running stack ----------------------------------------------------------------------------
 
+
 def test_each_instance_is_pinned_to_its_own_cores_with_matching_threads(stack):
     pinned = []
     for index in range(len(stack.ports)):
@@ -141,7 +152,7 @@ def test_each_instance_is_pinned_to_its_own_cores_with_matching_threads(stack):
 
 
 def _expand(part: str) -> range:
-    """ "3" or "2-5" of a Cpus_allowed_list. """
+    """ "3" or "2-5" of a Cpus_allowed_list."""
     low, _, high = part.partition("-")
     return range(int(low), int(high or low) + 1)
 
@@ -179,12 +190,19 @@ def test_turn_two_reuses_the_kv_cache_of_its_instance(stack):
         second = chat(stack.url, conversation, prompt="And a dog?", max_tokens=4)
         assert second["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
     # The OpenAI endpoint is stateless; a client sets the header once, on the client.
-    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=30,
-                           default_headers={"X-Conversation-Id": "openai-" + uuid.uuid4().hex[:8]})
+    client = openai.OpenAI(
+        base_url=stack.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=30,
+        default_headers={"X-Conversation-Id": "openai-" + uuid.uuid4().hex[:8]},
+    )
     history = [{"role": "user", "content": LONG_QUESTION}]
     first = client.chat.completions.create(model="m", messages=history, max_tokens=24, temperature=0)
-    history += [{"role": "assistant", "content": first.choices[0].message.content},
-                {"role": "user", "content": "And a dog?"}]
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And a dog?"},
+    ]
     second = client.chat.completions.create(model="m", messages=history, max_tokens=4, temperature=0)
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
 
@@ -195,20 +213,36 @@ def test_requests_without_a_conversation_are_spread_over_the_instances(stack):
 
 
 def test_an_oversized_upload_is_refused_by_nginx_itself_as_json_413(stack):
-    refused_before = sum(metric(stack.backend(i), "qwen3vl_requests_total", 'status="413"')
-                         for i in range(len(stack.ports)))
+    refused_before = sum(
+        metric(stack.backend(i), "qwen3vl_requests_total", 'status="413"') for i in range(len(stack.ports))
+    )
     big = os.urandom(MAX_BODY + MAX_BODY // 2)
-    r = requests.post(stack.url + "/v1/chat", files=[("image", ("big.png", big, "image/png"))],
-                      data={"prompt": "x"}, headers={"X-Request-Id": "upload-1"}, timeout=30)
+    r = requests.post(
+        stack.url + "/v1/chat",
+        files=[("image", ("big.png", big, "image/png"))],
+        data={"prompt": "x"},
+        headers={"X-Request-Id": "upload-1"},
+        timeout=30,
+    )
     assert r.status_code == 413 and r.headers["Content-Type"] == "application/json"
-    assert r.json()["error"] == {"message": f"request body is larger than the limit of {MAX_BODY} bytes",
-                                 "type": "invalid_request_error", "param": None, "code": "too_large"}
+    assert r.json()["error"] == {
+        "message": f"request body is larger than the limit of {MAX_BODY} bytes",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "too_large",
+    }
     assert r.headers["X-Request-Id"] == "upload-1"
-    assert sum(metric(stack.backend(i), "qwen3vl_requests_total", 'status="413"')
-               for i in range(len(stack.ports))) == refused_before  # no instance saw it
+    assert (
+        sum(metric(stack.backend(i), "qwen3vl_requests_total", 'status="413"') for i in range(len(stack.ports)))
+        == refused_before
+    )  # no instance saw it
     # Just under the limit, the body reaches the service (which judges it by its own rules).
-    under = requests.post(stack.url + "/v1/chat", data=b"x" * (MAX_BODY - 1024),
-                          headers={"Content-Type": "application/json", "X-Request-Id": "upload-2"}, timeout=30)
+    under = requests.post(
+        stack.url + "/v1/chat",
+        data=b"x" * (MAX_BODY - 1024),
+        headers={"Content-Type": "application/json", "X-Request-Id": "upload-2"},
+        timeout=30,
+    )
     assert under.status_code == 400 and under.headers["X-Request-Id"] == "upload-2"
     assert under.json()["error"]["code"] != "too_large"
 
@@ -227,8 +261,9 @@ def _slow_stream(base: str, variant: int) -> tuple[float | None, list[dict]]:
     files = [("image", ("slow.png", slow_image(variant), "image/png"))]
     lines = []
     try:
-        with requests.post(base + "/v1/chat", files=files, data={"prompt": "What is it?", "max_tokens": "4"},
-                           stream=True, timeout=30) as r:
+        with requests.post(
+            base + "/v1/chat", files=files, data={"prompt": "What is it?", "max_tokens": "4"}, stream=True, timeout=30
+        ) as r:
             for line in filter(None, r.iter_lines()):
                 lines.append((time.perf_counter(), json.loads(line)))
     except requests.exceptions.ChunkedEncodingError:  # Nginx cut the stream
@@ -242,13 +277,18 @@ def test_a_slow_prefill_passes_the_configured_read_timeout_and_a_shorter_one_wou
     silence, lines = _slow_stream(stack.url, variant=1)
     assert lines[-1]["done"] is True and lines[-1]["usage"]["prompt_tokens"] > 2000
     assert silence > 0.3  # the prefill was silent this long: the read timeout had to outlast it
-    with nginx_proxy([f"127.0.0.1:{stack.ports[0]}"], logs / "short-timeout-nginx.log",
-                     proxy_read_timeout=silence / 4) as short:
+    with nginx_proxy(
+        [f"127.0.0.1:{stack.ports[0]}"], logs / "short-timeout-nginx.log", proxy_read_timeout=silence / 4
+    ) as short:
         _, cut = _slow_stream(short, variant=2)
         assert cut and not cut[-1].get("done")  # the head line came, then Nginx gave up
         # Not streamed, the whole answer is silence: Nginx's own 504, in the service's error shape.
-        r = requests.post(short + "/v1/chat", files=[("image", ("slow.png", slow_image(3), "image/png"))],
-                          data={"prompt": "What is it?", "max_tokens": "4", "stream": "false"}, timeout=30)
+        r = requests.post(
+            short + "/v1/chat",
+            files=[("image", ("slow.png", slow_image(3), "image/png"))],
+            data={"prompt": "What is it?", "max_tokens": "4", "stream": "false"},
+            timeout=30,
+        )
         assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
 
 
@@ -256,10 +296,12 @@ def test_an_instance_that_cannot_serve_hands_its_requests_to_the_next(stack, cac
     broken = tmp_path / "broken-model"  # answers 503 like an instance still loading its model
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "qwen3_vl", "text_config": "garbage"}')
-    with gunicorn_server({"MODEL_PATH": str(broken), "CACHE_DIR": str(cache_dir)}, logs / "broken.log",
-                         ready_path="/health") as (unready, _):
-        with nginx_proxy([unready.removeprefix("http://"), f"127.0.0.1:{stack.ports[0]}"],
-                         logs / "retry-nginx.log") as url:
+    with gunicorn_server(
+        {"MODEL_PATH": str(broken), "CACHE_DIR": str(cache_dir)}, logs / "broken.log", ready_path="/health"
+    ) as (unready, _):
+        with nginx_proxy(
+            [unready.removeprefix("http://"), f"127.0.0.1:{stack.ports[0]}"], logs / "retry-nginx.log"
+        ) as url:
             before = served_by(stack, 0)
             for k in range(8):
                 chat(url, f"retry-{k}-{uuid.uuid4().hex[:6]}", prompt="hi", max_tokens=1)
@@ -278,8 +320,13 @@ def test_killing_an_instance_ends_its_streams_and_the_others_take_new_conversati
     old_master = stack.master(victim)
     cores = stack.workers(victim)[0].cpu_affinity()
 
-    stream = requests.post(stack.url + "/v1/chat", json={"prompt": "Go on and on.", "max_tokens": 600},
-                           headers={"X-Conversation-Id": homes[victim]}, stream=True, timeout=5)
+    stream = requests.post(
+        stack.url + "/v1/chat",
+        json={"prompt": "Go on and on.", "max_tokens": 600},
+        headers={"X-Conversation-Id": homes[victim]},
+        stream=True,
+        timeout=5,
+    )
     lines = stream.iter_lines()
     assert "model" in json.loads(next(lines)) and "delta" in json.loads(next(lines))
     os.killpg(old_master.pid, signal.SIGKILL)
@@ -317,8 +364,12 @@ def test_killing_an_instance_ends_its_streams_and_the_others_take_new_conversati
 def test_sigterm_lets_the_open_stream_finish_then_stops_everything(stack):
     children = [p for p in psutil.Process(stack.supervisor.pid).children(recursive=True)]
     assert any("nginx" in p.name() for p in children) and len(children) >= 2 * len(stack.ports) + 2
-    with requests.post(stack.url + "/v1/chat", json={"prompt": "Keep talking.", "max_tokens": 300, "temperature": 0}, stream=True,
-                       timeout=30) as r:
+    with requests.post(
+        stack.url + "/v1/chat",
+        json={"prompt": "Keep talking.", "max_tokens": 300, "temperature": 0},
+        stream=True,
+        timeout=30,
+    ) as r:
         lines = r.iter_lines()
         assert "model" in json.loads(next(lines))
         stack.supervisor.send_signal(signal.SIGTERM)
@@ -335,8 +386,12 @@ def test_with_api_keys_the_stack_starts_and_the_healthcheck_needs_none(cache_dir
     with deployment({"CACHE_DIR": str(cache_dir), "API_KEYS": "key-one,key-two"}, log, instances=1) as keyed:
         body = {"prompt": "hi", "max_tokens": 1, "stream": False}
         assert requests.post(keyed.url + "/v1/chat", json=body, timeout=30).status_code == 401
-        assert requests.post(keyed.url + "/v1/chat", json=body, headers={"Authorization": "Bearer key-two"},
-                             timeout=30).status_code == 200
+        assert (
+            requests.post(
+                keyed.url + "/v1/chat", json=body, headers={"Authorization": "Bearer key-two"}, timeout=30
+            ).status_code
+            == 200
+        )
 
         def healthcheck(listen: str) -> int:
             env = {**os.environ, "API_KEYS": "key-one,key-two", "NGINX_LISTEN": listen}
@@ -351,14 +406,30 @@ def test_an_instance_that_does_not_become_ready_in_start_timeout_stops_the_deplo
     """No waiting forever on a model that never loads: exit 1, the reason logged, no process left."""
     log = logs / "start-timeout.log"
     env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "PROMETHEUS_MULTIPROC_DIR")}
-    env.update({"CACHE_DIR": str(cache_dir), "INSTANCES": "1", "PORT": str(free_port()),
-                "NGINX_LISTEN": f"127.0.0.1:{free_port()}", "START_TIMEOUT": "0.2"})
+    env.update(
+        {
+            "CACHE_DIR": str(cache_dir),
+            "INSTANCES": "1",
+            "PORT": str(free_port()),
+            "NGINX_LISTEN": f"127.0.0.1:{free_port()}",
+            "START_TIMEOUT": "0.2",
+        }
+    )
     t0 = time.monotonic()
     with open(log, "wb") as out:
-        proc = subprocess.run([sys.executable, "-m", "service.deploy"], cwd=Path(__file__).parent.parent, env=env,
-                              stdout=out, stderr=out, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "service.deploy"],
+            cwd=Path(__file__).parent.parent,
+            env=env,
+            stdout=out,
+            stderr=out,
+            timeout=120,
+        )
     assert proc.returncode == 1
     assert "not ready after START_TIMEOUT=0.2 s" in log.read_text()
     assert time.monotonic() - t0 < 60  # gave up instead of waiting for the model
-    assert not [p for p in psutil.process_iter(["cmdline"]) if f"--bind 127.0.0.1:{env['PORT']}"
-                in " ".join(p.info["cmdline"] or [])]
+    assert not [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if f"--bind 127.0.0.1:{env['PORT']}" in " ".join(p.info["cmdline"] or [])
+    ]

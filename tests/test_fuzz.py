@@ -18,17 +18,25 @@ import hostile
 from servers import metric
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "40"))
-FUZZ_ENV = {"MAX_NEW_TOKENS": "6", "DEFAULT_MAX_TOKENS": "4", "QUEUE_SIZE": "4", "MAX_BODY_BYTES": str(2 * 1024 * 1024),
-            "IMAGE_MAX_PIXELS": str(128 * 128), "CONTEXT_LIMIT": "2048"}
-FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                         suppress_health_check=list(HealthCheck))
+FUZZ_ENV = {
+    "MAX_NEW_TOKENS": "6",
+    "DEFAULT_MAX_TOKENS": "4",
+    "QUEUE_SIZE": "4",
+    "MAX_BODY_BYTES": str(2 * 1024 * 1024),
+    "IMAGE_MAX_PIXELS": str(128 * 128),
+    "CONTEXT_LIMIT": "2048",
+}
+FUZZ_SETTINGS = settings(
+    max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 REFERENCE = {"prompt": "What is this?", "max_tokens": 6, "temperature": 0, "stream": False}
 
 
 def status_counts(base: str) -> dict[str, float]:
     """Requests the server has answered so far, by status (from /metrics)."""
-    pairs = re.findall(r'qwen3vl_requests_total\{endpoint="[^"]*",status="(\d+)"\} ([0-9.e+]+)',
-                       requests.get(base + "/metrics").text)
+    pairs = re.findall(
+        r'qwen3vl_requests_total\{endpoint="[^"]*",status="(\d+)"\} ([0-9.e+]+)', requests.get(base + "/metrics").text
+    )
     counts: dict[str, float] = {}
     for status, count in pairs:
         counts[status] = counts.get(status, 0) + float(count)
@@ -52,8 +60,15 @@ def fuzz_server(serve):
             tally = {k: n - before.get(k, 0) for k, n in status_counts(base).items() if n > before.get(k, 0)}
             stream_errors = metric(base, "qwen3vl_stream_errors_total")
             with open(os.environ["FUZZ_TALLY_FILE"], "w") as f:
-                json.dump({"statuses": tally, "stream_errors": stream_errors, "worker_restarted": restarted,
-                           "same_answer": same_answer}, f)
+                json.dump(
+                    {
+                        "statuses": tally,
+                        "stream_errors": stream_errors,
+                        "worker_restarted": restarted,
+                        "same_answer": same_answer,
+                    },
+                    f,
+                )
         assert not restarted, "a worker crashed and was restarted"
         assert same_answer
 
@@ -65,7 +80,7 @@ def _complete_stream(content_type: str, text: str) -> None:
         lines = [json.loads(line) for line in text.splitlines() if line]
         assert lines and lines[-1].get("done") is True and "error" not in lines[-1], text[-300:]
     elif content_type.startswith("text/event-stream"):
-        events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", text[-300:]
         assert not any("error" in json.loads(e) for e in events[:-1]), text[-300:]
 
@@ -98,22 +113,27 @@ def test_schemathesis_finds_no_server_error(case):
 @given(body=hostile.openai_bodies())
 @FUZZ_SETTINGS
 def test_hostile_openai_bodies(fuzz_server, body):
-    _no_server_error(requests.post(fuzz_server + "/v1/chat/completions", data=body,
-                                   headers={"Content-Type": "application/json"}, timeout=60))
+    _no_server_error(
+        requests.post(
+            fuzz_server + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}, timeout=60
+        )
+    )
 
 
 @given(body=hostile.native_bodies())
 @FUZZ_SETTINGS
 def test_hostile_native_bodies(fuzz_server, body):
-    _no_server_error(requests.post(fuzz_server + "/v1/chat", data=body, headers={"Content-Type": "application/json"},
-                                   timeout=60))
+    _no_server_error(
+        requests.post(fuzz_server + "/v1/chat", data=body, headers={"Content-Type": "application/json"}, timeout=60)
+    )
 
 
 @given(body=hostile.raw_bodies, path=hostile.st.sampled_from(["/v1/chat", "/v1/chat/completions"]))
 @FUZZ_SETTINGS
 def test_raw_garbage_bodies(fuzz_server, body, path):
-    _no_server_error(requests.post(fuzz_server + path, data=body, headers={"Content-Type": "application/json"},
-                                   timeout=60))
+    _no_server_error(
+        requests.post(fuzz_server + path, data=body, headers={"Content-Type": "application/json"}, timeout=60)
+    )
 
 
 @given(form=hostile.multipart_forms())

@@ -12,15 +12,23 @@ import openai
 import pytest
 import requests
 
-from conftest import make_settings
-from imaging import encode, pattern
-from servers import gunicorn_server, metric
 from service import metrics
 from service.api.app import create_app
 from service.batching import Sampler
 
-SERVER_ENV = {"QUEUE_SIZE": "1", "MAX_BATCH_SIZE": "2", "MAX_BODY_BYTES": str(3 * 1024 * 1024), "IMAGE_MAX_BYTES": str(1024 * 1024),
-              "CONTEXT_LIMIT": "1024", "MAX_NEW_TOKENS": "600", "QUEUE_TIMEOUT": "60"}
+from conftest import make_settings
+from imaging import encode, pattern
+from servers import gunicorn_server, metric
+
+SERVER_ENV = {
+    "QUEUE_SIZE": "1",
+    "MAX_BATCH_SIZE": "2",
+    "MAX_BODY_BYTES": str(3 * 1024 * 1024),
+    "IMAGE_MAX_BYTES": str(1024 * 1024),
+    "CONTEXT_LIMIT": "1024",
+    "MAX_NEW_TOKENS": "600",
+    "QUEUE_TIMEOUT": "60",
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +50,12 @@ PNG = encode(pattern(320, 256), ".png")
 
 
 def image_message(text="What is in this picture?", png=PNG):
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png)}},
-                                         {"type": "text", "text": text}]}]
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": data_url(png)}}, {"type": "text", "text": text}],
+        }
+    ]
 
 
 def ndjson(response) -> list[tuple[float, dict]]:
@@ -52,9 +64,9 @@ def ndjson(response) -> list[tuple[float, dict]]:
 
 # -- OpenAI client --------------------------------------------------------------------------------
 
+
 def test_openai_client_non_streaming_with_an_image(client):
-    reply = client.chat.completions.create(model="anything", messages=image_message(), max_tokens=12,
-                                           temperature=0)
+    reply = client.chat.completions.create(model="anything", messages=image_message(), max_tokens=12, temperature=0)
     assert reply.object == "chat.completion"
     assert reply.choices[0].finish_reason == "length"
     assert reply.choices[0].message.content
@@ -74,8 +86,11 @@ def test_openai_client_streaming_equals_non_streaming(client):
 
 
 def test_openai_sse_ends_with_done(server):
-    r = requests.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                            "max_tokens": 4, "stream": True}, stream=True)
+    r = requests.post(
+        server + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True},
+        stream=True,
+    )
     assert r.headers["Content-Type"].startswith("text/event-stream")
     events = [line for line in r.iter_lines() if line]
     assert events[-1] == b"data: [DONE]"
@@ -84,8 +99,15 @@ def test_openai_sse_ends_with_done(server):
 
 def test_openai_client_sees_errors_as_exceptions(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "https://example.com/cat.jpg"}}]}])
+        client.chat.completions.create(
+            model="m",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "https://example.com/cat.jpg"}}],
+                }
+            ],
+        )
     assert info.value.body["code"] == "remote_image_refused"
 
 
@@ -97,10 +119,12 @@ def test_models_endpoint_says_the_model_is_random(client):
 
 # -- native endpoint --------------------------------------------------------------------------------
 
+
 def test_native_stream_arrives_incrementally_with_ids_first_and_done_last(server):
     t0 = time.perf_counter()
-    with requests.post(server + "/v1/chat", json={"prompt": "Keep talking.", "max_tokens": 300,
-                                                 "temperature": 0}, stream=True) as r:
+    with requests.post(
+        server + "/v1/chat", json={"prompt": "Keep talking.", "max_tokens": 300, "temperature": 0}, stream=True
+    ) as r:
         assert r.headers["Content-Type"].startswith("application/x-ndjson")
         lines = ndjson(r)
     first_delta = next(t for t, obj in lines if "delta" in obj)
@@ -108,29 +132,38 @@ def test_native_stream_arrives_incrementally_with_ids_first_and_done_last(server
     assert {"id", "model", "conversation_id"} <= set(lines[0][1])
     assert done["done"] is True and done["usage"]["completion_tokens"] == 300
     assert set(done["usage"]) == {"prompt_tokens", "completion_tokens", "cached_tokens"}
-    for key in ("queue_wait", "image_decode", "vision_encode", "prefill", "time_to_first_token",
-                "decode_tokens_per_s"):
+    for key in ("queue_wait", "image_decode", "vision_encode", "prefill", "time_to_first_token", "decode_tokens_per_s"):
         assert key in done["timings"]
     assert sum(1 for _, obj in lines if "delta" in obj) > 10
     assert first_delta - t0 < 0.5 * (t_done - t0)  # the first token came well before the last
 
 
 def test_native_multipart_with_two_images_and_a_follow_up(server):
-    files = [("image", ("a.png", PNG, "image/png")), ("image", ("b.jpg", encode(pattern(256, 256, seed=2), ".jpg"),
-                                                                "image/jpeg"))]
-    first = requests.post(server + "/v1/chat", files=files, data={"prompt": "Compare them.", "max_tokens": "8",
-                                                                  "temperature": "0", "stream": "false"}).json()
+    files = [
+        ("image", ("a.png", PNG, "image/png")),
+        ("image", ("b.jpg", encode(pattern(256, 256, seed=2), ".jpg"), "image/jpeg")),
+    ]
+    first = requests.post(
+        server + "/v1/chat",
+        files=files,
+        data={"prompt": "Compare them.", "max_tokens": "8", "temperature": "0", "stream": "false"},
+    ).json()
     assert first["images"] == 2 and first["usage"]["completion_tokens"] == 8
-    follow = requests.post(server + "/v1/chat", data={"prompt": "And then?", "max_tokens": "4", "stream": "false",
-                                                      "conversation_id": first["conversation_id"]}).json()
+    follow = requests.post(
+        server + "/v1/chat",
+        data={"prompt": "And then?", "max_tokens": "4", "stream": "false", "conversation_id": first["conversation_id"]},
+    ).json()
     # The server remembered the images and the answer: the second prompt holds the whole first turn.
     assert follow["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
     assert follow["conversation_id"] == first["conversation_id"]
 
 
 def test_native_json_messages_and_request_id_passthrough(server):
-    r = requests.post(server + "/v1/chat", json={"messages": image_message(), "max_tokens": 3, "stream": False},
-                      headers={"X-Request-Id": "my-trace-42"})
+    r = requests.post(
+        server + "/v1/chat",
+        json={"messages": image_message(), "max_tokens": 3, "stream": False},
+        headers={"X-Request-Id": "my-trace-42"},
+    )
     assert r.status_code == 200
     assert r.headers["X-Request-Id"] == "my-trace-42" and r.json()["id"] == "my-trace-42"
     assert r.json()["text"] is not None
@@ -139,34 +172,113 @@ def test_native_json_messages_and_request_id_passthrough(server):
 # -- errors -----------------------------------------------------------------------------------------
 
 ERROR_CASES = [
-    ("malformed JSON", "/v1/chat/completions", dict(data=b'{"messages": [', headers={"Content-Type": "application/json"}), 400),
-    ("bad field", "/v1/chat/completions", dict(json={"messages": [{"role": "user", "content": "x"}], "temperature": 9}), 400),
+    (
+        "malformed JSON",
+        "/v1/chat/completions",
+        dict(data=b'{"messages": [', headers={"Content-Type": "application/json"}),
+        400,
+    ),
+    (
+        "bad field",
+        "/v1/chat/completions",
+        dict(json={"messages": [{"role": "user", "content": "x"}], "temperature": 9}),
+        400,
+    ),
     ("wrong type", "/v1/chat/completions", dict(json={"messages": "hello"}), 400),
     ("no messages", "/v1/chat/completions", dict(json={"messages": []}), 400),
-    ("unsupported part", "/v1/chat/completions", dict(json={"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}), 400),
-    ("undecodable image", "/v1/chat/completions", dict(json={"messages": image_message(png=b"not an image at all")}), 400),
+    (
+        "unsupported part",
+        "/v1/chat/completions",
+        dict(json={"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}),
+        400,
+    ),
+    (
+        "undecodable image",
+        "/v1/chat/completions",
+        dict(json={"messages": image_message(png=b"not an image at all")}),
+        400,
+    ),
     ("base64 that is not", "/v1/chat", dict(json={"prompt": "x", "images": ["%%%not-base64%%%"]}), 400),
-    ("file url", "/v1/chat/completions", dict(json={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]}), 400),
-    ("remote url", "/v1/chat", dict(json={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "http://10.0.0.1/x.png"}]}]}), 400),
-    ("placeholder tokens in text", "/v1/chat/completions", dict(json={"messages": [{"role": "user", "content": "see <|image_pad|> here"}]}), 400),
-    ("placeholder tokens with an image", "/v1/chat", dict(json={"messages": image_message("a <|vision_start|><|image_pad|><|vision_end|> b")}), 400),
-    ("bad X-Conversation-Id", "/v1/chat/completions", dict(json={"messages": [{"role": "user", "content": "x"}]},
-                                                             headers={"X-Conversation-Id": "not ok!"}), 400),
-    ("native bad X-Conversation-Id", "/v1/chat", dict(json={"prompt": "x"}, headers={"X-Conversation-Id": "x" * 129}),
-     400),
+    (
+        "file url",
+        "/v1/chat/completions",
+        dict(
+            json={
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}
+                ]
+            }
+        ),
+        400,
+    ),
+    (
+        "remote url",
+        "/v1/chat",
+        dict(
+            json={
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "http://10.0.0.1/x.png"}]}]
+            }
+        ),
+        400,
+    ),
+    (
+        "placeholder tokens in text",
+        "/v1/chat/completions",
+        dict(json={"messages": [{"role": "user", "content": "see <|image_pad|> here"}]}),
+        400,
+    ),
+    (
+        "placeholder tokens with an image",
+        "/v1/chat",
+        dict(json={"messages": image_message("a <|vision_start|><|image_pad|><|vision_end|> b")}),
+        400,
+    ),
+    (
+        "bad X-Conversation-Id",
+        "/v1/chat/completions",
+        dict(json={"messages": [{"role": "user", "content": "x"}]}, headers={"X-Conversation-Id": "not ok!"}),
+        400,
+    ),
+    (
+        "native bad X-Conversation-Id",
+        "/v1/chat",
+        dict(json={"prompt": "x"}, headers={"X-Conversation-Id": "x" * 129}),
+        400,
+    ),
     ("n > 1", "/v1/chat/completions", dict(json={"messages": [{"role": "user", "content": "x"}], "n": 2}), 400),
     ("multipart without prompt", "/v1/chat", dict(files=[("image", ("a.png", PNG, "image/png"))]), 400),
     ("duplicate prompt", "/v1/chat", dict(files=[("prompt", (None, "a")), ("prompt", (None, "b"))]), 400),
-    ("multipart part without a name", "/v1/chat", dict(
-        data=b'--b\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nhi\r\n'
-             b'--b\r\nContent-Disposition: form-data\r\n\r\nx\r\n--b--\r\n',
-        headers={"Content-Type": "multipart/form-data; boundary=b"}), 400),
+    (
+        "multipart part without a name",
+        "/v1/chat",
+        dict(
+            data=b'--b\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nhi\r\n'
+            b"--b\r\nContent-Disposition: form-data\r\n\r\nx\r\n--b--\r\n",
+            headers={"Content-Type": "multipart/form-data; boundary=b"},
+        ),
+        400,
+    ),
     ("unknown path", "/v1/nothing", dict(json={}), 404),
-    ("body too large", "/v1/chat/completions", dict(data=b"x" * (4 * 1024 * 1024), headers={"Content-Type": "application/json"}), 413),
-    ("image too large", "/v1/chat", dict(files=[("image", ("big.bmp", encode(pattern(700, 700), ".bmp"), "image/bmp"))], data={"prompt": "x"}), 413),
+    (
+        "body too large",
+        "/v1/chat/completions",
+        dict(data=b"x" * (4 * 1024 * 1024), headers={"Content-Type": "application/json"}),
+        413,
+    ),
+    (
+        "image too large",
+        "/v1/chat",
+        dict(files=[("image", ("big.bmp", encode(pattern(700, 700), ".bmp"), "image/bmp"))], data={"prompt": "x"}),
+        413,
+    ),
     ("wrong content type", "/v1/chat/completions", dict(data=b"hello", headers={"Content-Type": "text/plain"}), 415),
     ("native wrong content type", "/v1/chat", dict(data=b"hello", headers={"Content-Type": "text/plain"}), 415),
-    ("prompt too long", "/v1/chat/completions", dict(json={"messages": [{"role": "user", "content": "word " * 3000}]}), 422),
+    (
+        "prompt too long",
+        "/v1/chat/completions",
+        dict(json={"messages": [{"role": "user", "content": "word " * 3000}]}),
+        422,
+    ),
 ]
 
 
@@ -182,8 +294,9 @@ def test_bad_requests_get_openai_shaped_errors_and_the_server_keeps_serving(serv
 
 def test_empty_messages_continuing_a_conversation_are_a_400(server):
     first = requests.post(server + "/v1/chat", json={"prompt": "Hello.", "max_tokens": 2, "stream": False}).json()
-    r = requests.post(server + "/v1/chat", json={"messages": [], "conversation_id": first["conversation_id"],
-                                                  "stream": False})
+    r = requests.post(
+        server + "/v1/chat", json={"messages": [], "conversation_id": first["conversation_id"], "stream": False}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
@@ -195,12 +308,15 @@ def test_wrong_method_is_405_json(server):
 
 # -- admission, disconnects, metrics --------------------------------------------------------------
 
+
 def _open_stream(server, max_tokens=400):
     """A raw socket streaming a long answer; returns the socket after the headers and two chunks."""
     body = json.dumps({"prompt": "Go on and on.", "max_tokens": max_tokens, "temperature": 0}).encode()
     sock = socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1])))
-    sock.sendall(b"POST /v1/chat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/chat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     received = b""
     while received.count(b"\n{") < 2:  # the head line and at least one delta line
         received += sock.recv(4096)
@@ -229,8 +345,9 @@ def test_requests_beyond_the_queue_get_429_with_retry_after(server):
     waiter_result = {}
 
     def wait_in_queue():
-        waiter_result["status"] = requests.post(server + "/v1/chat", json={"prompt": "w", "max_tokens": 2,
-                                                                          "stream": False}).status_code
+        waiter_result["status"] = requests.post(
+            server + "/v1/chat", json={"prompt": "w", "max_tokens": 2, "stream": False}
+        ).status_code
 
     waiter = threading.Thread(target=wait_in_queue)
     waiter.start()
@@ -251,14 +368,44 @@ def test_requests_beyond_the_queue_get_429_with_retry_after(server):
     assert waiter_result["status"] == 200
 
 
-def test_metrics_move(server):
-    before = metric(server, "qwen3vl_requests_total", 'endpoint="/v1/chat",status="200"')
-    tokens = metric(server, "qwen3vl_generated_tokens_total")
-    requests.post(server + "/v1/chat", json={"prompt": "count me", "max_tokens": 5, "stream": False})
-    assert metric(server, "qwen3vl_requests_total", 'endpoint="/v1/chat",status="200"') == before + 1
-    assert metric(server, "qwen3vl_generated_tokens_total") == tokens + 5
-    assert metric(server, "qwen3vl_time_to_first_token_seconds_count") >= 1
+def test_a_request_moves_the_metrics_by_what_it_did(server):
+    names = [
+        ("qwen3vl_requests_total", 'endpoint="/v1/chat",status="200"'),
+        ("qwen3vl_generated_tokens_total", ""),
+        ("qwen3vl_time_to_first_token_seconds_count", ""),
+        ("qwen3vl_generations_total", 'finish_reason="length"'),
+        ("qwen3vl_prompt_tokens_total", ""),
+    ]
+    before = {name: metric(server, *name) for name in names}
+    reply = requests.post(
+        server + "/v1/chat", json={"prompt": "Talk forever.", "max_tokens": 5, "stream": False, "temperature": 0}
+    ).json()
+    after = {name: metric(server, *name) for name in names}
+    assert reply["usage"]["completion_tokens"] == 5 and reply["finish_reason"] == "length"
+    assert [after[n] - before[n] for n in names] == [1, 5, 1, 1, reply["usage"]["prompt_tokens"]]
     assert metric(server, "qwen3vl_process_rss_bytes") > 50e6
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -1),
+        ("temperature", 2.5),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("max_tokens", 0),
+        ("top_k", -2),
+        ("seed", -1),
+        ("repetition_penalty", 0),
+        ("stop", ["a", "b", "c", "d", "e"]),
+    ],
+)
+def test_sampling_parameters_out_of_bounds_get_400_naming_the_field(server, endpoint, field, value):
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": False, field: value}
+    reply = requests.post(server + endpoint, json=body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == field
 
 
 def test_health_and_ready(server):
@@ -271,8 +418,9 @@ def test_a_model_that_fails_to_load_is_reported_by_ready_and_requests(cache_dir,
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "qwen3_vl", "text_config": "garbage"}')
-    with gunicorn_server({"MODEL_PATH": str(broken), "CACHE_DIR": str(cache_dir)}, tmp_path / "log",
-                         ready_path="/health") as (base, _):
+    with gunicorn_server(
+        {"MODEL_PATH": str(broken), "CACHE_DIR": str(cache_dir)}, tmp_path / "log", ready_path="/health"
+    ) as (base, _):
         deadline = time.monotonic() + 60
         while (r := requests.get(base + "/ready")).json()["error"]["code"] == "model_loading":
             assert time.monotonic() < deadline
@@ -321,9 +469,11 @@ def test_a_failure_after_the_200_ends_the_stream_with_an_error_event_and_is_coun
     assert native.status_code == 200 and [("delta" in line) for line in lines[1:3]] == [True, True]
     assert lines[-1]["done"] is True and lines[-1]["error"]["code"] == "internal_error"
 
-    sse = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Talk."}],
-                                                    "max_tokens": 20, "stream": True})
-    events = [e[len("data: "):] for e in sse.get_data(as_text=True).split("\n\n") if e]
+    sse = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Talk."}], "max_tokens": 20, "stream": True},
+    )
+    events = [e[len("data: ") :] for e in sse.get_data(as_text=True).split("\n\n") if e]
     assert sse.status_code == 200 and events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "internal_error"
     assert counted._value.get() - before == 2

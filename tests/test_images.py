@@ -6,18 +6,24 @@ import cv2
 import numpy as np
 import pytest
 
-from imaging import encode, pattern, png_claiming_size, with_exif_orientation
 from service.errors import ImageError, TooLarge
 from service.images import ImageLimits, decode_image
 
-LIMITS = ImageLimits(max_bytes=5_000_000, max_decoded_pixels=40_000_000, max_pixels=448 * 448,
-                     min_pixels=64 * 64, factor=32)
+from imaging import encode, pattern, png_claiming_size, with_exif_orientation
+
+LIMITS = ImageLimits(
+    max_bytes=5_000_000, max_decoded_pixels=40_000_000, max_pixels=448 * 448, min_pixels=64 * 64, factor=32
+)
 
 
 def bright_corner(rgb: np.ndarray) -> str:
     h, w = rgb.shape[:2]
-    corners = {"top-left": rgb[: h // 6, : w // 6], "top-right": rgb[: h // 6, -w // 6:],
-               "bottom-left": rgb[-h // 6:, : w // 6], "bottom-right": rgb[-h // 6:, -w // 6:]}
+    corners = {
+        "top-left": rgb[: h // 6, : w // 6],
+        "top-right": rgb[: h // 6, -w // 6 :],
+        "bottom-left": rgb[-h // 6 :, : w // 6],
+        "bottom-right": rgb[-h // 6 :, -w // 6 :],
+    }
     return max(corners, key=lambda k: corners[k].mean())
 
 
@@ -61,10 +67,15 @@ def test_16_bit_png_is_scaled_to_8_bit():
     assert img.pixels.max() == 255  # full range kept, not clipped to dark values
 
 
-@pytest.mark.parametrize("orientation,corner,size", [
-    (1, "top-left", (320, 192)), (3, "bottom-right", (320, 192)),
-    (6, "top-right", (192, 320)), (8, "bottom-left", (192, 320)),
-])
+@pytest.mark.parametrize(
+    "orientation,corner,size",
+    [
+        (1, "top-left", (320, 192)),
+        (3, "bottom-right", (320, 192)),
+        (6, "top-right", (192, 320)),
+        (8, "bottom-left", (192, 320)),
+    ],
+)
 def test_jpeg_exif_orientation_is_applied(orientation, corner, size):
     jpeg = with_exif_orientation(encode(pattern(320, 192), ".jpg"), orientation)
     img = decode_image(jpeg, LIMITS)
@@ -93,12 +104,15 @@ def test_same_pixels_give_same_digest_other_pixels_another():
     assert a.digest == b.digest != c.digest
 
 
-@pytest.mark.parametrize("data,message", [
-    (b"", "empty"),
-    (b"hello, this is plain text, not a picture", "not a supported image"),
-    (b"\x89PNG\r\n\x1a\n", "header"),
-    (b"\xff\xd8\xff\xe0\x00\x10JFIF\x00", "header"),
-])
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        (b"", "empty"),
+        (b"hello, this is plain text, not a picture", "not a supported image"),
+        (b"\x89PNG\r\n\x1a\n", "header"),
+        (b"\xff\xd8\xff\xe0\x00\x10JFIF\x00", "header"),
+    ],
+)
 def test_bad_bytes_raise_image_error(data, message):
     with pytest.raises(ImageError, match=message):
         decode_image(data, LIMITS)

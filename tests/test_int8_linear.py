@@ -17,12 +17,12 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, make_settings
 from service.fusion import FusedTextAttention, FusedTextMLP
 from service.int8_linear import Int8Linear, quantize_rows
 from service.loading import load_model
 from service.quantized import quantize_in_place
 
+from conftest import ROOT, make_settings
 
 KERNELS = pytest.mark.parametrize("kernel", ["fbgemm", "onednn"])
 
@@ -34,8 +34,9 @@ def float_layer(bias=True, in_features=2048, out_features=512, seed=0) -> nn.Lin
     return linear
 
 
-def layer(activations="per_token", bias=True, in_features=2048, out_features=512, seed=0, kernel="fbgemm"
-          ) -> Int8Linear:
+def layer(
+    activations="per_token", bias=True, in_features=2048, out_features=512, seed=0, kernel="fbgemm"
+) -> Int8Linear:
     return Int8Linear.from_float(float_layer(bias, in_features, out_features, seed), activations, kernel)
 
 
@@ -53,7 +54,7 @@ def rows(m, in_features=2048, seed=1) -> torch.Tensor:
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16, 17, 63, 64, 65, 218])
 def test_a_rows_output_is_the_same_bits_in_a_call_of_any_length(m, kernel):
     lin, x = layer(kernel=kernel), rows(218)
-    alone = torch.cat([lin(x[i:i + 1]) for i in range(m)])
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(m)])
     assert torch.equal(lin(x[:m]), alone)
 
 
@@ -127,8 +128,14 @@ def test_the_kernels_give_the_same_bits_with_and_without_vnni():
     must equal the default paths' bit for bit, worst-case row included."""
 
     def run(env):
-        out = subprocess.run([sys.executable, "-c", _ISA_PROBE, str(ROOT / "tests")], capture_output=True, text=True,
-                             env={**os.environ, **env}, timeout=120, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _ISA_PROBE, str(ROOT / "tests")],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+            timeout=120,
+            check=True,
+        )
         return json.loads(out.stdout)
 
     default = run({})
@@ -190,8 +197,9 @@ def logits_with_spike(model, ids, kind: str | None) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["row x1000", "one huge channel"])
 def test_a_spike_in_one_token_moves_the_other_tokens_no_more_than_int8_noise(models, kind):
     made, tokenizer = models
-    ids = tokenizer("Tell me a long story about a red square and a blue circle on a table, please.",
-                    return_tensors="pt").input_ids
+    ids = tokenizer(
+        "Tell me a long story about a red square and a blue circle on a table, please.", return_tensors="pt"
+    ).input_ids
 
     def error(activations, spiked):
         ref = logits_with_spike(made["fp32"], ids, kind if spiked else None)

@@ -32,12 +32,15 @@ def test_appends_and_crops_give_exactly_what_dynamic_cache_gives(fp32_engine):
 
 def test_decode_steps_write_into_spare_room_instead_of_copying_the_cache(fp32_engine, monkeypatch):
     config = fp32_engine.model.config
-    cache = GrowingCache(ddp_cache_data=[(torch.randn(1, 2, 500, 8), torch.randn(1, 2, 500, 8))]
-                         * config.text_config.num_hidden_layers, config=config)
+    cache = GrowingCache(
+        ddp_cache_data=[(torch.randn(1, 2, 500, 8), torch.randn(1, 2, 500, 8))] * config.text_config.num_hidden_layers,
+        config=config,
+    )
     grows = []
     real_grow = GrowingLayer._grow
-    monkeypatch.setattr(GrowingLayer, "_grow", lambda layer, capacity: (grows.append(capacity),
-                                                                         real_grow(layer, capacity)))
+    monkeypatch.setattr(
+        GrowingLayer, "_grow", lambda layer, capacity: (grows.append(capacity), real_grow(layer, capacity))
+    )
     for _ in range(3 * HEADROOM):
         cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), 0)
     # One copy per HEADROOM steps (DynamicCache copies 500+ tokens at each one).
@@ -47,8 +50,10 @@ def test_decode_steps_write_into_spare_room_instead_of_copying_the_cache(fp32_en
 
 def test_a_kept_cache_is_compacted_to_its_tokens(fp32_engine):
     config = fp32_engine.model.config
-    cache = GrowingCache(ddp_cache_data=[(torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8))]
-                         * config.text_config.num_hidden_layers, config=config)
+    cache = GrowingCache(
+        ddp_cache_data=[(torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8))] * config.text_config.num_hidden_layers,
+        config=config,
+    )
     for layer in range(config.text_config.num_hidden_layers):
         cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), layer)
     exact = 2 * config.text_config.num_hidden_layers * 2 * 11 * 8 * 4

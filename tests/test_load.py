@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 
 from bench.load import run_load, summarize
+
 from servers import gunicorn_server
 
 
 def test_more_clients_than_the_queue_all_end_in_success_or_429(cache_dir, tiny_dir, tmp_path):
     env = {"QUEUE_SIZE": "2", "CACHE_DIR": str(cache_dir)}
     with gunicorn_server(env, tmp_path / "log") as (base, _):
-        results, elapsed = asyncio.run(run_load(base, clients=8, requests=32, max_tokens=24, timeout=60,
-                                                time_cap=60))
+        results, elapsed = asyncio.run(run_load(base, clients=8, requests=32, max_tokens=24, timeout=60, time_cap=60))
     s = summarize(results, elapsed)
     assert len(results) == 32
     assert s["unexpected"] == 0, s["statuses"]  # no timeouts, no 5xx other than 503

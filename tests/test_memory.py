@@ -9,24 +9,34 @@ import pytest
 import requests
 import torch
 
-from conftest import make_settings
-from imaging import encode, pattern
-from servers import gunicorn_server, metric
+from service import metrics
 from service.caches import BudgetedLRU
 from service.engine import Engine, GenerationRequest, SamplingParams
 from service.errors import Unavailable
-from service.loading import load_model
-from service import metrics
-from service.memory import (EVICT_AT, MIB, MemoryGuard, cgroup_memory, default_budget_bytes, machine_memory_bytes,
-                            release_memory)
-from service.prompts import ChatMessage, TextPart
 from service.int8_linear import MappedInt8Linear
+from service.loading import load_model
+from service.memory import (
+    EVICT_AT,
+    MIB,
+    MemoryGuard,
+    cgroup_memory,
+    default_budget_bytes,
+    machine_memory_bytes,
+    release_memory,
+)
+from service.prompts import ChatMessage, TextPart
 from service.quantized import write_quantized
+
+from conftest import make_settings
+from imaging import encode, pattern
+from servers import gunicorn_server, metric
 
 
 def question(max_tokens=8) -> GenerationRequest:
-    return GenerationRequest([ChatMessage("user", [TextPart("Tell me a story about a red square.")])],
-                             SamplingParams(max_tokens=max_tokens, temperature=0))
+    return GenerationRequest(
+        [ChatMessage("user", [TextPart("Tell me a story about a red square.")])],
+        SamplingParams(max_tokens=max_tokens, temperature=0),
+    )
 
 
 @pytest.fixture
@@ -84,7 +94,8 @@ def test_a_cgroup_memory_limit_is_read_in_either_cgroup_version(tmp_path, versio
         (own / "memory.current").write_text("1000\n")
     assert cgroup_memory(tmp_path / "proc", tmp_path) == (4 * 1024**3, 1000)
     (own / ("memory.limit_in_bytes" if version == "v1" else "memory.max")).write_text(
-        "9223372036854771712\n" if version == "v1" else "max\n")
+        "9223372036854771712\n" if version == "v1" else "max\n"
+    )
     assert cgroup_memory(tmp_path / "proc", tmp_path) is None
 
 
@@ -106,11 +117,22 @@ def test_under_a_cgroup_limit_the_default_budget_follows_it_and_holds(cache_dir,
             for i in range(6):
                 conversation = f"c{i}"
                 for turn in range(3):
-                    files = {"image": (f"p{i}.png", encode(pattern(320, 240, seed=i), ".png"), "image/png")} if turn == 0 else None
-                    reply = requests.post(base + "/v1/chat", data={"prompt": f"Turn {turn}: tell me more.",
-                                                                   "conversation_id": conversation,
-                                                                   "max_tokens": "16", "stream": "false"},
-                                          files=files, timeout=120)
+                    files = (
+                        {"image": (f"p{i}.png", encode(pattern(320, 240, seed=i), ".png"), "image/png")}
+                        if turn == 0
+                        else None
+                    )
+                    reply = requests.post(
+                        base + "/v1/chat",
+                        data={
+                            "prompt": f"Turn {turn}: tell me more.",
+                            "conversation_id": conversation,
+                            "max_tokens": "16",
+                            "stream": "false",
+                        },
+                        files=files,
+                        timeout=120,
+                    )
                     assert reply.status_code == 200, reply.text
             assert metric(base, "qwen3vl_cache_hits_total", 'cache="conversation"') >= 6
         assert cgroup.oom_kills() == 0 and cgroup.peak_bytes() <= limit
@@ -153,8 +175,11 @@ def test_model_larger_than_the_budget_is_served_from_memory_mapped_weights(cache
 def test_http_request_over_budget_gets_503_json_error(cache_dir, tiny_dir, tmp_path):
     env = {"CACHE_DIR": str(cache_dir), "MAX_MEMORY_MB": "1"}
     with gunicorn_server(env, tmp_path / "gunicorn.log") as (base, _):
-        reply = requests.post(base + "/v1/chat/completions", timeout=60, json={
-            "model": "any", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello there"}]})
+        reply = requests.post(
+            base + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "any", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello there"}]},
+        )
     assert reply.status_code == 503
     error = reply.json()["error"]
     assert error["code"] == "memory_budget" and "of its 1 MiB (MAX_MEMORY_MB)" in error["message"]
@@ -166,8 +191,8 @@ def test_mapped_weights_compute_any_row_count_even_unaligned():
     pieces of 3 rows instead."""
     rows = torch.randint(-127, 128, (256 * 128 + 64,), dtype=torch.int8)
     scales = torch.rand(256) / 100
-    aligned = MappedInt8Linear([(rows[:256 * 128].view(256, 128), scales)], None)
-    unaligned = MappedInt8Linear([(rows[8:8 + 256 * 128].view(256, 128), scales)], None)
+    aligned = MappedInt8Linear([(rows[: 256 * 128].view(256, 128), scales)], None)
+    unaligned = MappedInt8Linear([(rows[8 : 8 + 256 * 128].view(256, 128), scales)], None)
     assert unaligned.rows0.data_ptr() % 16
     x = torch.randn(7, 128)
     expected = x.bfloat16().float() @ (unaligned.rows0.float() * scales[:, None]).T
@@ -181,8 +206,12 @@ def test_quantized_shards_hold_every_tensor_64_byte_aligned(tmp_path):
 
     from service.packing import ALIGNMENT, SafetensorsReader, write_aligned_safetensors
 
-    tensors = {"a.weight": torch.randint(-127, 128, (64, 128), dtype=torch.int8), "a.weight_scale": torch.rand(64),
-               "b.weight": torch.randint(-127, 128, (192, 64), dtype=torch.int8), "b.bias": torch.rand(192)}
+    tensors = {
+        "a.weight": torch.randint(-127, 128, (64, 128), dtype=torch.int8),
+        "a.weight_scale": torch.rand(64),
+        "b.weight": torch.randint(-127, 128, (192, 64), dtype=torch.int8),
+        "b.bias": torch.rand(192),
+    }
     write_aligned_safetensors(tensors, tmp_path / "x.safetensors")
     reader = SafetensorsReader(tmp_path / "x.safetensors")
     assert reader.data_start % ALIGNMENT == 0

@@ -11,17 +11,18 @@ import shutil
 import pytest
 import torch
 
-from conftest import make_settings, prepared
-from imaging import encode, pattern
 from service.cli import main
+from service.encoders import make_vision_encoder
 from service.engine import Completion, Engine, GenerationRequest, SamplingParams
 from service.images import decode_image
 from service.loading import load_model
 from service.onnx_vision import GRAPH_FILES, MANIFEST, OnnxVisionEncoder, default_export_dir
 from service.prompts import ChatMessage, ImagePart, TextPart
 from service.quantized import write_quantized
-from service.encoders import make_vision_encoder
 from service.vision import TorchVisionEncoder
+
+from conftest import make_settings, prepared
+from imaging import encode, pattern
 
 # Patch grids (h × w) 28×28, 20×36, 14×20 (small pictures are scaled up to the minimum) and 56×12.
 IMAGE_SIZES = [(448, 448), (640, 360), (96, 64), (200, 900)]
@@ -58,8 +59,10 @@ def onnx_engine(checkpoint, cache_dir, export_dir):
 
 
 def messages(engine, sizes, text="Describe the picture.") -> list[ChatMessage]:
-    parts = [ImagePart(decode_image(encode(pattern(w, h, seed=i), ".png"), engine.limits.image))
-             for i, (w, h) in enumerate(sizes)]
+    parts = [
+        ImagePart(decode_image(encode(pattern(w, h, seed=i), ".png"), engine.limits.image))
+        for i, (w, h) in enumerate(sizes)
+    ]
     return [ChatMessage("user", [*parts, TextPart(text)])]
 
 
@@ -81,7 +84,8 @@ def cosine(reference: torch.Tensor, other: torch.Tensor) -> float:
 
 def test_export_command_writes_fp32_and_int8_graphs_named_after_the_checkpoint(export_dir, checkpoint):
     assert sorted(p.name for p in export_dir.iterdir()) == sorted(
-        [MANIFEST, *GRAPH_FILES.values(), GRAPH_FILES["fp32"] + ".data"])
+        [MANIFEST, *GRAPH_FILES.values(), GRAPH_FILES["fp32"] + ".data"]
+    )
     assert str(checkpoint) in (export_dir / MANIFEST).read_text()
 
 
@@ -104,8 +108,9 @@ def test_fp32_graph_gives_the_torch_towers_features(onnx_engine, torch_engine, s
 
 @pytest.mark.parametrize("size", IMAGE_SIZES)
 def test_int8_setting_runs_the_int8_graph_close_to_the_torch_tower(onnx_engine, torch_engine, cache_dir, size):
-    settings = make_settings(cache_dir, model_path=onnx_engine.loaded.path, quantization="int8",
-                             vision_backend="onnxruntime")
+    settings = make_settings(
+        cache_dir, model_path=onnx_engine.loaded.path, quantization="int8", vision_backend="onnxruntime"
+    )
     encoder = make_vision_encoder(onnx_engine.loaded, settings)
     assert encoder.precision == "int8"
     p = prompt(torch_engine, [size])
@@ -162,8 +167,9 @@ def test_stale_export_falls_back_to_torch_with_a_warning(onnx_engine, checkpoint
 
 
 def test_missing_export_falls_back_to_torch_with_a_warning(onnx_engine, cache_dir, tmp_path, caplog):
-    settings = make_settings(cache_dir, model_path=onnx_engine.loaded.path, vision_backend="onnxruntime",
-                             vision_onnx_dir=tmp_path)
+    settings = make_settings(
+        cache_dir, model_path=onnx_engine.loaded.path, vision_backend="onnxruntime", vision_onnx_dir=tmp_path
+    )
     with caplog.at_level(logging.WARNING, logger="service.onnx_vision"):
         encoder = make_vision_encoder(onnx_engine.loaded, settings)
     assert isinstance(encoder, TorchVisionEncoder)

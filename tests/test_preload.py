@@ -25,8 +25,12 @@ def test_a_worker_killed_mid_stream_is_back_within_seconds_and_answers_the_same(
     with serve({"PRELOAD": "true"}, "preload") as (base, master):
         before = requests.post(base + "/v1/chat", json=QUESTION, timeout=60).json()
         worker = only_worker(master.pid)
-        stream = requests.post(base + "/v1/chat", json={"prompt": "Talk forever.", "max_tokens": 1000,
-                                                        "temperature": 0}, stream=True, timeout=30)
+        stream = requests.post(
+            base + "/v1/chat",
+            json={"prompt": "Talk forever.", "max_tokens": 1000, "temperature": 0},
+            stream=True,
+            timeout=30,
+        )
         lines = stream.iter_lines()
         assert "conversation_id" in next(lines).decode()
         killed_at = time.monotonic()

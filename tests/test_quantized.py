@@ -12,14 +12,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from conftest import ROOT, make_settings
-from imaging import encode, pattern
 from service.engine import Completion, Engine, GenerationRequest, SamplingParams
 from service.images import decode_image
+from service.int8_linear import Int8Embedding, Int8Linear
 from service.loading import load_model
 from service.prompts import ChatMessage, ImagePart, TextPart
-from service.int8_linear import Int8Embedding, Int8Linear
 from service.quantized import FORMAT, QUANTIZED_MARKER, write_quantized
+
+from conftest import ROOT, make_settings
+from imaging import encode, pattern
 
 PROMPTS = ["Describe the colors.", "What is in this picture?", "Tell me a story about a red square."]
 
@@ -28,8 +29,13 @@ PROMPTS = ["Describe the colors.", "What is in this picture?", "Tell me a story 
 def int8_dir(tiny_dir, tmp_path_factory):
     """The tiny checkpoint quantized by the command a user runs."""
     dst = tmp_path_factory.mktemp("int8") / "tiny-int8"
-    run = subprocess.run([sys.executable, "-m", "service", "quantize", str(tiny_dir), str(dst)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "service", "quantize", str(tiny_dir), str(dst)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert "quantizing" in run.stderr and "block" in run.stderr  # the tqdm progress bar
     assert f"MODEL_PATH={dst}" in run.stdout
@@ -53,8 +59,9 @@ def greedy(engine: Engine, text: str, with_image: bool) -> Completion:
     if with_image:
         img = decode_image(encode(pattern(448, 320, seed=len(text)), ".png"), engine.limits.image)
         parts.insert(0, ImagePart(img))
-    events = list(engine.generate(GenerationRequest([ChatMessage("user", parts)],
-                                                    SamplingParams(max_tokens=24, temperature=0))))
+    events = list(
+        engine.generate(GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=24, temperature=0)))
+    )
     return events[-1]
 
 
@@ -69,8 +76,13 @@ def test_quantized_checkpoint_holds_int8_weights_per_channel_scales_and_the_load
     marker = json.loads((int8_dir / "config.json").read_text())[QUANTIZED_MARKER]
     assert marker["format"] == FORMAT and "per output channel" in marker["weights"]
     assert marker["source"] == str(tiny_dir.resolve())
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
-                 "generation_config.json"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "preprocessor_config.json",
+        "generation_config.json",
+    ):
         assert (int8_dir / name).read_bytes() == (tiny_dir / name).read_bytes()
     with safe_open(int8_dir / marker["linear_shards"][0], "pt") as f:
         weight = f.get_tensor("model.language_model.layers.0.mlp.down_proj.weight")
@@ -94,8 +106,9 @@ def test_loading_builds_per_token_int8_modules_and_no_float_linear(prequantized_
 
 
 @pytest.mark.parametrize("with_image", [True, False])
-def test_prequantized_checkpoint_answers_exactly_like_quantizing_at_load(prequantized_engine, load_time_engine,
-                                                                         with_image):
+def test_prequantized_checkpoint_answers_exactly_like_quantizing_at_load(
+    prequantized_engine, load_time_engine, with_image
+):
     for text in PROMPTS:
         a, b = greedy(prequantized_engine, text, with_image), greedy(load_time_engine, text, with_image)
         assert a.completion_tokens == b.completion_tokens == 24
@@ -132,16 +145,20 @@ def test_quantize_refuses_a_non_empty_destination_and_an_int8_source(tiny_dir, i
         write_quantized(int8_dir, tmp_path / "again", progress=False)
 
 
-def test_gunicorn_packs_a_prequantized_checkpoint_while_importing_and_answers_alike(serve, int8_dir,
-                                                                                   prequantized_engine):
+def test_gunicorn_packs_a_prequantized_checkpoint_while_importing_and_answers_alike(
+    serve, int8_dir, prequantized_engine
+):
     """wsgi.py starts packing the int8 weights before the app (and transformers) is imported; the
     served answer is the one the loader gives."""
     import requests
 
     expected = greedy(prequantized_engine, PROMPTS[1], with_image=False)
     with serve({"MODEL_PATH": str(int8_dir), "PRELOAD": "true"}, "prequantized") as (base, _):
-        reply = requests.post(base + "/v1/chat", json={"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0,
-                                                       "stream": False}, timeout=60).json()
+        reply = requests.post(
+            base + "/v1/chat",
+            json={"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0, "stream": False},
+            timeout=60,
+        ).json()
     assert reply["text"] == expected.text and reply["usage"]["completion_tokens"] == 24
     log = serve.log("prequantized").read_text()
     assert "pre-quantized" in log and "begun before the app was imported" in log

@@ -11,9 +11,18 @@ import requests
 from imaging import encode, pattern
 
 KEY = "sk-test-0123456789abcdef"
-LIMITS_ENV = {"API_KEYS": f"other-key, {KEY}", "MAX_IMAGES_PER_REQUEST": "2", "MAX_MESSAGES": "3",
-              "MAX_PROMPT_TOKENS": "300", "MAX_STOP_STRINGS": "2", "REQUEST_DEADLINE": "1.0", "MAX_NEW_TOKENS": "4000",
-              "CONTEXT_LIMIT": "8192", "ACCESS_LOG": "1", "LOG_LEVEL": "debug"}  # the most a log may hold
+LIMITS_ENV = {
+    "API_KEYS": f"other-key, {KEY}",
+    "MAX_IMAGES_PER_REQUEST": "2",
+    "MAX_MESSAGES": "3",
+    "MAX_PROMPT_TOKENS": "300",
+    "MAX_STOP_STRINGS": "2",
+    "REQUEST_DEADLINE": "1.0",
+    "MAX_NEW_TOKENS": "4000",
+    "CONTEXT_LIMIT": "8192",
+    "ACCESS_LOG": "1",
+    "LOG_LEVEL": "debug",
+}  # the most a log may hold
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -33,8 +42,13 @@ def test_health_and_ready_are_open_everything_else_needs_a_key(server):
     assert requests.get(base + "/health").status_code == 200
     ready = requests.get(base + "/ready")
     assert ready.status_code == 200 and set(ready.json()) == {"status", "model", "random_model"}
-    for method, path in [("get", "/metrics"), ("get", "/v1/models"), ("get", "/openapi.json"),
-                         ("post", "/v1/chat"), ("post", "/v1/chat/completions")]:
+    for method, path in [
+        ("get", "/metrics"),
+        ("get", "/v1/models"),
+        ("get", "/openapi.json"),
+        ("post", "/v1/chat"),
+        ("post", "/v1/chat/completions"),
+    ]:
         r = getattr(requests, method)(base + path, json={})
         assert r.status_code == 401, path
         assert r.json()["error"]["type"] == "authentication_error"
@@ -56,8 +70,12 @@ def test_each_configured_key_works_including_through_the_openai_client(server):
     base, _ = server
     assert chat(base, {"prompt": "hi"}, headers={"Authorization": "Bearer other-key"}).status_code == 200
     client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
-    assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=2).usage.completion_tokens == 2
+    assert (
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        ).usage.completion_tokens
+        == 2
+    )
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
 
@@ -66,13 +84,25 @@ def _png_url(seed):
     return "data:image/png;base64," + base64.b64encode(encode(pattern(64, 64, seed=seed), ".png")).decode()
 
 
-@pytest.mark.parametrize("body,code", [
-    ({"prompt": "x", "images": [_png_url(1), _png_url(2), _png_url(3)]}, "too_many_images"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                   {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
-                   {"role": "user", "content": "e"}]}, "too_many_messages"),
-    ({"prompt": "x", "stop": ["a", "b", "c"]}, "invalid_request"),
-])
+@pytest.mark.parametrize(
+    "body,code",
+    [
+        ({"prompt": "x", "images": [_png_url(1), _png_url(2), _png_url(3)]}, "too_many_images"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "c"},
+                    {"role": "assistant", "content": "d"},
+                    {"role": "user", "content": "e"},
+                ]
+            },
+            "too_many_messages",
+        ),
+        ({"prompt": "x", "stop": ["a", "b", "c"]}, "invalid_request"),
+    ],
+)
 def test_limits_refuse_with_400(server, body, code):
     base, _ = server
     r = chat(base, body)

@@ -6,8 +6,9 @@ import runpy
 
 import pytest
 
-from servers import ROOT
 from service.settings import SettingsError, load_settings
+
+from servers import ROOT
 
 GUNICORN_CONF = ROOT / "gunicorn.conf.py"
 
@@ -33,11 +34,14 @@ def test_defaults_are_int8_and_a_cpu_sized_pixel_budget(monkeypatch):
     assert s.image_max_pixels <= 512 * 512
 
 
-@pytest.mark.parametrize("env,value,words", [
-    ("QUANTIZATION", "int4", "QUANTIZATION"),
-    ("THREADS", "zero", "THREADS"),
-    ("MODEL_PATH", "/definitely/not/here", "is not a directory"),
-])
+@pytest.mark.parametrize(
+    "env,value,words",
+    [
+        ("QUANTIZATION", "int4", "QUANTIZATION"),
+        ("THREADS", "zero", "THREADS"),
+        ("MODEL_PATH", "/definitely/not/here", "is not a directory"),
+    ],
+)
 def test_bad_values_give_readable_errors(monkeypatch, env, value, words):
     monkeypatch.setenv(env, value)
     with pytest.raises(SettingsError) as info:
@@ -52,13 +56,25 @@ def test_model_dir_without_config_is_explained(monkeypatch, tmp_path):
 
 
 def test_gunicorn_config_takes_its_values_from_the_settings(monkeypatch, tmp_path):
-    for name, value in {"BIND": "0.0.0.0:9001", "GRACEFUL_TIMEOUT": "7", "ACCESS_LOG": "1", "LOG_LEVEL": "WARNING",
-                        "MAX_BATCH_SIZE": "3", "QUEUE_SIZE": "5", "WORKERS": "4", "WEB_CONCURRENCY": "4",
-                        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}.items():
+    for name, value in {
+        "BIND": "0.0.0.0:9001",
+        "GRACEFUL_TIMEOUT": "7",
+        "ACCESS_LOG": "1",
+        "LOG_LEVEL": "WARNING",
+        "MAX_BATCH_SIZE": "3",
+        "QUEUE_SIZE": "5",
+        "WORKERS": "4",
+        "WEB_CONCURRENCY": "4",
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+    }.items():
         monkeypatch.setenv(name, value)
     config = runpy.run_path(str(GUNICORN_CONF))
-    assert (config["bind"], config["graceful_timeout"], config["accesslog"], config["loglevel"]) == \
-        ("0.0.0.0:9001", 7, "-", "warning")
+    assert (config["bind"], config["graceful_timeout"], config["accesslog"], config["loglevel"]) == (
+        "0.0.0.0:9001",
+        7,
+        "-",
+        "warning",
+    )
     assert config["threads"] == 3 + 5 + 3  # the batch, the queue, and room for /health, /metrics, 429s
     assert config["workers"] == 1  # one model per instance, whatever WORKERS / WEB_CONCURRENCY say
     monkeypatch.setenv("GRACEFUL_TIMEOUT", "soon")

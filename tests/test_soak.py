@@ -4,6 +4,7 @@ mid-stream disconnects leave no leaked threads or file descriptors, caches withi
 from __future__ import annotations
 
 from bench.soak import BUDGETS, SOAK_ENV, run_soak
+
 from servers import gunicorn_server
 
 

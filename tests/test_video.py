@@ -17,20 +17,38 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
 from transformers.video_utils import VideoMetadata
 
-from clips import WRITABLE, noise, write_clip
-from conftest import make_settings, prepared
-from imaging import encode, pattern
 from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
 from service.errors import BadRequest, TooLarge, VideoError
 from service.images import decode_image
 from service.prompts import ChatMessage, ImagePart, TextPart, VideoPart
-from service.video import (TEMP_PREFIX, DecodedVideo, VideoLimits, decode_video, frame_size, frame_timestamps,
-                           sample_indices, video_patches, video_prompt_text)
+from service.video import (
+    TEMP_PREFIX,
+    DecodedVideo,
+    VideoLimits,
+    decode_video,
+    frame_size,
+    frame_timestamps,
+    sample_indices,
+    video_patches,
+    video_prompt_text,
+)
 from service.vision import TorchVisionEncoder
 from service.vision_steps import run_to_end, video_steps
 
-LIMITS = VideoLimits(max_bytes=5 * 1024 * 1024, max_seconds=30, max_source_pixels=1920 * 1080, max_source_frames=900,
-                     fps=2.0, max_frames=32, max_visual_tokens=1024, max_frame_pixels=448 * 448)
+from clips import WRITABLE, noise, write_clip
+from conftest import make_settings, prepared
+from imaging import encode, pattern
+
+LIMITS = VideoLimits(
+    max_bytes=5 * 1024 * 1024,
+    max_seconds=30,
+    max_source_pixels=1920 * 1080,
+    max_source_frames=900,
+    fps=2.0,
+    max_frames=32,
+    max_visual_tokens=1024,
+    max_frame_pixels=448 * 448,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -48,12 +66,20 @@ def leftovers(directory) -> list[str]:
 
 def still_video(image: np.ndarray, frames: int = 2) -> DecodedVideo:
     """A 'video' of one RGB image repeated, at 1 fps."""
-    return DecodedVideo(frames=np.stack([image] * frames), frame_indices=tuple(range(frames)), source_fps=1.0,
-                        source_format="test", source_size=(image.shape[1], image.shape[0]), source_frames=frames,
-                        decode_seconds=0.0, digest="still")
+    return DecodedVideo(
+        frames=np.stack([image] * frames),
+        frame_indices=tuple(range(frames)),
+        source_fps=1.0,
+        source_format="test",
+        source_size=(image.shape[1], image.shape[0]),
+        source_frames=frames,
+        decode_seconds=0.0,
+        digest="still",
+    )
 
 
 # -- decoding and sampling --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("container", sorted(WRITABLE))
 def test_clips_decode_to_frames_sampled_at_the_configured_rate(container, tmp_path, own_tempdir):
@@ -76,9 +102,17 @@ def test_frame_count_and_visual_tokens_follow_the_settings(tmp_path):
     few = VideoLimits(**{**LIMITS.__dict__, "fps": 1.0, "max_frames": 6, "max_visual_tokens": 60})
     video = decode_video(data, few)
     assert len(video.frames) == 6  # 10 s at 1 fps, capped at 6
-    patches, grid = video_patches(video, SimpleNamespace(patch_size=16, merge_size=2, temporal_patch_size=2,
-                                                         rescale_factor=1 / 255, image_mean=[.5] * 3,
-                                                         image_std=[.5] * 3))
+    patches, grid = video_patches(
+        video,
+        SimpleNamespace(
+            patch_size=16,
+            merge_size=2,
+            temporal_patch_size=2,
+            rescale_factor=1 / 255,
+            image_mean=[0.5] * 3,
+            image_std=[0.5] * 3,
+        ),
+    )
     t, h, w = grid[0].tolist()
     assert t == 3 and t * h * w // 4 <= 60  # 3 frame pairs within 60 tokens
     assert video.size == (160, 96)  # the processor's rule rounds down into 20 tokens a pair: 15
@@ -89,8 +123,15 @@ def test_frame_count_and_visual_tokens_follow_the_settings(tmp_path):
 
 def test_sampling_matches_the_processors_sample_frames():
     processor = Qwen3VLVideoProcessor()
-    for total, fps, rate, cap in [(40, 10.0, 2.0, 32), (300, 30.0, 2.0, 32), (3000, 25.0, 2.0, 32),
-                                  (7, 24.0, 2.0, 32), (2, 30.0, 2.0, 32), (120, 29.97, 1.0, 8), (1, 5.0, 2.0, 32)]:
+    for total, fps, rate, cap in [
+        (40, 10.0, 2.0, 32),
+        (300, 30.0, 2.0, 32),
+        (3000, 25.0, 2.0, 32),
+        (7, 24.0, 2.0, 32),
+        (2, 30.0, 2.0, 32),
+        (120, 29.97, 1.0, 8),
+        (1, 5.0, 2.0, 32),
+    ]:
         processor.max_frames = cap
         limits = VideoLimits(**{**LIMITS.__dict__, "fps": rate, "max_frames": cap})
         expected = processor.sample_frames(VideoMetadata(total_num_frames=total, fps=fps), fps=rate).tolist()
@@ -103,17 +144,31 @@ def test_timestamps_match_the_processors():
 
 
 def test_frame_size_is_the_processors_resize_rule_with_a_per_frame_budget():
-    for width, height, frames in [(1920, 1080, 20), (160, 120, 8), (640, 480, 32), (1080, 1920, 4), (300, 37, 2),
-                                  (4000, 100, 10)]:
+    for width, height, frames in [
+        (1920, 1080, 20),
+        (160, 120, 8),
+        (640, 480, 32),
+        (1080, 1920, 4),
+        (300, 37, 2),
+        (4000, 100, 10),
+    ]:
         groups = frames // 2
         per_frame = min(LIMITS.max_visual_tokens // groups * 32 * 32, LIMITS.max_frame_pixels)
-        h, w = smart_resize(frames, height, width, temporal_factor=2, factor=32, min_pixels=frames * 32 * 32,
-                            max_pixels=frames * per_frame)
+        h, w = smart_resize(
+            frames,
+            height,
+            width,
+            temporal_factor=2,
+            factor=32,
+            min_pixels=frames * 32 * 32,
+            max_pixels=frames * per_frame,
+        )
         assert frame_size(width, height, frames, LIMITS) == (w, h), (width, height, frames)
         assert groups * (h // 32) * (w // 32) <= LIMITS.max_visual_tokens
 
 
 # -- what the model takes ---------------------------------------------------------------------------
+
 
 def test_two_identical_frames_give_the_patches_of_one_image(fp32_engine):
     """The image processor duplicates an image in time; a still 'video' of two frames must match it."""
@@ -131,7 +186,9 @@ def test_patch_layout_matches_the_processors_patchify(fp32_engine):
     video = still_video(np.zeros((64, 96, 3), np.uint8), 6)
     video = DecodedVideo(**{**video.__dict__, "frames": rng.integers(0, 256, (6, 64, 96, 3), dtype=np.uint8)})
     x = (torch.from_numpy(video.frames).permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.5
-    expected, t, h, w = Qwen3VLVideoProcessor.patchify(None, x[None], patch_size=16, merge_size=2, temporal_patch_size=2)
+    expected, t, h, w = Qwen3VLVideoProcessor.patchify(
+        None, x[None], patch_size=16, merge_size=2, temporal_patch_size=2
+    )
     patches, grid = video_patches(video, ip)
     assert grid.tolist() == [[t, h, w]] == [[3, 4, 6]]
     torch.testing.assert_close(patches, expected[0], rtol=0, atol=1e-6)
@@ -142,12 +199,20 @@ def test_prompt_text_matches_the_processors_replace_video_token(fp32_engine, tmp
     video = decode_video(write_clip(tmp_path / "clip.mp4", frames=50, fps=10.0), LIMITS)
     _, grid = video_patches(video, processor.image_processor)
     reference = SimpleNamespace(
-        video_processor=Qwen3VLVideoProcessor(), vision_start_token=processor.vision_start_token,
-        video_token=processor.video_token, vision_end_token=processor.vision_end_token,
-        _calculate_timestamps=lambda *args: Qwen3VLProcessor._calculate_timestamps(None, *args))
-    inputs = {"video_grid_thw": grid, "video_metadata": [
-        VideoMetadata(total_num_frames=video.source_frames, fps=video.source_fps,
-                      frames_indices=list(video.frame_indices))]}
+        video_processor=Qwen3VLVideoProcessor(),
+        vision_start_token=processor.vision_start_token,
+        video_token=processor.video_token,
+        vision_end_token=processor.vision_end_token,
+        _calculate_timestamps=lambda *args: Qwen3VLProcessor._calculate_timestamps(None, *args),
+    )
+    inputs = {
+        "video_grid_thw": grid,
+        "video_metadata": [
+            VideoMetadata(
+                total_num_frames=video.source_frames, fps=video.source_fps, frames_indices=list(video.frame_indices)
+            )
+        ],
+    }
     expected = Qwen3VLProcessor.replace_video_token(reference, inputs, video_idx=0)
     assert video_prompt_text(processor, grid[0], video.timestamps()) == expected
     assert expected.startswith("<0.2 seconds><|vision_start|>") and expected.count("seconds>") == 5
@@ -167,12 +232,13 @@ def test_video_features_one_frame_pair_at_a_time_equal_get_video_features(fp32_e
 
 # -- bad files --------------------------------------------------------------------------------------
 
+
 def _bad_files(tmp_path) -> dict[str, tuple[bytes, VideoLimits, type, str]]:
     mp4 = write_clip(tmp_path / "ok.mp4", frames=20)
     avi = write_clip(tmp_path / "ok.avi", frames=40)
     webm = write_clip(tmp_path / "ok.webm", frames=40)
     holed = bytearray(mp4)
-    holed[len(mp4) // 3:len(mp4) // 2] = bytes(len(mp4) // 2 - len(mp4) // 3)
+    holed[len(mp4) // 3 : len(mp4) // 2] = bytes(len(mp4) // 2 - len(mp4) // 3)
     long = write_clip(tmp_path / "long.avi", frames=100, fps=2.0, size=(64, 48))
     wide = write_clip(tmp_path / "wide.webm", frames=4, size=(640, 480))
     return {
@@ -188,10 +254,18 @@ def _bad_files(tmp_path) -> dict[str, tuple[bytes, VideoLimits, type, str]]:
         "zeroed middle": (bytes(holed), LIMITS, VideoError, "truncated or corrupt"),
         "too many bytes": (mp4, VideoLimits(**{**LIMITS.__dict__, "max_bytes": len(mp4) - 1}), TooLarge, "bytes"),
         "too long": (long, LIMITS, TooLarge, "50.0 s long"),
-        "too many frames": (long, VideoLimits(**{**LIMITS.__dict__, "max_seconds": 60, "max_source_frames": 99}),
-                            TooLarge, "100 frames"),
-        "frames too big": (wide, VideoLimits(**{**LIMITS.__dict__, "max_source_pixels": 320 * 240}), TooLarge,
-                           "640x480"),
+        "too many frames": (
+            long,
+            VideoLimits(**{**LIMITS.__dict__, "max_seconds": 60, "max_source_frames": 99}),
+            TooLarge,
+            "100 frames",
+        ),
+        "frames too big": (
+            wide,
+            VideoLimits(**{**LIMITS.__dict__, "max_source_pixels": 320 * 240}),
+            TooLarge,
+            "640x480",
+        ),
     }
 
 
@@ -206,6 +280,7 @@ def test_bad_files_are_refused_with_a_reason_and_leave_no_temporary_file(tmp_pat
 
 # -- through the engine -----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory) -> bytes:
     """4 s at 10 fps, 160×120: 8 frames sampled, 4 pairs of 5×4 tokens = 80 visual tokens."""
@@ -213,8 +288,13 @@ def clip(tmp_path_factory) -> bytes:
 
 
 def user(*parts) -> ChatMessage:
-    return ChatMessage("user", [TextPart(p) if isinstance(p, str) else
-                                VideoPart(p) if isinstance(p, DecodedVideo) else ImagePart(p) for p in parts])
+    return ChatMessage(
+        "user",
+        [
+            TextPart(p) if isinstance(p, str) else VideoPart(p) if isinstance(p, DecodedVideo) else ImagePart(p)
+            for p in parts
+        ],
+    )
 
 
 def answer(engine, messages, conversation_id=None, max_tokens=8) -> tuple[list, Completion]:
@@ -229,8 +309,10 @@ def answer(engine, messages, conversation_id=None, max_tokens=8) -> tuple[list, 
 def engines(engine, cache_dir):
     """(caches on, caches off) over the same loaded model, fp32 and int8."""
     q = engine.loaded.quantization
-    return (Engine(engine.loaded, make_settings(cache_dir, quantization=q)),
-            Engine(engine.loaded, make_settings(cache_dir, quantization=q, cache_enabled=False)))
+    return (
+        Engine(engine.loaded, make_settings(cache_dir, quantization=q)),
+        Engine(engine.loaded, make_settings(cache_dir, quantization=q, cache_enabled=False)),
+    )
 
 
 def test_a_question_about_a_clip_streams_an_answer(engine, clip):
@@ -295,12 +377,16 @@ def test_images_and_a_video_in_one_conversation_answer_as_the_models_own_pixel_p
     torch.manual_seed(7)
     with torch.inference_mode():
         out = engine.model.generate(
-            input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
-            mm_token_type_ids=prompt.mm_token_type_ids, image_grid_thw=prompt.image_grid_thw,
-            pixel_values=torch.cat(prompt.pixel_values), video_grid_thw=prompt.video_grid_thw,
+            input_ids=prompt.input_ids,
+            attention_mask=torch.ones_like(prompt.input_ids),
+            mm_token_type_ids=prompt.mm_token_type_ids,
+            image_grid_thw=prompt.image_grid_thw,
+            pixel_values=torch.cat(prompt.pixel_values),
+            video_grid_thw=prompt.video_grid_thw,
             pixel_values_videos=torch.cat(prompt.pixel_values_videos),
-            generation_config=engine._generation_config(sampling, 30))
-    model_text = engine.processor.tokenizer.decode(out[0, prompt.num_tokens:], skip_special_tokens=True)
+            generation_config=engine._generation_config(sampling, 30),
+        )
+    model_text = engine.processor.tokenizer.decode(out[0, prompt.num_tokens :], skip_special_tokens=True)
     assert done.text == model_text and done.images == 1 and done.videos == 1
 
 
@@ -313,14 +399,18 @@ def test_prompt_with_an_image_and_a_video_is_the_reference_layout(fp32_engine, c
     video = decode_video(clip, engine.limits.video)
     messages = [user(picture, video, "Compare.")]
     prompt = prepared(engine, GenerationRequest(messages))
-    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {
-        "type": "text", "text": "Compare."}]}], tokenize=False, add_generation_prompt=True)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Compare."}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     image_grid = processor.image_processor(images=[picture.pixels], return_tensors="pt")["image_grid_thw"]
     image_pads = processor.image_token * (int(image_grid.prod()) // 4)
     _, video_grid = video_patches(video, processor.image_processor)
-    frames = "".join(f"<{t:.1f} seconds><|vision_start|>" + "<|video_pad|>" * (int(video_grid[0, 1:].prod()) // 4)
-                     + "<|vision_end|>" for t in Qwen3VLProcessor._calculate_timestamps(
-                         None, list(video.frame_indices), video.source_fps, 2))
+    frames = "".join(
+        f"<{t:.1f} seconds><|vision_start|>" + "<|video_pad|>" * (int(video_grid[0, 1:].prod()) // 4) + "<|vision_end|>"
+        for t in Qwen3VLProcessor._calculate_timestamps(None, list(video.frame_indices), video.source_fps, 2)
+    )
     text = text.replace("<|image_pad|>", image_pads).replace("<|vision_start|><|video_pad|><|vision_end|>", frames)
     assert prompt.input_ids[0].tolist() == processor.tokenizer(text)["input_ids"]
     ids = prompt.input_ids[0]
@@ -346,6 +436,7 @@ def test_videos_beyond_the_per_request_limit_are_refused(fp32_engine, clip):
 
 # -- through the HTTP API ---------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def server(serve, tmp_path_factory):
     """A Gunicorn with its own TMPDIR (to see that no temporary file outlives a request)."""
@@ -361,16 +452,24 @@ def data_url(data: bytes, mime: str) -> str:
 
 def test_native_multipart_video_streams_and_a_follow_up_reuses_the_cache(server, clip):
     form = {"prompt": "What happens in this clip?", "max_tokens": "12", "temperature": "0"}
-    with requests.post(server.base + "/v1/chat", files=[("video", ("clip.mp4", clip, "video/mp4"))], data=form,
-                       stream=True, timeout=120) as r:
+    with requests.post(
+        server.base + "/v1/chat",
+        files=[("video", ("clip.mp4", clip, "video/mp4"))],
+        data=form,
+        stream=True,
+        timeout=120,
+    ) as r:
         assert r.status_code == 200, r.text
         lines = [json.loads(line) for line in r.iter_lines() if line]
     done = lines[-1]
     assert sum("delta" in line for line in lines) >= 2
     assert done["done"] and done["videos"] == 1 and done["usage"]["completion_tokens"] == 12
     assert done["timings"]["video_decode"] > 0 and done["timings"]["vision_encode"] > 0
-    follow = requests.post(server.base + "/v1/chat", json={"prompt": "And then?", "max_tokens": 4, "stream": False,
-                                                           "conversation_id": done["conversation_id"]}, timeout=120)
+    follow = requests.post(
+        server.base + "/v1/chat",
+        json={"prompt": "And then?", "max_tokens": 4, "stream": False, "conversation_id": done["conversation_id"]},
+        timeout=120,
+    )
     assert follow.status_code == 200, follow.text
     # The remembered clip is not decoded again and its tokens come from the KV cache.
     assert follow.json()["usage"]["cached_tokens"] > 80
@@ -379,9 +478,17 @@ def test_native_multipart_video_streams_and_a_follow_up_reuses_the_cache(server,
 
 def test_native_json_with_an_image_and_a_base64_video(server, clip):
     png = encode(pattern(256, 256), ".png")
-    r = requests.post(server.base + "/v1/chat", json={
-        "prompt": "Compare the picture with the clip.", "images": [data_url(png, "image/png")],
-        "videos": [base64.b64encode(clip).decode()], "max_tokens": 4, "stream": False}, timeout=120)
+    r = requests.post(
+        server.base + "/v1/chat",
+        json={
+            "prompt": "Compare the picture with the clip.",
+            "images": [data_url(png, "image/png")],
+            "videos": [base64.b64encode(clip).decode()],
+            "max_tokens": 4,
+            "stream": False,
+        },
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     assert r.json()["images"] == 1 and r.json()["videos"] == 1
 
@@ -389,36 +496,85 @@ def test_native_json_with_an_image_and_a_base64_video(server, clip):
 def test_openai_client_takes_a_video_url_part_beside_an_image(server, clip):
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
     png = encode(pattern(256, 256), ".png")
-    content = [{"type": "image_url", "image_url": {"url": data_url(png, "image/png")}},
-               {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}},
-               {"type": "text", "text": "What moves?"}]
-    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}],
-                                                 max_tokens=8, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}},
+        {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}},
+        {"type": "text", "text": "What moves?"},
+    ]
+    chunks = list(
+        client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    text_only = client.chat.completions.create(model="m", max_tokens=1, messages=[
-        {"role": "user", "content": "What moves?"}]).usage.prompt_tokens
+    text_only = client.chat.completions.create(
+        model="m", max_tokens=1, messages=[{"role": "user", "content": "What moves?"}]
+    ).usage.prompt_tokens
     assert chunks[-1].usage.prompt_tokens > text_only + 64 + 80  # the picture's 64 tokens and the clip's 80
 
 
 def test_bad_video_uploads_get_4xx_and_leave_no_temporary_file(server, clip, tmp_path):
     long = write_clip(tmp_path / "long.avi", frames=250, fps=10.0, size=(64, 48))
     cases = [
-        (dict(files=[("video", ("cut.mp4", clip[: len(clip) // 2], "video/mp4"))], data={"prompt": "?"}),
-         400, "invalid_video", "video[0]"),
-        (dict(files=[("video", ("long.avi", long, "video/x-msvideo"))], data={"prompt": "?"}),
-         413, "video_too_long", "video[0]"),
+        (
+            dict(files=[("video", ("cut.mp4", clip[: len(clip) // 2], "video/mp4"))], data={"prompt": "?"}),
+            400,
+            "invalid_video",
+            "video[0]",
+        ),
+        (
+            dict(files=[("video", ("long.avi", long, "video/x-msvideo"))], data={"prompt": "?"}),
+            413,
+            "video_too_long",
+            "video[0]",
+        ),
         (dict(json={"prompt": "?", "videos": ["not base64!"]}), 400, "invalid_video", "videos[0]"),
-        (dict(json={"messages": [{"role": "user", "content": [
-            {"type": "video_url", "video_url": {"url": data_url(clip, "image/png")}}]}]}),
-         400, "invalid_video", "messages[0].content[0]"),
-        (dict(json={"messages": [{"role": "user", "content": [
-            {"type": "video_url", "video_url": "https://example.com/clip.mp4"}]}]}),
-         400, "remote_video_refused", "messages[0].content[0]"),
+        (
+            dict(
+                json={
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [{"type": "video_url", "video_url": {"url": data_url(clip, "image/png")}}],
+                        }
+                    ]
+                }
+            ),
+            400,
+            "invalid_video",
+            "messages[0].content[0]",
+        ),
+        (
+            dict(
+                json={
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [{"type": "video_url", "video_url": "https://example.com/clip.mp4"}],
+                        }
+                    ]
+                }
+            ),
+            400,
+            "remote_video_refused",
+            "messages[0].content[0]",
+        ),
     ]
     for kwargs, status, code, param in cases:
         r = requests.post(server.base + "/v1/chat", timeout=60, **kwargs)
         assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (status, code, param), r.text
     assert [p.name for p in server.tmpdir.iterdir() if p.name.startswith(TEMP_PREFIX)] == []
-    assert requests.post(server.base + "/v1/chat", files=[("video", ("clip.mp4", clip, "video/mp4"))], timeout=120,
-                         data={"prompt": "Still serving?", "max_tokens": "2", "stream": "false"}).status_code == 200
+    assert (
+        requests.post(
+            server.base + "/v1/chat",
+            files=[("video", ("clip.mp4", clip, "video/mp4"))],
+            timeout=120,
+            data={"prompt": "Still serving?", "max_tokens": "2", "stream": "false"},
+        ).status_code
+        == 200
+    )

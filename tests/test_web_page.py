@@ -17,10 +17,17 @@ from playwright.sync_api import Page, expect, sync_playwright
 from imaging import encode, pattern
 from servers import ROOT, metric
 
-
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package: Playwright's own browser download is not used
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ARTIFACTS = ROOT / "artifacts"
 README_SCREENSHOT = ROOT / "docs" / "screenshot.png"  # rewritten when UPDATE_SCREENSHOT=1
 DEMO_PNG = (ROOT / "tests" / "data" / "demo.png").read_bytes()
@@ -35,8 +42,10 @@ def server(serve):
 
 @pytest.fixture(scope="module")
 def keyed_server(serve):
-    with serve({**SERVER_ENV, "API_KEYS": "sk-right"}, "web-keyed",
-               headers={"Authorization": "Bearer sk-right"}) as (base, _):
+    with serve({**SERVER_ENV, "API_KEYS": "sk-right"}, "web-keyed", headers={"Authorization": "Bearer sk-right"}) as (
+        base,
+        _,
+    ):
         yield base
 
 
@@ -135,6 +144,7 @@ def save_screenshot(page: Page, name: str, for_readme: bool = False) -> Path:
 
 # -- the page and its files ---------------------------------------------------------------------
 
+
 def test_page_and_its_files_are_served_with_types_and_revalidation(server):
     page = requests.get(server + "/")
     assert page.status_code == 200 and page.headers["Content-Type"] == "text/html; charset=utf-8"
@@ -158,6 +168,7 @@ def test_the_random_model_is_announced_at_the_top(page):
 
 
 # -- asking ---------------------------------------------------------------------------------------
+
 
 def test_a_large_picture_is_scaled_down_in_the_browser_before_upload(page, server):
     budget = requests.get(server + "/v1/models").json()["data"][0]["image_max_pixels"]
@@ -271,8 +282,9 @@ def test_stop_ends_the_generation_on_the_server_and_the_next_question_is_answere
 
 def test_a_file_that_is_not_a_picture_gets_the_servers_message(page, server):
     notes = b"shopping list: milk, eggs\n"
-    expected = requests.post(server + "/v1/chat", files=[("image", ("notes.txt", notes, "text/plain"))],
-                             data={"prompt": "x"}).json()["error"]["message"]
+    expected = requests.post(
+        server + "/v1/chat", files=[("image", ("notes.txt", notes, "text/plain"))], data={"prompt": "x"}
+    ).json()["error"]["message"]
     pick(page, "notes.txt", notes, "text/plain")
     expect(page.locator(".preview .note")).to_contain_text("cannot read this as a picture")
     ask(page, "What is this?")

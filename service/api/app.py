@@ -30,15 +30,17 @@ _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
 def _validation_error(exc: ValidationError) -> ServiceError:
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first["loc"])
-    return ServiceError(f"{where}: {first['msg']}" if where else first["msg"], param=where or None,
-                        code="invalid_field")
+    return ServiceError(
+        f"{where}: {first['msg']}" if where else first["msg"], param=where or None, code="invalid_field"
+    )
 
 
 def _http_error(exc: HTTPException) -> ServiceError:
     codes = {404: "not_found", 405: "method_not_allowed", 413: "too_large", 415: "unsupported_media_type"}
     messages = {413: f"request body is larger than the limit of {current_app.config['MAX_CONTENT_LENGTH']} bytes"}
-    err = ServiceError(messages.get(exc.code, exc.description or exc.name), status=exc.code,
-                       code=codes.get(exc.code, "http_error"))
+    err = ServiceError(
+        messages.get(exc.code, exc.description or exc.name), status=exc.code, code=codes.get(exc.code, "http_error")
+    )
     if exc.code == 405 and exc.valid_methods:
         err.headers["Allow"] = ", ".join(exc.valid_methods)
     return err
@@ -70,6 +72,7 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
         g.received_at = time.perf_counter()
 
         check_api_key(api_keys)
+
     @app.after_request
     def _tag(response):
         response.headers["X-Request-Id"] = g.get("request_id", "")

@@ -42,5 +42,7 @@ def check_api_key(keys: list[str]) -> None:
     if not keys or request.path in OPEN_PATHS or request.path == "/" or request.path.startswith(OPEN_PREFIXES):
         return
     if not key_is_valid(_presented_key(), keys):
-        raise Unauthorized("missing or invalid API key: send Authorization: Bearer <key>",
-                           headers={"WWW-Authenticate": 'Bearer realm="qwen3vl"'})
+        raise Unauthorized(
+            "missing or invalid API key: send Authorization: Bearer <key>",
+            headers={"WWW-Authenticate": 'Bearer realm="qwen3vl"'},
+        )

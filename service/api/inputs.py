@@ -32,18 +32,28 @@ def _data_url_payload(url: str, kind: str, param: str) -> str:
     scheme = url[:12].lower()
     example = "data:image/png;base64,..." if kind == "image" else "data:video/mp4;base64,..."
     if scheme.startswith(("http://", "https://")):
-        raise BadRequest(f"remote {kind} URLs are refused: this server fetches nothing. Send the {kind} inline "
-                         f"as a data: URL ({example})", param=param, code=f"remote_{kind}_refused")
+        raise BadRequest(
+            f"remote {kind} URLs are refused: this server fetches nothing. Send the {kind} inline "
+            f"as a data: URL ({example})",
+            param=param,
+            code=f"remote_{kind}_refused",
+        )
     if not scheme.startswith("data:"):
-        raise BadRequest(f"unsupported {kind} URL: only data:{kind}/...;base64,... URLs are accepted",
-                         param=param, code=f"unsupported_{kind}_url")
+        raise BadRequest(
+            f"unsupported {kind} URL: only data:{kind}/...;base64,... URLs are accepted",
+            param=param,
+            code=f"unsupported_{kind}_url",
+        )
     header, sep, payload = url.partition(",")
     if not sep or not header.lower().endswith(";base64"):
         raise BadRequest(f"the {kind} data: URL must be base64-encoded ({example})", param=param)
     mime = header[5:].split(";")[0].strip().lower()
     if mime and not mime.startswith(f"{kind}/"):
-        raise BadRequest(f"a data: URL of type {mime!r} is not {'an' if kind == 'image' else 'a'} {kind}",
-                         param=param, code=f"invalid_{kind}")
+        raise BadRequest(
+            f"a data: URL of type {mime!r} is not {'an' if kind == 'image' else 'a'} {kind}",
+            param=param,
+            code=f"invalid_{kind}",
+        )
     return payload
 
 
@@ -129,7 +139,11 @@ def to_chat_messages(messages: list[Message], limits: RequestLimits) -> list[Cha
 def user_message(prompt: str, images: list[DecodedImage], videos: list[DecodedVideo] = ()) -> ChatMessage:
     """The native endpoint's short form: images and videos first, then the question (Qwen's
     recommended order)."""
-    return ChatMessage("user", [*(ImagePart(img) for img in images), *(VideoPart(v) for v in videos),
-                                TextPart(checked_text(prompt, "prompt"))])
-
-
+    return ChatMessage(
+        "user",
+        [
+            *(ImagePart(img) for img in images),
+            *(VideoPart(v) for v in videos),
+            TextPart(checked_text(prompt, "prompt")),
+        ],
+    )

@@ -12,16 +12,22 @@ import time
 
 from flask import Blueprint, Response, g, jsonify, request
 
+from ..errors import BadRequest, ServiceError, UnsupportedMediaType
 from ..generation import Completion, TextDelta
 from ..limits import RequestLimits
-from ..errors import BadRequest, ServiceError, UnsupportedMediaType
 from ..prompts import ChatMessage, TextPart
 from . import protocol
-from .state import state
-from .inputs import (decode_file, decode_inline_image, decode_inline_video, decode_video_file, to_chat_messages,
-                     user_message)
+from .inputs import (
+    decode_file,
+    decode_inline_image,
+    decode_inline_video,
+    decode_video_file,
+    to_chat_messages,
+    user_message,
+)
 from .requests import conversation_header, generation_request, json_body
 from .serving import EventStream, collect
+from .state import state
 
 native = Blueprint("native", __name__)
 ENDPOINT = "/v1/chat"
@@ -34,7 +40,7 @@ def _line(obj: dict) -> bytes:
 def _from_form(limits: RequestLimits) -> tuple[protocol.NativeChatRequest, list[ChatMessage]]:
     form, files = request.form, request.files
     if None in form or None in files or "" in form or "" in files:
-        raise BadRequest("a form part has no name: each needs Content-Disposition: form-data; name=\"...\"")
+        raise BadRequest('a form part has no name: each needs Content-Disposition: form-data; name="..."')
     unknown = set(form) - protocol.FORM_FIELDS - {"stop"}
     if unknown:
         raise BadRequest(f"unknown form field(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
@@ -43,8 +49,11 @@ def _from_form(limits: RequestLimits) -> tuple[protocol.NativeChatRequest, list[
             raise BadRequest(f"form field {name!r} was sent more than once", param=name)
     unknown_files = set(files) - {"image", "video"}
     if unknown_files:
-        raise BadRequest(f"unknown file field(s): {', '.join(sorted(unknown_files))}; send images as -F image=@file "
-                         "and videos as -F video=@file", param=sorted(unknown_files)[0])
+        raise BadRequest(
+            f"unknown file field(s): {', '.join(sorted(unknown_files))}; send images as -F image=@file "
+            "and videos as -F video=@file",
+            param=sorted(unknown_files)[0],
+        )
     fields = {k: form[k] for k in protocol.FORM_FIELDS if k in form}
     if form.getlist("stop"):
         fields["stop"] = form.getlist("stop")
@@ -59,8 +68,9 @@ def _from_form(limits: RequestLimits) -> tuple[protocol.NativeChatRequest, list[
 def _from_json(limits: RequestLimits) -> tuple[protocol.NativeChatRequest, list[ChatMessage]]:
     body = protocol.NativeChatRequest.model_validate(json_body())
     if (body.messages is None) == (body.prompt is None):
-        raise BadRequest("send either messages (OpenAI format) or prompt (+ images, videos), not both or neither",
-                         param="messages")
+        raise BadRequest(
+            "send either messages (OpenAI format) or prompt (+ images, videos), not both or neither", param="messages"
+        )
     if body.messages is not None:
         for name in ("images", "videos"):
             if getattr(body, name):
@@ -91,8 +101,9 @@ def chat():
     elif request.is_json:
         body, new_messages = _from_json(engine.limits)
     else:
-        raise UnsupportedMediaType("send application/json or multipart/form-data (curl -F prompt=... -F image=@file "
-                                   "-F video=@file)")
+        raise UnsupportedMediaType(
+            "send application/json or multipart/form-data (curl -F prompt=... -F image=@file -F video=@file)"
+        )
     given_id = _conversation_id(body)
     conversation_id = given_id or app_state.conversations.new_id()
     history = app_state.conversations.history(conversation_id) if given_id else []
@@ -101,8 +112,13 @@ def chat():
     messages = history + new_messages
     gen_request = generation_request(messages, body.sampling(), conversation_id, remembered=len(history))
     generation = engine.submit(gen_request)
-    head = {"id": g.request_id, "model": engine.info.name, "conversation_id": conversation_id,
-            "created": int(time.time()), "random_model": engine.info.is_random}
+    head = {
+        "id": g.request_id,
+        "model": engine.info.name,
+        "conversation_id": conversation_id,
+        "created": int(time.time()),
+        "random_model": engine.info.is_random,
+    }
 
     def remember(done: Completion) -> None:
         answer = ChatMessage("assistant", [TextPart(done.text)], token_ids=done.answer_token_ids)
@@ -125,5 +141,6 @@ def chat():
             yield _line({**event.to_dict(), "done": True})
 
     stream = EventStream(generation, gen_request, request.environ, ENDPOINT, encode)
-    return Response(stream, mimetype="application/x-ndjson",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return Response(
+        stream, mimetype="application/x-ndjson", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )

@@ -8,13 +8,13 @@ import time
 
 from flask import Blueprint, Response, g, jsonify, request
 
-from ..generation import Completion, TextDelta
 from ..errors import BadRequest, ServiceError
+from ..generation import Completion, TextDelta
 from . import protocol
-from .state import state
 from .inputs import to_chat_messages
 from .requests import conversation_header, generation_request, json_body
 from .serving import EventStream, collect
+from .state import state
 
 openai_api = Blueprint("openai", __name__)
 ENDPOINT = "/v1/chat/completions"
@@ -31,8 +31,9 @@ def chat_completions():
         raise BadRequest("tools are not supported by this server", param="tools", code="unsupported_parameter")
     engine = state().require_engine()
     messages = to_chat_messages(body.messages, engine.limits)
-    gen_request = generation_request(messages, body.sampling(body.max_completion_tokens or body.max_tokens),
-                                     conversation_header() or body.user)
+    gen_request = generation_request(
+        messages, body.sampling(body.max_completion_tokens or body.max_tokens), conversation_header() or body.user
+    )
     generation = engine.submit(gen_request)
     model = engine.info.name
     if not body.stream:
@@ -56,5 +57,6 @@ def chat_completions():
             yield b"data: [DONE]\n\n"
 
     stream = EventStream(generation, gen_request, request.environ, ENDPOINT, encode)
-    return Response(stream, mimetype="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return Response(
+        stream, mimetype="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )

@@ -20,11 +20,23 @@ def _schema(model, components: dict) -> dict:
 
 _ERROR = {"description": "error", "content": {"application/json": {"schema": {"$ref": _REF.format(model="Error")}}}}
 _ERROR_SCHEMA = {
-    "type": "object", "required": ["error"],
-    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
 }
+
+
 def _form_schema() -> dict:
     """multipart/form-data for /v1/chat: the JSON body's fields a form may carry (as the JSON schema
     has them, without null), `stop` repeatable, and the files."""
@@ -36,9 +48,16 @@ def _form_schema() -> dict:
 
     fields = {name: not_null(properties[name]) for name in sorted(FORM_FIELDS)}
     binary = {"type": "array", "items": {"type": "string", "format": "binary"}}
-    return {"type": "object", "required": ["prompt"],
-            "properties": {**fields, "stop": {"type": "array", "items": properties["stop"]["anyOf"][0]},
-                           "image": binary, "video": binary}}
+    return {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {
+            **fields,
+            "stop": {"type": "array", "items": properties["stop"]["anyOf"][0]},
+            "image": binary,
+            "video": binary,
+        },
+    }
 
 
 def _errors(*codes: int) -> dict:
@@ -66,36 +85,76 @@ def _document() -> dict:
     chat_errors = _errors(400, 401, 413, 415, 422, 429, 503)
     return {
         "openapi": "3.1.0",
-        "info": {"title": "Qwen3-VL CPU service", "version": "1.0.0",
-                 "description": "OpenAI-compatible chat completions and a curl-first JSON-lines endpoint."},
-        "paths": {
-            "/v1/chat/completions": {"post": {
-                "summary": "OpenAI Chat Completions (SSE when stream is true)",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": openai_ref}}},
-                "responses": {"200": {"description": "a chat.completion, or text/event-stream chunks",
-                                      "content": {"application/json": {"schema": {"type": "object"}},
-                                                  "text/event-stream": {"schema": {"type": "string"}}}},
-                              **chat_errors}}},
-            "/v1/chat": {"post": {
-                "summary": "Native endpoint: JSON lines (application/x-ndjson), stateful by conversation_id",
-                "requestBody": {"required": True, "content": {
-                    "application/json": {"schema": native_ref},
-                    "multipart/form-data": {"schema": _form_schema()}}},
-                "responses": {"200": {"description": "JSON lines, or one JSON object when stream is false",
-                                      "content": {"application/x-ndjson": {"schema": {"type": "string"}},
-                                                  "application/json": {"schema": {"type": "object"}}}},
-                              **chat_errors}}},
-            "/v1/models": {"get": {"summary": "the loaded model",
-                                   "responses": {"200": {"description": "model list",
-                                                         "content": {"application/json": {"schema": {
-                                                             "type": "object"}}}}, **_errors(401, 503)}}},
-            "/health": {"get": {"summary": "liveness", "responses": {"200": {"description": "alive"}}}},
-            "/ready": {"get": {"summary": "readiness (503 while loading); needs no API key",
-                               "responses": {"200": {"description": "ready"}, **_errors(503)}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics",
-                                 "responses": {"200": {"description": "exposition text"}, **_errors(401)}}},
+        "info": {
+            "title": "Qwen3-VL CPU service",
+            "version": "1.0.0",
+            "description": "OpenAI-compatible chat completions and a curl-first JSON-lines endpoint.",
         },
-        "components": {"schemas": components,
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "paths": {
+            "/v1/chat/completions": {
+                "post": {
+                    "summary": "OpenAI Chat Completions (SSE when stream is true)",
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": openai_ref}}},
+                    "responses": {
+                        "200": {
+                            "description": "a chat.completion, or text/event-stream chunks",
+                            "content": {
+                                "application/json": {"schema": {"type": "object"}},
+                                "text/event-stream": {"schema": {"type": "string"}},
+                            },
+                        },
+                        **chat_errors,
+                    },
+                }
+            },
+            "/v1/chat": {
+                "post": {
+                    "summary": "Native endpoint: JSON lines (application/x-ndjson), stateful by conversation_id",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {"schema": native_ref},
+                            "multipart/form-data": {"schema": _form_schema()},
+                        },
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "JSON lines, or one JSON object when stream is false",
+                            "content": {
+                                "application/x-ndjson": {"schema": {"type": "string"}},
+                                "application/json": {"schema": {"type": "object"}},
+                            },
+                        },
+                        **chat_errors,
+                    },
+                }
+            },
+            "/v1/models": {
+                "get": {
+                    "summary": "the loaded model",
+                    "responses": {
+                        "200": {
+                            "description": "model list",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        },
+                        **_errors(401, 503),
+                    },
+                }
+            },
+            "/health": {"get": {"summary": "liveness", "responses": {"200": {"description": "alive"}}}},
+            "/ready": {
+                "get": {
+                    "summary": "readiness (503 while loading); needs no API key",
+                    "responses": {"200": {"description": "ready"}, **_errors(503)},
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {"200": {"description": "exposition text"}, **_errors(401)},
+                }
+            },
+        },
+        "components": {"schemas": components, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{}, {"bearer": []}],
     }

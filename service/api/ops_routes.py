@@ -7,8 +7,8 @@ from flask import Blueprint, Response, jsonify
 from .. import metrics
 from ..checkpoints import RANDOM_MODEL_WARNING
 from ..errors import ServiceError
-from .state import error_response, state
 from .openapi import openapi_document
+from .state import error_response, state
 
 ops = Blueprint("ops", __name__)
 
@@ -33,8 +33,15 @@ def ready():
 @ops.get("/v1/models")
 def models():
     info = state().require_engine().info
-    card = {"id": info.name, "object": "model", "created": 0, "owned_by": "local", "quantization": info.quantization,
-            "random_test_model": info.is_random, "image_max_pixels": info.image_max_pixels}
+    card = {
+        "id": info.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "local",
+        "quantization": info.quantization,
+        "random_test_model": info.is_random,
+        "image_max_pixels": info.image_max_pixels,
+    }
     if info.is_random:
         card["warning"] = RANDOM_MODEL_WARNING
     return jsonify({"object": "list", "data": [card]})

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from ..generation import (Completion, MaxTokens, RepetitionPenalty, SamplingParams, Seed, StopString, Temperature,
-                          TopK, TopP)
-
+from ..generation import (
+    Completion,
+    MaxTokens,
+    RepetitionPenalty,
+    SamplingParams,
+    Seed,
+    StopString,
+    Temperature,
+    TopK,
+    TopP,
+)
 
 # A conversation id (body field or X-Conversation-Id header): also a cache key and Nginx's hash key.
 CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -49,7 +57,7 @@ class VideoURLPart(_Lenient):
     video_url: VideoURL | Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]
 
 
-ContentPart = Annotated[Union[TextPart, ImageURLPart, VideoURLPart], Field(discriminator="type")]
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
 
 
 class Message(_Lenient):
@@ -75,9 +83,15 @@ class _Sampling(_Lenient):
 
     def sampling(self, max_tokens: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(max_tokens=max_tokens or self.max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop,
-                              repetition_penalty=self.repetition_penalty)
+        return SamplingParams(
+            max_tokens=max_tokens or self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=stop,
+            repetition_penalty=self.repetition_penalty,
+        )
 
 
 class ChatCompletionRequest(_Sampling):
@@ -104,14 +118,18 @@ class NativeChatRequest(_Sampling):
 
 
 # The NativeChatRequest fields a multipart form may carry once each (`stop` may repeat; files: image, video).
-FORM_FIELDS = frozenset({"prompt", "conversation_id", "max_tokens", "temperature", "top_p", "top_k", "seed",
-                         "repetition_penalty", "stream"})
+FORM_FIELDS = frozenset(
+    {"prompt", "conversation_id", "max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "stream"}
+)
 
 
 def usage(done: Completion) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }
 
 
 def openai_finish_reason(done: Completion) -> str:
@@ -120,19 +138,38 @@ def openai_finish_reason(done: Completion) -> str:
 
 def chat_completion(request_id: str, model: str, done: Completion) -> dict:
     return {
-        "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
-                     "logprobs": None, "finish_reason": openai_finish_reason(done)}],
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": done.text},
+                "logprobs": None,
+                "finish_reason": openai_finish_reason(done),
+            }
+        ],
         "usage": usage(done),
     }
 
 
-def chat_chunk(request_id: str, model: str, created: int, delta: dict | None,
-               finish_reason: str | None = None, usage_: dict | None = None) -> dict:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
-                                         "finish_reason": finish_reason}]
-    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": choices}
+def chat_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict | None,
+    finish_reason: str | None = None,
+    usage_: dict | None = None,
+) -> dict:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    chunk = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk
@@ -140,9 +177,16 @@ def chat_chunk(request_id: str, model: str, created: int, delta: dict | None,
 
 def native_done(done: Completion) -> dict:
     return {
-        "done": True, "finish_reason": done.finish_reason, "text": done.text,
-        "usage": {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                  "cached_tokens": done.cached_tokens},
-        "vision_cache_hits": done.vision_cache_hits, "images": done.images, "videos": done.videos,
+        "done": True,
+        "finish_reason": done.finish_reason,
+        "text": done.text,
+        "usage": {
+            "prompt_tokens": done.prompt_tokens,
+            "completion_tokens": done.completion_tokens,
+            "cached_tokens": done.cached_tokens,
+        },
+        "vision_cache_hits": done.vision_cache_hits,
+        "images": done.images,
+        "videos": done.videos,
         "timings": {k: round(v, 4) for k, v in asdict(done.timings).items()},
     }

@@ -7,8 +7,8 @@ import re
 
 from flask import g, request
 
-from ..generation import GenerationRequest, SamplingParams
 from ..errors import BadRequest, UnsupportedMediaType
+from ..generation import GenerationRequest, SamplingParams
 from ..prompts import ChatMessage
 from .protocol import CONVERSATION_ID_PATTERN
 
@@ -26,16 +26,25 @@ def json_body() -> dict:
     return body
 
 
-def generation_request(messages: list[ChatMessage], params: SamplingParams, conversation_id: str | None,
-                       remembered: int = 0) -> GenerationRequest:
-    return GenerationRequest(messages=messages, params=params, received_at=g.received_at, request_id=g.request_id,
-                             conversation_id=conversation_id, remembered=remembered)
+def generation_request(
+    messages: list[ChatMessage], params: SamplingParams, conversation_id: str | None, remembered: int = 0
+) -> GenerationRequest:
+    return GenerationRequest(
+        messages=messages,
+        params=params,
+        received_at=g.received_at,
+        request_id=g.request_id,
+        conversation_id=conversation_id,
+        remembered=remembered,
+    )
 
 
 def conversation_header() -> str | None:
     """The X-Conversation-Id header (what Nginx routes a conversation by), checked like the body field."""
     header = request.headers.get("X-Conversation-Id")
     if header is not None and not re.fullmatch(CONVERSATION_ID_PATTERN, header):
-        raise BadRequest("X-Conversation-Id must be 1 to 128 characters of A-Z, a-z, 0-9, '.', '_', ':', '-'",
-                         param="X-Conversation-Id")
+        raise BadRequest(
+            "X-Conversation-Id must be 1 to 128 characters of A-Z, a-z, 0-9, '.', '_', ':', '-'",
+            param="X-Conversation-Id",
+        )
     return header

@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 import select
 import socket
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from .. import metrics
-from ..generation import Completion, Generation, GenerationRequest, TextDelta
 from ..errors import InternalError, ServiceError
+from ..generation import Completion, Generation, GenerationRequest, TextDelta
 
 log = logging.getLogger("service.requests")
 
@@ -34,8 +34,13 @@ def record(request: GenerationRequest, done: Completion | None, endpoint: str, e
         metrics.FINISHED.labels("error" if error_code else "cancelled").inc()
         metrics.GENERATED_TOKENS.inc(request.generated_tokens)
         if error_code:
-            log.warning("%s %s ended by an error (%s) after %d tokens", request.request_id, endpoint, error_code,
-                        request.generated_tokens)
+            log.warning(
+                "%s %s ended by an error (%s) after %d tokens",
+                request.request_id,
+                endpoint,
+                error_code,
+                request.generated_tokens,
+            )
         else:
             log.info("%s %s client gone after %d tokens", request.request_id, endpoint, request.generated_tokens)
         return
@@ -50,10 +55,23 @@ def record(request: GenerationRequest, done: Completion | None, endpoint: str, e
         metrics.TTFT.observe(t.time_to_first_token)
     if done.completion_tokens > 1:
         metrics.INTER_TOKEN.observe(t.decode / (done.completion_tokens - 1))
-    log.info("%s %s %s prompt=%d cached=%d completion=%d queue=%.3fs decode_img=%.3fs vision=%.3fs "
-             "prefill=%.3fs ttft=%.3fs tok/s=%.1f total=%.3fs", request.request_id, endpoint, done.finish_reason,
-             done.prompt_tokens, done.cached_tokens, done.completion_tokens, t.queue_wait, t.image_decode,
-             t.vision_encode, t.prefill, t.time_to_first_token, t.decode_tokens_per_s, t.total)
+    log.info(
+        "%s %s %s prompt=%d cached=%d completion=%d queue=%.3fs decode_img=%.3fs vision=%.3fs "
+        "prefill=%.3fs ttft=%.3fs tok/s=%.1f total=%.3fs",
+        request.request_id,
+        endpoint,
+        done.finish_reason,
+        done.prompt_tokens,
+        done.cached_tokens,
+        done.completion_tokens,
+        t.queue_wait,
+        t.image_decode,
+        t.vision_encode,
+        t.prefill,
+        t.time_to_first_token,
+        t.decode_tokens_per_s,
+        t.total,
+    )
 
 
 def collect(generation: Generation, request: GenerationRequest, endpoint: str) -> Completion:
@@ -82,8 +100,14 @@ class EventStream:
     """A WSGI response body: encodes engine events with `encode`, stops generating as soon as the
     client is gone, and frees the model on close() even if never iterated."""
 
-    def __init__(self, generation: Generation, request: GenerationRequest, environ, endpoint: str,
-                 encode: Callable[[TextDelta | Completion | ServiceError | None], Iterator[bytes]]):
+    def __init__(
+        self,
+        generation: Generation,
+        request: GenerationRequest,
+        environ,
+        endpoint: str,
+        encode: Callable[[TextDelta | Completion | ServiceError | None], Iterator[bytes]],
+    ):
         self.generation = generation
         self.request = request
         self.environ = environ

@@ -24,9 +24,11 @@ class AppState:
         self.settings = settings
         self.engine: Engine | None = None
         self.load_error: str | None = None
-        self.conversations = ConversationStore(settings.conversation_history_max,
-                                               settings.conversation_history_ttl,
-                                               settings.conversation_history_max_bytes)
+        self.conversations = ConversationStore(
+            settings.conversation_history_max,
+            settings.conversation_history_ttl,
+            settings.conversation_history_max_bytes,
+        )
         self.loaded = threading.Event()
 
     def load(self, threads: int | None = None) -> None:
@@ -45,8 +47,9 @@ class AppState:
             return self.engine
         if self.load_error:
             raise Unavailable(f"the model failed to load: {self.load_error}", code="model_load_failed")
-        raise Unavailable("the model is still loading; retry shortly", code="model_loading",
-                          headers={"Retry-After": "5"})
+        raise Unavailable(
+            "the model is still loading; retry shortly", code="model_loading", headers={"Retry-After": "5"}
+        )
 
 
 def state() -> AppState:

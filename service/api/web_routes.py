@@ -13,11 +13,18 @@ from flask import Blueprint, abort, send_from_directory
 web = Blueprint("web", __name__)
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 # Explicit, not guessed from the system's mime.types; Werkzeug adds "; charset=utf-8" to text types.
-CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".png": "image/png",
-                 ".svg": "image/svg+xml"}
+CONTENT_TYPES = {
+    ".html": "text/html",
+    ".js": "text/javascript",
+    ".css": "text/css",
+    ".png": "image/png",
+    ".svg": "image/svg+xml",
+}
 # Nothing but this origin: no CDN, no third-party requests; previews are blob: URLs.
-PAGE_POLICY = ("default-src 'self'; img-src 'self' blob: data:; connect-src 'self'; object-src 'none'; "
-               "base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
+PAGE_POLICY = (
+    "default-src 'self'; img-src 'self' blob: data:; connect-src 'self'; object-src 'none'; "
+    "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
 
 
 def _send(name: str):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from ..settings import Settings, SettingsError
 from .planning import Instance
@@ -28,16 +28,27 @@ def _seconds(value: float) -> str:
     return f"{round(value * 1000)}ms"  # Nginx time units: milliseconds keep sub-second test settings exact
 
 
-def nginx_config(settings: Settings, instances: Iterable[Instance], run_dir: Path,
-                 access_log: str = "/dev/stdout", graceful_timeout: float = 30) -> str:
+def nginx_config(
+    settings: Settings,
+    instances: Iterable[Instance],
+    run_dir: Path,
+    access_log: str = "/dev/stdout",
+    graceful_timeout: float = 30,
+) -> str:
     """The Nginx configuration that fronts `instances` with the given settings."""
     servers = "\n".join(f"        server {i.address} max_fails=1 fail_timeout=5s;" for i in instances)
-    return render(TEMPLATE.read_text(), {
-        "RUN_DIR": str(run_dir), "ACCESS_LOG": access_log, "UPSTREAM_SERVERS": servers,
-        "LISTEN": settings.nginx_listen, "MAX_BODY_BYTES": str(settings.max_body_bytes),
-        "PROXY_READ_TIMEOUT": _seconds(settings.proxy_read_timeout),
-        "GRACEFUL_TIMEOUT": str(max(1, round(graceful_timeout))),
-    })
+    return render(
+        TEMPLATE.read_text(),
+        {
+            "RUN_DIR": str(run_dir),
+            "ACCESS_LOG": access_log,
+            "UPSTREAM_SERVERS": servers,
+            "LISTEN": settings.nginx_listen,
+            "MAX_BODY_BYTES": str(settings.max_body_bytes),
+            "PROXY_READ_TIMEOUT": _seconds(settings.proxy_read_timeout),
+            "GRACEFUL_TIMEOUT": str(max(1, round(graceful_timeout))),
+        },
+    )
 
 
 def nginx_binary() -> str:
@@ -52,8 +63,11 @@ def write_config(config: str, run_dir: Path) -> Path:
     """Write `config` into `run_dir` and have Nginx check it; a bad config fails here, readably."""
     path = run_dir / "nginx.conf"
     path.write_text(config)
-    check = subprocess.run([nginx_binary(), "-t", "-q", "-p", str(run_dir), "-e", "stderr", "-c", str(path)],
-                           capture_output=True, text=True)
+    check = subprocess.run(
+        [nginx_binary(), "-t", "-q", "-p", str(run_dir), "-e", "stderr", "-c", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if check.returncode != 0:
         raise SettingsError(f"the Nginx configuration {path} is invalid:\n{check.stderr.strip()}")
     return path
@@ -61,5 +75,6 @@ def write_config(config: str, run_dir: Path) -> Path:
 
 def start_nginx(config_path: Path, run_dir: Path, **popen) -> subprocess.Popen:
     """Nginx in the foreground (`daemon off` in the config), in its own session, on `config_path`."""
-    return subprocess.Popen([nginx_binary(), "-p", str(run_dir), "-e", "stderr", "-c", str(config_path)],
-                            start_new_session=True, **popen)
+    return subprocess.Popen(
+        [nginx_binary(), "-p", str(run_dir), "-e", "stderr", "-c", str(config_path)], start_new_session=True, **popen
+    )

@@ -78,8 +78,7 @@ def numa_nodes(cores: list[int]) -> list[list[int]]:
     groups = []
     for node in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
         try:
-            listed = {c for part in (node / "cpulist").read_text().strip().split(",") if part
-                      for c in _cpu_range(part)}
+            listed = {c for part in (node / "cpulist").read_text().strip().split(",") if part for c in _cpu_range(part)}
         except OSError:
             continue
         group = [c for c in cores if c in listed]
@@ -95,8 +94,9 @@ def _cpu_range(part: str) -> range:
     return range(int(low), int(high or low) + 1)
 
 
-def plan_instances(settings: Settings, cores: list[int] | None = None, memory: int | None = None,
-                   nodes: list[list[int]] | None = None) -> list[Instance]:
+def plan_instances(
+    settings: Settings, cores: list[int] | None = None, memory: int | None = None, nodes: list[list[int]] | None = None
+) -> list[Instance]:
     """Split the usable cores into disjoint, contiguous sets, one per instance.
 
     INSTANCES=0: one instance per CORES_PER_INSTANCE cores of each NUMA node (at least one per
@@ -119,12 +119,19 @@ def plan_instances(settings: Settings, cores: list[int] | None = None, memory: i
             groups = [(cores, min(fits, len(cores)))]
         else:
             groups = list(zip(nodes, per_node))
-        log.info("%d instance(s) on %d core(s) in %d NUMA node(s), CORES_PER_INSTANCE=%d; %.1f GiB available, "
-                 "about %.1f GiB needed per instance", sum(n for _, n in groups), len(cores), len(nodes),
-                 settings.cores_per_instance, memory / 1024**3, need / 1024**3)
+        log.info(
+            "%d instance(s) on %d core(s) in %d NUMA node(s), CORES_PER_INSTANCE=%d; %.1f GiB available, "
+            "about %.1f GiB needed per instance",
+            sum(n for _, n in groups),
+            len(cores),
+            len(nodes),
+            settings.cores_per_instance,
+            memory / 1024**3,
+            need / 1024**3,
+        )
     planned: list[tuple[int, ...]] = []
     for group, n in groups:
-        planned += [tuple(group[i * len(group) // n:(i + 1) * len(group) // n]) for i in range(n)]
+        planned += [tuple(group[i * len(group) // n : (i + 1) * len(group) // n]) for i in range(n)]
     return [Instance(i, c, settings.host, settings.port + i) for i, c in enumerate(planned)]
 
 

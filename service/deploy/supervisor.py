@@ -86,15 +86,23 @@ class Deployment:
             signal.signal(sig, self._on_signal)
         try:
             if self.settings.proxy_read_timeout <= self.settings.queue_timeout:
-                log.warning("PROXY_READ_TIMEOUT (%s s) <= QUEUE_TIMEOUT (%s s): Nginx will cut requests that wait "
-                            "in the queue", self.settings.proxy_read_timeout, self.settings.queue_timeout)
+                log.warning(
+                    "PROXY_READ_TIMEOUT (%s s) <= QUEUE_TIMEOUT (%s s): Nginx will cut requests that wait in the queue",
+                    self.settings.proxy_read_timeout,
+                    self.settings.queue_timeout,
+                )
             for slot in self.slots:
                 self._start_instance(slot)
             # Nginx starts once every model is loaded: before, it would only hand out 503s.
             if not self._wait_ready():
                 return 0 if self._stop.is_set() else 1
-            config = nginx_config(self.settings, [s.instance for s in self.slots], self.run_dir, self.access_log,
-                                  self.settings.graceful_timeout)
+            config = nginx_config(
+                self.settings,
+                [s.instance for s in self.slots],
+                self.run_dir,
+                self.access_log,
+                self.settings.graceful_timeout,
+            )
             self.nginx = start_nginx(write_config(config, self.run_dir), self.run_dir, preexec_fn=_die_with_parent)
             if not self._wait_nginx():
                 return 0 if self._stop.is_set() else 1
@@ -114,18 +122,40 @@ class Deployment:
         metrics_dir = self.run_dir / f"metrics-{inst.index}"
         shutil.rmtree(metrics_dir, ignore_errors=True)  # a restarted instance starts its counters afresh
         metrics_dir.mkdir()
-        env = {**os.environ, "THREADS": threads, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-               "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
+        env = {
+            **os.environ,
+            "THREADS": threads,
+            "OMP_NUM_THREADS": threads,
+            "MKL_NUM_THREADS": threads,
+            "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+        }
         if self.settings.max_memory_mb is None:  # each instance its share of the machine's memory
             env["MAX_MEMORY_MB"] = str(instance_budget_mb(len(self.slots)))
-        command = ["taskset", "-c", inst.cpu_list, sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py",
-                   "wsgi:app", "--bind", f"{inst.host}:{inst.port}",
-                   "--control-socket", str(self.run_dir / f"gunicorn-{inst.index}.ctl")]
-        slot.process = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True,
-                                        preexec_fn=_die_with_parent)
+        command = [
+            "taskset",
+            "-c",
+            inst.cpu_list,
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "-c",
+            "gunicorn.conf.py",
+            "wsgi:app",
+            "--bind",
+            f"{inst.host}:{inst.port}",
+            "--control-socket",
+            str(self.run_dir / f"gunicorn-{inst.index}.ctl"),
+        ]
+        slot.process = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         slot.started_at, slot.restart_at = time.monotonic(), None
-        log.info("instance %d: pid %d on cores %s, port %d, %s threads", inst.index, slot.process.pid,
-                 inst.cpu_list, inst.port, threads)
+        log.info(
+            "instance %d: pid %d on cores %s, port %d, %s threads",
+            inst.index,
+            slot.process.pid,
+            inst.cpu_list,
+            inst.port,
+            threads,
+        )
 
     def _wait_ready(self) -> bool:
         """Wait until every instance has loaded its model; False if one died or failed to load, or a stop came."""
@@ -135,13 +165,17 @@ class Deployment:
             if self._stop.wait(0.25):
                 return False
             if time.monotonic() > deadline:
-                log.error("instance(s) %s not ready after START_TIMEOUT=%g s: see their log lines above",
-                          ", ".join(str(s.instance.index) for s in waiting), self.settings.start_timeout)
+                log.error(
+                    "instance(s) %s not ready after START_TIMEOUT=%g s: see their log lines above",
+                    ", ".join(str(s.instance.index) for s in waiting),
+                    self.settings.start_timeout,
+                )
                 return False
             for slot in list(waiting):
                 if slot.process.poll() is not None:
-                    log.error("instance %d exited with code %d while starting", slot.instance.index,
-                              slot.process.returncode)
+                    log.error(
+                        "instance %d exited with code %d while starting", slot.instance.index, slot.process.returncode
+                    )
                     return False
                 status, body = get_status(f"http://{slot.instance.address}/ready")
                 if status == 200:
@@ -168,11 +202,13 @@ class Deployment:
         _, ready = get_status(f"http://{self.slots[0].instance.address}/ready")
         auth = " -H 'Authorization: Bearer <one of API_KEYS>'" if self.settings.api_key_list else ""
         cores = " | ".join(s.instance.cpu_list for s in self.slots)
-        print(f"\nServing {ready.get('model', 'the model')} on {url}: {len(self.slots)} instance(s), cores {cores}."
-              + (" The embedded model is RANDOM: its answers are noise." if ready.get("random_model") else "")
-              + f"\nTry:\n  curl -N {url}/v1/chat{auth} -H 'X-Conversation-Id: demo-1' "
-              f"-F image=@{ROOT / 'tests' / 'data' / 'demo.png'} -F prompt='What is in this picture?'\n",
-              flush=True)
+        print(
+            f"\nServing {ready.get('model', 'the model')} on {url}: {len(self.slots)} instance(s), cores {cores}."
+            + (" The embedded model is RANDOM: its answers are noise." if ready.get("random_model") else "")
+            + f"\nTry:\n  curl -N {url}/v1/chat{auth} -H 'X-Conversation-Id: demo-1' "
+            f"-F image=@{ROOT / 'tests' / 'data' / 'demo.png'} -F prompt='What is in this picture?'\n",
+            flush=True,
+        )
 
     def _supervise(self) -> int:
         """Restart instances that die (with a growing delay); stop when asked or when Nginx dies."""
@@ -188,9 +224,13 @@ class Deployment:
                     # Quick crashes back off up to 30 s; an instance that ran a while restarts at once.
                     slot.backoff = min(slot.backoff * 2, 30.0) if now - slot.started_at < 60 else 1.0
                     slot.restart_at = now + slot.backoff
-                    log.warning("instance %d exited with code %d; restarting in %.0f s (Nginx sends its "
-                                "conversations elsewhere meanwhile)", slot.instance.index,
-                                slot.process.returncode, slot.backoff)
+                    log.warning(
+                        "instance %d exited with code %d; restarting in %.0f s (Nginx sends its "
+                        "conversations elsewhere meanwhile)",
+                        slot.instance.index,
+                        slot.process.returncode,
+                        slot.backoff,
+                    )
                 elif now >= slot.restart_at:
                     self._start_instance(slot)
         return 0

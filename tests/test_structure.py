@@ -1,0 +1,101 @@
+"""The code's shape: no import cycles inside `service`, the HTTP layer imported by nothing else,
+and every bench/RESULTS.md section written by a command of bench/."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from conftest import ROOT
+
+SERVICE = ROOT / "service"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """service module → the service modules it imports (anywhere in it, lazy imports too). A
+    module's own packages are not edges: Python imports them before it anyway."""
+    modules = {_module_name(p): p for p in SERVICE.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules]
+                targets = subs or [target]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in modules and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_service_has_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_only_the_http_layer_imports_the_http_layer():
+    graph = import_graph()
+    outside = {
+        m
+        for m, deps in graph.items()
+        if not m.startswith("service.api") and any(d.startswith("service.api") for d in deps)
+    }
+    assert outside == set()
+
+
+def test_every_results_section_names_the_bench_command_that_wrote_it():
+    text = (ROOT / "bench" / "RESULTS.md").read_text()
+    sections = re.split(r"(?m)^(?=## )", text)[1:]
+    assert sections
+    titles = [s.splitlines()[0] for s in sections]
+    assert len(titles) == len(set(titles)), "a scenario has more than one section"
+    for section in sections:
+        match = re.search(r"^Command: `python -m (bench(?:\.\w+)?)\b[^`]*` · commit \w+", section, re.M)
+        assert match, f"no command line in: {section.splitlines()[0]}"
+        module = match.group(1).replace(".", "/")
+        assert (ROOT / f"{module}.py").exists() or (ROOT / module / "__main__.py").exists(), match.group(0)
