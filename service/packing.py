@@ -234,9 +234,7 @@ def start_early(settings) -> None:
     start(path, marker["linear_shards"], settings.threads, kernel)
 
 
-def discard(path: Path, kernel: str) -> None:
-    """Drop a packing begun for this checkpoint (the loader maps its weights instead)."""
+def begun(path: Path, kernel: str) -> bool:
+    """Whether `start` began packing this checkpoint for `kernel` (it found the weights fit)."""
     with _lock:
-        started = _started.pop((str(Path(path).resolve()), kernel), None)
-    if started is not None:
-        started.results()
+        return (str(Path(path).resolve()), kernel) in _started

@@ -301,7 +301,8 @@ def load_quantized(
     model = skeleton(config)
     fuse_projections(model)
     packed_bytes = linear_bytes(path, marker)
-    mapped = memory is not None and not memory.fits(packed_bytes)
+    # Packing begun early (wsgi.py) found the weights fit; its memory now counts as used, so do not ask again.
+    mapped = not packing.begun(path, kernel) and memory is not None and not memory.fits(packed_bytes)
     if mapped:
         log.warning(
             "the INT8 weights need %.1f MiB resident, more than MAX_MEMORY_MB leaves (%.0f MiB used of "
@@ -326,7 +327,6 @@ def load_quantized(
         else:
             _set_tensor(model, name, resident.get_tensor(name))
     if mapped:
-        packing.discard(path, kernel)
         # Kept open for the process's life, like `resident`.
         files = {shard: safe_open(path / shard, "pt") for shard in marker["linear_shards"]}
         file_of = {key: f for f in files.values() for key in f.keys()}

@@ -162,3 +162,19 @@ def test_gunicorn_packs_a_prequantized_checkpoint_while_importing_and_answers_al
     assert reply["text"] == expected.text and reply["usage"]["completion_tokens"] == 24
     log = serve.log("prequantized").read_text()
     assert "pre-quantized" in log and "begun before the app was imported" in log
+
+
+def test_packing_begun_before_loading_is_used_even_if_the_budget_now_looks_full(int8_dir):
+    """wsgi.py begins packing when the weights fit; by the time the loader runs, their memory counts
+    as used, so the loader must not decide again (it once mapped the weights it had just packed)."""
+    from service import packing
+    from service.int8_linear import default_kernel
+    from service.memory import MemoryGuard
+    from service.quantized import load_quantized, quantized_marker
+
+    kernel = default_kernel()
+    packing.start(int8_dir, quantized_marker(int8_dir)["linear_shards"], 2, kernel)
+    full = MemoryGuard(MemoryGuard(None).used_bytes() + 1)  # nothing more fits now
+    model, mapped = load_quantized(int8_dir, 2, full, kernel)
+    assert not mapped and not packing.begun(int8_dir, kernel)
+    assert any(isinstance(m, Int8Linear) for m in model.modules())
