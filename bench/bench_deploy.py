@@ -37,10 +37,8 @@ from bench.harness import (
     add_checkpoint_args,
     checkpoint_of,
     encoded_photo,
-    image_limits_of,
     isolated,
     short_rev,
-    timing,
     tree_at,
 )
 from bench.results import append_section, markdown_table
@@ -49,50 +47,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 BASELINE = "6ed1729"  # the session's start: FBGEMM packing, the worker loads the model
 MIB = 1024**2
-
-
-def engine_speed(
-    model_path: str,
-    threads: int,
-    max_memory_mb: int | None = None,
-    mapped_activations: str | None = None,
-    decode_tokens: int = 32,
-) -> dict:
-    """TTFT (W1) and decode tokens/s of one engine in this process; the greedy answer's tokens."""
-    from bench.bench_int8 import DECODE_PROMPT, QUESTION
-    from service.engine import Engine, GenerationRequest, SamplingParams
-    from service.images import decode_image
-    from service.int8_linear import MappedInt8Linear
-    from service.loading import load_model
-    from service.prompts import ChatMessage, ImagePart, TextPart
-    from service.settings import load_settings
-
-    settings = load_settings(
-        model_path=model_path, quantization="int8", threads=threads, cache_enabled=False, max_memory_mb=max_memory_mb
-    )
-    loaded = load_model(settings)
-    if mapped_activations:
-        for module in loaded.model.modules():
-            if isinstance(module, MappedInt8Linear):
-                module.activations = mapped_activations
-    engine = Engine(loaded, settings)
-
-    def ask(parts, max_tokens):
-        request = GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=max_tokens, temperature=0))
-        return list(engine.generate(request))[-1], request.streamer.token_ids
-
-    picture = decode_image(encoded_photo(".jpg", 448, 448), image_limits_of(engine))
-    ask([ImagePart(picture), TextPart("Warm-up.")], 2)
-    w1, _ = ask([ImagePart(picture), TextPart(QUESTION)], 1)
-    decode, tokens = ask([TextPart(DECODE_PROMPT)], decode_tokens)
-    return {
-        "ttft_s": timing(w1, "time_to_first_token"),
-        "vision_s": timing(w1, "vision_encode"),
-        "prefill_s": timing(w1, "prefill"),
-        "decode_tokens_per_s": timing(decode, "decode_tokens_per_s"),
-        "mapped": loaded.weights_mapped,
-        "tokens": tokens,
-    }
 
 
 def _gunicorn(env: dict, root: Path, log_path: Path, preexec_fn=None) -> tuple[subprocess.Popen, str]:
@@ -243,7 +197,9 @@ def main(argv=None) -> int:
     # 1. threads
     threads = {}
     for n in (1, 2):
-        threads[n] = isolated("bench.bench_deploy:engine_speed", model_path=str(model_path), threads=n)
+        threads[n] = isolated(
+            "bench.bench_int8:measure", model_path=str(model_path), threads=n, repeats=1, decode_tokens=32
+        )
         bar.update()
     sections.append(
         markdown_table(
@@ -336,13 +292,17 @@ def main(argv=None) -> int:
     )
 
     # 5. mapped mode
-    packed = isolated("bench.bench_deploy:engine_speed", model_path=str(model_path), threads=args.threads)
+    packed = isolated(
+        "bench.bench_int8:measure", model_path=str(model_path), threads=args.threads, repeats=1, decode_tokens=32
+    )
     bar.update()
     mapped = {
         a: isolated(
-            "bench.bench_deploy:engine_speed",
+            "bench.bench_int8:measure",
             model_path=str(model_path),
             threads=args.threads,
+            repeats=1,
+            decode_tokens=32,
             max_memory_mb=args.mapped_budget_mb,
             mapped_activations=a,
         )

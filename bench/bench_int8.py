@@ -37,25 +37,45 @@ QUESTION = "What is in this picture? Describe the objects, their colours and whe
 DECODE_PROMPT = "Tell me a long story about a red square that travels across a blue sky to find a yellow circle."
 
 
-def measure(model_path: str, threads: int, activations: str | None, repeats: int = 3, decode_tokens: int = 64) -> dict:
-    """W1 time to first token and decode tokens/s of one engine (this process's `service`)."""
+def measure(
+    model_path: str,
+    threads: int,
+    activations: str | None = None,
+    repeats: int = 3,
+    decode_tokens: int = 64,
+    max_memory_mb: int | None = None,
+    mapped_activations: str | None = None,
+) -> dict:
+    """W1 time to first token and decode tokens/s of one engine (this process's `service`), and the
+    greedy decode's tokens. `activations`: switch the Int8Linears (per_token, per_tensor);
+    `mapped_activations`: those of memory-mapped weights (a MAX_MEMORY_MB too small for packed ones)."""
     from service.engine import Engine, GenerationRequest, SamplingParams
     from service.images import decode_image
     from service.loading import load_model
     from service.prompts import ChatMessage, ImagePart, TextPart
     from service.settings import load_settings
 
-    settings = load_settings(model_path=model_path, quantization="int8", threads=threads, cache_enabled=False)
+    settings = load_settings(
+        model_path=model_path, quantization="int8", threads=threads, cache_enabled=False, max_memory_mb=max_memory_mb
+    )
     loaded = load_model(settings)
     if activations is not None:
         from service.int8_linear import set_activations
 
         set_activations(loaded.model, activations)
+    if mapped_activations is not None:
+        from service.int8_linear import MappedInt8Linear
+
+        for module in loaded.model.modules():
+            if isinstance(module, MappedInt8Linear):
+                module.activations = mapped_activations
     engine = Engine(loaded, settings)
 
     def ask(parts, max_tokens):
         request = GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=max_tokens, temperature=0))
-        return list(engine.generate(request))[-1]
+        done = list(engine.generate(request))[-1]
+        done.token_ids = request.streamer.token_ids
+        return done
 
     picture = decode_image(encoded_photo(".jpg", 448, 448), image_limits_of(engine))
     for _ in range(2):  # steady state: the first requests of a size also pay the allocator's growth
@@ -69,6 +89,8 @@ def measure(model_path: str, threads: int, activations: str | None, repeats: int
         "prompt_tokens": w1[0].prompt_tokens,
         "decode_tokens_per_s": statistics.median(timing(d, "decode_tokens_per_s") for d in decode),
         "decoded_tokens": decode[0].completion_tokens,
+        "tokens": decode[0].token_ids,
+        "mapped": loaded.weights_mapped,
     }
 
 

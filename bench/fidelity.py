@@ -22,7 +22,11 @@ TEXT_PROMPTS = [
 ]
 IMAGE_PROMPTS = ["Describe this picture.", "How many circles are in this image, and what colors are they?"]
 
-VARIANTS = {"int8 per-token activations (shipped)": "per_token", "int8 per-tensor activations (before)": "per_tensor"}
+VARIANTS = {  # label → (activations, keys and values as cached)
+    "int8 per-token activations (shipped)": ("per_token", "float32"),
+    "int8 per-token activations, bf16 KV cache (KV_DTYPE=bfloat16)": ("per_token", "bfloat16"),
+    "int8 per-tensor activations (before)": ("per_tensor", "float32"),
+}
 SCENARIOS = ("no spikes", "spikes")
 SPIKE = 1000.0
 
@@ -71,16 +75,25 @@ def _extended(kwargs: dict, sequence) -> dict:
     return {**kwargs, "input_ids": sequence, "mm_token_type_ids": types}
 
 
-def _answer_logits(model, kwargs: dict, sequence, prompt_len: int):
+def _cache(model, kv_dtype: str):
+    """The KV cache the engine would use: keys and values stored (and attended to) in `kv_dtype`."""
+    import torch
+
+    from service.kv import GrowingCache
+
+    return GrowingCache(config=model.config, dtype=getattr(torch, kv_dtype))
+
+
+def _answer_logits(model, kwargs: dict, sequence, prompt_len: int, kv_dtype: str = "float32"):
     import torch
 
     model.model.rope_deltas = None
     with torch.inference_mode():
-        logits = model(**_extended(kwargs, sequence)).logits[0]
+        logits = model(**_extended(kwargs, sequence), cache=_cache(model, kv_dtype)).logits[0]
     return logits[prompt_len - 1 : -1].float()
 
 
-def _greedy(model, kwargs: dict, tokens: int):
+def _greedy(model, kwargs: dict, tokens: int, kv_dtype: str = "float32"):
     import torch
 
     model.model.rope_deltas = None
@@ -91,6 +104,7 @@ def _greedy(model, kwargs: dict, tokens: int):
             max_new_tokens=tokens,
             min_new_tokens=tokens,
             do_sample=False,
+            cache=_cache(model, kv_dtype),
         )
 
 
@@ -130,7 +144,9 @@ def reference(model_path: str, threads: int, tokens: int, out_file: str, spikes:
     return {"prompts": len(saved)}
 
 
-def compare(model_path: str, threads: int, tokens: int, ref_file: str, activations: str, spikes: bool) -> dict:
+def compare(
+    model_path: str, threads: int, tokens: int, ref_file: str, activations: str, spikes: bool, kv_dtype: str = "float32"
+) -> dict:
     """One INT8 variant (the pre-quantized checkpoint) against the saved fp32 reference."""
     import torch
 
@@ -138,10 +154,10 @@ def compare(model_path: str, threads: int, tokens: int, ref_file: str, activatio
     cosines, top1, free_same, free_prefix = [], [], [], []
     for i, ref in enumerate(torch.load(ref_file)):
         kwargs = _inputs(engine, i)
-        logits = _answer_logits(engine.model, kwargs, ref["sequence"], ref["prompt_len"])
+        logits = _answer_logits(engine.model, kwargs, ref["sequence"], ref["prompt_len"], kv_dtype)
         cosines.append(torch.nn.functional.cosine_similarity(logits, ref["logits"], dim=-1))
         top1.append((logits.argmax(-1) == ref["logits"].argmax(-1)).float())
-        answer = _greedy(engine.model, kwargs, tokens)[0, ref["prompt_len"] :]
+        answer = _greedy(engine.model, kwargs, tokens, kv_dtype)[0, ref["prompt_len"] :]
         expected = ref["sequence"][0, ref["prompt_len"] :]
         same = (answer == expected).tolist()
         free_same.append(sum(same) / len(same))
@@ -184,7 +200,7 @@ def run(source, int8, threads: int, tokens: int) -> str:
                 spikes=spikes,
             )
             steps.update()
-            for label, activations in VARIANTS.items():
+            for label, (activations, kv_dtype) in VARIANTS.items():
                 r = isolated(
                     "bench.fidelity:compare",
                     model_path=str(int8),
@@ -193,6 +209,7 @@ def run(source, int8, threads: int, tokens: int) -> str:
                     ref_file=ref,
                     activations=activations,
                     spikes=spikes,
+                    kv_dtype=kv_dtype,
                 )
                 steps.update()
                 rows.append(

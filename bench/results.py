@@ -22,6 +22,7 @@ PREAMBLE = (
     "command replaces its section); timings are from one run on the machine named. Do not edit by hand.\n"
 )
 COMMAND_PREFIX = "Command: `"
+OUTPUTS = (":!bench/RESULTS.md", ":!bench/*.png")  # pathspecs: what the benches write
 
 
 def cpu_model() -> str:
@@ -45,13 +46,14 @@ def machine_line(threads: int | None = None) -> str:
 
 
 def commit() -> str:
-    """HEAD's short hash, marked `+changes` when the tree differs from it."""
+    """HEAD's short hash, marked `+changes` when the tree differs from it (outside the results
+    files themselves, which every bench run rewrites)."""
 
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no", "--", ".", *OUTPUTS) else "")
 
 
 def command_line() -> str:
