@@ -125,7 +125,6 @@ class MemoryGuard:
     def __init__(self, budget_bytes: int | None, evict_callbacks: list[EvictCallback] | None = None):
         self.budget_bytes = budget_bytes
         self.evict_callbacks: list[EvictCallback] = list(evict_callbacks or [])
-        self._process = psutil.Process()
 
     @classmethod
     def from_settings(cls, settings, evict_callbacks: list[EvictCallback] | None = None) -> MemoryGuard:
@@ -148,7 +147,9 @@ class MemoryGuard:
         return max(0, self.budget_bytes - self.used_bytes()) if self.budget_bytes is not None else 0
 
     def used_bytes(self) -> int:
-        return unreclaimable_bytes(self._process)
+        # The process asked for each time: a guard built in Gunicorn's preloading master must measure
+        # the worker it was forked into, not the master.
+        return unreclaimable_bytes()
 
     def fits(self, extra_bytes: int) -> bool:
         """Whether `extra_bytes` more would stay within the budget (always, with no budget)."""

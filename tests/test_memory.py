@@ -4,6 +4,8 @@ are refused with 503; a model larger than the budget is served from memory-mappe
 from __future__ import annotations
 
 import logging
+import os
+import select
 
 import pytest
 import requests
@@ -69,6 +71,27 @@ def test_request_that_would_not_fit_even_after_eviction_is_refused(big_cache):
         guard.check(needed_bytes=2048 * MIB)
     assert exc.value.status == 503 and exc.value.code == "memory_budget"
     assert len(big_cache) == 0  # everything was tried first
+
+
+def test_a_guard_built_before_a_fork_measures_the_child_it_runs_in():
+    """Gunicorn's preloading master builds the guard, the worker uses it: the worker's growth must count."""
+    guard = MemoryGuard(1 << 40)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: grow by 256 MiB of touched memory that the parent does not have
+        try:  # (bytes, not torch: a forked child must not touch the parent's OpenMP team)
+            before = guard.used_bytes()
+            ballast = b"\x01" * (256 * MIB)
+            os.write(write, str(guard.used_bytes() - before).encode())
+            del ballast
+        finally:
+            os._exit(0)
+    os.close(write)
+    ready, _, _ = select.select([read], [], [], 60)
+    assert ready, "the forked child did not report"
+    grown = int(os.read(read, 64))
+    os.waitpid(pid, 0)
+    assert grown >= 250 * MIB
 
 
 def test_unset_budget_is_the_machines_memory_less_a_margin():
