@@ -45,9 +45,10 @@ class Settings(BaseSettings):
         None, description="ONNX export to use; unset = CACHE_DIR/onnx-vision/<checkpoint>"
     )
     kv_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
-        description="keys and values as cached: bfloat16 halves the KV cache's memory (and what a "
-        "decode step reads of it); see the README for what it costs",
+        "bfloat16",
+        description="keys and values as cached: bfloat16 (written so when computed, so a reused prefix "
+        "equals a recomputed one) holds half the bytes of float32 for a decode speed within 3 %; "
+        "float32 for the reference numerics; see the README",
     )
     preload: bool = Field(
         True,
