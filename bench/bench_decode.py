@@ -299,9 +299,10 @@ def engine_throughput(model_path: str, threads: int, streams: int, tokens: int) 
     generated = sum(d.completion_tokens - 1 for d, _, _ in together.values())
     span = max(end for _, _, end in together.values()) - min(first for _, first, _ in together.values())
     long_prompts = {}
+    sentence = "The harbour was quiet in the early morning, boats resting on grey water. "
+    per_sentence = len(engine.processor.tokenizer(sentence)["input_ids"])  # this checkpoint's tokenizer
     for length in LONG_PROMPTS:  # time to first token of a long text prompt (prefill at growing context)
-        words = ("The harbour was quiet in the early morning, boats resting on grey water. " * length).split()
-        text = " ".join(words[: int(length * 0.75)])  # about `length` tokens for English prose
+        text = sentence * max(1, length // per_sentence)  # about `length` tokens
         out = {}
         run(text + " Summarise it.", out, 0)
         done = out[0][0]

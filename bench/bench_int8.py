@@ -121,7 +121,11 @@ def main(argv=None) -> int:
     base = {key: statistics.median(r[key] for r in results["baseline"]) for key in ("ttft_s", "decode_tokens_per_s")}
     rows = []
     for kind, runs in results.items():
-        med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        med = {
+            key: statistics.median(r[key] for r in runs)
+            for key, value in runs[0].items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)  # not the token ids, not flags
+        }
         rows.append(
             [
                 f"{kind} ({short_rev(args.baseline)})" if kind == "baseline" else kind,

@@ -1,6 +1,6 @@
 """INT8 versus fp32 fidelity on a fixed prompt set: logit cosine similarity and greedy-token agreement,
-for per-token activations (shipped) and per-tensor ones (torch's dynamic Linear, before), without
-and with activation spikes.
+for per-token activations (shipped; with fp32 and with bf16 keys and values) and per-tensor ones
+(torch's dynamic Linear, before), without and with activation spikes.
 
 The fp32 model answers each prompt greedily (`reference`, one process); each INT8 variant (its own
 process, `compare`) then reads the same token sequences (teacher forcing) — logit cosine and top-1
@@ -23,8 +23,8 @@ TEXT_PROMPTS = [
 IMAGE_PROMPTS = ["Describe this picture.", "How many circles are in this image, and what colors are they?"]
 
 VARIANTS = {  # label → (activations, keys and values as cached)
-    "int8 per-token activations (shipped)": ("per_token", "float32"),
-    "int8 per-token activations, bf16 KV cache (KV_DTYPE=bfloat16)": ("per_token", "bfloat16"),
+    "int8 per-token activations, fp32 KV cache (KV_DTYPE=float32)": ("per_token", "float32"),
+    "int8 per-token activations, bf16 KV cache (shipped: KV_DTYPE=bfloat16)": ("per_token", "bfloat16"),
     "int8 per-tensor activations (before)": ("per_tensor", "float32"),
 }
 SCENARIOS = ("no spikes", "spikes")

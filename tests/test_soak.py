@@ -1,5 +1,6 @@
 """A short soak (the long one is `python -m bench.soak`): images, conversations, OpenAI streams and
-mid-stream disconnects leave no leaked threads or file descriptors, caches within budget, RSS flat."""
+mid-stream disconnects leave no leaked threads or file descriptors, caches within budget, anonymous
+memory flat."""
 
 from __future__ import annotations
 
