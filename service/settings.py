@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     vision_backend: Literal["torch", "onnxruntime"] = Field(
         "torch",
         description="vision encoder: torch, or onnxruntime (the `export-onnx` export; torch while "
-        "there is none). ORT INT8 was 7-23 % faster here but costs memory and stalls batched streams",
+        "there is none). ORT INT8 encodes faster (README, bench_vision) but costs memory and stalls batched streams",
     )
     vision_onnx_dir: Path | None = Field(
         None, description="ONNX export to use; unset = CACHE_DIR/onnx-vision/<checkpoint>"

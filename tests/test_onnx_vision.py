@@ -184,7 +184,7 @@ def test_export_refuses_a_pre_quantized_checkpoint_saying_why(checkpoint, tmp_pa
 
 
 def test_default_backend_is_torch_even_with_an_export(onnx_engine, cache_dir):
-    """ONNX Runtime INT8 was only 7-23 % faster here and costs memory and batching smoothness (README)."""
+    """ONNX Runtime INT8 encodes faster but costs memory and batching smoothness (README): torch stays the default."""
     settings = make_settings(cache_dir, model_path=onnx_engine.loaded.path)
     assert settings.vision_backend == "torch"
     assert isinstance(make_vision_encoder(onnx_engine.loaded, settings), TorchVisionEncoder)

@@ -19,3 +19,18 @@ def test_short_soak_leaks_nothing(cache_dir, tiny_dir, tmp_path):
     assert r["cache_bytes"]["vision"] > 0  # the caches were in use
     # A leak of one decoded image per request would add ~10 % here; the long run holds this to 2 %.
     assert r["rss_growth"] < 0.05, r
+
+
+def test_onednn_kernel_cache_is_capped_unless_the_environment_says_otherwise():
+    """The cap that keeps the soak flat is set before torch loads, by importing the service at all."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "import service.engine, os; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "64"
+    env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "200"
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "200"
