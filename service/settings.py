@@ -47,8 +47,8 @@ class Settings(BaseSettings):
     kv_dtype: Literal["float32", "bfloat16"] = Field(
         "bfloat16",
         description="keys and values as cached: bfloat16 (written so when computed, so a reused prefix "
-        "equals a recomputed one) holds half the bytes of float32 for a decode speed within 3 %; "
-        "float32 for the reference numerics; see the README",
+        "equals a recomputed one) holds half the bytes of float32 for a decode a few per cent slower at "
+        "most (bench_decode); float32 for the reference numerics; see the README",
     )
     preload: bool = Field(
         True,

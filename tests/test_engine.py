@@ -60,7 +60,7 @@ def test_streamed_text_equals_plain_generate_for_same_seed(engine):
             image_grid_thw=prompt.image_grid_thw,
             pixel_values=torch.cat(prompt.pixel_values),
             generation_config=engine._generation_config(SamplingParams(temperature=0.9, top_p=0.9, top_k=50), 20),
-            past_key_values=GrowingCache(config=model.config, dtype=engine.kv_dtype),  # keys and values as KV_DTYPE
+            cache=GrowingCache(config=model.config, dtype=engine.kv_dtype),  # keys and values as KV_DTYPE
         )
     new = out[0, prompt.num_tokens :]
     assert done.text == engine.processor.tokenizer.decode(new, skip_special_tokens=True)
