@@ -22,7 +22,6 @@ import argparse
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,54 +44,16 @@ from bench.results import append_section, markdown_table
 
 sys.path.insert(0, str(ROOT / "tests"))
 
+from servers import gunicorn_server, metric  # noqa: E402
+
 BASELINE = "6ed1729"  # the session's start: FBGEMM packing, the worker loads the model
 MIB = 1024**2
 
 
-def _gunicorn(env: dict, root: Path, log_path: Path, preexec_fn=None) -> tuple[subprocess.Popen, str]:
-    from servers import free_port
-
-    port = free_port()
-    full = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "PROMETHEUS_MULTIPROC_DIR")}
-    full.update(env)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app", "--bind", f"127.0.0.1:{port}"],
-        cwd=root,
-        env=full,
-        stdout=log_path.open("ab"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=preexec_fn,
-    )
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait_ready(base: str, proc: subprocess.Popen, timeout: float = 600) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"gunicorn exited with {proc.returncode}")
-        try:
-            if requests.get(base + "/ready", timeout=1).status_code == 200:
-                return time.monotonic() - t0
-        except requests.RequestException:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(base)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    from servers import stop_process_group
-
-    stop_process_group(proc)
-
-
 def start_to_ready(env: dict, root: Path, log_path: Path) -> float:
-    proc, base = _gunicorn(env, root, log_path)
-    try:
-        return _wait_ready(base, proc)
-    finally:
-        _stop(proc)
+    t0 = time.monotonic()
+    with gunicorn_server(env, log_path, timeout=600, root=root, poll=0.05):
+        return time.monotonic() - t0
 
 
 def _rss_tree(pid: int) -> int:
@@ -111,11 +72,7 @@ def _peak_rss(pid: int) -> int:
 
 def conversations(env: dict, log_path: Path, cgroup=None, count: int = 10) -> dict:
     """`count` three-turn picture conversations through one Gunicorn instance: memory and outcomes."""
-    from servers import metric
-
-    proc, base = _gunicorn(env, ROOT, log_path, preexec_fn=cgroup.enter if cgroup else None)
-    try:
-        _wait_ready(base, proc)
+    with gunicorn_server(env, log_path, timeout=900, preexec_fn=cgroup.enter if cgroup else None) as (base, proc):
         loaded_rss = _rss_tree(proc.pid)
         statuses = []
         for i in range(count):
@@ -151,15 +108,11 @@ def conversations(env: dict, log_path: Path, cgroup=None, count: int = 10) -> di
             "cgroup_peak_gib": cgroup.peak_bytes() / 1024**3 if cgroup else None,
             "oom_kills": cgroup.oom_kills() if cgroup else None,
         }
-    finally:
-        _stop(proc)
 
 
 def recovery(env: dict, log_path: Path) -> float:
     """Seconds from SIGKILL of the worker, mid-stream, to /ready 200 again."""
-    proc, base = _gunicorn(env, ROOT, log_path)
-    try:
-        _wait_ready(base, proc)
+    with gunicorn_server(env, log_path, timeout=900) as (base, proc):
         worker = psutil.Process(proc.pid).children()[0]
         with requests.post(
             base + "/v1/chat", json={"prompt": "Talk forever.", "max_tokens": 500}, stream=True, timeout=60
@@ -177,8 +130,6 @@ def recovery(env: dict, log_path: Path) -> float:
             except (requests.RequestException, IndexError):
                 pass
             time.sleep(0.02)
-    finally:
-        _stop(proc)
 
 
 def main(argv=None) -> int:

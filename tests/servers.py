@@ -46,6 +46,7 @@ def wait_ready(
     timeout: float = 120.0,
     path: str = "/ready",
     headers: dict[str, str] | None = None,
+    poll: float = 0.2,
 ) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -56,7 +57,7 @@ def wait_ready(
                 return
         except requests.RequestException:  # refused, or busy loading the model
             pass
-        time.sleep(0.2)
+        time.sleep(poll)
     raise TimeoutError(f"{base}{path} not ready after {timeout} s")
 
 
@@ -68,16 +69,19 @@ def gunicorn_server(
     timeout: float = 120.0,
     headers: dict[str, str] | None = None,
     preexec_fn=None,
+    root: Path = ROOT,
+    poll: float = 0.2,
 ):
-    """Yield (base_url, process) of `gunicorn -c gunicorn.conf.py wsgi:app` with `env` added, once
-    `ready_path` answers 200 (`headers`: e.g. the API key a server with API_KEYS wants)."""
+    """Yield (base_url, process) of `gunicorn -c gunicorn.conf.py wsgi:app` run in `root` (another
+    checkout, for a benchmark's baseline) with `env` added, once `ready_path` answers 200 (`headers`:
+    e.g. the API key a server with API_KEYS wants), asking every `poll` seconds."""
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "PROMETHEUS_MULTIPROC_DIR")}
     full_env.update({"THREADS": "2", **env})
     log = open(log_path, "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app", "--bind", f"127.0.0.1:{port}"],
-        cwd=ROOT,
+        cwd=root,
         env=full_env,
         stdout=log,
         stderr=log,
@@ -86,7 +90,7 @@ def gunicorn_server(
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(base, proc, timeout, ready_path, headers)
+        wait_ready(base, proc, timeout, ready_path, headers, poll)
         yield base, proc
     finally:
         stop_process_group(proc)
