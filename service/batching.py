@@ -39,7 +39,9 @@ from transformers.generation.logits_process import (
 
 from . import metrics
 from .decoder import DecodeStep
+from .logprobs import TokenLogprob, token_logprob
 from .streaming import TokenStreamer
+from .structured import Constraint
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +49,13 @@ log = logging.getLogger(__name__)
 class Sampler:
     """One sequence's next token: generate's logits processors for its config, then the argmax
     (greedy) or a draw from the sequence's own generator (the same draws `generate` makes after
-    `torch.manual_seed(seed)`)."""
+    `torch.manual_seed(seed)`). A grammar's mask, if any, applies after the repetition penalty.
 
-    def __init__(self, config: GenerationConfig, seed: int):
+    With `top_logprobs` set (0-20) it records each chosen token's log-probability (and that many
+    alternatives') in `logprobs`, from the distribution it drew from: penalty, mask and temperature
+    applied (greedy: temperature 1), top-k/top-p truncation not (so no alternative shows -inf)."""
+
+    def __init__(self, config: GenerationConfig, seed: int, top_logprobs: int | None = None):
         self.do_sample = bool(config.do_sample)
         penalty = config.repetition_penalty
         self.penalty = RepetitionPenaltyLogitsProcessor(penalty) if penalty is not None and penalty != 1.0 else None
@@ -62,10 +68,23 @@ class Sampler:
             if config.top_p is not None and config.top_p < 1.0:
                 self.warpers.append(TopPLogitsWarper(config.top_p))
         self.generator = torch.Generator().manual_seed(seed)
+        self.temperature = config.temperature if self.do_sample and config.temperature else 1.0
+        self.top_logprobs = top_logprobs
+        self.logprobs: list[TokenLogprob] | None = [] if top_logprobs is not None else None
 
-    def __call__(self, token_ids: list[int], logits: torch.Tensor) -> int:
-        """The next token after `token_ids` (prompt and answer so far) given its logits (1 × vocab)."""
+    def __call__(self, token_ids: list[int], logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
+        """The next token after `token_ids` (prompt and answer so far) given its logits (1 × vocab);
+        `allowed` (bool, vocab) is a grammar's mask."""
         scores = self.penalty(torch.tensor([token_ids]), logits) if self.penalty else logits
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        token = self._draw(scores)
+        if self.logprobs is not None:
+            distribution = (scores.float() / self.temperature).log_softmax(-1)[0]
+            self.logprobs.append(token_logprob(distribution, token, self.top_logprobs))
+        return token
+
+    def _draw(self, scores: torch.Tensor) -> int:
         if self.do_sample:
             probs = (self.warpers(None, scores) if self.warpers else scores).softmax(-1)
             if torch.isfinite(probs).all():
@@ -98,6 +117,7 @@ class Sequence:
     max_new_tokens: int
     eos_token_ids: frozenset[int]
     on_leave: Callable[[Sequence], None]
+    constraint: Constraint | None = None  # its grammar's state (structured output), if any
     deadline: float | None = None  # perf_counter time at which it is ended like a cancelled one
     submitted_at: float = field(default_factory=time.perf_counter)
     prefill_started_at: float | None = None
@@ -119,8 +139,12 @@ class Sequence:
         return self.cancel.is_set()
 
     def accept(self, logits: torch.Tensor) -> None:
-        """Choose the next token from its logits and stream it."""
-        token = self.sampler(self.token_ids, logits)
+        """Choose the next token from its logits (within its grammar) and stream it."""
+        if self.constraint is None:
+            token = self.sampler(self.token_ids, logits)
+        else:
+            token = self.sampler(self.token_ids, logits, self.constraint.allowed())
+            self.constraint.advance(token)
         self.token_ids.append(token)
         self.streamer.put_token(token)
 

@@ -45,18 +45,51 @@ SPECIAL_TOKENS = [
 ]
 
 # The Qwen3-VL Instruct prompt format: ChatML turns, each image as
-# <|vision_start|><|image_pad|><|vision_end|>, no default system prompt.
-CHAT_TEMPLATE = (  # no whitespace control: every newline here is part of the prompt, as in Qwen's
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
+# <|vision_start|><|image_pad|><|vision_end|>, no default system prompt; with `tools`, Qwen's
+# function-calling system block (signatures in <tools>, calls answered in <tool_call> tags), an
+# assistant's calls rendered back as those tags and tool results as <tool_response> user turns.
+_CONTENT = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}"
     "{% endif %}{% endfor %}{% endif %}"
+)
+_TOOL_CALLS = (
+    "{% for call in message['tool_calls'] %}"
+    "{% if not loop.first or message['content'] %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": "{{ call[\'function\'][\'name\'] }}", "arguments": '
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}"
+    "}\n</tool_call>{% endfor %}"
+)
+# No whitespace control: every newline here is part of the prompt, as in Qwen's; one right after a
+# block tag is written {{ '\\n' }} (transformers renders with trim_blocks, which would drop it).
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{% set message = messages[0] %}" + _CONTENT + "{{ '\\n\\n' }}{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% if not tools %}<|im_start|>system\n" + _CONTENT + "<|im_end|>\n{% endif %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n" + _CONTENT + "{{ '\\n' }}</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n"
+    + _CONTENT
+    + "{% if message['tool_calls'] %}"
+    + _TOOL_CALLS
+    + "{% endif %}"
     "<|im_end|>\n"
-    "{% endfor %}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

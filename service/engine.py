@@ -7,7 +7,7 @@ prefill); `Admission` queues the rest. The scheduler writes each request's token
 the request out of the batch within one step. The model is called with explicit M-RoPE positions
 per sequence, never through `generate`, so transformers' per-model `rope_deltas` state plays no part.
 
-The HTTP layer uses `submit`, `limits` and `info` only.
+The HTTP layer uses `submit`, `limits`, `info` and `token_text` only.
 """
 
 from __future__ import annotations
@@ -31,11 +31,13 @@ from .generation import Completion, Generation, GenerationRequest, SamplingParam
 from .kv import HEADROOM
 from .limits import RequestLimits
 from .loading import LoadedModel
+from .logprobs import TokenLogprob, TokenText
 from .memory import CONVERSATION_CACHE_SHARE, MIB, VISION_CACHE_SHARE, MemoryGuard, kv_cache_bytes
 from .prefill import Prefiller, PrefillMarks, vision_spans
 from .prompts import PreparedPrompt, prepare_prompt
 from .settings import Settings
 from .streaming import StopStringMatcher, TokenStreamer
+from .structured import Constraint, GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,9 @@ class Engine:
         metrics.CACHE_BUDGET.labels(cache=self.conversation_cache.name).set(kv_bytes)
         metrics.CACHE_BUDGET.labels(cache=self.vision_cache.name).set(vision_bytes)
         self.kv_dtype = getattr(torch, settings.kv_dtype)
+        text_config = getattr(loaded.model.config, "text_config", loaded.model.config)
+        self.token_text = TokenText(self.processor.tokenizer)  # logprobs' token strings and bytes
+        self.grammars = GrammarCompiler(self.processor.tokenizer, text_config.vocab_size, loaded.eos_token_ids)
         self.prefiller = Prefiller(
             loaded.model,
             self.vision_encoder,
@@ -116,6 +121,7 @@ class Engine:
         """Check, tokenize and admit now — so 4xx, 429 and 503 are raised before any byte is sent —
         and return the event stream. The model slot is released when the stream ends or is closed."""
         prompt = self._prepare(request)
+        constraint = self.grammars.constraint(request.grammar) if request.grammar else None
         self._check_memory(request, prompt)
         if request.deadline is None:
             request.deadline = request.received_at + self.settings.request_deadline
@@ -126,7 +132,7 @@ class Engine:
             self._active.discard(request)
             self.admission.release()
 
-        return Generation(self._run(request, prompt, waited), release)
+        return Generation(self._run(request, prompt, waited, constraint), release)
 
     def generate(self, request: GenerationRequest) -> Iterator[TextDelta | Completion]:
         """`submit` as a plain generator (CLI, tests): admission happens on the first `next()`;
@@ -146,7 +152,7 @@ class Engine:
         """Tokenize and patchify; raises 4xx errors before the request queues for the model."""
         if len(request.params.stop) > self.limits.max_stop_strings:
             raise BadRequest(f"stop may hold at most {self.limits.max_stop_strings} strings", param="stop")
-        return prepare_prompt(self.processor, request.messages, self.limits.prompt)
+        return prepare_prompt(self.processor, request.messages, self.limits.prompt, request.tools)
 
     def _check_memory(self, request: GenerationRequest, prompt: PreparedPrompt) -> None:
         """Unavailable (503) if this request's KV cache would not fit the memory budget, caches evicted first."""
@@ -199,7 +205,12 @@ class Engine:
         self.conversation_cache.put(request.conversation_id, covered, media, prompt.num_tokens, cache)
 
     def _sequence(
-        self, request: GenerationRequest, prompt: PreparedPrompt, max_new_tokens: int, marks: PrefillMarks
+        self,
+        request: GenerationRequest,
+        prompt: PreparedPrompt,
+        max_new_tokens: int,
+        marks: PrefillMarks,
+        constraint: Constraint | None,
     ) -> Sequence:
         """The request as the scheduler runs it: its prefill steps, sampler, streamer and limits."""
         params = request.params
@@ -210,7 +221,8 @@ class Engine:
         return Sequence(
             prompt_ids=prompt.input_ids[0].tolist(),
             prefill=self.prefiller.steps(prompt, spans, request.conversation_id, marks),
-            sampler=Sampler(self._generation_config(params, max_new_tokens), seed),
+            sampler=Sampler(self._generation_config(params, max_new_tokens), seed, params.logprobs),
+            constraint=constraint,
             streamer=request.streamer,
             cancel=request.cancel,
             max_new_tokens=max_new_tokens,
@@ -220,16 +232,17 @@ class Engine:
         )
 
     def _run(
-        self, request: GenerationRequest, prompt: PreparedPrompt, waited: float
+        self, request: GenerationRequest, prompt: PreparedPrompt, waited: float, constraint: Constraint | None
     ) -> Iterator[TextDelta | Completion]:
         max_new_tokens = self._max_new_tokens(prompt, request.params)
         marks = PrefillMarks()
-        sequence = self._sequence(request, prompt, max_new_tokens, marks)
+        sequence = self._sequence(request, prompt, max_new_tokens, marks, constraint)
         self.scheduler.submit(sequence)
         stopper = StopStringMatcher(request.params.stop)
         parts: list[str] = []
+        logprobs = _LogprobCursor(sequence.sampler.logprobs, self.loaded.eos_token_ids)
         try:
-            for piece in request.streamer:
+            for piece, tokens in request.streamer:
                 if stopper.stopped:
                     continue  # drain until the scheduler notices the cancel event
                 text = stopper.feed(piece)
@@ -237,21 +250,25 @@ class Engine:
                     request.cancel.set()
                 if text:
                     parts.append(text)
-                    yield TextDelta(text)
+                    yield TextDelta(text, logprobs.upto(tokens))
             sequence.done.wait()
             if sequence.error is not None:
                 raise sequence.error
             tail = stopper.flush()
             if tail:
                 parts.append(tail)
-                yield TextDelta(tail)
+                yield TextDelta(tail, logprobs.upto(len(request.streamer.token_ids)))
         finally:
             # Client gone (GeneratorExit) or error: the sequence leaves the batch at the next step.
             request.cancel.set()
             sequence.done.wait()
-        yield self._completion(
+        done = self._completion(
             request, prompt, sequence, marks, waited, "".join(parts), stopper.stopped, max_new_tokens
         )
+        if constraint is not None and done.finish_reason == "stop" and not constraint.complete:
+            done.finish_reason = "length"  # a stop string cut the grammar's match short
+        done.logprobs = logprobs.reported
+        yield done
 
     def _completion(
         self,
@@ -317,3 +334,22 @@ class Engine:
             ids = ids[:-1]
         same = self.processor.tokenizer.decode(ids, skip_special_tokens=False) == text
         return tuple(ids) if ids and same else None
+
+
+class _LogprobCursor:
+    """Hands out the sampler's logprob records of the tokens behind each piece of text, once each;
+    end-of-turn tokens are not part of the answer and are left out."""
+
+    def __init__(self, records: list[TokenLogprob] | None, eos_token_ids: list[int]):
+        self._records = records
+        self._eos = frozenset(eos_token_ids)
+        self._given = 0
+        self.reported: list[TokenLogprob] | None = [] if records is not None else None
+
+    def upto(self, tokens: int) -> list[TokenLogprob]:
+        if self._records is None:
+            return []
+        new = [r for r in self._records[self._given : tokens] if r.token_id not in self._eos]
+        self._given = max(self._given, tokens)
+        self.reported.extend(new)
+        return new

@@ -11,8 +11,10 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from .prompts import ChatMessage
 from .streaming import TokenStreamer
+from .structured import OutputGrammar
 
 # Bounds of each sampling parameter: the engine's and the HTTP schemas' (service/api/protocol.py).
 MaxTokens = Annotated[int, Field(ge=1)]
@@ -22,6 +24,7 @@ TopK = Annotated[int, Field(ge=0, description="0 = off")]
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
 StopString = Annotated[str, StringConstraints(max_length=256)]
 RepetitionPenalty = Annotated[float, Field(gt=0, le=10)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 class SamplingParams(BaseModel):
@@ -38,6 +41,7 @@ class SamplingParams(BaseModel):
     seed: Seed | None = None
     stop: list[StopString] = Field(default_factory=list)
     repetition_penalty: RepetitionPenalty | None = None
+    logprobs: TopLogprobs | None = None  # report each token's log-probability and this many alternatives
 
 
 @dataclass(eq=False)
@@ -51,6 +55,8 @@ class GenerationRequest:
     streamer: TokenStreamer | None = None  # set while generating: live token count for callers
     deadline: float | None = None  # perf_counter time at which generation is ended (REQUEST_DEADLINE)
     remembered: int = 0  # leading messages from the server's memory (native endpoint), decoded by earlier requests
+    grammar: OutputGrammar | None = None  # what the answer must match (structured output, forced tool calls)
+    tools: list[dict] | None = None  # OpenAI tool objects the chat template shows the model
 
     @property
     def generated_tokens(self) -> int:
@@ -86,6 +92,7 @@ class Timings:
 @dataclass
 class TextDelta:
     text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens behind `text`, if asked
 
 
 @dataclass
@@ -93,7 +100,7 @@ class Completion:
     """The last event of every stream: how it ended, token counts and timings."""
 
     text: str
-    finish_reason: str  # stop | length | deadline | cancelled
+    finish_reason: str  # stop | length (a grammar's match cut short too) | deadline | cancelled
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -102,6 +109,7 @@ class Completion:
     images: int = 0
     videos: int = 0
     answer_token_ids: tuple[int, ...] | None = None  # the ids behind `text`, when they decode to exactly it
+    logprobs: list[TokenLogprob] | None = None  # every reported token's, if the request asked
 
 
 class Generation:

@@ -8,9 +8,10 @@ import torch
 
 from .errors import BadRequest, PromptTooLong
 from .images import DecodedImage
+from .tools import ToolCall
 from .video import DecodedVideo, video_patches, video_prompt_text
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # Qwen's vision placeholders: typed into text they would desynchronise tokens and pixels.
 VISION_MARKERS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -38,6 +39,11 @@ class ChatMessage:
     # the text's re-tokenization (byte-level BPE does not always give the generated ids back), so
     # the next turn's prompt extends the KV cache of this one, the answer included.
     token_ids: tuple[int, ...] | None = None
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls (role "tool" messages answer them)
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.parts if isinstance(p, TextPart))
 
     @property
     def images(self) -> list[DecodedImage]:
@@ -105,7 +111,11 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
         ]
         if m.role != "user" and any(type(p) in _PART_TYPES for p in m.parts):
             raise BadRequest(f"images and videos are accepted in user messages only, not {m.role}", param="messages")
-        rendered.append({"role": m.role, "content": content})
+        if m.tool_calls:  # the template writes the calls after the text (a string: empty is falsy)
+            calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+            rendered.append({"role": m.role, "content": m.text, "tool_calls": calls})
+        else:
+            rendered.append({"role": m.role, "content": content})
     return rendered
 
 
@@ -139,18 +149,24 @@ def validate_conversation(messages: list[ChatMessage], limits: PromptLimits) -> 
                     f"text may not hold the model's image/video placeholder tokens ({', '.join(VISION_MARKERS)})",
                     param=f"messages[{i}]",
                 )
-    if messages[-1].role not in ("user", "system"):
-        raise BadRequest("the last message must be from the user", param="messages")
+    if messages[-1].role not in ("user", "system", "tool"):
+        raise BadRequest("the last message must be from the user (or a tool's result)", param="messages")
     for i, m in enumerate(messages):
         if m.role == "system" and i != 0:
             raise BadRequest("a system message is accepted only first", param=f"messages[{i}]")
 
 
-def prepare_prompt(processor, messages: list[ChatMessage], limits: PromptLimits) -> PreparedPrompt:
-    """Render the chat template, tokenize, expand image and video pads and patchify the (pre-sized)
-    images and frames."""
+def prepare_prompt(
+    processor, messages: list[ChatMessage], limits: PromptLimits, tools: list[dict] | None = None
+) -> PreparedPrompt:
+    """Render the chat template (with `tools`, OpenAI tool objects, if given), tokenize, expand image
+    and video pads and patchify the (pre-sized) images and frames."""
     validate_conversation(messages, limits)
-    text = processor.apply_chat_template(_template_messages(messages), tokenize=False, add_generation_prompt=True)
+    text = processor.apply_chat_template(
+        _template_messages(messages), tools=tools or None, tokenize=False, add_generation_prompt=True
+    )
+    if tools and not all(t["function"]["name"] in text for t in tools):
+        raise BadRequest("this checkpoint's chat template does not render tools", param="tools")
     images = [img for m in messages for img in m.images]
     videos = [v for m in messages for v in m.videos]
     if videos:
@@ -205,8 +221,7 @@ def _with_generated_ids(
     for message, start in zip(kept, starts):  # the k-th assistant turn opens the k-th answer
         if not message.token_ids:
             continue
-        text = "".join(p.text for p in message.parts if isinstance(p, TextPart))
-        rendered = tokenizer("\n" + text, add_special_tokens=False)["input_ids"]
+        rendered = tokenizer("\n" + message.text, add_special_tokens=False)["input_ids"]
         if ids[start : start + len(rendered)] != rendered or rendered[: len(newline)] != newline:
             continue
         start += len(newline)

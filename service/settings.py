@@ -10,7 +10,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The embedded random test model's directory under CACHE_DIR (checkpoints builds it; deploy sizes it).
-EMBEDDED_MODEL_DIRNAME = "embedded-tiny-qwen3-vl-2"  # -2: the chat template keeps its newlines
+EMBEDDED_MODEL_DIRNAME = "embedded-tiny-qwen3-vl-3"  # -3: the chat template renders tools
 
 
 def _available_cores() -> int:

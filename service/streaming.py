@@ -9,8 +9,9 @@ from transformers import TextIteratorStreamer
 
 
 class TokenStreamer(TextIteratorStreamer):
-    """A TextIteratorStreamer that emits every token's text at once (not word by word) and records
-    the generated ids, the time of the first one and the longest gap between two."""
+    """A TextIteratorStreamer that emits every token's text at once (not word by word), with the
+    token count behind it, and records the generated ids, the time of the first one and the longest
+    gap between two."""
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=True)
@@ -42,6 +43,13 @@ class TokenStreamer(TextIteratorStreamer):
             self.token_cache, self.print_len = [], 0
         if printable:
             self.on_finalized_text(printable)
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        """Queue the text with the number of tokens generated so far (its tokens are the ones since
+        the previous piece): readers iterate (text, token_count) pairs."""
+        self.text_queue.put((text, len(self.token_ids)), timeout=self.timeout)
+        if stream_end:
+            self.text_queue.put(self.stop_signal, timeout=self.timeout)
 
 
 class StopStringMatcher:

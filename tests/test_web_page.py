@@ -10,6 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 import requests
 from playwright.sync_api import Page, expect, sync_playwright
@@ -202,6 +203,26 @@ def test_the_answer_streams_in_and_the_timings_are_shown(page):
     for shown in ("queue", "image decode", "vision encode", "prefill", "first token", "tok/s", "total"):
         assert shown in timings
     expect(turn.locator(".usage")).to_contain_text("1 picture in the prompt")
+
+
+def test_the_json_option_gives_an_answer_valid_against_the_typed_schema(page):
+    schema = {
+        "type": "object",
+        "properties": {"animal": {"enum": ["cat", "dog"]}, "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["animal", "count"],
+        "additionalProperties": False,
+    }
+    show_options(page)
+    expect(page.get_by_label("JSON Schema")).to_be_disabled()
+    page.get_by_label("Answer in JSON").check()
+    page.get_by_label("JSON Schema").fill("{not json")
+    ask(page, "Which animal, how many?")
+    expect(page.get_by_role("status")).to_contain_text("not valid JSON")
+    page.get_by_label("JSON Schema").fill(json.dumps(schema))
+    set_options(page, temperature=1)
+    ask(page, "Which animal, how many?")
+    turn = finished_turn(page, 1)
+    jsonschema.validate(json.loads(turn.locator(".answer").inner_text()), schema)  # the random model's answer
 
 
 def test_a_follow_up_continues_the_conversation(page):

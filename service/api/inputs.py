@@ -11,6 +11,7 @@ from ..errors import BadRequest, ImageError, TooLarge, VideoError
 from ..images import DecodedImage, ImageLimits, decode_image
 from ..limits import RequestLimits
 from ..prompts import ChatMessage, ImagePart, TextPart, VideoPart
+from ..tools import ToolCall
 from ..video import DecodedVideo, VideoLimits, decode_video
 from .protocol import ImageURLPart, Message, VideoURLPart
 
@@ -119,8 +120,15 @@ def to_chat_messages(messages: list[Message], limits: RequestLimits) -> list[Cha
     out: list[ChatMessage] = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
+        if m.tool_calls and role != "assistant":
+            raise BadRequest("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
+        calls = tuple(
+            ToolCall(c.function.name, checked_text(c.function.arguments, f"messages[{i}].tool_calls"), c.id or "")
+            for c in m.tool_calls or ()
+        )
         if m.content is None or isinstance(m.content, str):
-            out.append(ChatMessage(role, [TextPart(checked_text(m.content or "", f"messages[{i}].content"))]))
+            text = TextPart(checked_text(m.content or "", f"messages[{i}].content"))
+            out.append(ChatMessage(role, [text], tool_calls=calls))
             continue
         parts = []
         for j, part in enumerate(m.content):
@@ -132,7 +140,7 @@ def to_chat_messages(messages: list[Message], limits: RequestLimits) -> list[Cha
                 parts.append(VideoPart(decode_video_data_url(url, limits.video, f"messages[{i}].content[{j}]")))
             else:
                 parts.append(TextPart(checked_text(part.text, f"messages[{i}].content[{j}]")))
-        out.append(ChatMessage(role, parts))
+        out.append(ChatMessage(role, parts, tool_calls=calls))
     return out
 
 

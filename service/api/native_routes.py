@@ -25,6 +25,7 @@ from .inputs import (
     to_chat_messages,
     user_message,
 )
+from .outputs import AnswerShape, answer_grammar
 from .requests import conversation_header, generation_request, json_body
 from .serving import EventStream, collect
 from .state import state
@@ -55,6 +56,11 @@ def _from_form(limits: RequestLimits) -> tuple[protocol.NativeChatRequest, list[
             param=sorted(unknown_files)[0],
         )
     fields = {k: form[k] for k in protocol.FORM_FIELDS if k in form}
+    if "response_format" in fields:
+        try:
+            fields["response_format"] = json.loads(fields["response_format"])
+        except ValueError:
+            raise BadRequest("response_format must be JSON text in a form", param="response_format") from None
     if form.getlist("stop"):
         fields["stop"] = form.getlist("stop")
     body = protocol.NativeChatRequest.model_validate(fields)
@@ -104,13 +110,21 @@ def chat():
         raise UnsupportedMediaType(
             "send application/json or multipart/form-data (curl -F prompt=... -F image=@file -F video=@file)"
         )
+    if body.tools:
+        raise BadRequest(
+            "tools are supported on /v1/chat/completions, not on this endpoint",
+            param="tools",
+            code="unsupported_parameter",
+        )
+    shape = AnswerShape(answer_grammar(body.response_format))
     given_id = _conversation_id(body)
     conversation_id = given_id or app_state.conversations.new_id()
     history = app_state.conversations.history(conversation_id) if given_id else []
     if history and new_messages[0].role == "system":
         raise BadRequest("a system message can only open a conversation", param="messages")
     messages = history + new_messages
-    gen_request = generation_request(messages, body.sampling(), conversation_id, remembered=len(history))
+    params = body.sampling()
+    gen_request = generation_request(messages, params, conversation_id, remembered=len(history), shape=shape)
     generation = engine.submit(gen_request)
     head = {
         "id": g.request_id,
@@ -124,19 +138,28 @@ def chat():
         answer = ChatMessage("assistant", [TextPart(done.text)], token_ids=done.answer_token_ids)
         app_state.conversations.save(conversation_id, messages + [answer])
 
+    def done_fields(done: Completion) -> dict:
+        fields = protocol.native_done(done)
+        if done.logprobs is not None:
+            fields["logprobs"] = protocol.logprob_entries(done.logprobs, engine.token_text)
+        return fields
+
     if not body.stream:
         done = collect(generation, gen_request, ENDPOINT)
         remember(done)
-        return jsonify({**head, **protocol.native_done(done)})
+        return jsonify({**head, **done_fields(done)})
 
     def encode(event):
         if event is None:
             yield _line(head)
         elif isinstance(event, TextDelta):
-            yield _line({"delta": event.text})
+            line = {"delta": event.text}
+            if params.logprobs is not None:
+                line["logprobs"] = protocol.logprob_entries(event.logprobs, engine.token_text)
+            yield _line(line)
         elif isinstance(event, Completion):
             remember(event)
-            yield _line({"id": head["id"], "conversation_id": conversation_id, **protocol.native_done(event)})
+            yield _line({"id": head["id"], "conversation_id": conversation_id, **done_fields(event)})
         elif isinstance(event, ServiceError):
             yield _line({**event.to_dict(), "done": True})
 

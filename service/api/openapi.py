@@ -40,7 +40,7 @@ _ERROR_SCHEMA = {
 def _form_schema() -> dict:
     """multipart/form-data for /v1/chat: the JSON body's fields a form may carry (as the JSON schema
     has them, without null), `stop` repeatable, and the files."""
-    properties = NativeChatRequest.model_json_schema()["properties"]
+    properties = NativeChatRequest.model_json_schema(ref_template=_REF)["properties"]
 
     def not_null(schema: dict) -> dict:
         options = [o for o in schema.get("anyOf", [schema]) if o.get("type") != "null"]

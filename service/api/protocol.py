@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
 from ..generation import (
     Completion,
@@ -17,8 +17,11 @@ from ..generation import (
     StopString,
     Temperature,
     TopK,
+    TopLogprobs,
     TopP,
 )
+from ..logprobs import TokenLogprob, TokenText
+from ..tools import ToolCall
 
 # A conversation id (body field or X-Conversation-Id header): also a cache key and Nginx's hash key.
 CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -27,8 +30,13 @@ MAX_TEXT = 1_000_000  # characters in one text field; the token limit bites long
 
 
 class _Lenient(BaseModel):
-    # OpenAI clients send fields we do not use (logprobs, metadata, …): ignore them, don't fail.
+    # OpenAI clients send fields that change nothing here (metadata, store, …): ignore them, don't
+    # fail. A field that would change the answer and is not supported is declared and refused.
     model_config = ConfigDict(extra="ignore")
+
+
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+JSONSchema = Annotated[dict[str, Any], Field(description="a JSON Schema (draft 2020-12)")]
 
 
 class ImageURL(_Lenient):
@@ -60,10 +68,66 @@ class VideoURLPart(_Lenient):
 ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
 
 
+class FunctionCall(_Lenient):
+    name: FunctionName
+    arguments: Annotated[str, StringConstraints(max_length=MAX_TEXT)] = Field(description="JSON text")
+
+
+class ToolCallIn(_Lenient):
+    """An assistant message's tool call, as the client got it from this server (sent back as history)."""
+
+    id: Annotated[str, StringConstraints(max_length=256)] | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, StringConstraints(max_length=MAX_TEXT)] | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=64, description="assistant messages")
+    tool_call_id: Annotated[str, StringConstraints(max_length=256)] | None = Field(None, description="tool messages")
+
+
+class JSONSchemaFormat(_Lenient):
+    name: FunctionName = "response"
+    description: str | None = None
+    schema_: JSONSchema | None = Field(None, alias="schema", description="the answer's schema (none: any JSON object)")
+    strict: bool | None = Field(None, description="always enforced here: the answer follows the schema")
+
+
+class ResponseFormat(_Lenient):
+    """OpenAI's response_format: free text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object: {name, schema, strict}")
+        return self
+
+
+class FunctionDefinition(_Lenient):
+    name: FunctionName
+    description: Annotated[str, StringConstraints(max_length=MAX_TEXT)] | None = None
+    parameters: JSONSchema | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: FunctionName
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Lenient):
@@ -80,6 +144,16 @@ class _Sampling(_Lenient):
     seed: Seed | None = None
     stop: StopString | list[StopString] | None = None
     repetition_penalty: RepetitionPenalty | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = Field(None, description="alternatives per token (needs logprobs: true)")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
 
     def sampling(self, max_tokens: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -91,6 +165,7 @@ class _Sampling(_Lenient):
             seed=self.seed,
             stop=stop,
             repetition_penalty=self.repetition_penalty,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
 
 
@@ -101,8 +176,16 @@ class ChatCompletionRequest(_Sampling):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
-    n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
-    tools: list | None = None
+    n: int | None = Field(
+        None, ge=1, le=1, description="only 1 is supported: send n requests (they share the prompt's cached KV)"
+    )
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # Refused unless at their defaults: they would change the answer and are not implemented.
+    presence_penalty: float | None = Field(None, description="not supported (use repetition_penalty): 0 only")
+    frequency_penalty: float | None = Field(None, description="not supported (use repetition_penalty): 0 only")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: empty only")
 
 
 class NativeChatRequest(_Sampling):
@@ -115,11 +198,23 @@ class NativeChatRequest(_Sampling):
     videos: list[Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]] | None = None
     conversation_id: Annotated[str, StringConstraints(pattern=CONVERSATION_ID_PATTERN)] | None = None
     stream: bool = True
+    tools: list | None = Field(None, description="not supported here: tool calls are on /v1/chat/completions")
 
 
 # The NativeChatRequest fields a multipart form may carry once each (`stop` may repeat; files: image, video).
 FORM_FIELDS = frozenset(
-    {"prompt", "conversation_id", "max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "stream"}
+    {
+        "prompt",
+        "conversation_id",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "repetition_penalty",
+        "stream",
+        "response_format",  # as JSON text
+    }
 )
 
 
@@ -132,11 +227,39 @@ def usage(done: Completion) -> dict:
     }
 
 
-def openai_finish_reason(done: Completion) -> str:
+def openai_finish_reason(done: Completion, tool_calls: list[ToolCall] | None = None) -> str:
+    if tool_calls:
+        return "tool_calls"
     return "length" if done.finish_reason in ("length", "deadline") else "stop"
 
 
-def chat_completion(request_id: str, model: str, done: Completion) -> dict:
+def logprob_entries(records: list[TokenLogprob], text: TokenText) -> list[dict]:
+    """OpenAI's `logprobs.content` items: each token's text, bytes and log-probability, with its top alternatives."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        raw = text.bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return [{**entry(r.token_id, r.logprob), "top_logprobs": [entry(i, lp) for i, lp in r.top]} for r in records]
+
+
+def tool_call(call: ToolCall, index: int | None = None) -> dict:
+    """A call in OpenAI's shape (`index` is a streamed delta's)."""
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return out if index is None else {"index": index, **out}
+
+
+def chat_completion(
+    request_id: str,
+    model: str,
+    done: Completion,
+    content: str | None,
+    tool_calls: list[ToolCall],
+    logprobs: list[dict] | None,
+) -> dict:
+    message = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = [tool_call(c) for c in tool_calls]
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -145,9 +268,9 @@ def chat_completion(request_id: str, model: str, done: Completion) -> dict:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": done.text},
-                "logprobs": None,
-                "finish_reason": openai_finish_reason(done),
+                "message": message,
+                "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+                "finish_reason": openai_finish_reason(done, tool_calls),
             }
         ],
         "usage": usage(done),
@@ -161,14 +284,20 @@ def chat_chunk(
     delta: dict | None,
     finish_reason: str | None = None,
     usage_: dict | None = None,
+    logprobs: list[dict] | None = None,
 ) -> dict:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    choice = {
+        "index": 0,
+        "delta": delta,
+        "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+        "finish_reason": finish_reason,
+    }
     chunk = {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": choices,
+        "choices": [] if delta is None else [choice],
     }
     if usage_ is not None:
         chunk["usage"] = usage_

@@ -10,6 +10,7 @@ from flask import g, request
 from ..errors import BadRequest, UnsupportedMediaType
 from ..generation import GenerationRequest, SamplingParams
 from ..prompts import ChatMessage
+from .outputs import AnswerShape
 from .protocol import CONVERSATION_ID_PATTERN
 
 
@@ -27,7 +28,11 @@ def json_body() -> dict:
 
 
 def generation_request(
-    messages: list[ChatMessage], params: SamplingParams, conversation_id: str | None, remembered: int = 0
+    messages: list[ChatMessage],
+    params: SamplingParams,
+    conversation_id: str | None,
+    remembered: int = 0,
+    shape: AnswerShape = AnswerShape(),
 ) -> GenerationRequest:
     return GenerationRequest(
         messages=messages,
@@ -36,6 +41,8 @@ def generation_request(
         request_id=g.request_id,
         conversation_id=conversation_id,
         remembered=remembered,
+        grammar=shape.grammar,
+        tools=shape.prompt_tools,
     )
 
 

@@ -293,9 +293,25 @@ function setBusy(busy) {
   setStatus(busy ? "Answering…" : "");
 }
 
+// The "Answer in JSON" option: any JSON object, or JSON valid against the schema typed in.
+function responseFormat() {
+  const text = $("json-schema").value.trim();
+  if (!text) return { type: "json_object" };
+  return { type: "json_schema", json_schema: { name: "answer", schema: JSON.parse(text), strict: true } };
+}
+
 async function ask() {
   const question = $("question").value.trim();
   if (!question || state.controller) return;
+  if ($("json-mode").checked) {
+    try {
+      responseFormat();
+    } catch (err) {
+      setStatus(`The JSON Schema is not valid JSON: ${err.message}`);
+      $("json-schema").focus();
+      return;
+    }
+  }
   const controller = new AbortController();
   state.controller = controller;
   setBusy(true);
@@ -316,6 +332,7 @@ async function ask() {
     }
     if ($("max-tokens").value) form.append("max_tokens", $("max-tokens").value);
     if ($("temperature").value) form.append("temperature", $("temperature").value);
+    if ($("json-mode").checked) form.append("response_format", JSON.stringify(responseFormat()));
 
     const response = await fetch("v1/chat", { method: "POST", body: form, headers, signal: controller.signal });
     if (!response.ok) {
@@ -384,6 +401,10 @@ function wire() {
   document.addEventListener("paste", (event) => {
     const files = [...event.clipboardData.files];
     if (files.length) addFiles(files);
+  });
+
+  $("json-mode").addEventListener("change", (event) => {
+    $("json-schema").disabled = !event.target.checked;
   });
 
   const key = $("api-key");

@@ -1,0 +1,216 @@
+"""Structured output and logprobs in the engine, on the embedded random model: a grammar holds
+whatever the weights, so every answer must parse and validate; a constrained request must not
+change its batch neighbours; logprobs must be those of a direct forward."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import jsonschema
+import pytest
+import torch
+
+from service.engine import Engine
+from service.generation import Completion, GenerationRequest, SamplingParams
+from service.prompts import ChatMessage, TextPart
+from service.structured import OutputGrammar, json_grammar
+from service.tools import OPEN, ToolCallParser, call_rules
+
+from conftest import make_settings, prepared
+
+RECEIPT = {
+    "type": "object",
+    "properties": {
+        "shop": {"type": "string", "maxLength": 24},
+        "paid": {"type": "boolean"},
+        "currency": {"enum": ["EUR", "USD", "CHF"]},
+        "total": {"type": "integer", "minimum": 0, "maximum": 10000},
+        "items": {
+            "type": "array",
+            "maxItems": 3,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "label": {"type": "string", "maxLength": 12},
+                    "price": {"type": "number", "minimum": 0, "maximum": 100, "multipleOf": 0.25},
+                },
+                "required": ["label", "price"],
+                "additionalProperties": False,
+            },
+        },
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "zip": {"type": "string", "pattern": "^[0-9]{4,5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "note": {"type": ["string", "null"], "maxLength": 10},
+    },
+    "required": ["shop", "paid", "currency", "total", "items", "address", "note"],
+    "additionalProperties": False,
+}
+YES_NO = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
+    "required": ["answer", "confidence"],
+    "additionalProperties": False,
+}
+SCHEMAS = {"receipt": RECEIPT, "yes/no": YES_NO}
+
+
+def ask(text: str) -> list[ChatMessage]:
+    return [ChatMessage("user", [TextPart(text)])]
+
+
+def run(engine, grammar: OutputGrammar | None = None, text="Read the receipt.", **params) -> Completion:
+    params.setdefault("max_tokens", 300)
+    request = GenerationRequest(ask(text), SamplingParams(**params), grammar=grammar)
+    *_, done = engine.generate(request)
+    assert isinstance(done, Completion)
+    return done
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_answer_parses_and_validates_against_its_schema(engine, name, temperature):
+    schema = SCHEMAS[name]
+    for seed in range(4):
+        done = run(engine, json_grammar(schema, "response_format"), temperature=temperature, seed=seed)
+        assert done.finish_reason == "stop", done.text
+        jsonschema.validate(json.loads(done.text), schema)
+
+
+def test_without_the_grammar_the_random_model_writes_no_json(engine):
+    """The check above is not vacuous: unconstrained, these weights answer noise."""
+    texts = [run(engine, None, temperature=1.0, seed=s, max_tokens=40).text for s in range(4)]
+    assert not any(_parses(t) for t in texts)
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def test_json_cut_short_by_max_tokens_or_a_stop_string_is_finish_length(engine):
+    grammar = json_grammar(RECEIPT, "response_format")
+    assert run(engine, grammar, max_tokens=6).finish_reason == "length"
+    cut = run(engine, grammar, stop=['"shop": '])
+    assert cut.finish_reason == "length" and cut.text == "{"
+    assert run(engine, None, stop=["the"], max_tokens=6, seed=1).finish_reason in ("stop", "length")
+
+
+def test_compiled_grammars_are_reused_by_schema_and_each_request_starts_fresh(engine):
+    grammar = json_grammar({**YES_NO, "title": "cache probe"}, "response_format")
+    misses, hits = engine.grammars.misses, engine.grammars.hits
+    first, second = run(engine, grammar, seed=1, temperature=1.0), run(engine, grammar, seed=2, temperature=1.0)
+    assert (engine.grammars.misses, engine.grammars.hits) == (misses + 1, hits + 1)
+    for done in (first, second):
+        jsonschema.validate(json.loads(done.text), YES_NO)
+
+
+def test_a_schema_the_engine_cannot_enforce_is_a_bad_request(engine):
+    from service.errors import BadRequest
+
+    lookbehind = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)a"}}}
+    with pytest.raises(BadRequest) as err:
+        run(engine, json_grammar(lookbehind, "response_format"))
+    assert err.value.param == "response_format" and err.value.code == "invalid_schema"
+    assert "look-around" in err.value.message
+
+
+def test_forced_tool_calls_always_parse_into_calls_of_the_given_functions(engine):
+    functions = [
+        {"name": "get_weather", "parameters": YES_NO},
+        {
+            "name": "lookup",
+            "parameters": {
+                "type": "object",
+                "$defs": {"id": {"type": "integer", "minimum": 1, "maximum": 99}},
+                "properties": {"ids": {"type": "array", "items": {"$ref": "#/$defs/id"}, "minItems": 1, "maxItems": 2}},
+                "required": ["ids"],
+                "additionalProperties": False,
+            },
+        },
+    ]
+    by_name = {f["name"]: f["parameters"] for f in functions}
+    grammar = OutputGrammar("start: calls\n" + call_rules(functions, parallel=True), "tools")
+    for seed in range(4):
+        done = run(engine, grammar, temperature=1.0, seed=seed)
+        assert done.finish_reason == "stop" and done.text.startswith(OPEN)
+        parser = ToolCallParser()
+        pieces = parser.feed(done.text) + parser.flush()
+        assert parser.calls and all(not isinstance(p, str) for p in pieces), done.text
+        for call in parser.calls:
+            jsonschema.validate(json.loads(call.arguments), by_name[call.name])
+
+
+class Run(threading.Thread):
+    def __init__(self, engine, grammar, text, **params):
+        super().__init__()
+        self.engine, self.grammar, self.text, self.params = engine, grammar, text, params
+
+    def run(self):
+        self.request = GenerationRequest(ask(self.text), SamplingParams(**self.params), grammar=self.grammar)
+        *_, self.done = self.engine.generate(self.request)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_constrained_request_leaves_its_batch_neighbours_bit_identical(engine, temperature):
+    params = dict(max_tokens=60, temperature=temperature, seed=5)
+    grammar = json_grammar(RECEIPT, "response_format")
+
+    def together():
+        runs = [Run(engine, None, "Tell me about cats."), Run(engine, grammar, "Read the receipt.")]
+        for r, p in zip(runs, [params, {**params, "max_tokens": 300}]):
+            r.params = p
+            r.start()
+        for r in runs:
+            r.join(120)
+        return runs
+
+    plain_alone = run(engine, None, "Tell me about cats.", **params)
+    json_alone = run(engine, grammar, "Read the receipt.", **{**params, "max_tokens": 300})
+    plain, constrained = together()
+    a, b = plain.request.streamer, constrained.request.streamer
+    assert a.first_token_at < b.last_token_at and b.first_token_at < a.last_token_at  # decoded in one batch
+    assert plain.done.text == plain_alone.text and plain.request.streamer.token_ids
+    assert constrained.done.text == json_alone.text
+    jsonschema.validate(json.loads(constrained.done.text), RECEIPT)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_are_those_of_a_direct_forward_of_the_model(fp32_engine, cache_dir, temperature):
+    # fp32 weights and KV cache: the same numbers as one forward over prompt and answer.
+    engine = Engine(fp32_engine.loaded, make_settings(cache_dir, quantization="fp32", kv_dtype="float32"))
+    request = GenerationRequest(
+        ask("Describe a cat."), SamplingParams(max_tokens=12, temperature=temperature, seed=3, logprobs=3)
+    )
+    *_, done = engine.generate(request)
+    ids = request.streamer.token_ids
+    assert len(done.logprobs) == len([i for i in ids if i not in engine.loaded.eos_token_ids]) > 0
+    prompt = prepared(engine, request)
+    full = torch.cat([prompt.input_ids, torch.tensor([ids])], dim=1)
+    with torch.inference_mode():
+        logits = engine.model(input_ids=full, mm_token_type_ids=torch.zeros_like(full)).logits[0].float()
+    start = prompt.num_tokens - 1
+    expected = (logits[start : start + len(done.logprobs)] / (temperature or 1.0)).log_softmax(-1)
+    for record, row, token in zip(done.logprobs, expected, ids):
+        assert record.token_id == token
+        assert record.logprob == pytest.approx(float(row[token]), abs=1e-4)
+        top_ids = [i for i, _ in record.top]
+        assert top_ids == row.topk(3).indices.tolist()
+        assert [lp for _, lp in record.top] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+
+
+def test_logprobs_under_a_grammar_cover_only_the_tokens_it_allows(engine):
+    done = run(engine, json_grammar(YES_NO, "response_format"), logprobs=5)
+    first = done.logprobs[0]
+    assert engine.token_text.text(first.token_id) == "{" and first.logprob == pytest.approx(0.0, abs=1e-6)
+    assert all(engine.token_text.text(i).startswith("{") for i, _ in first.top)
