@@ -258,3 +258,16 @@ def test_a_deeply_nested_schema_is_refused_or_enforced_never_a_crash(server, dep
     if response.status_code == 200:
         assert response.json()["choices"][0]["message"]["content"].startswith("[")
     assert requests.post(server + "/v1/chat/completions", json={"messages": user(), "max_tokens": 2}, timeout=60).ok
+
+
+def test_the_openapi_document_covers_the_new_fields(server):
+    document = requests.get(server + "/openapi.json", timeout=30).json()
+    schemas = document["components"]["schemas"]
+    openai_fields = schemas["ChatCompletionRequest"]["properties"]
+    for name in ("response_format", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs"):
+        assert name in openai_fields, name
+    assert {"response_format", "logprobs", "top_logprobs"} <= set(schemas["NativeChatRequest"]["properties"])
+    assert set(schemas["ResponseFormat"]["properties"]["type"]["enum"]) == {"text", "json_object", "json_schema"}
+    assert "tool" in schemas["Message"]["properties"]["role"]["enum"]
+    form = document["paths"]["/v1/chat"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert form["properties"]["response_format"]["$ref"] == "#/components/schemas/ResponseFormat"

@@ -50,7 +50,7 @@ def _split(text: str) -> tuple[str, list[ToolCall]]:
 def chat_completions():
     body = protocol.ChatCompletionRequest.model_validate(json_body())
     _refuse_unsupported(body)
-    shape = answer_shape(body.response_format, body.tools, body.tool_choice, body.parallel_tool_calls)
+    shape = answer_shape(body.response_format, body.tools, body.tool_choice, body.parallel_tool_calls is not False)
     engine = state().require_engine()
     messages = to_chat_messages(body.messages, engine.limits)
     params = body.sampling(body.max_completion_tokens or body.max_tokens)

@@ -97,7 +97,10 @@ def _document() -> dict:
                     "requestBody": {"required": True, "content": {"application/json": {"schema": openai_ref}}},
                     "responses": {
                         "200": {
-                            "description": "a chat.completion, or text/event-stream chunks",
+                            "description": (
+                                "a chat.completion (choices[0].message: content, tool_calls; choices[0].logprobs "
+                                "when asked), or text/event-stream chunks (delta.content, delta.tool_calls)"
+                            ),
                             "content": {
                                 "application/json": {"schema": {"type": "object"}},
                                 "text/event-stream": {"schema": {"type": "string"}},
@@ -119,7 +122,10 @@ def _document() -> dict:
                     },
                     "responses": {
                         "200": {
-                            "description": "JSON lines, or one JSON object when stream is false",
+                            "description": (
+                                "JSON lines ({delta, logprobs?} ..., then done: true with text, usage, timings, "
+                                "logprobs?), or one JSON object when stream is false"
+                            ),
                             "content": {
                                 "application/x-ndjson": {"schema": {"type": "string"}},
                                 "application/json": {"schema": {"type": "object"}},

@@ -145,7 +145,7 @@ class _Sampling(_Lenient):
     stop: StopString | list[StopString] | None = None
     repetition_penalty: RepetitionPenalty | None = None
     response_format: ResponseFormat | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = Field(None, description="alternatives per token (needs logprobs: true)")
 
     @field_validator("top_logprobs")
@@ -177,11 +177,11 @@ class ChatCompletionRequest(_Sampling):
     stream_options: StreamOptions | None = None
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
     n: int | None = Field(
-        None, ge=1, le=1, description="only 1 is supported: send n requests (they share the prompt's cached KV)"
+        None, ge=1, le=1, description="only 1 is supported: send n requests instead (they decode as one batch)"
     )
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = Field(None, description="default true")
     # Refused unless at their defaults: they would change the answer and are not implemented.
     presence_penalty: float | None = Field(None, description="not supported (use repetition_penalty): 0 only")
     frequency_penalty: float | None = Field(None, description="not supported (use repetition_penalty): 0 only")
