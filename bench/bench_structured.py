@@ -269,26 +269,15 @@ def engine_rows(label: str, tokenizer, vocab: int, eos: list[int], tokens: int) 
 
 def large_vocabulary_tokenizer(cache_dir: Path):
     """A byte-level BPE of Qwen's vocabulary size (151,643 + its special tokens), trained here (~15 s,
-    once, cached) on the Python sources on this machine: the checkpoints' own tokenizers are small
-    (a random checkpoint's is 4,096), and a mask's cost grows with the vocabulary."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    once, cached) on the Python sources on this machine: the random checkpoints' own tokenizers learn
+    only a few hundred tokens from their small corpus, and a mask's cost grows with the vocabulary."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    from service.checkpoints import SPECIAL_TOKENS
+    from service.checkpoints import train_bpe
 
     path = cache_dir / "bench-bpe-151643" / "tokenizer.json"
     if not path.exists():
         sources = sorted(Path(torch.__file__).parents[2].rglob("*.py"))
-        tokenizer = Tokenizer(models.BPE())
-        tokenizer.normalizer = normalizers.NFC()
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-        tokenizer.decoder = decoders.ByteLevel()
 
         def texts(limit=80_000_000):
             read = 0
@@ -299,11 +288,7 @@ def large_vocabulary_tokenizer(cache_dir: Path):
                 read += len(text)
                 yield text
 
-        trainer = trainers.BpeTrainer(
-            vocab_size=151_643, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-        )
-        tokenizer.train_from_iterator(texts(), trainer=trainer)
-        tokenizer.add_special_tokens(SPECIAL_TOKENS)
+        tokenizer = train_bpe(texts(), 151_643)
         path.parent.mkdir(parents=True, exist_ok=True)
         tokenizer.save(str(path))
     return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="<|im_end|>", pad_token="<|endoftext|>")

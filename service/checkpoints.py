@@ -115,8 +115,9 @@ def _corpus() -> list[str]:
     return lines
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
-    """Train a Qwen2-style byte-level BPE on a fixed corpus; returns the special-token ids."""
+def train_bpe(texts, vocab_size: int):
+    """A Qwen2-style byte-level BPE (Qwen's pre-tokenizer regex, byte alphabet, NFC) trained on
+    `texts`, with Qwen's special tokens after its `vocab_size` learned ones."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
@@ -130,12 +131,16 @@ def train_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    return tokenizer
+
+
+def train_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
+    """Train the checkpoints' tokenizer on a fixed corpus; returns the special-token ids."""
+    tokenizer = train_bpe(_corpus(), vocab_size - len(SPECIAL_TOKENS))
     tokenizer.save(str(out_dir / "tokenizer.json"))
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     tokenizer_config = {
