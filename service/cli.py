@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -50,6 +51,7 @@ def cmd_chat(args) -> int:
     from .images import decode_image
     from .loading import load_model
     from .prompts import ChatMessage, ImagePart, TextPart
+    from .structured import json_grammar
 
     settings = _settings(args)
     loaded = load_model(settings)
@@ -71,13 +73,17 @@ def cmd_chat(args) -> int:
             seed=args.seed,
             stop=args.stop or [],
         )
-        request = GenerationRequest(messages, params, received_at=t0)
+        grammar = None
+        if args.json_schema is not None:
+            schema = json.loads(Path(args.json_schema).read_text()) if args.json_schema else {"type": "object"}
+            grammar = json_grammar(schema, "--json-schema")
+        request = GenerationRequest(messages, params, received_at=t0, grammar=grammar)
         for event in engine.generate(request):
             if isinstance(event, Completion):
                 done = event
             else:
                 print(event.text, end="", flush=True)
-    except (ServiceError, ValidationError, OSError) as exc:
+    except (ServiceError, ValidationError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     t = done.timings
@@ -166,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--top-k", type=int)
     chat.add_argument("--seed", type=int)
     chat.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    chat.add_argument(
+        "--json-schema",
+        nargs="?",
+        const="",
+        metavar="FILE",
+        help="answer in JSON valid against the JSON Schema in FILE (no FILE: any JSON object)",
+    )
     _settings_flags(chat)
     chat.set_defaults(func=cmd_chat)
 

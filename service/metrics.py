@@ -45,6 +45,9 @@ MEMORY_BUDGET = Gauge(
 )
 CACHE_BUDGET = Gauge("qwen3vl_cache_budget_bytes", "bytes each cache may hold", ["cache"], multiprocess_mode="livemax")
 
+# Structured outputs: grammars compiled per request (hit: reused from the compile cache; invalid: a 400)
+GRAMMARS = Counter("qwen3vl_grammars_total", "answer grammars requested, by how compiling went", ["result"])
+
 # Caches (conversation KV and vision features)
 CACHE_HITS = Counter("qwen3vl_cache_hits_total", "cache lookups that reused something", ["cache"])
 CACHE_MISSES = Counter("qwen3vl_cache_misses_total", "cache lookups that reused nothing", ["cache"])

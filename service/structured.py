@@ -26,6 +26,7 @@ import llguidance.hf
 import numpy as np
 import torch
 
+from . import metrics
 from .errors import BadRequest
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class GrammarCompiler:
     def constraint(self, grammar: OutputGrammar) -> Constraint:
         """A fresh Constraint for `grammar`; BadRequest (naming grammar.param) if it cannot compile."""
         if len(grammar.lark.encode()) > MAX_GRAMMAR_BYTES:
+            metrics.GRAMMARS.labels("invalid").inc()
             raise BadRequest(
                 f"the schema is over {MAX_GRAMMAR_BYTES // 1024} KiB", param=grammar.param, code="invalid_schema"
             )
@@ -118,9 +120,15 @@ class GrammarCompiler:
             if template is not None:
                 self._compiled.move_to_end(grammar.lark)
                 self.hits += 1
+                metrics.GRAMMARS.labels("hit").inc()
             else:
                 self.misses += 1
-                template = self._compile(grammar)
+                try:
+                    template = self._compile(grammar)
+                except BadRequest:
+                    metrics.GRAMMARS.labels("invalid").inc()
+                    raise
+                metrics.GRAMMARS.labels("compiled").inc()
                 self._compiled[grammar.lark] = template
                 while len(self._compiled) > self.max_entries:
                     self._compiled.popitem(last=False)

@@ -111,3 +111,26 @@ def test_cli_make_model_writes_a_checkpoint(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "m" / "model.safetensors").exists()
+
+
+def test_cli_chat_answers_in_json_valid_against_a_schema_file(cache_dir, tiny_dir, tmp_path):
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"animal": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0, "maximum": 8}},
+        "required": ["animal", "legs"],
+        "additionalProperties": False,
+    }
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+
+    def chat(*flags):
+        command = [sys.executable, "-m", "service", "chat", "Which animal?", "--cache-dir", str(cache_dir), *flags]
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    result = chat("--json-schema", str(tmp_path / "schema.json"), "--temperature", "1", "--seed", "3")
+    assert result.returncode == 0, result.stderr
+    jsonschema.validate(json.loads(result.stdout), schema)
+    (tmp_path / "bad.json").write_text('{"type": "object", "properties": {"a": {"pattern": "(?<=x)"}}}')
+    refused = chat("--json-schema", str(tmp_path / "bad.json"))
+    assert refused.returncode == 2 and "cannot be enforced" in refused.stderr

@@ -12,6 +12,8 @@ import requests
 from pydantic import BaseModel, Field
 from test_structured import RECEIPT, YES_NO
 
+from servers import metric
+
 SERVER_ENV = {"MAX_BATCH_SIZE": "4", "CONTEXT_LIMIT": "2048", "MAX_NEW_TOKENS": "400", "QUEUE_TIMEOUT": "60"}
 WEATHER = {
     "type": "function",
@@ -271,3 +273,51 @@ def test_the_openapi_document_covers_the_new_fields(server):
     assert "tool" in schemas["Message"]["properties"]["role"]["enum"]
     form = document["paths"]["/v1/chat"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert form["properties"]["response_format"]["$ref"] == "#/components/schemas/ResponseFormat"
+
+
+def test_without_parallel_tool_calls_required_gives_exactly_one_call(client):
+    for seed in range(3):
+        response = client.chat.completions.create(
+            model="m",
+            messages=user("Weather and time?"),
+            tools=[WEATHER, CLOCK],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+        )
+        assert len(response.choices[0].message.tool_calls) == 1
+
+
+def test_auto_with_a_response_format_answers_in_that_format_or_calls_a_tool(client):
+    for seed in range(4):
+        response = client.chat.completions.create(
+            model="m",
+            messages=user("Is it sunny?"),
+            tools=[WEATHER],
+            response_format=json_schema_format(YES_NO, "verdict"),
+            temperature=1.0,
+            seed=seed,
+        )
+        message = response.choices[0].message
+        if message.tool_calls:
+            assert (
+                response.choices[0].finish_reason == "tool_calls"
+                and message.tool_calls[0].function.name == "get_weather"
+            )
+        else:
+            jsonschema.validate(json.loads(message.content), YES_NO)
+
+
+def test_grammar_compiles_are_counted_by_outcome(server):
+    def count(result):
+        return metric(server, "qwen3vl_grammars_total", f'result="{result}"')
+
+    before = {r: count(r) for r in ("compiled", "hit", "invalid")}
+    schema = {**YES_NO, "title": "metrics probe"}
+    body = {"messages": user(), "response_format": json_schema_format(schema), "max_tokens": 40}
+    for _ in range(2):
+        assert requests.post(server + "/v1/chat/completions", json=body, timeout=60).ok
+    bad = {**body, "response_format": json_schema_format({"type": "string", "pattern": "(?<=x)"})}
+    assert requests.post(server + "/v1/chat/completions", json=bad, timeout=60).status_code == 400
+    assert {r: count(r) - before[r] for r in before} == {"compiled": 1, "hit": 1, "invalid": 1}
