@@ -247,6 +247,9 @@ def test_the_native_endpoint_takes_response_format_and_logprobs(server):
     assert "".join(d["delta"] for d in deltas) == done["text"]
     assert [t for d in deltas for t in d["logprobs"]] == done["logprobs"]
     assert all(len(t["top_logprobs"]) <= 2 for t in done["logprobs"])
+    form = {"prompt": "Is it?", "logprobs": "true", "top_logprobs": "1", "stream": "false", "max_tokens": "3"}
+    answer = requests.post(server + "/v1/chat", files={k: (None, v) for k, v in form.items()}, timeout=60).json()
+    assert len(answer["logprobs"]) == answer["usage"]["completion_tokens"] - (answer["finish_reason"] == "stop")
     refused = requests.post(server + "/v1/chat", json={"prompt": "x", "tools": [WEATHER]}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
 

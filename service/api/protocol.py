@@ -214,6 +214,8 @@ FORM_FIELDS = frozenset(
         "repetition_penalty",
         "stream",
         "response_format",  # as JSON text
+        "logprobs",
+        "top_logprobs",
     }
 )
 
