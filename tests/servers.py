@@ -195,3 +195,10 @@ def nginx_proxy(addresses: list[str], log_path: Path, **settings):
         stop_process_group(proc, timeout=10)
         log.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def openai_client(base: str, api_key: str = "unused", timeout: float = 120):
+    """The official client on a server's OpenAI endpoint, as a user makes it (no retries: a test sees every error)."""
+    import openai
+
+    return openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=timeout)

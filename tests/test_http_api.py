@@ -18,7 +18,7 @@ from service.batching import Sampler
 
 from conftest import make_settings
 from imaging import encode, pattern
-from servers import gunicorn_server, metric
+from servers import gunicorn_server, metric, openai_client
 
 SERVER_ENV = {
     "QUEUE_SIZE": "1",
@@ -39,7 +39,7 @@ def server(serve):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server, timeout=60)
 
 
 def data_url(img_bytes: bytes, mime="image/png") -> str:

@@ -9,6 +9,7 @@ import pytest
 import requests
 
 from imaging import encode, pattern
+from servers import openai_client
 
 KEY = "sk-test-0123456789abcdef"
 LIMITS_ENV = {
@@ -69,7 +70,7 @@ def test_a_wrong_key_is_refused_and_never_echoed(server):
 def test_each_configured_key_works_including_through_the_openai_client(server):
     base, _ = server
     assert chat(base, {"prompt": "hi"}, headers={"Authorization": "Bearer other-key"}).status_code == 200
-    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+    client = openai_client(base, api_key=KEY)
     assert (
         client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2
@@ -77,7 +78,7 @@ def test_each_configured_key_works_including_through_the_openai_client(server):
         == 2
     )
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
+        openai_client(base, api_key="nope").models.list()
 
 
 def _png_url(seed):

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 import requests
 from pydantic import BaseModel, Field
 from test_structured import RECEIPT, YES_NO
 
-from servers import metric
+from servers import metric, openai_client
 
 SERVER_ENV = {"MAX_BATCH_SIZE": "4", "CONTEXT_LIMIT": "2048", "MAX_NEW_TOKENS": "400", "QUEUE_TIMEOUT": "60"}
 WEATHER = {
@@ -42,7 +41,7 @@ def server(serve):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def user(text="Read the receipt in this message."):

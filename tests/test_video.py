@@ -9,7 +9,6 @@ import tempfile
 from types import SimpleNamespace
 
 import numpy as np
-import openai
 import pytest
 import requests
 import torch
@@ -38,6 +37,7 @@ from service.vision_steps import run_to_end, video_steps
 from clips import WRITABLE, noise, write_clip
 from conftest import make_settings, prepared
 from imaging import encode, pattern
+from servers import openai_client
 
 LIMITS = VideoLimits(
     max_bytes=5 * 1024 * 1024,
@@ -494,7 +494,7 @@ def test_native_json_with_an_image_and_a_base64_video(server, clip):
 
 
 def test_openai_client_takes_a_video_url_part_beside_an_image(server, clip):
-    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(server.base)
     png = encode(pattern(256, 256), ".png")
     content = [
         {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}},
