@@ -214,3 +214,26 @@ def test_logprobs_under_a_grammar_cover_only_the_tokens_it_allows(engine):
     first = done.logprobs[0]
     assert engine.token_text.text(first.token_id) == "{" and first.logprob == pytest.approx(0.0, abs=1e-6)
     assert all(engine.token_text.text(i).startswith("{") for i, _ in first.top)
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 1000])
+def test_qwen_tool_calls_are_found_in_text_however_it_is_split(piece):
+    """What a real Qwen3-VL writes in auto mode (the random model never does): text, then calls."""
+    from service.tools import ToolCallDelta
+
+    text = (
+        'Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Z}rich", '
+        '"days": [1, {"n": 2}]}}\n</tool_call>\n<tool_call>\n{"arguments": {}, "name": "get_time"}\n</tool_call>'
+        "\n<tool_call>\nnot a call\n</tool_call>"
+    )
+    parser = ToolCallParser()
+    out = [o for i in range(0, len(text), piece) for o in parser.feed(text[i : i + piece])] + parser.flush()
+    assert "".join(o for o in out if isinstance(o, str)) == "Let me look that up.<tool_call>\nnot a call\n</tool_call>"
+    assert [(c.name, c.arguments) for c in parser.calls] == [
+        ("get_weather", '{"city": "Z}rich", "days": [1, {"n": 2}]}'),
+        ("get_time", "{}"),
+    ]
+    streamed: dict[int, str] = {}
+    for delta in (o for o in out if isinstance(o, ToolCallDelta)):
+        streamed[delta.index] = streamed.get(delta.index, "") + delta.arguments
+    assert streamed == {0: parser.calls[0].arguments, 1: parser.calls[1].arguments}

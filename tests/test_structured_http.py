@@ -187,18 +187,33 @@ def test_a_named_function_is_the_one_called_once(client):
     assert response.choices[0].message.content is None
 
 
-def test_streamed_tool_calls_arrive_as_delta_tool_calls(client):
+def test_streamed_tool_calls_arrive_as_delta_tool_calls_arguments_piece_by_piece(client):
     kwargs = dict(
-        model="m", messages=user("Weather?"), tools=[WEATHER], tool_choice="required", seed=2, temperature=1.0
+        model="m", messages=user("Weather?"), tools=[WEATHER, CLOCK], tool_choice="required", seed=2, temperature=1.0
     )
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
     chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
     deltas = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+    calls: dict[int, dict] = {}
+    for d in deltas:  # as a client accumulates them: the first piece of a call names it
+        if d.index not in calls:
+            assert d.id.startswith("call_") and d.function.name
+            calls[d.index] = {"name": d.function.name, "arguments": "", "pieces": 0}
+        else:
+            assert d.id is None and d.function.name is None
+        calls[d.index]["arguments"] += d.function.arguments or ""
+        calls[d.index]["pieces"] += 1
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in whole
     ]
-    assert [d.index for d in deltas] == list(range(len(deltas))) and all(d.id.startswith("call_") for d in deltas)
+    assert list(calls) == list(range(len(whole))) and all(c["pieces"] > 2 for c in calls.values())
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The client's own stream helper assembles the same calls.
+    with client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion().choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in final] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
 
 
 def test_tools_are_shown_to_the_model_unless_tool_choice_is_none(client):

@@ -10,7 +10,7 @@ from flask import Blueprint, Response, g, jsonify, request
 
 from ..errors import BadRequest, ServiceError
 from ..generation import Completion, TextDelta
-from ..tools import ToolCall, ToolCallParser
+from ..tools import ToolCall, ToolCallDelta, ToolCallParser
 from . import protocol
 from .inputs import to_chat_messages
 from .outputs import answer_shape
@@ -82,8 +82,8 @@ def chat_completions():
             out = parser.feed(event.text) if parser else [event.text]
             pending.extend(event.logprobs)
         for piece in out:
-            if isinstance(piece, ToolCall):
-                yield chunk({"tool_calls": [protocol.tool_call(piece, index=parser.calls.index(piece))]})
+            if isinstance(piece, ToolCallDelta):
+                yield chunk({"tool_calls": [protocol.tool_call_delta(piece)]})
             else:
                 records = list(pending) if params.logprobs is not None else None
                 pending.clear()

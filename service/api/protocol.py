@@ -21,7 +21,7 @@ from ..generation import (
     TopP,
 )
 from ..logprobs import TokenLogprob, TokenText
-from ..tools import ToolCall
+from ..tools import ToolCall, ToolCallDelta
 
 # A conversation id (body field or X-Conversation-Id header): also a cache key and Nginx's hash key.
 CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -245,10 +245,17 @@ def logprob_entries(records: list[TokenLogprob], text: TokenText) -> list[dict]:
     return [{**entry(r.token_id, r.logprob), "top_logprobs": [entry(i, lp) for i, lp in r.top]} for r in records]
 
 
-def tool_call(call: ToolCall, index: int | None = None) -> dict:
-    """A call in OpenAI's shape (`index` is a streamed delta's)."""
-    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-    return out if index is None else {"index": index, **out}
+def tool_call(call: ToolCall) -> dict:
+    """A call in OpenAI's shape."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_delta(delta: ToolCallDelta) -> dict:
+    """A streamed piece of a call: the first names it, the next ones add to its arguments."""
+    if delta.name is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    function = {"name": delta.name, "arguments": delta.arguments}
+    return {"index": delta.index, "id": delta.id, "type": "function", "function": function}
 
 
 def chat_completion(
