@@ -49,13 +49,20 @@ log = logging.getLogger(__name__)
 class Sampler:
     """One sequence's next token: generate's logits processors for its config, then the argmax
     (greedy) or a draw from the sequence's own generator (the same draws `generate` makes after
-    `torch.manual_seed(seed)`). A grammar's mask, if any, applies after the repetition penalty.
+    `torch.manual_seed(seed)`). OpenAI's penalties and logit_bias (`adjustments`), then a grammar's
+    mask, apply after the repetition penalty.
 
     With `top_logprobs` set (0-20) it records each chosen token's log-probability (and that many
-    alternatives') in `logprobs`, from the distribution it drew from: penalty, mask and temperature
+    alternatives') in `logprobs`, from the distribution it drew from: penalties, bias, mask and temperature
     applied (greedy: temperature 1), top-k/top-p truncation not (so no alternative shows -inf)."""
 
-    def __init__(self, config: GenerationConfig, seed: int, top_logprobs: int | None = None):
+    def __init__(
+        self,
+        config: GenerationConfig,
+        seed: int,
+        top_logprobs: int | None = None,
+        adjustments: ScoreAdjustments | None = None,
+    ):
         self.do_sample = bool(config.do_sample)
         penalty = config.repetition_penalty
         self.penalty = RepetitionPenaltyLogitsProcessor(penalty) if penalty is not None and penalty != 1.0 else None
@@ -71,14 +78,19 @@ class Sampler:
         self.temperature = config.temperature if self.do_sample and config.temperature else 1.0
         self.top_logprobs = top_logprobs
         self.logprobs: list[TokenLogprob] | None = [] if top_logprobs is not None else None
+        self.adjustments = adjustments
 
     def __call__(self, token_ids: list[int], logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
         """The next token after `token_ids` (prompt and answer so far) given its logits (1 × vocab);
         `allowed` (bool, vocab) is a grammar's mask."""
         scores = self.penalty(torch.tensor([token_ids]), logits) if self.penalty else logits
+        if self.adjustments is not None:
+            scores = self.adjustments(scores)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
         token = self._draw(scores)
+        if self.adjustments is not None:
+            self.adjustments.record(token)
         if self.logprobs is not None:
             distribution = (scores.float() / self.temperature).log_softmax(-1)[0]
             self.logprobs.append(token_logprob(distribution, token, self.top_logprobs))
@@ -92,6 +104,29 @@ class Sampler:
             # A temperature (or penalty) so extreme that the scores overflowed: the distribution's
             # limit is all its mass on the most likely token.
         return int(scores.nan_to_num(nan=float("-inf")).argmax(-1))
+
+
+class ScoreAdjustments:
+    """OpenAI's presence and frequency penalties (by how often each token is in the answer so far)
+    and logit_bias, added to a sequence's scores after the repetition penalty."""
+
+    def __init__(self, presence: float = 0.0, frequency: float = 0.0, bias: dict[int, float] | None = None):
+        self.presence, self.frequency, self.bias = presence, frequency, bias or {}
+        self._counts: torch.Tensor | None = None  # answer tokens so far, per id
+        self._bias: torch.Tensor | None = None
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        if self._counts is None:
+            self._counts = torch.zeros(scores.shape[-1])
+            self._bias = torch.zeros(scores.shape[-1])
+            if self.bias:
+                self._bias[list(self.bias)] = torch.tensor(list(self.bias.values()))
+        penalty = self._counts * self.frequency + (self._counts > 0) * self.presence
+        return scores - penalty + self._bias
+
+    def record(self, token: int) -> None:
+        if self._counts is not None:
+            self._counts[token] += 1
 
 
 @dataclass

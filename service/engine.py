@@ -23,7 +23,7 @@ from transformers import GenerationConfig
 
 from . import metrics
 from .admission import Admission
-from .batching import Sampler, Scheduler, Sequence
+from .batching import Sampler, Scheduler, ScoreAdjustments, Sequence
 from .caches import ConversationCache, VisionFeatureCache, VisionSpan
 from .encoders import make_vision_encoder
 from .errors import BadRequest, PromptTooLong
@@ -152,6 +152,9 @@ class Engine:
         """Tokenize and patchify; raises 4xx errors before the request queues for the model."""
         if len(request.params.stop) > self.limits.max_stop_strings:
             raise BadRequest(f"stop may hold at most {self.limits.max_stop_strings} strings", param="stop")
+        vocab = self.grammars.vocab_size
+        if any(not 0 <= token < vocab for token in request.params.logit_bias or {}):
+            raise BadRequest(f"logit_bias keys must be token ids from 0 to {vocab - 1}", param="logit_bias")
         return prepare_prompt(self.processor, request.messages, self.limits.prompt, request.tools)
 
     def _check_memory(self, request: GenerationRequest, prompt: PreparedPrompt) -> None:
@@ -168,6 +171,12 @@ class Engine:
             )
         wanted = params.max_tokens or self.limits.default_max_tokens
         return max(1, min(wanted, self.limits.max_new_tokens, room))
+
+    @staticmethod
+    def _adjustments(params: SamplingParams) -> ScoreAdjustments | None:
+        if not (params.presence_penalty or params.frequency_penalty or params.logit_bias):
+            return None
+        return ScoreAdjustments(params.presence_penalty or 0.0, params.frequency_penalty or 0.0, params.logit_bias)
 
     def _generation_config(self, params: SamplingParams, max_new_tokens: int) -> GenerationConfig:
         d = self._defaults
@@ -221,7 +230,9 @@ class Engine:
         return Sequence(
             prompt_ids=prompt.input_ids[0].tolist(),
             prefill=self.prefiller.steps(prompt, spans, request.conversation_id, marks),
-            sampler=Sampler(self._generation_config(params, max_new_tokens), seed, params.logprobs),
+            sampler=Sampler(
+                self._generation_config(params, max_new_tokens), seed, params.logprobs, self._adjustments(params)
+            ),
             constraint=constraint,
             streamer=request.streamer,
             cancel=request.cancel,

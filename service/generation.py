@@ -25,6 +25,8 @@ Seed = Annotated[int, Field(ge=0, lt=2**63)]
 StopString = Annotated[str, StringConstraints(max_length=256)]
 RepetitionPenalty = Annotated[float, Field(gt=0, le=10)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=-2, le=2, description="OpenAI's: per token of the answer so far")]
+LogitBias = dict[int, Annotated[float, Field(ge=-100, le=100)]]
 
 
 class SamplingParams(BaseModel):
@@ -42,6 +44,9 @@ class SamplingParams(BaseModel):
     stop: list[StopString] = Field(default_factory=list)
     repetition_penalty: RepetitionPenalty | None = None
     logprobs: TopLogprobs | None = None  # report each token's log-probability and this many alternatives
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None  # token id -> added to its logit
 
 
 @dataclass(eq=False)

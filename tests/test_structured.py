@@ -237,3 +237,38 @@ def test_qwen_tool_calls_are_found_in_text_however_it_is_split(piece):
     for delta in (o for o in out if isinstance(o, ToolCallDelta)):
         streamed[delta.index] = streamed.get(delta.index, "") + delta.arguments
     assert streamed == {0: parser.calls[0].arguments, 1: parser.calls[1].arguments}
+
+
+def test_presence_frequency_penalties_and_logit_bias_follow_openais_formula(fp32_engine, cache_dir):
+    """logits - count * frequency_penalty - (count > 0) * presence_penalty + logit_bias, counts over the
+    answer so far: checked through the logprobs against a direct forward (fp32 weights and KV)."""
+    engine = Engine(fp32_engine.loaded, make_settings(cache_dir, quantization="fp32", kv_dtype="float32"))
+    bias = {5: 2.5, 17: -4.0}
+    params = SamplingParams(
+        max_tokens=16, temperature=0, logprobs=0, presence_penalty=0.8, frequency_penalty=0.6, logit_bias=bias
+    )
+    request = GenerationRequest(ask("Describe a cat."), params)
+    *_, done = engine.generate(request)
+    ids = request.streamer.token_ids
+    prompt = prepared(engine, request)
+    full = torch.cat([prompt.input_ids, torch.tensor([ids])], dim=1)
+    with torch.inference_mode():
+        logits = engine.model(input_ids=full, mm_token_type_ids=torch.zeros_like(full)).logits[0].float()
+    counts, bias_row = torch.zeros(logits.shape[-1]), torch.zeros(logits.shape[-1])
+    bias_row[list(bias)] = torch.tensor(list(bias.values()))
+    for step, (record, token) in enumerate(zip(done.logprobs, ids)):
+        scores = logits[prompt.num_tokens - 1 + step] - counts * 0.6 - (counts > 0) * 0.8 + bias_row
+        assert record.token_id == token == int(scores.argmax())
+        assert record.logprob == pytest.approx(float(scores.log_softmax(-1)[token]), abs=1e-4)
+        counts[token] += 1
+    plain = run(engine, None, "Describe a cat.", max_tokens=16, temperature=0)
+    assert plain.text != done.text  # the penalties changed the answer
+
+
+def test_a_large_logit_bias_forces_its_token(engine):
+    token = engine.processor.tokenizer.convert_tokens_to_ids("Ġcat") or 100
+    request = GenerationRequest(
+        ask("Anything."), SamplingParams(max_tokens=6, temperature=1.0, seed=1, logit_bias={token: 100})
+    )
+    *_, done = engine.generate(request)
+    assert request.streamer.token_ids == [token] * 6

@@ -8,7 +8,7 @@ import time
 
 from flask import Blueprint, Response, g, jsonify, request
 
-from ..errors import BadRequest, ServiceError
+from ..errors import ServiceError
 from ..generation import Completion, TextDelta
 from ..tools import ToolCall, ToolCallDelta, ToolCallParser
 from . import protocol
@@ -26,19 +26,6 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def _refuse_unsupported(body: protocol.ChatCompletionRequest) -> None:
-    """Fields that would change the answer and are not implemented: a 400, never silently ignored."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise BadRequest(
-                f"{name} is not supported by this server: use repetition_penalty",
-                param=name,
-                code="unsupported_parameter",
-            )
-    if body.logit_bias:
-        raise BadRequest("logit_bias is not supported by this server", param="logit_bias", code="unsupported_parameter")
-
-
 def _split(text: str) -> tuple[str, list[ToolCall]]:
     """An answer's content and the tool calls in it."""
     parser = ToolCallParser()
@@ -49,7 +36,6 @@ def _split(text: str) -> tuple[str, list[ToolCall]]:
 @openai_api.post(ENDPOINT)
 def chat_completions():
     body = protocol.ChatCompletionRequest.model_validate(json_body())
-    _refuse_unsupported(body)
     shape = answer_shape(body.response_format, body.tools, body.tool_choice, body.parallel_tool_calls is not False)
     engine = state().require_engine()
     messages = to_chat_messages(body.messages, engine.limits)

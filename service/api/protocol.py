@@ -10,7 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from ..generation import (
     Completion,
+    LogitBias,
     MaxTokens,
+    Penalty,
     RepetitionPenalty,
     SamplingParams,
     Seed,
@@ -144,6 +146,9 @@ class _Sampling(_Lenient):
     seed: Seed | None = None
     stop: StopString | list[StopString] | None = None
     repetition_penalty: RepetitionPenalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = Field(None, description="token id -> bias added to its logit (-100 to 100)")
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = Field(None, description="alternatives per token (needs logprobs: true)")
@@ -166,6 +171,9 @@ class _Sampling(_Lenient):
             stop=stop,
             repetition_penalty=self.repetition_penalty,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
         )
 
 
@@ -182,10 +190,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="default true")
-    # Refused unless at their defaults: they would change the answer and are not implemented.
-    presence_penalty: float | None = Field(None, description="not supported (use repetition_penalty): 0 only")
-    frequency_penalty: float | None = Field(None, description="not supported (use repetition_penalty): 0 only")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: empty only")
 
 
 class NativeChatRequest(_Sampling):
@@ -212,6 +216,8 @@ FORM_FIELDS = frozenset(
         "top_k",
         "seed",
         "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
         "stream",
         "response_format",  # as JSON text
         "logprobs",
