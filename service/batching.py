@@ -108,25 +108,22 @@ class Sampler:
 
 class ScoreAdjustments:
     """OpenAI's presence and frequency penalties (by how often each token is in the answer so far)
-    and logit_bias, added to a sequence's scores after the repetition penalty."""
+    and logit_bias: one offset per token id, added to a sequence's scores after the repetition
+    penalty, and updated by each token chosen."""
 
-    def __init__(self, presence: float = 0.0, frequency: float = 0.0, bias: dict[int, float] | None = None):
-        self.presence, self.frequency, self.bias = presence, frequency, bias or {}
-        self._counts: torch.Tensor | None = None  # answer tokens so far, per id
-        self._bias: torch.Tensor | None = None
+    def __init__(self, vocab_size: int, presence: float, frequency: float, bias: dict[int, float]):
+        self.presence, self.frequency = presence, frequency
+        self.offset = torch.zeros(vocab_size)
+        if bias:
+            self.offset[list(bias)] = torch.tensor(list(bias.values()))
+        self._seen: set[int] = set()
 
     def __call__(self, scores: torch.Tensor) -> torch.Tensor:
-        if self._counts is None:
-            self._counts = torch.zeros(scores.shape[-1])
-            self._bias = torch.zeros(scores.shape[-1])
-            if self.bias:
-                self._bias[list(self.bias)] = torch.tensor(list(self.bias.values()))
-        penalty = self._counts * self.frequency + (self._counts > 0) * self.presence
-        return scores - penalty + self._bias
+        return scores + self.offset
 
     def record(self, token: int) -> None:
-        if self._counts is not None:
-            self._counts[token] += 1
+        self.offset[token] -= self.frequency + (self.presence if token not in self._seen else 0.0)
+        self._seen.add(token)
 
 
 @dataclass

@@ -34,7 +34,7 @@ from .loading import LoadedModel
 from .logprobs import TokenLogprob, TokenText
 from .memory import CONVERSATION_CACHE_SHARE, MIB, VISION_CACHE_SHARE, MemoryGuard, kv_cache_bytes
 from .prefill import Prefiller, PrefillMarks, vision_spans
-from .prompts import PreparedPrompt, prepare_prompt
+from .prompts import PreparedPrompt, prepare_prompt, renders_tools
 from .settings import Settings
 from .streaming import StopStringMatcher, TokenStreamer
 from .structured import Constraint, GrammarCompiler
@@ -83,9 +83,10 @@ class Engine:
         metrics.CACHE_BUDGET.labels(cache=self.conversation_cache.name).set(kv_bytes)
         metrics.CACHE_BUDGET.labels(cache=self.vision_cache.name).set(vision_bytes)
         self.kv_dtype = getattr(torch, settings.kv_dtype)
-        text_config = getattr(loaded.model.config, "text_config", loaded.model.config)
+        self.vocab_size = getattr(loaded.model.config, "text_config", loaded.model.config).vocab_size
         self.token_text = TokenText(self.processor.tokenizer)  # logprobs' token strings and bytes
-        self.grammars = GrammarCompiler(self.processor.tokenizer, text_config.vocab_size, loaded.eos_token_ids)
+        self.grammars = GrammarCompiler(self.processor.tokenizer, self.vocab_size, loaded.eos_token_ids)
+        self.renders_tools = renders_tools(self.processor)
         self.prefiller = Prefiller(
             loaded.model,
             self.vision_encoder,
@@ -152,9 +153,10 @@ class Engine:
         """Tokenize and patchify; raises 4xx errors before the request queues for the model."""
         if len(request.params.stop) > self.limits.max_stop_strings:
             raise BadRequest(f"stop may hold at most {self.limits.max_stop_strings} strings", param="stop")
-        vocab = self.grammars.vocab_size
-        if any(not 0 <= token < vocab for token in request.params.logit_bias or {}):
-            raise BadRequest(f"logit_bias keys must be token ids from 0 to {vocab - 1}", param="logit_bias")
+        if any(not 0 <= token < self.vocab_size for token in request.params.logit_bias or {}):
+            raise BadRequest(f"logit_bias keys must be token ids from 0 to {self.vocab_size - 1}", param="logit_bias")
+        if request.tools and not self.renders_tools:
+            raise BadRequest("this checkpoint's chat template does not render tools", param="tools")
         return prepare_prompt(self.processor, request.messages, self.limits.prompt, request.tools)
 
     def _check_memory(self, request: GenerationRequest, prompt: PreparedPrompt) -> None:
@@ -172,11 +174,12 @@ class Engine:
         wanted = params.max_tokens or self.limits.default_max_tokens
         return max(1, min(wanted, self.limits.max_new_tokens, room))
 
-    @staticmethod
-    def _adjustments(params: SamplingParams) -> ScoreAdjustments | None:
+    def _adjustments(self, params: SamplingParams) -> ScoreAdjustments | None:
         if not (params.presence_penalty or params.frequency_penalty or params.logit_bias):
             return None
-        return ScoreAdjustments(params.presence_penalty or 0.0, params.frequency_penalty or 0.0, params.logit_bias)
+        return ScoreAdjustments(
+            self.vocab_size, params.presence_penalty or 0.0, params.frequency_penalty or 0.0, params.logit_bias or {}
+        )
 
     def _generation_config(self, params: SamplingParams, max_new_tokens: int) -> GenerationConfig:
         d = self._defaults
@@ -273,13 +276,9 @@ class Engine:
             # Client gone (GeneratorExit) or error: the sequence leaves the batch at the next step.
             request.cancel.set()
             sequence.done.wait()
-        done = self._completion(
-            request, prompt, sequence, marks, waited, "".join(parts), stopper.stopped, max_new_tokens
+        yield self._completion(
+            request, prompt, sequence, marks, waited, "".join(parts), stopper.stopped, max_new_tokens, logprobs.reported
         )
-        if constraint is not None and done.finish_reason == "stop" and not constraint.complete:
-            done.finish_reason = "length"  # a stop string cut the grammar's match short
-        done.logprobs = logprobs.reported
-        yield done
 
     def _completion(
         self,
@@ -291,10 +290,13 @@ class Engine:
         text: str,
         stopped: bool,
         max_new_tokens: int,
+        logprobs: list[TokenLogprob] | None,
     ) -> Completion:
         ids = request.streamer.token_ids
         end = time.perf_counter()
-        if stopped or (ids and ids[-1] in self.loaded.eos_token_ids):
+        if sequence.constraint is not None and stopped and not sequence.constraint.complete:
+            finish = "length"  # a stop string cut the grammar's match short
+        elif stopped or (ids and ids[-1] in self.loaded.eos_token_ids):
             finish = "stop"
         elif len(ids) >= max_new_tokens:
             finish = "length"
@@ -313,6 +315,7 @@ class Engine:
             images=len(prompt.pixel_values),
             videos=len(prompt.pixel_values_videos),
             answer_token_ids=self._answer_ids(ids, text),
+            logprobs=logprobs,
         )
 
     @staticmethod

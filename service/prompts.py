@@ -156,6 +156,14 @@ def validate_conversation(messages: list[ChatMessage], limits: PromptLimits) -> 
             raise BadRequest("a system message is accepted only first", param=f"messages[{i}]")
 
 
+def renders_tools(processor) -> bool:
+    """Whether the checkpoint's chat template shows the model a `tools` list (Qwen3-VL's does)."""
+    probe = [{"type": "function", "function": {"name": "probe_function_7f3a", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    text = processor.apply_chat_template(messages, tools=probe, tokenize=False, add_generation_prompt=True)
+    return "probe_function_7f3a" in text
+
+
 def prepare_prompt(
     processor, messages: list[ChatMessage], limits: PromptLimits, tools: list[dict] | None = None
 ) -> PreparedPrompt:
@@ -165,8 +173,6 @@ def prepare_prompt(
     text = processor.apply_chat_template(
         _template_messages(messages), tools=tools or None, tokenize=False, add_generation_prompt=True
     )
-    if tools and not all(t["function"]["name"] in text for t in tools):
-        raise BadRequest("this checkpoint's chat template does not render tools", param="tools")
     images = [img for m in messages for img in m.images]
     videos = [v for m in messages for v in m.videos]
     if videos:

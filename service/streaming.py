@@ -52,6 +52,11 @@ class TokenStreamer(TextIteratorStreamer):
             self.text_queue.put(self.stop_signal, timeout=self.timeout)
 
 
+def partial_suffix(text: str, tag: str) -> int:
+    """How many of `text`'s last characters are the beginning of `tag` (0: none, never all of it)."""
+    return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
+
+
 class StopStringMatcher:
     """Cuts streamed text at the first stop string, holding back any tail that may begin one."""
 
@@ -69,7 +74,7 @@ class StopStringMatcher:
         if cut >= 0:
             self.stopped, self._held = True, ""
             return buf[:cut]
-        hold = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        hold = max((partial_suffix(buf, s) for s in self.stops), default=0)
         self._held = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold]
 

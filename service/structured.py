@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 MAX_GRAMMAR_BYTES = 256 * 1024  # a grammar's text (schemas included); beyond it: 400
-# Bounds on what one client grammar may cost: lexer states take 1-2 kB each (llguidance's default
-# of 250,000 would allow ~500 MB per grammar), and CACHED_GRAMMARS of them are kept.
+# Bounds on what one client grammar may cost (llguidance's defaults allow 250,000 lexer states), and
+# CACHED_GRAMMARS of them are kept.
 PARSER_LIMITS = dict(max_lexer_states=20_000, max_grammar_size=100_000, initial_lexer_fuel=1_000_000)
 CACHED_GRAMMARS = 16
 
@@ -56,6 +56,7 @@ def json_rule(schema: dict) -> str:
 
 
 def json_grammar(schema: dict, param: str) -> OutputGrammar:
+    """Answers that are JSON valid against `schema`."""
     return OutputGrammar(f"start: {json_rule(schema)}\n", param)
 
 
@@ -70,17 +71,20 @@ class Constraint:
     def allowed(self) -> torch.Tensor:
         """A bool mask over the vocabulary: the tokens the grammar accepts next (end of turn once
         it is complete)."""
-        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = torch.from_numpy(np.unpackbits(bits, bitorder="little", count=self._vocab).view(np.bool_))
-        if self._matcher.is_error() or not allowed.any():  # never expected; end the answer, don't hang
+        if self._matcher.is_error():  # never expected: end the answer rather than hang
             log.error("grammar matcher failed: %s", self._matcher.get_error())
             allowed = torch.zeros(self._vocab, dtype=torch.bool)
             allowed[self._eos] = True
-        return allowed
+            return allowed
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        return torch.from_numpy(np.unpackbits(bits, bitorder="little", count=self._vocab).view(np.bool_))
 
-    def advance(self, token: int) -> None:
-        if not self._matcher.consume_token(token) and token not in self._eos:
-            log.error("grammar matcher refused token %d: %s", token, self._matcher.get_error())
+    def advance(self, token: int) -> bool:
+        """Consume the chosen token; False if the grammar refused it (logged: the mask forbids that)."""
+        if self._matcher.consume_token(token) or token in self._eos:
+            return True
+        log.error("grammar matcher refused token %d: %s", token, self._matcher.get_error())
+        return False
 
     @property
     def complete(self) -> bool:
@@ -89,55 +93,54 @@ class Constraint:
 
 
 class GrammarCompiler:
-    """Compiles OutputGrammars for one tokenizer and keeps the last `max_entries` (thread-safe)."""
+    """Compiles OutputGrammars for one tokenizer and keeps the last CACHED_GRAMMARS (thread-safe;
+    a compile runs outside the lock, so cache hits never wait behind one)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int], max_entries: int = CACHED_GRAMMARS):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = frozenset(eos_ids)
-        self.max_entries = max_entries
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~0.2 s)
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = self.misses = 0
 
-    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=sorted(self.eos_ids)
-            )
-        return self._tokenizer
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=sorted(self.eos_ids)
+                )
+            return self._tokenizer
 
     def constraint(self, grammar: OutputGrammar) -> Constraint:
         """A fresh Constraint for `grammar`; BadRequest (naming grammar.param) if it cannot compile."""
-        if len(grammar.lark.encode()) > MAX_GRAMMAR_BYTES:
-            metrics.GRAMMARS.labels("invalid").inc()
-            raise BadRequest(
-                f"the schema is over {MAX_GRAMMAR_BYTES // 1024} KiB", param=grammar.param, code="invalid_schema"
-            )
         with self._lock:
             template = self._compiled.get(grammar.lark)
             if template is not None:
                 self._compiled.move_to_end(grammar.lark)
-                self.hits += 1
-                metrics.GRAMMARS.labels("hit").inc()
-            else:
-                self.misses += 1
-                try:
-                    template = self._compile(grammar)
-                except BadRequest:
-                    metrics.GRAMMARS.labels("invalid").inc()
-                    raise
-                metrics.GRAMMARS.labels("compiled").inc()
+        if template is None:
+            try:
+                template = self._compile(grammar)
+            except BadRequest:
+                metrics.GRAMMARS.labels("invalid").inc()
+                raise
+            metrics.GRAMMARS.labels("compiled").inc()
+            with self._lock:
                 self._compiled[grammar.lark] = template
-                while len(self._compiled) > self.max_entries:
+                while len(self._compiled) > CACHED_GRAMMARS:
                     self._compiled.popitem(last=False)
-            return Constraint(template.deep_copy(), self.vocab_size, self.eos_ids)
+        else:
+            metrics.GRAMMARS.labels("hit").inc()
+        return Constraint(template.deep_copy(), self.vocab_size, self.eos_ids)
 
     def _compile(self, grammar: OutputGrammar) -> llguidance.LLMatcher:
+        if len(grammar.lark.encode()) > MAX_GRAMMAR_BYTES:
+            raise BadRequest(
+                f"the schema is over {MAX_GRAMMAR_BYTES // 1024} KiB", param=grammar.param, code="invalid_schema"
+            )
         text = llguidance.LLMatcher.grammar_from_lark(grammar.lark)  # never raises: errors show below
         matcher = llguidance.LLMatcher(
-            self._llg_tokenizer(), text, log_level=0, limits=llguidance.LLParserLimits(**PARSER_LIMITS)
+            self.tokenizer(), text, log_level=0, limits=llguidance.LLParserLimits(**PARSER_LIMITS)
         )
         if matcher.is_error():
             message = matcher.get_error().strip().splitlines()

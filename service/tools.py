@@ -10,6 +10,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
+from .streaming import partial_suffix
 from .structured import json_rule
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -42,7 +43,7 @@ class ToolCallDelta:
 def _call_schema(function: dict) -> dict:
     """{"name": <this function>, "arguments": <its parameters>}, with the parameters' own definitions
     at the root (where their `$ref`s point)."""
-    parameters = dict(function.get("parameters") or {"type": "object"})
+    parameters = dict(function["parameters"])
     definitions = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
     return {
         "type": "object",
@@ -85,9 +86,11 @@ class ToolCallParser:
     each call once it closes). Text that may begin a call tag is held back until it is known. A
     call's arguments stream as they come once its head (`{"name": ..., "arguments": `) is seen,
     less a tail that may be the call's own closing brace; a block that never shows that head is
-    parsed when it closes, and is content, as written, if it does not parse."""
+    parsed when it closes, and is content, as written, if it does not parse. Beyond `max_calls`,
+    blocks are content too."""
 
-    def __init__(self):
+    def __init__(self, max_calls: int | None = None):
+        self.max_calls = max_calls
         self._held = ""  # outside a call: a possible start of a tag, or whitespace before one
         self._in_call = False
         self._body = ""  # the open block's text after its tag
@@ -120,7 +123,7 @@ class ToolCallParser:
         buf = self._held + text
         start = buf.find(OPEN)
         if start < 0:
-            hold = max((k for k in range(1, len(OPEN)) if buf.endswith(OPEN[:k])), default=0)
+            hold = partial_suffix(buf, OPEN)
             # Whitespace before a call separates it, it is no content: held until text follows.
             keep = len(buf[: len(buf) - hold].rstrip())
             self._emit(out, buf[:keep])
@@ -144,6 +147,8 @@ class ToolCallParser:
 
     def _stream_arguments(self, out: list, final: bool = False) -> None:
         if self._head is None:
+            if self._full():
+                return
             head = _HEAD.match(self._body)
             if head is None:
                 return
@@ -163,8 +168,7 @@ class ToolCallParser:
             except ValueError:
                 upto = len(arguments.rstrip()) - arguments.rstrip().endswith("}")
         else:  # hold back a partial closing tag, then a brace that may close the call
-            partial = max((k for k in range(1, len(CLOSE)) if arguments.endswith(CLOSE[:k])), default=0)
-            shown = arguments[: len(arguments) - partial].rstrip()
+            shown = arguments[: len(arguments) - partial_suffix(arguments, CLOSE)].rstrip()
             upto = len(shown) - shown.endswith("}")
         if upto > self._sent:
             out.append(ToolCallDelta(len(self.calls), self._head[0], None, arguments[self._sent : upto]))
@@ -174,7 +178,7 @@ class ToolCallParser:
         """The open block is whole: its call, or its text as content."""
         self._stream_arguments(out, final=True)
         if self._head is None:  # not in Qwen's layout (keys in another order, say): parsed whole
-            call = parse_call(self._body)
+            call = None if self._full() else parse_call(self._body)
             if call is None:
                 out.append(OPEN + self._body + CLOSE)
                 return
@@ -183,6 +187,9 @@ class ToolCallParser:
             return
         call_id, name = self._head
         self.calls.append(ToolCall(name, self._body[self._args_at :][: self._sent], call_id))
+
+    def _full(self) -> bool:
+        return self.max_calls is not None and len(self.calls) >= self.max_calls
 
     def _emit(self, out: list, text: str) -> None:
         if text and (text.strip() or not self.calls):  # whitespace between calls is no content

@@ -90,9 +90,11 @@ def test_the_clients_parse_helper_gets_its_pydantic_model(client):
     )
     verdict = parsed.choices[0].message.parsed
     assert isinstance(verdict, Verdict) and 0 <= verdict.score <= 9
+    assert parsed.choices[0].finish_reason == "stop"
 
 
 def test_json_object_mode_gives_a_json_object(client):
+    finished = 0
     for seed in range(3):
         response = client.chat.completions.create(
             model="m",
@@ -105,8 +107,10 @@ def test_json_object_mode_gives_a_json_object(client):
         choice = response.choices[0]
         if choice.finish_reason == "stop":
             assert isinstance(json.loads(choice.message.content), dict)
+            finished += 1
         else:  # an object with no schema may go on: cut short, it says so
             assert choice.finish_reason == "length" and choice.message.content.startswith("{")
+    assert finished >= 1  # at least one whole object was parsed
 
 
 def test_max_tokens_cutting_the_json_is_finish_length(client):
@@ -132,6 +136,20 @@ def test_max_tokens_cutting_the_json_is_finish_length(client):
         (
             dict(tools=[{**WEATHER, "function": {**WEATHER["function"], "parameters": {"type": 7}}}]),
             "tools[0].function.parameters",
+        ),
+        (dict(response_format=json_schema_format({"type": "array", "uniqueItems": True})), "response_format"),
+        (
+            dict(response_format=json_schema_format({"if": {"type": "integer"}, "then": {"minimum": 0}})),
+            "response_format",
+        ),
+        (dict(response_format=json_schema_format({"not": {"type": "string"}})), "response_format"),
+        (
+            dict(response_format=json_schema_format({"type": "object", "title": "\ud800"})),
+            "response_format.json_schema.schema",
+        ),
+        (
+            dict(tools=[{**WEATHER, "function": {**WEATHER["function"], "description": "\udfff"}}]),
+            "tools.0.function.description",
         ),
         (dict(top_logprobs=3), "top_logprobs"),
         (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
@@ -191,10 +209,20 @@ def test_a_named_function_is_the_one_called_once(client):
 
 def test_streamed_tool_calls_arrive_as_delta_tool_calls_arguments_piece_by_piece(client):
     kwargs = dict(
-        model="m", messages=user("Weather?"), tools=[WEATHER, CLOCK], tool_choice="required", seed=2, temperature=1.0
+        model="m",
+        messages=user("Weather?"),
+        tools=[WEATHER, CLOCK],
+        tool_choice="required",
+        seed=2,
+        temperature=1.0,
+        logprobs=True,
     )
-    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    response = client.chat.completions.create(**kwargs)
+    whole = response.choices[0].message.tool_calls
     chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    # Every generated token's logprob arrives with the chunk its text went out in, calls included.
+    streamed = [t.token for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == [t.token for t in response.choices[0].logprobs.content] and streamed
     deltas = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
     calls: dict[int, dict] = {}
     for d in deltas:  # as a client accumulates them: the first piece of a call names it
@@ -218,6 +246,13 @@ def test_streamed_tool_calls_arrive_as_delta_tool_calls_arguments_piece_by_piece
     ]
 
 
+def test_a_tool_call_cut_short_by_max_tokens_is_finish_length(client):
+    response = client.chat.completions.create(
+        model="m", messages=user("Weather?"), tools=[WEATHER], tool_choice="required", max_tokens=12
+    )
+    assert response.choices[0].finish_reason == "length"
+
+
 def test_tools_are_shown_to_the_model_unless_tool_choice_is_none(client):
     def prompt_tokens(**kwargs):
         return client.chat.completions.create(
@@ -230,7 +265,9 @@ def test_tools_are_shown_to_the_model_unless_tool_choice_is_none(client):
 
 
 def test_logprobs_in_the_openai_shape_streamed_and_not(client):
-    kwargs = dict(model="m", messages=user("Say something."), max_tokens=10, logprobs=True, top_logprobs=3, seed=0)
+    kwargs = dict(
+        model="m", messages=user("Say something."), max_tokens=10, logprobs=True, top_logprobs=3, temperature=0
+    )
     response = client.chat.completions.create(**kwargs)
     content = response.choices[0].logprobs.content
     assert len(content) == response.usage.completion_tokens - (response.choices[0].finish_reason == "stop")
@@ -239,6 +276,7 @@ def test_logprobs_in_the_openai_shape_streamed_and_not(client):
     for token in content:
         assert len(token.top_logprobs) == 3 and token.logprob <= 0
         assert token.top_logprobs[0].logprob >= token.logprob - 1e-6  # greedy: the chosen one is the top one
+        assert token.top_logprobs[0].token == token.token
         assert [t.logprob for t in token.top_logprobs] == sorted((t.logprob for t in token.top_logprobs), reverse=True)
     chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices and c.choices[0].logprobs]
     streamed = [t for c in chunks for t in c.choices[0].logprobs.content]
@@ -263,11 +301,22 @@ def test_the_native_endpoint_takes_response_format_and_logprobs(server):
     assert "".join(d["delta"] for d in deltas) == done["text"]
     assert [t for d in deltas for t in d["logprobs"]] == done["logprobs"]
     assert all(len(t["top_logprobs"]) <= 2 for t in done["logprobs"])
+    # Where the schema leaves a choice (the JSON's text), two alternatives; where it does not, one.
+    assert all(len(t["top_logprobs"]) >= 1 for t in done["logprobs"])
+    assert any(len(t["top_logprobs"]) == 2 for t in done["logprobs"])
     form = {"prompt": "Is it?", "logprobs": "true", "top_logprobs": "1", "stream": "false", "max_tokens": "3"}
     answer = requests.post(server + "/v1/chat", files={k: (None, v) for k, v in form.items()}, timeout=60).json()
     assert len(answer["logprobs"]) == answer["usage"]["completion_tokens"] - (answer["finish_reason"] == "stop")
     refused = requests.post(server + "/v1/chat", json={"prompt": "x", "tools": [WEATHER]}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+
+
+# 40 levels are enforced; deeper ones are too deep for the JSON Schema check: a 400 naming the schema.
+DEEP_SCHEMA_OUTCOME = {
+    40: (200, None),
+    300: (400, "response_format.json_schema.schema"),
+    900: (400, "response_format.json_schema.schema"),
+}
 
 
 @pytest.mark.parametrize("depth", [40, 300, 900])
@@ -280,6 +329,13 @@ def test_a_deeply_nested_schema_is_refused_or_enforced_never_a_crash(server, dep
     assert response.status_code in (200, 400), response.text
     if response.status_code == 200:
         assert response.json()["choices"][0]["message"]["content"].startswith("[")
+    expected_status, expected_param = DEEP_SCHEMA_OUTCOME[depth]
+    assert response.status_code == expected_status, response.text
+    if expected_status == 200:
+        choice = response.json()["choices"][0]
+        assert set(choice["message"]["content"]) == {"["} and choice["finish_reason"] == "length"
+    else:
+        assert response.json()["error"]["param"] == expected_param
     assert requests.post(server + "/v1/chat/completions", json={"messages": user(), "max_tokens": 2}, timeout=60).ok
 
 

@@ -25,7 +25,7 @@ from .inputs import (
     to_chat_messages,
     user_message,
 )
-from .outputs import AnswerShape, answer_grammar
+from .outputs import answer_shape
 from .requests import conversation_header, generation_request, json_body
 from .serving import EventStream, collect
 from .state import state
@@ -110,13 +110,7 @@ def chat():
         raise UnsupportedMediaType(
             "send application/json or multipart/form-data (curl -F prompt=... -F image=@file -F video=@file)"
         )
-    if body.tools:
-        raise BadRequest(
-            "tools are supported on /v1/chat/completions, not on this endpoint",
-            param="tools",
-            code="unsupported_parameter",
-        )
-    shape = AnswerShape(answer_grammar(body.response_format))
+    shape = answer_shape(body.response_format)
     given_id = _conversation_id(body)
     conversation_id = given_id or app_state.conversations.new_id()
     history = app_state.conversations.history(conversation_id) if given_id else []
@@ -139,10 +133,8 @@ def chat():
         app_state.conversations.save(conversation_id, messages + [answer])
 
     def done_fields(done: Completion) -> dict:
-        fields = protocol.native_done(done)
-        if done.logprobs is not None:
-            fields["logprobs"] = protocol.logprob_entries(done.logprobs, engine.token_text)
-        return fields
+        logprobs = protocol.logprob_entries(done.logprobs, engine.token_text)
+        return protocol.native_done(done) | ({"logprobs": logprobs} if logprobs is not None else {})
 
     if not body.stream:
         done = collect(generation, gen_request, ENDPOINT)

@@ -26,9 +26,9 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def _split(text: str) -> tuple[str, list[ToolCall]]:
+def _split(text: str, max_calls: int | None) -> tuple[str, list[ToolCall]]:
     """An answer's content and the tool calls in it."""
-    parser = ToolCallParser()
+    parser = ToolCallParser(max_calls)
     pieces = parser.feed(text) + parser.flush()
     return "".join(p for p in pieces if isinstance(p, str)), parser.calls
 
@@ -40,28 +40,28 @@ def chat_completions():
     engine = state().require_engine()
     messages = to_chat_messages(body.messages, engine.limits)
     params = body.sampling(body.max_completion_tokens or body.max_tokens)
-    gen_request = generation_request(messages, params, conversation_header() or body.user, shape=shape)
+    gen_request = generation_request(messages, params, conversation_header() or body.user, remembered=0, shape=shape)
     generation = engine.submit(gen_request)
     model = engine.info.name
 
-    def logprobs(records) -> list[dict] | None:
-        return None if records is None else protocol.logprob_entries(records, engine.token_text)
-
     if not body.stream:
         done = collect(generation, gen_request, ENDPOINT)
-        content, calls = _split(done.text) if shape.parse_tool_calls else (done.text, [])
+        content, calls = _split(done.text, shape.max_calls) if shape.parse_tool_calls else (done.text, [])
         content = content if content or not calls else None
-        return jsonify(protocol.chat_completion(g.request_id, model, done, content, calls, logprobs(done.logprobs)))
+        logprobs = protocol.logprob_entries(done.logprobs, engine.token_text)
+        return jsonify(protocol.chat_completion(g.request_id, model, done, content, calls, logprobs))
 
     request_id, created = g.request_id, int(time.time())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    parser = ToolCallParser() if shape.parse_tool_calls else None
+    parser = ToolCallParser(shape.max_calls) if shape.parse_tool_calls else None
     pending: list = []  # logprob records of text the tool-call parser still holds
 
     def chunk(delta: dict | None, **kwargs) -> bytes:
         return _sse(protocol.chat_chunk(request_id, model, created, delta, **kwargs))
 
     def pieces(event: TextDelta | Completion):
+        """Content and tool-call chunks, each with the logprobs of the tokens behind it (so the
+        chunks' logprobs add up to the non-streamed answer's)."""
         if isinstance(event, Completion):
             out = parser.flush() if parser else []
         else:
@@ -69,11 +69,14 @@ def chat_completions():
             pending.extend(event.logprobs)
         for piece in out:
             if isinstance(piece, ToolCallDelta):
-                yield chunk({"tool_calls": [protocol.tool_call_delta(piece)]})
+                yield chunk({"tool_calls": [protocol.tool_call_delta(piece)]}, logprobs=held_logprobs())
             else:
-                records = list(pending) if params.logprobs is not None else None
-                pending.clear()
-                yield chunk({"content": piece}, logprobs=logprobs(records))
+                yield chunk({"content": piece}, logprobs=held_logprobs())
+
+    def held_logprobs() -> list[dict] | None:
+        records = list(pending) if params.logprobs is not None else None
+        pending.clear()
+        return protocol.logprob_entries(records, engine.token_text)
 
     def encode(event):
         if event is None:
@@ -82,7 +85,8 @@ def chat_completions():
             yield from pieces(event)
         elif isinstance(event, Completion):
             yield from pieces(event)
-            yield chunk({}, finish_reason=protocol.openai_finish_reason(event, parser.calls if parser else None))
+            finish = protocol.openai_finish_reason(event, parser.calls if parser else None)
+            yield chunk({}, finish_reason=finish, logprobs=held_logprobs())  # e.g. a call's closing tag
             if include_usage:
                 yield chunk(None, usage_=protocol.usage(event))
             yield b"data: [DONE]\n\n"

@@ -204,6 +204,13 @@ class NativeChatRequest(_Sampling):
     stream: bool = True
     tools: list | None = Field(None, description="not supported here: tool calls are on /v1/chat/completions")
 
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value):
+        if value:  # refused before any upload is decoded
+            raise ValueError("tools are supported on /v1/chat/completions, not on this endpoint")
+        return value
+
 
 # The NativeChatRequest fields a multipart form may carry once each (`stop` may repeat; files: image, video).
 FORM_FIELDS = frozenset(
@@ -236,17 +243,20 @@ def usage(done: Completion) -> dict:
 
 
 def openai_finish_reason(done: Completion, tool_calls: list[ToolCall] | None = None) -> str:
-    if tool_calls:
-        return "tool_calls"
-    return "length" if done.finish_reason in ("length", "deadline") else "stop"
+    """An answer cut short is "length" first (its last tool call may be cut too), as OpenAI says it."""
+    if done.finish_reason in ("length", "deadline"):
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
 
 
-def logprob_entries(records: list[TokenLogprob], text: TokenText) -> list[dict]:
-    """OpenAI's `logprobs.content` items: each token's text, bytes and log-probability, with its top alternatives."""
+def logprob_entries(records: list[TokenLogprob] | None, text: TokenText) -> list[dict] | None:
+    """OpenAI's `logprobs.content` items (None when not asked): each token's text, bytes and
+    log-probability, with its top alternatives."""
+    if records is None:
+        return None
 
     def entry(token_id: int, logprob: float) -> dict:
-        raw = text.bytes(token_id)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+        return {"token": text.text(token_id), "logprob": logprob, "bytes": list(text.bytes(token_id))}
 
     return [{**entry(r.token_id, r.logprob), "top_logprobs": [entry(i, lp) for i, lp in r.top]} for r in records]
 

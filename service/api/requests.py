@@ -31,8 +31,9 @@ def generation_request(
     messages: list[ChatMessage],
     params: SamplingParams,
     conversation_id: str | None,
-    remembered: int = 0,
-    shape: AnswerShape = AnswerShape(),
+    *,
+    remembered: int,
+    shape: AnswerShape,
 ) -> GenerationRequest:
     return GenerationRequest(
         messages=messages,
