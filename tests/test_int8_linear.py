@@ -86,13 +86,12 @@ def test_rows_of_zeros_give_the_bias_and_do_not_poison_their_neighbours(kernel):
 
 
 @KERNELS
-def test_every_value_at_its_rows_maximum_is_computed_without_saturation(kernel):
-    """The worst case for CPUs whose u8×s8 pair sums saturate at int16 (AVX2 without VNNI)."""
-    lin = layer(bias=False, kernel=kernel)
-    x = torch.ones(4, 2048)
-    x[:, ::2] = -1
-    x[1] *= 1e-3
-    exact = x @ dequantized_weight(bias=False).T
+@pytest.mark.parametrize("m", [1, 4, 128])
+def test_every_value_at_its_rows_maximum_is_computed_without_saturation(kernel, m):
+    """The worst case for CPUs whose u8×s8 pair sums saturate at int16 (AVX2 without VNNI), on this
+    CPU's own paths, for a decode row, a batch and a prefill piece (the VNNI-less paths of any CPU:
+    test_the_kernels_give_the_same_bits_with_and_without_vnni)."""
+    lin, x, exact = saturating_case(kernel, m)
     assert ((lin(x) - exact).norm() / exact.norm()) < 1e-5
 
 
@@ -112,33 +111,41 @@ def test_fbgemm_and_onednn_give_the_same_bits(m):
     assert torch.equal(layer(kernel="fbgemm")(x), layer(kernel="onednn")(x))
 
 
-def saturating_case(kernel: str) -> tuple[Int8Linear, torch.Tensor, torch.Tensor]:
+def saturating_case(kernel: str, m: int = 4) -> tuple[Int8Linear, torch.Tensor, torch.Tensor]:
     """The largest pair sums the kernels can meet: every weight at ±127 (rows of ±1) and every input
     at its row's maximum, signs matched, so each u8×s8 pair adds up to ±2·128·127 = ±32,512 — inside
     int16 with our 0…128 activations, where full 8-bit ones (0…255) would saturate AVX2's
-    vpmaddubsw. Returns the layer, the input and the exact answer."""
+    vpmaddubsw. `m` rows (the four cases repeated). Returns the layer, the input and the exact answer."""
     sign = torch.ones(2048)
     sign[::2] = -1
     weight = torch.stack([torch.ones(2048), -torch.ones(2048), sign, -sign])
     linear = nn.Linear(2048, 4, bias=False)
     linear.weight.data = weight
-    x = torch.stack([torch.ones(2048), -torch.ones(2048), sign, 3 * sign])
+    x = torch.stack([torch.ones(2048), -torch.ones(2048), sign, 3 * sign]).repeat((m + 3) // 4, 1)[:m]
     int8, scales = quantize_rows(weight)  # ±127 (scale 1/127.5: torch's symmetric per-channel observer)
-    assert int8.abs().min() == 127
+    assert int8.abs().min() == 127 and int8.abs().max() == 127
     return Int8Linear.from_float(linear, "per_token", kernel), x, x @ (int8.float() * scales[:, None]).T
 
 
+# The outputs of both kernels, then the saturating case's relative error for our activations and,
+# as the control that shows the paths really are the AVX2 ones, for full 8-bit activations (1…255).
 _ISA_PROBE = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
+import service.int8_linear as int8_linear
 from test_int8_linear import layer, rows, saturating_case
 x = rows(6)
-x[2] = 1.0; x[2, ::2] = -1.0
 out = {k: layer(kernel=k)(x).flatten().tolist() for k in ("fbgemm", "onednn")}
+errors = {}
 for k in ("fbgemm", "onednn"):
-    lin, worst, exact = saturating_case(k)
-    out[k + " worst case error"] = ((lin(worst) - exact).abs().max() / exact.abs().max()).item()
-print(json.dumps(out))
+    for m in (1, 4, 128):
+        lin, worst, exact = saturating_case(k, m)
+        error = lambda: ((lin(worst) - exact).abs().max() / exact.abs().max()).item()
+        errors[f"{k} worst case error, m={m}"] = error()
+        int8_linear.ACTIVATION_SCALE, int8_linear.ACTIVATION_ZERO_POINT = 1 / 127, 128
+        errors[f"{k} 8-bit control error, m={m}"] = error()
+        int8_linear.ACTIVATION_SCALE, int8_linear.ACTIVATION_ZERO_POINT = 2.0**-6, 64
+print(json.dumps({"out": out, "errors": errors}))
 """
 
 
@@ -156,15 +163,20 @@ def test_the_kernels_give_the_same_bits_with_and_without_vnni():
             timeout=120,
             check=True,
         )
-        return json.loads(out.stdout)
+        result = json.loads(out.stdout)
+        return result["out"], result["errors"]
 
-    default = run({})
-    avx2 = run({"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    default, _ = run({})
+    avx2, avx2_errors = run({"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
     assert avx2 == default
     assert default["fbgemm"] == default["onednn"]
-    # On the AVX2 paths the saturating case is exact to float rounding: full 8-bit activations (1…255)
-    # measured 0.33 relative error there, and 1.6e-6 on this VNNI CPU, which hides it.
-    assert avx2["fbgemm worst case error"] < 1e-5 and avx2["onednn worst case error"] < 1e-5
+    # On the AVX2 paths the saturating case is exact to float rounding, for a row, a batch and a
+    # prefill piece; the same case with full 8-bit activations is not (a VNNI CPU hides that on its
+    # default paths): the control that the forcing took effect.
+    for kernel in ("fbgemm", "onednn"):
+        for m in (1, 4, 128):
+            assert avx2_errors[f"{kernel} worst case error, m={m}"] < 1e-5
+            assert avx2_errors[f"{kernel} 8-bit control error, m={m}"] > 0.1, avx2_errors
 
 
 # -- the model ---------------------------------------------------------------------------------
