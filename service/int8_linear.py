@@ -73,6 +73,11 @@ def default_kernel() -> str:
     return "onednn" if " avx512f" in _cpu_flags() and torch.backends.mkldnn.is_available() else "fbgemm"
 
 
+def chosen_kernel(setting: str) -> str:
+    """The kernel INT8_KERNEL names: "auto" is `default_kernel()`."""
+    return default_kernel() if setting == "auto" else setting
+
+
 class Int8Linear(nn.Module):
     """A Linear on packed int8 weights (FBGEMM or oneDNN), activations quantized per row (see the
     module docstring). `rows`: int8 [out, in]; `scales`: fp32 [out]."""

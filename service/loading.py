@@ -13,7 +13,7 @@ from torch import nn
 
 from .checkpoints import RANDOM_MODEL_WARNING, embedded_model_dir, is_random_test_model
 from .fusion import fuse_projections
-from .int8_linear import default_kernel
+from .int8_linear import chosen_kernel
 from .limits import fit_processor
 from .memory import MemoryGuard
 from .quantized import load_quantized, quantize_in_place, quantized_marker
@@ -105,7 +105,7 @@ def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
             f"{path} is an INT8 checkpoint (made by `python -m service quantize`): use "
             "QUANTIZATION=int8, or point MODEL_PATH at the original checkpoint for fp32"
         )
-    kernel = default_kernel() if settings.int8_kernel == "auto" else settings.int8_kernel
+    kernel = chosen_kernel(settings.int8_kernel)
     with _OnceWarnings():
         if prequantized:
             model, mapped = load_quantized(path, settings.threads, MemoryGuard.from_settings(settings), kernel)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .int8_linear import Int8Linear, default_kernel
+from .int8_linear import Int8Linear, chosen_kernel, default_kernel
 
 log = logging.getLogger(__name__)
 
@@ -199,24 +199,27 @@ _started: dict[tuple[str, str], Packing] = {}
 _lock = threading.Lock()
 
 
+def _key(path: Path, kernel: str) -> tuple[str, str]:
+    return str(Path(path).resolve()), kernel
+
+
 def start(path: Path, shards: list[str], threads: int, kernel: str) -> None:
-    """Begin packing in the background (idempotent); `take` hands the work to the loader."""
-    key = (str(Path(path).resolve()), kernel)
+    """Begin packing in the background (idempotent); `claim` hands the work to the loader."""
     with _lock:
-        if key not in _started:
-            _started[key] = Packing(path, shards, threads, kernel)
+        if _key(path, kernel) not in _started:
+            _started[_key(path, kernel)] = Packing(path, shards, threads, kernel)
 
 
-def take(path: Path, shards: list[str], threads: int, kernel: str) -> Packing:
-    """The packing begun for this checkpoint and kernel, or a new one."""
+def claim(path: Path, kernel: str) -> Packing | None:
+    """The packing `start` began for this checkpoint and kernel (it found the weights fit), or None."""
     with _lock:
-        started = _started.pop((str(Path(path).resolve()), kernel), None)
+        started = _started.pop(_key(path, kernel), None)
     if started is not None:
         log.info(
             "the INT8 weights have been packing for %.1f s (begun before the app was imported)",
             time.perf_counter() - started.began,
         )
-    return started or Packing(path, shards, threads, kernel)
+    return started
 
 
 def start_early(settings) -> None:
@@ -230,11 +233,4 @@ def start_early(settings) -> None:
         return  # not one: the loader reports what is wrong, if anything
     if not MemoryGuard.from_settings(settings).fits(linear_bytes(path, marker)):
         return
-    kernel = default_kernel() if settings.int8_kernel == "auto" else settings.int8_kernel
-    start(path, marker["linear_shards"], settings.threads, kernel)
-
-
-def begun(path: Path, kernel: str) -> bool:
-    """Whether `start` began packing this checkpoint for `kernel` (it found the weights fit)."""
-    with _lock:
-        return (str(Path(path).resolve()), kernel) in _started
+    start(path, marker["linear_shards"], settings.threads, chosen_kernel(settings.int8_kernel))

@@ -302,7 +302,8 @@ def load_quantized(
     fuse_projections(model)
     packed_bytes = linear_bytes(path, marker)
     # Packing begun early (wsgi.py) found the weights fit; its memory now counts as used, so do not ask again.
-    mapped = not packing.begun(path, kernel) and memory is not None and not memory.fits(packed_bytes)
+    started = packing.claim(path, kernel)
+    mapped = started is None and memory is not None and not memory.fits(packed_bytes)
     if mapped:
         log.warning(
             "the INT8 weights need %.1f MiB resident, more than MAX_MEMORY_MB leaves (%.0f MiB used of "
@@ -342,7 +343,8 @@ def load_quantized(
             )
             _replace_module(model, name, MappedInt8Linear(tensors, bias))
     else:  # packed on `threads` threads, begun early if wsgi.py started it (service/packing.py)
-        for name, module in packing.take(path, marker["linear_shards"], threads, kernel).results().items():
+        work = started or packing.Packing(path, marker["linear_shards"], threads, kernel)
+        for name, module in work.results().items():
             _replace_module(model, name, module)
     release_memory()
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
