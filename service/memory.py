@@ -54,7 +54,8 @@ def release_memory() -> None:
 
 
 def unreclaimable_bytes(process: psutil.Process | None = None) -> int:
-    """RSS minus file-backed pages: what the process would lose to the OOM killer."""
+    """RSS minus file-backed and shared pages (the kernel's RssAnon): what the process (by default
+    this one) would lose to the OOM killer."""
     info = (process or psutil.Process()).memory_info()
     return info.rss - getattr(info, "shared", 0)
 
