@@ -197,8 +197,9 @@ def nginx_proxy(addresses: list[str], log_path: Path, **settings):
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def openai_client(base: str, api_key: str = "unused", timeout: float = 120):
-    """The official client on a server's OpenAI endpoint, as a user makes it (no retries: a test sees every error)."""
+def openai_client(base: str, api_key: str = "unused", timeout: float = 120, **kwargs):
+    """The official client on a server's OpenAI endpoint, as a user makes it (no retries: a test sees
+    every error); `kwargs` go to openai.OpenAI (default_headers, ...)."""
     import openai
 
-    return openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
+    return openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=timeout, **kwargs)

@@ -13,7 +13,6 @@ import time
 import uuid
 from pathlib import Path
 
-import openai
 import psutil
 import pytest
 import requests
@@ -23,7 +22,7 @@ from service.deploy.planning import checkpoint_parameters, instance_bytes, plan_
 from service.settings import SettingsError, load_settings
 
 from imaging import encode, pattern
-from servers import deployment, free_port, gunicorn_server, metric, nginx_proxy
+from servers import deployment, free_port, gunicorn_server, metric, nginx_proxy, openai_client
 
 MAX_BODY = 1024 * 1024
 SLOW_SIDE = 1536  # a 1536x1536 image: ~2300 visual tokens, a prefill of about a second on one core
@@ -190,12 +189,8 @@ def test_turn_two_reuses_the_kv_cache_of_its_instance(stack):
         second = chat(stack.url, conversation, prompt="And a dog?", max_tokens=4)
         assert second["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
     # The OpenAI endpoint is stateless; a client sets the header once, on the client.
-    client = openai.OpenAI(
-        base_url=stack.url + "/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=30,
-        default_headers={"X-Conversation-Id": "openai-" + uuid.uuid4().hex[:8]},
+    client = openai_client(
+        stack.url, timeout=30, default_headers={"X-Conversation-Id": "openai-" + uuid.uuid4().hex[:8]}
     )
     history = [{"role": "user", "content": LONG_QUESTION}]
     first = client.chat.completions.create(model="m", messages=history, max_tokens=24, temperature=0)

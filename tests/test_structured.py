@@ -5,12 +5,12 @@ change its batch neighbours; logprobs must be those of a direct forward."""
 from __future__ import annotations
 
 import json
-import threading
 
 import jsonschema
 import pytest
 import torch
 from prometheus_client import REGISTRY
+from test_batching import Stream
 
 from service.engine import Engine
 from service.generation import Completion, GenerationRequest, SamplingParams
@@ -159,42 +159,37 @@ def test_forced_tool_calls_always_parse_into_calls_of_the_given_functions(engine
             jsonschema.validate(json.loads(call.arguments), by_name[call.name])
 
 
-class Run(threading.Thread):
-    def __init__(self, engine, grammar, text, **params):
-        super().__init__()
-        self.engine, self.grammar, self.text, self.params = engine, grammar, text, params
-
-    def run(self):
-        self.request = GenerationRequest(ask(self.text), SamplingParams(**self.params), grammar=self.grammar)
-        *_, self.done = self.engine.generate(self.request)
-
-
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_constrained_request_leaves_its_batch_neighbours_bit_identical(engine, temperature):
-    params = dict(max_tokens=60, temperature=temperature, seed=5)
     grammar = json_grammar(RECEIPT, "response_format")
 
-    def together():
-        runs = [Run(engine, None, "Tell me about cats."), Run(engine, grammar, "Read the receipt.")]
-        for r, p in zip(runs, [params, {**params, "max_tokens": 300}]):
-            r.params = p
-            r.start()
-        for r in runs:
-            r.join(120)
-        return runs
+    def requests():
+        params = SamplingParams(max_tokens=60, temperature=temperature, seed=5)
+        constrained = SamplingParams(max_tokens=300, temperature=temperature, seed=5)
+        return (
+            GenerationRequest(ask("Tell me about cats."), params),
+            GenerationRequest(ask("Read the receipt."), constrained, grammar=grammar),
+        )
 
-    plain_alone, json_alone = Run(engine, None, "Tell me about cats."), Run(engine, grammar, "Read the receipt.")
-    for alone, p in zip((plain_alone, json_alone), [params, {**params, "max_tokens": 300}]):
-        alone.params = p
-        alone.run()  # in this thread: nothing else in the batch
-    plain, constrained = together()
+    plain_alone, json_alone = (Stream(engine, r).start().join() for r in requests())  # one at a time
+    plain, constrained = [Stream(engine, r).start() for r in requests()]
+    plain.join(), constrained.join()
     a, b = plain.request.streamer, constrained.request.streamer
     assert a.first_token_at < b.last_token_at and b.first_token_at < a.last_token_at  # decoded in one batch
     assert plain.done.text == plain_alone.done.text and plain.request.streamer.token_ids
-    assert a.token_ids == plain_alone.request.streamer.token_ids
-    assert b.token_ids == json_alone.request.streamer.token_ids
+    assert a.token_ids == plain_alone.token_ids()
+    assert b.token_ids == json_alone.token_ids()
     assert constrained.done.text == json_alone.done.text
     jsonschema.validate(json.loads(constrained.done.text), RECEIPT)
+
+
+def direct_logits(engine, request) -> tuple[torch.Tensor, int]:
+    """One forward of the model over the request's prompt and its answer: (logits, prompt length)."""
+    prompt = prepared(engine, request)
+    full = torch.cat([prompt.input_ids, torch.tensor([request.streamer.token_ids])], dim=1)
+    with torch.inference_mode():
+        logits = engine.model(input_ids=full, mm_token_type_ids=torch.zeros_like(full)).logits[0].float()
+    return logits, prompt.num_tokens
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
@@ -207,11 +202,8 @@ def test_logprobs_are_those_of_a_direct_forward_of_the_model(fp32_engine, cache_
     *_, done = engine.generate(request)
     ids = request.streamer.token_ids
     assert len(done.logprobs) == len([i for i in ids if i not in engine.loaded.eos_token_ids]) > 0
-    prompt = prepared(engine, request)
-    full = torch.cat([prompt.input_ids, torch.tensor([ids])], dim=1)
-    with torch.inference_mode():
-        logits = engine.model(input_ids=full, mm_token_type_ids=torch.zeros_like(full)).logits[0].float()
-    start = prompt.num_tokens - 1
+    logits, prompt_tokens = direct_logits(engine, request)
+    start = prompt_tokens - 1
     expected = (logits[start : start + len(done.logprobs)] / (temperature or 1.0)).log_softmax(-1)
     for record, row, token in zip(done.logprobs, expected, ids):
         assert record.token_id == token
@@ -263,14 +255,11 @@ def test_presence_frequency_penalties_and_logit_bias_follow_openais_formula(fp32
     request = GenerationRequest(ask("Describe a cat."), params)
     *_, done = engine.generate(request)
     ids = request.streamer.token_ids
-    prompt = prepared(engine, request)
-    full = torch.cat([prompt.input_ids, torch.tensor([ids])], dim=1)
-    with torch.inference_mode():
-        logits = engine.model(input_ids=full, mm_token_type_ids=torch.zeros_like(full)).logits[0].float()
+    logits, prompt_tokens = direct_logits(engine, request)
     counts, bias_row = torch.zeros(logits.shape[-1]), torch.zeros(logits.shape[-1])
     bias_row[list(bias)] = torch.tensor(list(bias.values()))
     for step, (record, token) in enumerate(zip(done.logprobs, ids)):
-        scores = logits[prompt.num_tokens - 1 + step] - counts * 0.6 - (counts > 0) * 0.8 + bias_row
+        scores = logits[prompt_tokens - 1 + step] - counts * 0.6 - (counts > 0) * 0.8 + bias_row
         assert record.token_id == token == int(scores.argmax())
         assert record.logprob == pytest.approx(float(scores.log_softmax(-1)[token]), abs=1e-4)
         counts[token] += 1
