@@ -13,7 +13,7 @@ back to back.
 
 Each sequence keeps what makes it independent of its neighbours: its sampling (`Sampler`, with
 its own torch.Generator), its M-RoPE offset (`rope_delta`: its decode positions are exactly those
-it would get alone) and its own KV cache, which the decode step (service/decoder.py) attends to
+it would get alone) and its own KV cache, which the forward (service/forward.py) attends to
 and extends in place: no padding, nothing to re-pack when a sequence joins or leaves, and a
 sequence's tokens are the ones it gets alone (INT8 included: its Linears quantize per token).
 """
@@ -38,7 +38,7 @@ from transformers.generation.logits_process import (
 )
 
 from . import metrics
-from .decoder import DecodeStep
+from .forward import Rows, TextForward
 from .logprobs import TokenLogprob, token_logprob
 from .streaming import TokenStreamer
 from .structured import Constraint
@@ -184,14 +184,13 @@ class Sequence:
 class Scheduler:
     """Runs sequences on one model; see the module docstring. `submit` from any thread."""
 
-    def __init__(self, model, threads: int):
-        self.model = model
+    def __init__(self, forward: TextForward, threads: int):
+        self.forward = forward
         self.threads = threads
         self._wake = threading.Condition()
         self._inbox: list[Sequence] = []
         self._waiting: deque[Sequence] = deque()  # prefilling, oldest first
         self._running: list[Sequence] = []
-        self._step = DecodeStep(model)
         self._thread: threading.Thread | None = None
 
     @property
@@ -278,7 +277,7 @@ class Scheduler:
         # The token fed sits at index len - 1 of its sequence; M-RoPE shifts it by the sequence's delta.
         positions = torch.tensor([len(s.token_ids) - 1 + s.rope_delta for s in running])
         try:
-            logits = self._step(ids, positions, [s.cache for s in running])
+            logits = self.forward(ids, positions, [Rows(s.cache, 1) for s in running])
         except Exception as exc:  # their caches' state is unknown now: fail the sequences (caches not kept)
             log.exception("decode step failed for a batch of %d", len(running))
             self._fail(list(running), exc)

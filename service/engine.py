@@ -23,10 +23,12 @@ from transformers import GenerationConfig
 
 from . import metrics
 from .admission import Admission
+from .attention import ExactAttention
 from .batching import Sampler, Scheduler, ScoreAdjustments, Sequence
 from .caches import ConversationCache, VisionFeatureCache, VisionSpan
 from .encoders import make_vision_encoder
 from .errors import BadRequest, PromptTooLong
+from .forward import TextForward
 from .generation import Completion, Generation, GenerationRequest, SamplingParams, TextDelta, Timings
 from .kv import HEADROOM
 from .limits import RequestLimits
@@ -65,7 +67,9 @@ class Engine:
         self.limits = RequestLimits.build(settings, self.processor)
         self.info = ModelInfo(loaded.name, loaded.quantization, loaded.is_random, self.limits.image.max_pixels)
         self.admission = Admission(settings.queue_size, settings.queue_timeout, slots=settings.max_batch_size)
-        self.scheduler = Scheduler(loaded.model, settings.threads)
+        # One forward for prefill pieces and decode steps: a token's bits never depend on the path.
+        self.forward = TextForward(loaded.model, ExactAttention.load(settings.cache_dir))
+        self.scheduler = Scheduler(self.forward, settings.threads)
         self._active: set[GenerationRequest] = set()
         self._defaults = loaded.model.generation_config
         self.vision_encoder = make_vision_encoder(loaded, settings)
@@ -89,6 +93,7 @@ class Engine:
         self.renders_tools = renders_tools(self.processor)
         self.prefiller = Prefiller(
             loaded.model,
+            self.forward,
             self.vision_encoder,
             self.conversation_cache,
             self.vision_cache,

@@ -26,18 +26,22 @@ class GrowingLayer(DynamicLayer):
     def __init__(self, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.store_dtype = dtype
+        self.reserved = 0  # positions the first buffer holds at least (GrowingCache.reserve)
         self._keys_buffer: torch.Tensor | None = None
         self._values_buffer: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states.to(self.store_dtype), value_states.to(self.store_dtype))
-        if self.keys.numel() == 0:  # the first tokens: kept as they are, no room yet (may never grow)
-            self.keys, self.values = key_states.to(self.store_dtype), value_states.to(self.store_dtype)
+        length, new = (self.keys.shape[-2] if self.keys.numel() else 0), key_states.shape[-2]
+        if length == 0 and self.reserved <= new:  # the first tokens: a copy of their own, no room (may never grow)
+            self.keys, self.values = (
+                states.to(self.store_dtype, memory_format=torch.contiguous_format, copy=True)
+                for states in (key_states, value_states)
+            )
             return self.keys, self.values
-        length, new = self.keys.shape[-2], key_states.shape[-2]
         if not self._has_room(length + new):
-            self._grow(length + new + HEADROOM)
+            self._grow(max(length + new + HEADROOM, self.reserved), key_states)
         self._keys_buffer[:, :, length : length + new].copy_(key_states)
         self._values_buffer[:, :, length : length + new].copy_(value_states)
         self.keys = self._keys_buffer[:, :, : length + new]
@@ -57,12 +61,13 @@ class GrowingLayer(DynamicLayer):
             and self.keys.shape[:2] == buffer.shape[:2]
         )
 
-    def _grow(self, capacity: int) -> None:
-        length = self.keys.shape[-2]
+    def _grow(self, capacity: int, like: torch.Tensor) -> None:
+        length = self.keys.shape[-2] if self.keys.numel() else 0
         for name in ("keys", "values"):
             old = getattr(self, name)
-            buffer = old.new_empty((*old.shape[:2], capacity, old.shape[-1]))
-            buffer[:, :, :length].copy_(old)
+            buffer = torch.empty((*like.shape[:2], capacity, like.shape[-1]), dtype=self.store_dtype)
+            if length:
+                buffer[:, :, :length].copy_(old)
             setattr(self, f"_{name}_buffer", buffer)
             setattr(self, name, buffer[:, :, :length])
 
@@ -81,6 +86,12 @@ class GrowingCache(DynamicCache):
         self.layers = [GrowingLayer(dtype) for _ in self.layers]
         for layer, (keys, values) in zip(self.layers, ddp_cache_data or []):
             layer.update(keys, values)
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for `tokens` positions at the next growth, at once (a prompt's pieces then fill
+        one buffer instead of copying the cache at each piece)."""
+        for layer in self.layers:
+            layer.reserved = tokens
 
 
 def compacted(cache: DynamicCache) -> DynamicCache:

@@ -1,7 +1,7 @@
 """A request's prefill as steps the batch scheduler runs between decode steps: the conversation
 cache lookup, the vision encoder (a block per step, features from the vision cache when seen
 before), then the prompt in pieces of PREFILL_CHUNK_TOKENS, each one forward on the request's own
-KV cache."""
+KV cache through the text decoder's forward (service/forward.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import torch
 
 from .batching import Prefilled
 from .caches import ConversationCache, VisionFeatureCache, VisionSpan
-from .kv import GrowingCache
+from .forward import Rows, TextForward, VisionRows
+from .kv import HEADROOM
 from .prompts import PreparedPrompt
-from .vision import VisionFeatures, as_mm_encoder_outputs
+from .vision import VisionFeatures
 from .vision_steps import image_steps, video_steps
 
 
@@ -47,23 +48,41 @@ def vision_spans(prompt: PreparedPrompt) -> dict[str, list[VisionSpan]]:
     }
 
 
-def _pads_before(prompt: PreparedPrompt, modality: str) -> torch.Tensor:
-    """For each token index (and the end), how many of the prompt's pads of `modality` precede it."""
-    type_id = 1 if modality == "image" else 2
-    return torch.cat([torch.zeros(1, dtype=torch.long), (prompt.mm_token_type_ids[0] == type_id).long().cumsum(0)])
+_TYPE_IDS = {"image": 1, "video": 2}  # the processor's mm_token_type_ids
 
 
-def _piece_features(merged: dict, pads_before: dict, reused: int, start: int, end: int) -> dict:
-    """mm_encoder_outputs for prompt tokens [start, end): the rows of the features (`merged`: all
-    images', or videos', after `reused`, concatenated) whose placeholders lie there — a piece may
-    cut through a picture."""
-    outputs = {}
-    for modality, features in merged.items():
-        before = pads_before[modality]
-        lo, hi = int(before[start] - before[reused]), int(before[end] - before[reused])
-        if hi > lo:
-            outputs.update(as_mm_encoder_outputs([features.rows(lo, hi)], modality))
-    return outputs
+class PromptRows:
+    """A prompt as rows of the text decoder's forward: its token ids, M-RoPE positions, and the
+    vision features (`features`: each modality's, for its placeholders after the first `reused`
+    tokens — the rest are in the KV cache — in order) that fill its placeholders."""
+
+    def __init__(self, model, prompt: PreparedPrompt, features: dict[str, VisionFeatures], reused: int):
+        # M-RoPE positions of the whole prompt, from ALL its images' and videos' grids (a reused
+        # prefix included); every token after it is shifted by the same delta.
+        positions, deltas = model.model.get_rope_index(
+            prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, prompt.video_grid_thw
+        )
+        self.ids, self.positions, self.rope_delta = prompt.input_ids[0], positions[:, 0], int(deltas[0, 0])
+        self.types = prompt.mm_token_type_ids[0]
+        self.features = features
+        # for each token index (and the end), how many pads of a modality precede it, from `reused` on
+        self._pads_before = {
+            m: torch.cat([torch.zeros(1, dtype=torch.long), (self.types == _TYPE_IDS[m]).long().cumsum(0)])
+            for m in features
+        }
+        self.reused = reused
+
+    def piece(self, cache, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, list[Rows]]:
+        """The forward's arguments for prompt tokens [start, end) on `cache` — a piece may cut
+        through a picture: it gets the feature rows of the placeholders it holds."""
+        types = self.types[start:end]
+        vision = []
+        for modality, features in self.features.items():
+            before = self._pads_before[modality]
+            lo, hi = int(before[start] - before[self.reused]), int(before[end] - before[self.reused])
+            if hi > lo:
+                vision.append(VisionRows((types == _TYPE_IDS[modality]).nonzero()[:, 0], features.rows(lo, hi)))
+        return self.ids[start:end], self.positions[:, start:end], [Rows(cache, end - start, vision)]
 
 
 class Prefiller:
@@ -72,6 +91,7 @@ class Prefiller:
     def __init__(
         self,
         model,
+        forward: TextForward,
         vision_encoder,
         conversation_cache: ConversationCache,
         vision_cache: VisionFeatureCache,
@@ -79,7 +99,7 @@ class Prefiller:
         kv_dtype: torch.dtype,
         image_processor,
     ):
-        self.model, self.vision_encoder = model, vision_encoder
+        self.model, self.forward, self.vision_encoder = model, forward, vision_encoder
         self.conversation_cache, self.vision_cache = conversation_cache, vision_cache
         self.chunk_tokens, self.kv_dtype = chunk_tokens, kv_dtype
         ip = image_processor
@@ -100,8 +120,7 @@ class Prefiller:
 
     def piece_ends(self, length: int, reused: int) -> list[int]:
         """Where the prefill pieces after a cache of `reused` tokens end: every PREFILL_CHUNK_TOKENS,
-        and at the end. (Every INT8 Linear quantizes per token, so where a prompt is cut changes
-        nothing but float rounding in attention.)"""
+        and at the end. (service/forward.py computes every row alike: where a prompt is cut changes no bit.)"""
         return [*range(reused + self.chunk_tokens, length, self.chunk_tokens), length]
 
     def _features(self, prompt: PreparedPrompt, spans: dict, reused: int) -> Generator[None, None, tuple[dict, int]]:
@@ -141,30 +160,20 @@ class Prefiller:
         reuse = self.conversation_cache.take(prompt.input_ids[0], media, conversation_id)
         marks.reused = reuse.tokens if reuse else 0
         # The request owns the cache: each piece extends it in place.
-        cache = reuse.cache if reuse is not None else GrowingCache(config=self.model.config, dtype=self.kv_dtype)
+        cache = reuse.cache if reuse is not None else self.forward.new_cache(self.kv_dtype)
         marks.cache_lookup = time.perf_counter() - t0
         try:
             t1 = time.perf_counter()
             features, marks.vision_hits = yield from self._features(prompt, spans, marks.reused)
             marks.prefill_start = time.perf_counter()
             marks.vision_encode = marks.prefill_start - t1
-            # M-RoPE positions of the whole prompt, from ALL its images' and videos' grids (a reused
-            # prefix included); every token after it is shifted by the same delta.
-            positions, deltas = self.model.model.get_rope_index(
-                prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, prompt.video_grid_thw
-            )
             merged = {m: VisionFeatures.cat([f[i] for i in sorted(f)]) for m, f in features.items() if f}
-            pads_before = {m: _pads_before(prompt, m) for m in merged}
+            rows = PromptRows(self.model, prompt, merged, marks.reused)
+            cache.reserve(prompt.num_tokens + HEADROOM)
             start = marks.reused
             for end in self.piece_ends(prompt.num_tokens, marks.reused):
                 yield
-                out = self.model(
-                    input_ids=prompt.input_ids[:, start:end],
-                    position_ids=positions[:, :, start:end],
-                    cache=cache,
-                    logits_to_keep=1,
-                    mm_encoder_outputs=_piece_features(merged, pads_before, marks.reused, start, end),
-                )
+                logits = self.forward(*rows.piece(cache, start, end), logits_rows=torch.tensor([end - start - 1]))
                 start = end
         except GeneratorExit:  # cancelled while prefilling: hand the reused prefix back for the client's retry
             if reuse is not None:
@@ -173,4 +182,4 @@ class Prefiller:
                     conversation_id, prompt.input_ids[0, : marks.reused], media, marks.reused, cache
                 )
             raise
-        return Prefilled(cache=cache, logits=out.logits[:, -1].float(), rope_delta=int(deltas[0, 0]))
+        return Prefilled(cache=cache, logits=logits.float(), rope_delta=rows.rope_delta)

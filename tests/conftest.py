@@ -23,7 +23,10 @@ os.environ.pop("MODEL_PATH", None)
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+    """A cache of the session's own; TEST_CACHE_DIR: one a parent test run already filled (the
+    embedded model and kernels built once)."""
+    given = os.environ.get("TEST_CACHE_DIR")
+    return Path(given) if given else tmp_path_factory.mktemp("cache")
 
 
 @pytest.fixture(scope="session")

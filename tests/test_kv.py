@@ -39,13 +39,34 @@ def test_decode_steps_write_into_spare_room_instead_of_copying_the_cache(fp32_en
     grows = []
     real_grow = GrowingLayer._grow
     monkeypatch.setattr(
-        GrowingLayer, "_grow", lambda layer, capacity: (grows.append(capacity), real_grow(layer, capacity))
+        GrowingLayer,
+        "_grow",
+        lambda layer, capacity, like: (grows.append(capacity), real_grow(layer, capacity, like)),
     )
     for _ in range(3 * HEADROOM):
         cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), 0)
     # One copy per HEADROOM steps (DynamicCache copies 500+ tokens at each one).
     assert grows == [500 + 1 + HEADROOM, 500 + HEADROOM + 2 + HEADROOM, 500 + 2 * HEADROOM + 3 + HEADROOM]
     assert cache.get_seq_length() == 500 + 3 * HEADROOM
+
+
+def test_a_reserved_prompt_fills_one_buffer_in_pieces(fp32_engine, monkeypatch):
+    """A prefill reserves its prompt's length: its pieces write into one buffer, no copy per piece."""
+    config = fp32_engine.model.config
+    layers = config.text_config.num_hidden_layers
+    growing, plain = GrowingCache(config=config), DynamicCache(config=config)
+    growing.reserve(1000 + HEADROOM)
+    grows = []
+    real_grow = GrowingLayer._grow
+    monkeypatch.setattr(
+        GrowingLayer,
+        "_grow",
+        lambda layer, capacity, like: (grows.append(capacity), real_grow(layer, capacity, like)),
+    )
+    for tokens in [128] * 7 + [104] + [1] * HEADROOM:  # 1,000 prompt tokens, then decode steps
+        _append_both(growing, plain, layers, tokens)
+    assert grows == [1000 + HEADROOM] * layers
+    assert growing.get_seq_length() == plain.get_seq_length() == 1000 + HEADROOM
 
 
 def test_a_kept_cache_is_compacted_to_its_tokens(fp32_engine):
