@@ -3,7 +3,7 @@
     flock /tmp/heavy.lock python -m bench.batch_exactness [--model-path DIR] [--steps 32]
 
 Each of 4 prompts (different lengths) is prefilled alone and decoded greedily alone; then the same
-tokens are fed again as a batch of 1, 2 and 4 through the engine's decode step (service/decoder.py:
+tokens are fed again as a batch of 1, 2 and 4 through the engine's forward (service/forward.py:
 each sequence its own KV cache and M-RoPE position) — teacher-forced, so a divergence at one step
 does not compound. Per batch size: the largest |Δlogit| over all steps and
 sequences, and the share of steps whose greedy token differs from the alone one. INT8 is measured
@@ -44,14 +44,17 @@ def copy(cache: DynamicCache, config) -> DynamicCache:
 
 
 def decode(model, caches: list[DynamicCache], lengths: list[int], fed: list[list[int]]) -> list[list[torch.Tensor]]:
-    """Feed fed[i][step] to sequence i at each step, all together through the engine's decode step
-    (service/decoder.py); logits per sequence and step."""
-    from service.decoder import DecodeStep
+    """Feed fed[i][step] to sequence i at each step, all together through the engine's forward
+    (service/forward.py); logits per sequence and step."""
+    from service.attention import ExactAttention
+    from service.forward import Rows, TextForward
+    from service.settings import load_settings
 
-    step_fn = DecodeStep(model)
+    step_fn = TextForward(model, ExactAttention.load(load_settings().cache_dir))
     logits = [[] for _ in caches]
     for step in range(len(fed[0])):
-        out = step_fn(torch.tensor([f[step] for f in fed]), torch.tensor([n + step for n in lengths]), caches)
+        positions = torch.tensor([n + step for n in lengths])
+        out = step_fn(torch.tensor([f[step] for f in fed]), positions, [Rows(c, 1) for c in caches])
         for i in range(len(caches)):
             logits[i].append(out[i].float())
     return logits

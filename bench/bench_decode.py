@@ -1,4 +1,4 @@
-"""Decode: the engine's decode step (service/decoder.py) against transformers' forward, by context length.
+"""Decode: the engine's decode step (service/forward.py) against transformers' forward, by context length.
 
     flock /tmp/heavy.lock python -m bench.bench_decode                 # 2B-shaped INT8 checkpoint, 2 threads
     python -m bench.bench_decode --contexts 64 1024 --no-engines --no-save
@@ -9,7 +9,7 @@ batch of 4 sequences of different lengths (the context, ¾, ½ and ¼ of it), th
 alternating (A B B A):
 - `transformers`: the model's forward (what the service ran before): one sequence, or the batch
   left-padded into one cache with an attention mask;
-- `lean`: service/decoder.DecodeStep, each sequence attending to its own cache.
+- `lean`: service/forward.TextForward, each sequence attending to its own cache (service/attention.c).
 For the lean single stream also: the share of the step in the INT8 kernels and in attention
 (torch.profiler), the KV bytes read per step, and tokens/s as a share of the bandwidth ceiling
 (bytes read per token ÷ a streaming-read measurement with the same threads, same run).
@@ -40,7 +40,7 @@ INT8_KERNELS = (
     "quantized::linear_dynamic",
     "onednn::qlinear_pointwise",
 )
-ATTENTION = "aten::scaled_dot_product_attention"
+ATTENTION = ("aten::scaled_dot_product_attention", "exact_attention")  # transformers', the service's
 LONG_PROMPTS = (1000, 3000)  # prompt tokens whose time to first token part 2 measures
 
 
@@ -104,20 +104,43 @@ class TransformersStep:
         return out.logits[:, -1]
 
 
+class LabelledAttention:
+    """The service's attention kernel, named `exact_attention` in torch.profiler's tables."""
+
+    def __init__(self, attention):
+        self.attention = attention
+
+    def supports(self, head_dim: int) -> bool:
+        return self.attention.supports(head_dim)
+
+    def __call__(self, *args):
+        with torch.profiler.record_function("exact_attention"):
+            return self.attention(*args)
+
+
+def lean_forward(model):
+    """service/forward.TextForward as the engine builds it, its attention labelled for the profiler."""
+    from service.attention import ExactAttention
+    from service.forward import TextForward
+    from service.settings import load_settings
+
+    return TextForward(model, LabelledAttention(ExactAttention.load(load_settings().cache_dir)))
+
+
 class LeanStep:
-    """service/decoder.DecodeStep over the sequences' own caches."""
+    """service/forward.TextForward over the sequences' own caches, one row each."""
 
     def __init__(self, model):
-        from service.decoder import DecodeStep
-
-        self.step = DecodeStep(model)
+        self.step = lean_forward(model)
 
     @staticmethod
     def pack(caches: list) -> list:
         return caches
 
     def __call__(self, token_ids, positions, caches) -> torch.Tensor:
-        return self.step(token_ids, positions, caches)
+        from service.forward import Rows
+
+        return self.step(token_ids, positions, [Rows(c, 1) for c in caches])
 
 
 def _crop(packed, lengths: list[int]) -> None:
@@ -156,21 +179,23 @@ def profile_shares(step, caches: list, steps: int = 5) -> dict:
     totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages()}
     return {
         "kernels": sum(totals.get(k, 0.0) for k in INT8_KERNELS) / wall,
-        "attention": totals.get(ATTENTION, 0.0) / wall,
+        "attention": sum(totals.get(k, 0.0) for k in ATTENTION) / wall,
     }
 
 
-def prefill_piece(model, cache, tokens: int, repeats: int = 3) -> dict:
-    """A prefill piece of `tokens` text tokens after `cache` through the model's forward (how the
-    engine prefills): median ms, and its shares in the INT8 kernels and in attention."""
+def prefill_piece(forward, cache, tokens: int, repeats: int = 3) -> dict:
+    """A prefill piece of `tokens` text tokens after `cache` through the engine's forward: median
+    ms, and its shares in the INT8 kernels and in attention."""
     from torch.profiler import ProfilerActivity, profile
 
+    from service.forward import Rows
+
     start = cache.get_seq_length()
-    ids = torch.randint(0, model.config.text_config.vocab_size, (1, tokens))
-    positions = torch.arange(start, start + tokens).view(1, 1, -1).expand(3, 1, -1)
+    ids = torch.randint(0, forward.lm_head.out_features, (tokens,))
+    positions = torch.arange(start, start + tokens)
 
     def run():
-        model(input_ids=ids, position_ids=positions, cache=cache, logits_to_keep=1)
+        forward(ids, positions, [Rows(cache, tokens)], logits_rows=torch.tensor([tokens - 1]))
         cache.crop(-tokens)
 
     times = []
@@ -186,7 +211,7 @@ def prefill_piece(model, cache, tokens: int, repeats: int = 3) -> dict:
     return {
         "ms": statistics.median(times) * 1000,
         "kernels": sum(totals.get(k, 0.0) for k in INT8_KERNELS) / wall,
-        "attention": totals.get(ATTENTION, 0.0) / wall,
+        "attention": sum(totals.get(k, 0.0) for k in ATTENTION) / wall,
     }
 
 
@@ -229,7 +254,7 @@ def sweep(model_path: str, threads: int, contexts: list[int], steps: int, batch:
                     value = step_ms(kinds[kind], group, steps)
                     ms[kind, name] = min(ms.get((kind, name), value), value)
             shares = profile_shares(kinds["lean"], single)
-            prefill = prefill_piece(model, single[0], piece)
+            prefill = prefill_piece(kinds["lean"].step, single[0], piece)
             kv = kv_cache_bytes(model.config, context)
             ceiling = bandwidth * 1e9 / (weights + kv)
             rows.append(

@@ -83,9 +83,7 @@ def measure(model_path: str, threads: int, repeats: int = 3, decode_tokens: int 
     def bits(done):
         return [(r.token_id, r.logprob, r.top) for r in done.logprobs]
 
-    differences = [
-        abs(a.logprob - b.logprob) for a, b in zip(hit.logprobs, fresh.logprobs) if a.token_id == b.token_id
-    ]
+    differences = [abs(a.logprob - b.logprob) for a, b in zip(hit.logprobs, fresh.logprobs) if a.token_id == b.token_id]
     return {
         "ttft_s": statistics.median(timing(d, "time_to_first_token") for d in w1),
         "prefill_s": statistics.median(timing(d, "prefill") for d in w1),

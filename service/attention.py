@@ -1,7 +1,7 @@
 """Causal attention with the same bits for a token whichever path computes it (see attention.c).
 
-`ExactAttention.load(cache_dir)` compiles attention.c once per machine (gcc, the CPU's own
-instruction set) into CACHE_DIR/kernels and loads it; the result is a callable
+`ExactAttention.load(cache_dir)` compiles attention.c once per machine (service/native.py) and
+loads it; the result is a callable
 
     attention(q, keys, values, start, out)
 
@@ -16,22 +16,17 @@ a decode step makes, so it is exact too — but prefill pays a call per token (a
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("attention.c")
-FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
 class _Call(ctypes.Structure):
@@ -54,48 +49,13 @@ class _Call(ctypes.Structure):
     ]
 
 
-def _cpu_identity() -> str:
-    """What -march=native compiles for: the CPU's model name and flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def build(cache_dir: Path, march: str = "native") -> Path:
-    """The compiled kernel for this machine (or for the instruction set `march` names, which tests
-    use to run the AVX2 build on an AVX-512 CPU), built once (atomically: instances may race)."""
-    flags = [*FLAGS, f"-march={march}"]
-    compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if compiler is None:
-        raise RuntimeError("no C compiler (gcc) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.blake2b(
-        "\n".join([SOURCE.read_text(), " ".join(flags), version, _cpu_identity()]).encode(), digest_size=8
-    ).hexdigest()
-    target = Path(cache_dir) / "kernels" / f"attention-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed: {result.stderr.strip()[-2000:]}")
-        os.replace(built, target)
-    log.info("compiled the exact attention kernel: %s", target)
-    return target
-
-
 class ExactAttention:
     """The compiled kernel (attention.c); see the module docstring."""
 
     name = "c"
 
-    def __init__(self, library: Path):
-        self._lib = ctypes.CDLL(str(library))
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
         self._lib.attention.argtypes = [ctypes.POINTER(_Call), ctypes.c_int]
         self._lib.attention.restype = ctypes.c_int
         self.lanes = self._lib.attention_lanes()
@@ -104,8 +64,8 @@ class ExactAttention:
     def load(cls, cache_dir: Path, march: str = "native") -> ExactAttention | TorchAttention:
         """The C kernel, or the per-row torch fallback (logged) where it cannot be built."""
         try:
-            return cls(build(cache_dir, march))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            return cls(native.library(SOURCE, cache_dir, march))
+        except native.BUILD_ERRORS as exc:
             log.warning("exact attention kernel unavailable (%s): using one SDPA call per prompt token", exc)
             return TorchAttention()
 

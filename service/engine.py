@@ -274,9 +274,12 @@ class Engine:
             if sequence.error is not None:
                 raise sequence.error
             tail = stopper.flush()
-            if tail:
+            # the records of tokens no text showed yet (a held-back character, tokens that render as
+            # nothing), unless a stop string ended the answer before them
+            rest = [] if stopper.stopped else logprobs.upto(len(request.streamer.token_ids))
+            if tail or rest:
                 parts.append(tail)
-                yield TextDelta(tail, logprobs.upto(len(request.streamer.token_ids)))
+                yield TextDelta(tail, rest)
         finally:
             # Client gone (GeneratorExit) or error: the sequence leaves the batch at the next step.
             request.cancel.set()

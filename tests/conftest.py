@@ -34,6 +34,16 @@ def tiny_dir(cache_dir) -> Path:
     return embedded_model_dir(cache_dir)
 
 
+@pytest.fixture(scope="session")
+def no_end_of_turn(tiny_dir) -> dict[str, int]:
+    """A logit_bias that keeps the embedded model from ending its answer: for tests that need an
+    answer of exactly max_tokens (the random model's greedy text may end anywhere)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    return {str(tokenizer.convert_tokens_to_ids(t)): -100 for t in ("<|im_end|>", "<|endoftext|>")}
+
+
 def make_settings(cache_dir, **overrides):
     return load_settings(cache_dir=cache_dir, threads=2, **overrides)
 

@@ -1,8 +1,11 @@
 """Conversation KV cache and vision-feature cache on the real tiny model, fp32 and int8.
 
-The contract is exactness: with greedy decoding an engine with caches answers token for token
-what an engine without them answers, while reporting (and doing) less work. Both fp32 and INT8
-(whose Linears quantize each token on its own) reuse any token prefix, the previous answer included.
+The contract is exactness: with greedy decoding an engine with caches answers what an engine
+without them answers, while reporting (and doing) less work — with INT8 weights bit for bit (every
+token's log-probability and its alternatives compared as floats: service/forward.py computes a
+token alike in every path), with fp32 weights token for token and within float rounding (their
+GEMMs round differently with the number of rows). Both reuse any token prefix, the previous answer
+included. Answers are 32 tokens long, pictures in most conversations.
 """
 
 from __future__ import annotations
@@ -34,10 +37,13 @@ def assistant(text):
     return ChatMessage("assistant", [TextPart(text)])
 
 
-def turn(engine, messages, conversation_id=None, max_tokens=8):
-    """One greedy generation: (token ids, Completion)."""
+ANSWER_TOKENS = 32
+
+
+def turn(engine, messages, conversation_id=None, max_tokens=ANSWER_TOKENS):
+    """One greedy generation, with each token's log-probability and 3 alternatives: (token ids, Completion)."""
     request = GenerationRequest(
-        messages, SamplingParams(max_tokens=max_tokens, temperature=0), conversation_id=conversation_id
+        messages, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3), conversation_id=conversation_id
     )
     done = [e for e in engine.generate(request) if isinstance(e, Completion)][0]
     return request.streamer.token_ids, done
@@ -48,10 +54,16 @@ class Engines:
     cached: Engine  # caches on, starting empty
     plain: Engine  # caches off, the same loaded model
 
-    def ask(self, messages, conversation_id=None, max_tokens=8) -> Completion:
-        """The cached engine's answer, asserted token for token against the cache-free engine's."""
+    def ask(self, messages, conversation_id=None, max_tokens=ANSWER_TOKENS) -> Completion:
+        """The cached engine's answer, asserted against the cache-free engine's: the same tokens, and
+        with INT8 weights the same bits of every log-probability (fp32: within float rounding)."""
         ids, done = turn(self.cached, messages, conversation_id, max_tokens)
-        assert ids == turn(self.plain, messages)[0], "differs from a full recompute"
+        plain_ids, plain = turn(self.plain, messages, max_tokens=max_tokens)
+        assert ids == plain_ids, "differs from a full recompute"
+        if self.cached.loaded.quantization == "int8":
+            assert done.logprobs == plain.logprobs, "not the bits of a full recompute"
+        else:
+            assert max(abs(a.logprob - b.logprob) for a, b in zip(done.logprobs, plain.logprobs)) < 1e-4
         return done
 
 
@@ -65,7 +77,7 @@ def engines(engine, cache_dir, request):
     )
 
 
-def converse(engines, turns, conversation_id=None, max_tokens=8):
+def converse(engines, turns, conversation_id=None, max_tokens=ANSWER_TOKENS):
     """Play the user turns, each answer going into the history, each checked by `Engines.ask`."""
     history, dones = [], []
     for message in turns:
@@ -356,7 +368,7 @@ def test_eviction_during_a_generation_does_not_change_its_answer(engines):
     history = [user(image(e), "What is in this picture?")]
     done = engines.ask(history, "A")
     history += [assistant(done.text), user("Tell me more.")]
-    request = GenerationRequest(history, SamplingParams(max_tokens=8, temperature=0), conversation_id="A")
+    request = GenerationRequest(history, SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0), conversation_id="A")
     events = e.generate(request)
     assert isinstance(next(events), TextDelta)
     e.conversation_cache.entries.clear()  # everything evicted while the answer streams

@@ -356,12 +356,12 @@ def test_killing_an_instance_ends_its_streams_and_the_others_take_new_conversati
     assert stack.workers(victim)[0].cpu_affinity() == cores
 
 
-def test_sigterm_lets_the_open_stream_finish_then_stops_everything(stack):
+def test_sigterm_lets_the_open_stream_finish_then_stops_everything(stack, no_end_of_turn):
     children = [p for p in psutil.Process(stack.supervisor.pid).children(recursive=True)]
     assert any("nginx" in p.name() for p in children) and len(children) >= 2 * len(stack.ports) + 2
     with requests.post(
         stack.url + "/v1/chat",
-        json={"prompt": "Keep talking.", "max_tokens": 300, "temperature": 0},
+        json={"prompt": "Keep talking.", "max_tokens": 300, "temperature": 0, "logit_bias": no_end_of_turn},
         stream=True,
         timeout=30,
     ) as r:

@@ -235,6 +235,9 @@ def test_a_prefill_piece_beside_decode_rows_gives_each_the_same_bits(engines, at
 class LibraryAttention:
     """What attention was before: SDPA over a whole piece with a causal mask (a control)."""
 
+    def supports(self, head_dim: int) -> bool:
+        return True
+
     def __call__(self, q, keys, values, start, out):
         n, heads, dim = q.shape
         end = start + n

@@ -120,11 +120,10 @@ def test_models_endpoint_says_the_model_is_random(client):
 # -- native endpoint --------------------------------------------------------------------------------
 
 
-def test_native_stream_arrives_incrementally_with_ids_first_and_done_last(server):
+def test_native_stream_arrives_incrementally_with_ids_first_and_done_last(server, no_end_of_turn):
     t0 = time.perf_counter()
-    with requests.post(
-        server + "/v1/chat", json={"prompt": "Keep talking.", "max_tokens": 300, "temperature": 0}, stream=True
-    ) as r:
+    body = {"prompt": "Keep talking.", "max_tokens": 300, "temperature": 0, "logit_bias": no_end_of_turn}
+    with requests.post(server + "/v1/chat", json=body, stream=True) as r:
         assert r.headers["Content-Type"].startswith("application/x-ndjson")
         lines = ndjson(r)
     first_delta = next(t for t, obj in lines if "delta" in obj)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import http.client
 import json
 import logging
 import os
@@ -38,8 +39,8 @@ def get_status(url: str) -> tuple[int, dict]:
             status, raw = response.status, response.read()
     except urllib.error.HTTPError as exc:
         status, raw = exc.code, exc.read()
-    except OSError:
-        return 0, {}
+    except (OSError, http.client.HTTPException):  # nothing listening yet; or, the port being free, a
+        return 0, {}  # TCP self-connect echoing our own request (BadStatusLine) while an instance loads
     try:
         return status, json.loads(raw)
     except ValueError:
