@@ -1,9 +1,13 @@
 """WSGI entry point: `gunicorn -c gunicorn.conf.py wsgi:app`. Settings come from the environment."""
 
-from service import packing
+from service import native
 from service.settings import load_settings
 
 settings = load_settings()
+native.prebuild(settings.cache_dir)  # gcc builds the kernels (first start) while torch imports
+
+from service import packing  # noqa: E402  (imports torch)
+
 if settings.preload_in_master:
     # Pack a pre-quantized checkpoint's weights while the rest of the service (transformers) imports.
     packing.start_early(settings)

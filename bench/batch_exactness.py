@@ -48,9 +48,8 @@ def decode(model, caches: list[DynamicCache], lengths: list[int], fed: list[list
     (service/forward.py); logits per sequence and step."""
     from service.attention import ExactAttention
     from service.forward import Rows, TextForward
-    from service.settings import load_settings
 
-    step_fn = TextForward(model, ExactAttention.load(load_settings().cache_dir))
+    step_fn = TextForward(model, ExactAttention.load())
     logits = [[] for _ in caches]
     for step in range(len(fed[0])):
         positions = torch.tensor([n + step for n in lengths])
@@ -106,7 +105,10 @@ def main() -> None:
     for label, (quantization, activations) in tqdm(VARIANTS.items(), desc="variants"):
         if quantization not in loaded:
             loaded.clear()  # one model in memory at a time
-            settings = load_settings(model_path=args.model_path, quantization=quantization, threads=args.threads)
+            # FBGEMM: the per-tensor rows switch its activations (the kernels give the same bits per token)
+            settings = load_settings(
+                model_path=args.model_path, quantization=quantization, threads=args.threads, int8_kernel="fbgemm"
+            )
             loaded[quantization] = load_model(settings)
         model = loaded[quantization].model
         if activations:

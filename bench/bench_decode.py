@@ -122,9 +122,8 @@ def lean_forward(model):
     """service/forward.TextForward as the engine builds it, its attention labelled for the profiler."""
     from service.attention import ExactAttention
     from service.forward import TextForward
-    from service.settings import load_settings
 
-    return TextForward(model, LabelledAttention(ExactAttention.load(load_settings().cache_dir)))
+    return TextForward(model, LabelledAttention(ExactAttention.load()))
 
 
 class LeanStep:

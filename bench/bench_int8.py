@@ -65,6 +65,7 @@ def measure(
         cache_enabled=False,
         max_memory_mb=max_memory_mb,
         **({"kv_dtype": kv_dtype} if kv_dtype else {}),
+        **({"int8_kernel": "fbgemm"} if activations else {}),  # per-tensor activations: torch's kernels only
     )
     loaded = load_model(settings)
     if activations is not None:

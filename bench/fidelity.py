@@ -114,7 +114,13 @@ def _engine(model_path: str, threads: int, quantization: str, activations: str |
     from service.loading import load_model
     from service.settings import load_settings
 
-    settings = load_settings(model_path=model_path, threads=threads, quantization=quantization, cache_enabled=False)
+    settings = load_settings(
+        model_path=model_path,
+        threads=threads,
+        quantization=quantization,
+        cache_enabled=False,
+        **({"int8_kernel": "fbgemm"} if activations else {}),  # per-tensor activations: torch's kernels only
+    )
     loaded = load_model(settings)
     if activations:
         set_activations(loaded.model, activations)

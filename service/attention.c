@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xmmintrin.h>
 
 #if defined(__AVX512F__)
 #define W 16
@@ -261,6 +262,20 @@ static void attend_tile(const Attention *a, int head, int r0, int r1, float *sco
     }
 }
 
+/* This thread's scratch memory, kept between calls (allocating it per call cost tens of microseconds
+ * in a decode step); grown when a call needs more. */
+static float *thread_scratch(size_t bytes) {
+    static __thread float *buffer;
+    static __thread size_t size;
+    if (bytes > size) {
+        free(buffer);
+        size = (bytes + 65535) / 65536 * 65536;
+        buffer = aligned_alloc(64, size);
+        if (!buffer) size = 0;
+    }
+    return buffer;
+}
+
 /* Rows per work item: enough queries to reuse each block of keys, few enough to keep them in cache. */
 #define TILE_ROWS 16
 
@@ -276,7 +291,12 @@ int attention(const Attention *a, int threads) {
     if (threads > items) threads = items;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
-        float *scratch = aligned_alloc(64, (per_thread + 63) / 64 * 64);
+        /* Subnormal numbers flushed to zero (FTZ, DAZ) on this thread while it attends: a query that
+         * weighs some keys at ~1e-38 would otherwise pay a microcode assist per tiny product (many
+         * times slower), and flushing is as deterministic as the rest. */
+        const unsigned int csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040);
+        float *scratch = thread_scratch(per_thread);
         if (!scratch) {
 #pragma omp atomic write
             failed = 2;
@@ -289,8 +309,8 @@ int attention(const Attention *a, int threads) {
                 int r0 = tile * TILE_ROWS, r1 = r0 + TILE_ROWS < a->n ? r0 + TILE_ROWS : a->n;
                 attend_tile(a, head, r0, r1, scores, stride, block, acc);
             }
-            free(scratch);
         }
+        _mm_setcsr(csr);
     }
     return failed;
 }

@@ -1,7 +1,7 @@
 """Causal attention with the same bits for a token whichever path computes it (see attention.c).
 
-`ExactAttention.load(cache_dir)` compiles attention.c once per machine (service/native.py) and
-loads it; the result is a callable
+`ExactAttention.load()` compiles attention.c once per machine (service/native.py) and loads it;
+the result is a callable
 
     attention(q, keys, values, start, out)
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +24,6 @@ import torch.nn.functional as F
 from . import native
 
 log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("attention.c")
 
 
 class _Call(ctypes.Structure):
@@ -61,10 +58,11 @@ class ExactAttention:
         self.lanes = self._lib.attention_lanes()
 
     @classmethod
-    def load(cls, cache_dir: Path, march: str = "native") -> ExactAttention | TorchAttention:
-        """The C kernel, or the per-row torch fallback (logged) where it cannot be built."""
+    def load(cls, march: str | None = None) -> ExactAttention | TorchAttention:
+        """The C kernel (built for this CPU, NATIVE_MARCH or `march`), or the per-row torch fallback
+        (logged) where it cannot be built."""
         try:
-            return cls(native.library(SOURCE, cache_dir, march))
+            return cls(native.library(native.ATTENTION, march))
         except native.BUILD_ERRORS as exc:
             log.warning("exact attention kernel unavailable (%s): using one SDPA call per prompt token", exc)
             return TorchAttention()

@@ -96,6 +96,8 @@ def cmd_chat(args) -> int:
         f"peak RSS {_peak_rss_gib():.2f} GiB",
         file=sys.stderr,
     )
+    if loaded.kernels is not None:
+        print(f"INT8 kernels: {loaded.kernels.describe()}", file=sys.stderr)
     return 0
 
 

@@ -16,12 +16,12 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from transformers import GenerationConfig
 
-from . import metrics
+from . import metrics, native
 from .admission import Admission
 from .attention import ExactAttention
 from .batching import Sampler, Scheduler, ScoreAdjustments, Sequence
@@ -54,6 +54,7 @@ class ModelInfo:
     quantization: str
     is_random: bool
     image_max_pixels: int  # clients may downscale pictures to this before uploading
+    int8_kernels: dict | None = None  # the KernelChoice serving INT8 weights, as a dict
 
 
 class Engine:
@@ -65,10 +66,24 @@ class Engine:
         self.model = loaded.model
         self.processor = loaded.processor
         self.limits = RequestLimits.build(settings, self.processor)
-        self.info = ModelInfo(loaded.name, loaded.quantization, loaded.is_random, self.limits.image.max_pixels)
+        kernels = loaded.kernels
+        self.info = ModelInfo(
+            loaded.name,
+            loaded.quantization,
+            loaded.is_random,
+            self.limits.image.max_pixels,
+            asdict(kernels) if kernels is not None else None,
+        )
+        if kernels is not None:
+            for part in ("decoder", "vision"):
+                metrics.INT8_KERNEL.labels(part=part, kernel=getattr(kernels, part)).set(1)
+            for kernel, figures in kernels.measured.items():
+                metrics.INT8_KERNEL_MS.labels(kernel=kernel, rows="1").set(figures["decode_ms"])
+                metrics.INT8_KERNEL_MS.labels(kernel=kernel, rows=str(figures["rows"])).set(figures["prefill_ms"])
         self.admission = Admission(settings.queue_size, settings.queue_timeout, slots=settings.max_batch_size)
         # One forward for prefill pieces and decode steps: a token's bits never depend on the path.
-        self.forward = TextForward(loaded.model, ExactAttention.load(settings.cache_dir))
+        native.configure(settings.cache_dir)
+        self.forward = TextForward(loaded.model, ExactAttention.load())
         self.scheduler = Scheduler(self.forward, settings.threads)
         self._active: set[GenerationRequest] = set()
         self._defaults = loaded.model.generation_config

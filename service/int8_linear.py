@@ -1,8 +1,10 @@
 """INT8 layers: Linear with per-token activation quantization, the memory-mapped fallback, the embedding.
 
-`Int8Linear` keeps torch's FBGEMM kernels and their packed int8 weights (symmetric, one scale
-per output channel) but quantizes its input **per row**: each row is divided by its own absolute
-maximum and quantized with a fixed scale, and its output is multiplied back. A row's result so
+`Int8Linear` computes on packed int8 weights (symmetric, one scale per output channel) with one of
+three kernels — torch's FBGEMM, torch's oneDNN, or the service's own (`native`: service/int8_gemm.c,
+built for this CPU) — which give the same bits, so which one serves is a matter of speed only
+(service/kernel_choice.py measures them). It quantizes its input **per row**: each row is divided
+by its own absolute maximum and quantized with a fixed scale, and its output is multiplied back. A row's result so
 never depends on the other rows of the call — the same bits alone, in a prefill piece of any
 length or in a decode batch, and a huge activation on one token (real checkpoints have such
 spikes) costs only that token precision. torch's own dynamic Linear scales the whole input
@@ -16,15 +18,21 @@ VNNI, whose `vpmaddubsw` saturates there, compute the same bits as those with it
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from . import native
+
+log = logging.getLogger(__name__)
+
 ACTIVATION_SCALE = 2.0**-6
 ACTIVATION_ZERO_POINT = 64
 ACTIVATIONS = ("per_token", "per_tensor")
-KERNELS = ("fbgemm", "onednn")
+KERNELS = ("fbgemm", "onednn", "native")
 ROWS_PER_CHUNK = 16384  # per-row quantization is exact in chunks: the 151936-row embedding never goes fp32 whole
 GEMV_ROWS = 4  # MappedInt8Linear, fp32: up to this many tokens use the int8 GEMV kernel (decode)
 MAPPED_GEMV_ROWS = 16  # MappedInt8Linear, bf16: likewise (its vectorized path stays fast up to about here)
@@ -65,17 +73,46 @@ def _cpu_flags() -> str:
 _BF16_GEMM = " avx512_bf16" in _cpu_flags()
 
 
-def default_kernel() -> str:
-    """The packed-weight kernel for this CPU; both give the same bits, so this is about speed only.
-    oneDNN where the CPU has AVX-512 (measured there: the same speed for a decode step's one row,
-    2-4x faster for prefill pieces and pictures, packing 3-7x faster); FBGEMM on CPUs without it
-    (oneDNN's AVX2 int8 path measured ~4x slower for one row)."""
-    return "onednn" if " avx512f" in _cpu_flags() and torch.backends.mkldnn.is_available() else "fbgemm"
+class _NativeCall(ctypes.Structure):
+    """int8_gemm.c's `Linear`: one call's input, weights and output."""
+
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("x_row", ctypes.c_int64),
+        ("m", ctypes.c_int),
+        ("k", ctypes.c_int),
+        ("n", ctypes.c_int),
+        ("packed", ctypes.c_void_p),
+        ("column_sums", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("y", ctypes.c_void_p),
+        ("y_row", ctypes.c_int64),
+    ]
 
 
-def chosen_kernel(setting: str) -> str:
-    """The kernel INT8_KERNEL names: "auto" is `default_kernel()`."""
-    return default_kernel() if setting == "auto" else setting
+def native_library() -> ctypes.CDLL:
+    """int8_gemm.c built for this CPU."""
+    lib = native.library(native.INT8_GEMM)
+    lib.int8_packed_bytes.restype = ctypes.c_int64
+    lib.int8_packed_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.int8_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.int8_linear.argtypes = [ctypes.POINTER(_NativeCall), ctypes.c_int]
+    return lib
+
+
+def available_kernels() -> list[str]:
+    """The kernels this machine can run: FBGEMM always (x86), oneDNN where torch has it, the native
+    one where a C compiler builds it."""
+    kernels = ["fbgemm"]
+    if torch.backends.mkldnn.is_available():
+        kernels.append("onednn")
+    try:
+        native_library()
+        kernels.append("native")
+    except native.BUILD_ERRORS as exc:
+        log.warning("the native INT8 kernel is unavailable: %s", exc)
+    return kernels
 
 
 class Int8Linear(nn.Module):
@@ -95,11 +132,28 @@ class Int8Linear(nn.Module):
             raise ValueError(f"activations must be one of {ACTIVATIONS}")
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}")
+        if kernel == "native" and activations != "per_token":
+            raise ValueError("the native kernel quantizes activations per token only")
         self.out_features, self.in_features = rows.shape
         self.activations, self.kernel = activations, kernel
         self._scales = scales.float().contiguous()
         # Packed without the bias: per-token outputs are scaled back first, then the bias is added.
-        if kernel == "fbgemm":
+        if kernel == "native":
+            lib = native_library()
+            rows = rows.contiguous()
+            self._packed = torch.empty(lib.int8_packed_bytes(*rows.shape), dtype=torch.int8)
+            self._column_sums = torch.empty(rows.shape[0], dtype=torch.int32)
+            lib.int8_pack(rows.data_ptr(), *rows.shape, self._packed.data_ptr(), self._column_sums.data_ptr())
+            self._call = _NativeCall(
+                n=self.out_features,
+                k=self.in_features,
+                packed=self._packed.data_ptr(),
+                column_sums=self._column_sums.data_ptr(),
+                scales=self._scales.data_ptr(),
+                y_row=self.out_features,
+            )
+            self._native = lib
+        elif kernel == "fbgemm":
             qweight = torch._make_per_channel_quantized_tensor(
                 rows, self._scales.double(), torch.zeros(rows.shape[0], dtype=torch.long), 0
             )
@@ -108,6 +162,8 @@ class Int8Linear(nn.Module):
             self._packed = torch.ops.onednn.qlinear_prepack(rows, None)
             self._zero_points = torch.zeros(rows.shape[0], dtype=torch.long)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        if kernel == "native":
+            self._call.bias = None if self.bias is None else self.bias.data_ptr()
 
     @classmethod
     def from_float(cls, linear: nn.Linear, activations: str = "per_token", kernel: str = "fbgemm") -> Int8Linear:
@@ -134,6 +190,8 @@ class Int8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.float().contiguous()
+        if self.kernel == "native":  # quantization, GEMM and scaling back in one call; the bias too
+            return self._forward_native(flat).view(*x.shape[:-1], self.out_features)
         if self.activations == "per_tensor":
             y = self._per_tensor(flat)
         else:
@@ -155,6 +213,14 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y.add_(self.bias)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _forward_native(self, flat: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(flat.shape[0], self.out_features)
+        call = _NativeCall.from_buffer_copy(self._call)  # a call of its own: callers on other threads may overlap
+        call.x, call.x_row, call.m, call.y = flat.data_ptr(), flat.stride(0), flat.shape[0], y.data_ptr()
+        if self._native.int8_linear(ctypes.byref(call), torch.get_num_threads()):
+            raise MemoryError("the native INT8 kernel could not allocate its scratch memory")
+        return y
 
     def _per_tensor(self, flat: torch.Tensor) -> torch.Tensor:
         """torch's dynamic quantization: one scale for the whole input (7-bit range, as FBGEMM's)."""
@@ -255,4 +321,6 @@ def set_activations(model: nn.Module, activations: str) -> None:
         raise ValueError(f"activations must be one of {ACTIVATIONS}")
     for module in model.modules():
         if isinstance(module, Int8Linear):
+            if module.kernel == "native" and activations != "per_token":
+                raise ValueError("the native kernel quantizes per token only: load with INT8_KERNEL=fbgemm or onednn")
             module.activations = activations

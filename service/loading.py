@@ -13,9 +13,9 @@ from torch import nn
 
 from .checkpoints import RANDOM_MODEL_WARNING, embedded_model_dir, is_random_test_model
 from .fusion import fuse_projections
-from .int8_linear import chosen_kernel
 from .limits import fit_processor
 from .memory import MemoryGuard
+from .packing import int8_kernels
 from .quantized import load_quantized, quantize_in_place, quantized_marker
 from .settings import Settings
 
@@ -33,6 +33,7 @@ class LoadedModel:
     load_seconds: float
     eos_token_ids: list[int] = field(default_factory=list)
     prequantized: bool = False  # loaded from an INT8 checkpoint (`python -m service quantize`)
+    kernels: object = None  # INT8: the KernelChoice (service/kernel_choice.py) its Linears run
     weights_mapped: bool = False  # Linear weights memory-mapped: the model did not fit MAX_MEMORY_MB
 
 
@@ -105,10 +106,10 @@ def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
             f"{path} is an INT8 checkpoint (made by `python -m service quantize`): use "
             "QUANTIZATION=int8, or point MODEL_PATH at the original checkpoint for fp32"
         )
-    kernel = chosen_kernel(settings.int8_kernel)
+    kernels = int8_kernels(settings, path) if settings.quantization == "int8" else None
     with _OnceWarnings():
         if prequantized:
-            model, mapped = load_quantized(path, settings.threads, MemoryGuard.from_settings(settings), kernel)
+            model, mapped = load_quantized(path, settings.threads, MemoryGuard.from_settings(settings), kernels)
             torch.set_num_threads(threads)  # the packing threads set it to 1 for themselves (and globally)
         else:
             # The checkpoint's own dtype (bf16 for Qwen's releases): no whole fp32 copy before quantizing.
@@ -118,7 +119,7 @@ def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
             fuse_projections(model)
             if settings.quantization == "int8":
                 model.requires_grad_(False)
-                quantize_in_place(model, kernel=kernel)
+                quantize_in_place(model, kernel=kernels)
             model.float()  # embeddings, norms, patch embedding: fp32 compute (bf16 is slow on these CPUs)
     model.requires_grad_(False)
     is_random = is_random_test_model(model.config)
@@ -142,11 +143,12 @@ def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
         eos_token_ids=eos_ids,
         prequantized=prequantized,
         weights_mapped=mapped,
+        kernels=kernels,
     )
     log.info(
         "loaded %s (%s%s) from %s in %.1f s",
         loaded.name,
-        f"int8, {kernel} kernels" if settings.quantization == "int8" else "fp32",
+        f"int8, kernels: {kernels.describe()}" if kernels else "fp32",
         ", pre-quantized" if prequantized else "",
         path,
         loaded.load_seconds,

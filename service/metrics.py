@@ -44,6 +44,16 @@ MEMORY_BUDGET = Gauge(
     multiprocess_mode="livemax",
 )
 CACHE_BUDGET = Gauge("qwen3vl_cache_budget_bytes", "bytes each cache may hold", ["cache"], multiprocess_mode="livemax")
+# The INT8 kernels serving (1 for the kernel of each part) and what each measured (service/kernel_choice.py)
+INT8_KERNEL = Gauge(
+    "qwen3vl_int8_kernel", "1 for the INT8 kernel serving each part", ["part", "kernel"], multiprocess_mode="livemax"
+)
+INT8_KERNEL_MS = Gauge(
+    "qwen3vl_int8_kernel_probe_milliseconds",
+    "each INT8 kernel's time on this checkpoint's matrices at start: a decode row, a prefill piece",
+    ["kernel", "rows"],
+    multiprocess_mode="livemax",
+)
 
 # Structured outputs: grammars compiled per request (hit: reused from the compile cache; invalid: a 400)
 GRAMMARS = Counter("qwen3vl_grammars_total", "answer grammars requested, by how compiling went", ["result"])

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .int8_linear import Int8Linear, chosen_kernel, default_kernel
+from .int8_linear import Int8Linear
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +137,13 @@ def linear_groups(linears: list[str]) -> dict[str, list[str]]:
     return groups
 
 
-def kernel_of(name: str, kernel: str) -> str:
-    """The packing for the Linear `name` (both give the same bits): the vision tower only ever sees
-    many rows (a picture's patches), where oneDNN is 2-4x faster on CPUs it suits (`default_kernel`);
-    the text decoder and lm_head, which see one row per sequence in decode, `kernel`."""
-    return default_kernel() if name.startswith("model.visual.") else kernel
+def kernel_of(name: str, kernels) -> str:
+    """The kernel for the Linear `name` (all give the same bits): a KernelChoice's vision kernel for
+    the vision tower (which only ever sees many rows), its decoder kernel for the text decoder and
+    lm_head; a kernel's name, that kernel for all."""
+    if isinstance(kernels, str):
+        return kernels
+    return kernels.vision if name.startswith("model.visual.") else kernels.decoder
 
 
 def fused_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -167,7 +169,7 @@ def packed_linear(parts: list[tuple[SafetensorsReader, str]], kernel: str) -> In
 class Packing:
     """Every Linear of one checkpoint's shards, being packed on `threads` threads: `results()`."""
 
-    def __init__(self, path: Path, shards: list[str], threads: int, kernel: str):
+    def __init__(self, path: Path, shards: list[str], threads: int, kernels):
         self.began = time.perf_counter()
         self.readers = [SafetensorsReader(Path(path) / shard) for shard in shards]
         reader_of = {key[: -len(".weight")]: r for r in self.readers for key in r.entries if key.endswith(".weight")}
@@ -181,7 +183,7 @@ class Packing:
             thread_name_prefix="int8-packing",
         )
         self.futures: dict[str, Future] = {
-            name: self._pool.submit(packed_linear, [(reader_of[p], p) for p in parts], kernel_of(name, kernel))
+            name: self._pool.submit(packed_linear, [(reader_of[p], p) for p in parts], kernel_of(name, kernels))
             for name, parts in jobs
         }
 
@@ -195,31 +197,40 @@ class Packing:
                 reader.close()
 
 
-_started: dict[tuple[str, str], Packing] = {}
+_started: dict[tuple, Packing] = {}
 _lock = threading.Lock()
 
 
-def _key(path: Path, kernel: str) -> tuple[str, str]:
-    return str(Path(path).resolve()), kernel
+def _key(path: Path, kernels) -> tuple:
+    return str(Path(path).resolve()), kernel_of("", kernels), kernel_of("model.visual.", kernels)
 
 
-def start(path: Path, shards: list[str], threads: int, kernel: str) -> None:
+def start(path: Path, shards: list[str], threads: int, kernels) -> None:
     """Begin packing in the background (idempotent); `claim` hands the work to the loader."""
     with _lock:
-        if _key(path, kernel) not in _started:
-            _started[_key(path, kernel)] = Packing(path, shards, threads, kernel)
+        if _key(path, kernels) not in _started:
+            _started[_key(path, kernels)] = Packing(path, shards, threads, kernels)
 
 
-def claim(path: Path, kernel: str) -> Packing | None:
-    """The packing `start` began for this checkpoint and kernel (it found the weights fit), or None."""
+def claim(path: Path, kernels) -> Packing | None:
+    """The packing `start` began for this checkpoint and these kernels (it found the weights fit), or None."""
     with _lock:
-        started = _started.pop(_key(path, kernel), None)
+        started = _started.pop(_key(path, kernels), None)
     if started is not None:
         log.info(
             "the INT8 weights have been packing for %.1f s (begun before the app was imported)",
             time.perf_counter() - started.began,
         )
     return started
+
+
+def int8_kernels(settings, path: Path):
+    """The kernels INT8_KERNEL asks for on this checkpoint (measured for "auto": service/kernel_choice.py)."""
+    from . import native
+    from .kernel_choice import choose
+
+    native.configure(settings.cache_dir)
+    return choose(settings.int8_kernel, path, settings.cache_dir, settings.threads, settings.prefill_chunk_tokens)
 
 
 def start_early(settings) -> None:
@@ -233,4 +244,4 @@ def start_early(settings) -> None:
         return  # not one: the loader reports what is wrong, if anything
     if not MemoryGuard.from_settings(settings).fits(linear_bytes(path, marker)):
         return
-    start(path, marker["linear_shards"], settings.threads, chosen_kernel(settings.int8_kernel))
+    start(path, marker["linear_shards"], settings.threads, int8_kernels(settings, path))

@@ -99,7 +99,7 @@ def skeleton(config) -> nn.Module:
 
 
 def quantize_in_place(
-    model: nn.Module, activations: str = "per_token", int8_embedding: bool = True, kernel: str = "fbgemm"
+    model: nn.Module, activations: str = "per_token", int8_embedding: bool = True, kernel="fbgemm"
 ) -> None:
     """INT8-quantize every nn.Linear (`Int8Linear`) one block at a time (at most one block is fp32
     at once), and turn the embedding into int8 rows (the lm_head's when tied). The defaults are
@@ -276,7 +276,7 @@ def write_quantized(src: str | Path, dst: str | Path, progress: bool = True) -> 
 
 
 def load_quantized(
-    path: Path, threads: int, memory: MemoryGuard | None = None, kernel: str = "fbgemm"
+    path: Path, threads: int, memory: MemoryGuard | None = None, kernel="fbgemm"
 ) -> tuple[nn.Module, bool]:
     """Build the model from an INT8 checkpoint: (model, weights_mapped).
 

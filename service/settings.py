@@ -29,10 +29,11 @@ class Settings(BaseSettings):
     quantization: Literal["int8", "fp32"] = Field(
         "int8", description="int8 = INT8 Linear layers, activations quantized per token"
     )
-    int8_kernel: Literal["auto", "fbgemm", "onednn"] = Field(
+    int8_kernel: Literal["auto", "fbgemm", "onednn", "native"] = Field(
         "auto",
-        description="INT8 packed-weight kernels: auto = oneDNN on CPUs with AVX-512, FBGEMM otherwise "
-        "(the same answers bit for bit; only speed differs)",
+        description="INT8 kernels: auto = the fastest measured on this machine and checkpoint at the first "
+        "start (kept under CACHE_DIR); fbgemm, onednn (torch's) or native (the service's own, built for "
+        "this CPU) force one. The same answers bit for bit: only speed differs",
     )
     threads: int = Field(default_factory=_available_cores, ge=1, le=512, description="torch threads")
     cache_dir: Path = Field(Path(os.path.expanduser("~/.cache/qwen3vl-service")), description="embedded model, exports")

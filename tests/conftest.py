@@ -29,6 +29,14 @@ def cache_dir(tmp_path_factory) -> Path:
     return Path(given) if given else tmp_path_factory.mktemp("cache")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernels_in_the_test_cache(cache_dir):
+    """The native kernels build into the session's cache, never a user's."""
+    from service import native
+
+    native.configure(cache_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(cache_dir) -> Path:
     return embedded_model_dir(cache_dir)

@@ -86,6 +86,7 @@ def test_cli_chat_streams_an_answer_and_prints_timings(cache_dir, tiny_dir, tmp_
     for label in ("load", "image decode", "vision encode", "time to first token", "tok/s", "peak RSS"):
         assert label in result.stderr
     assert "12 new tokens" in result.stderr
+    assert "INT8 kernels: decoder " in result.stderr  # which kernel the measurement chose, and its figures
 
 
 def test_cli_reports_bad_settings_readably(tmp_path):

@@ -55,8 +55,8 @@ def engines(cache_dir, tiny_dir):
 def attentions(cache_dir):
     """The attention kernels a server may run: built for this CPU, for AVX2 (x86-64-v3), the fallback."""
     return {
-        "native": ExactAttention.load(cache_dir),
-        "avx2": ExactAttention.load(cache_dir, march="x86-64-v3"),
+        "native": ExactAttention.load(),
+        "avx2": ExactAttention.load(march="x86-64-v3"),
         "torch": TorchAttention(),
     }
 
@@ -132,7 +132,7 @@ def a_picture_and_a_question(engine):
 
 EXACT = [
     pytest.param(kernel, attention, id=f"{kernel}-{attention}")
-    for kernel in ("fbgemm", "onednn")
+    for kernel in ("fbgemm", "onednn", "native")
     for attention in ("native", "avx2", "torch")
 ]
 
@@ -318,11 +318,13 @@ def test_fp32_weights_agree_across_paths_within_float_rounding(engines, attentio
 @pytest.mark.skipif(FORCED_AVX2, reason="already on the forced AVX2 paths")
 def test_the_same_bits_on_the_forced_avx2_paths_of_both_int8_libraries(cache_dir):
     """FBGEMM_ENABLE_INSTRUCTIONS=AVX2 and ONEDNN_MAX_CPU_ISA=AVX2 make both INT8 libraries take
-    the paths of CPUs without AVX-512 and VNNI: the bit-comparing tests above pass there too."""
+    the paths of CPUs without AVX-512 and VNNI, NATIVE_MARCH=x86-64-v3 builds the native kernels
+    for AVX2: the bit-comparing tests above pass there too."""
     env = {
         **os.environ,
         "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
         "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "NATIVE_MARCH": "x86-64-v3",
         "TEST_CACHE_DIR": str(cache_dir),
     }
     out = subprocess.run(
@@ -334,4 +336,4 @@ def test_the_same_bits_on_the_forced_avx2_paths_of_both_int8_libraries(cache_dir
         timeout=600,
     )
     assert out.returncode == 0, out.stdout[-3000:]
-    assert "\n48 passed" in out.stdout
+    assert "\n72 passed" in out.stdout

@@ -411,6 +411,13 @@ def test_health_and_ready(server):
     assert requests.get(server + "/health").json() == {"status": "ok"}
     ready = requests.get(server + "/ready").json()
     assert ready["status"] == "ready" and ready["random_model"] is True
+    # the INT8 kernel serving each part, chosen by what each measured at start (on /metrics)
+    kernels = ready["int8_kernel"]
+    metrics = requests.get(server + "/metrics").text
+    for part in ("decoder", "vision"):
+        assert f'qwen3vl_int8_kernel{{kernel="{kernels[part]}",part="{part}"}} 1.0' in metrics
+    for kernel in ("fbgemm", "onednn", "native"):
+        assert f'qwen3vl_int8_kernel_probe_milliseconds{{kernel="{kernel}",rows="1"}}' in metrics
 
 
 def test_a_model_that_fails_to_load_is_reported_by_ready_and_requests(cache_dir, tmp_path):

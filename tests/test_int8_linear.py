@@ -24,7 +24,8 @@ from service.quantized import quantize_in_place
 
 from conftest import ROOT, make_settings
 
-KERNELS = pytest.mark.parametrize("kernel", ["fbgemm", "onednn"])
+KERNEL_NAMES = ("fbgemm", "onednn", "native")
+KERNELS = pytest.mark.parametrize("kernel", KERNEL_NAMES)
 
 
 def float_layer(bias=True, in_features=2048, out_features=512, seed=0) -> nn.Linear:
@@ -67,7 +68,7 @@ def test_a_spiking_neighbour_leaves_a_rows_output_unchanged(spike, kernel):
         spiked[1] *= 1000
     else:
         spiked[1, 7] = 1000 * spiked[1].abs().max()
-    per_token, per_tensor = layer("per_token", kernel=kernel), layer("per_tensor", kernel=kernel)
+    per_token, per_tensor = layer("per_token", kernel=kernel), layer("per_tensor", kernel="fbgemm")
     keep = [0, 2, 3]
     assert torch.equal(per_token(spiked)[keep], per_token(x)[keep])
     exact = x[keep] @ dequantized_weight().T + per_token.bias
@@ -104,11 +105,14 @@ def test_a_fused_projection_gives_each_part_exactly_its_own_output():
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
 
 
-@pytest.mark.parametrize("m", [1, 4, 64])
-def test_fbgemm_and_onednn_give_the_same_bits(m):
-    """So which kernel packs the weights (INT8_KERNEL) changes speed, never an answer."""
-    x = rows(m)
-    assert torch.equal(layer(kernel="fbgemm")(x), layer(kernel="onednn")(x))
+@pytest.mark.parametrize("m", [1, 4, 5, 64, 218])
+@pytest.mark.parametrize("shape", [(2048, 512), (72, 100), (64, 4)], ids=["2048-512", "72-100", "64-4"])
+def test_the_three_kernels_give_the_same_bits(m, shape):
+    """So which kernel serves (INT8_KERNEL, or the measurement) changes speed, never an answer —
+    odd sizes included (the native kernel pads its tiles)."""
+    x = rows(m, shape[0])
+    fbgemm, onednn, own = (layer(in_features=shape[0], out_features=shape[1], kernel=k)(x) for k in KERNEL_NAMES)
+    assert torch.equal(fbgemm, onednn) and torch.equal(fbgemm, own)
 
 
 def saturating_case(kernel: str, m: int = 4) -> tuple[Int8Linear, torch.Tensor, torch.Tensor]:
@@ -133,50 +137,56 @@ _ISA_PROBE = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 import service.int8_linear as int8_linear
-from test_int8_linear import layer, rows, saturating_case
+from service import native
+from test_int8_linear import KERNEL_NAMES, layer, rows, saturating_case
+native.configure(sys.argv[2])
 x = rows(6)
-out = {k: layer(kernel=k)(x).flatten().tolist() for k in ("fbgemm", "onednn")}
+out = {k: layer(kernel=k)(x).flatten().tolist() for k in KERNEL_NAMES}
 errors = {}
-for k in ("fbgemm", "onednn"):
+for k in KERNEL_NAMES:
     for m in (1, 4, 128):
         lin, worst, exact = saturating_case(k, m)
         error = lambda: ((lin(worst) - exact).abs().max() / exact.abs().max()).item()
         errors[f"{k} worst case error, m={m}"] = error()
-        int8_linear.ACTIVATION_SCALE, int8_linear.ACTIVATION_ZERO_POINT = 1 / 127, 128
-        errors[f"{k} 8-bit control error, m={m}"] = error()
-        int8_linear.ACTIVATION_SCALE, int8_linear.ACTIVATION_ZERO_POINT = 2.0**-6, 64
-print(json.dumps({"out": out, "errors": errors}))
+        if k != "native":  # its scale and zero point are built in
+            int8_linear.ACTIVATION_SCALE, int8_linear.ACTIVATION_ZERO_POINT = 1 / 127, 128
+            errors[f"{k} 8-bit control error, m={m}"] = error()
+            int8_linear.ACTIVATION_SCALE, int8_linear.ACTIVATION_ZERO_POINT = 2.0**-6, 64
+lanes = int8_linear.native_library().int8_lanes()
+print(json.dumps({"out": out, "errors": errors, "native lanes": lanes}))
 """
 
 
-def test_the_kernels_give_the_same_bits_with_and_without_vnni():
+def test_the_kernels_give_the_same_bits_with_and_without_vnni(cache_dir):
     """FBGEMM_ENABLE_INSTRUCTIONS=AVX2 and ONEDNN_MAX_CPU_ISA=AVX2 make both libraries take their
-    AVX2 paths (u8×s8 pairs summed in int16, as on CPUs without VNNI) on any x86 CPU: their answers
+    AVX2 paths (u8×s8 pairs summed in int16, as on CPUs without VNNI) on any x86 CPU, and
+    NATIVE_MARCH=x86-64-v3 builds the native kernel for AVX2 (8 lanes, vpmaddubsw): their answers
     must equal the default paths' bit for bit, worst-case row included."""
 
     def run(env):
         out = subprocess.run(
-            [sys.executable, "-c", _ISA_PROBE, str(ROOT / "tests")],
+            [sys.executable, "-c", _ISA_PROBE, str(ROOT / "tests"), str(cache_dir)],
             capture_output=True,
             text=True,
             env={**os.environ, **env},
             timeout=120,
             check=True,
         )
-        result = json.loads(out.stdout)
-        return result["out"], result["errors"]
+        return json.loads(out.stdout)
 
-    default, _ = run({})
-    avx2, avx2_errors = run({"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
-    assert avx2 == default
-    assert default["fbgemm"] == default["onednn"]
+    default = run({})
+    avx2 = run({"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "NATIVE_MARCH": "x86-64-v3"})
+    assert avx2["out"] == default["out"]
+    assert default["out"]["fbgemm"] == default["out"]["onednn"] == default["out"]["native"]
+    assert avx2["native lanes"] == 8
     # On the AVX2 paths the saturating case is exact to float rounding, for a row, a batch and a
     # prefill piece; the same case with full 8-bit activations is not (a VNNI CPU hides that on its
     # default paths): the control that the forcing took effect.
-    for kernel in ("fbgemm", "onednn"):
+    for kernel in KERNEL_NAMES:
         for m in (1, 4, 128):
-            assert avx2_errors[f"{kernel} worst case error, m={m}"] < 1e-5
-            assert avx2_errors[f"{kernel} 8-bit control error, m={m}"] > 0.1, avx2_errors
+            assert avx2["errors"][f"{kernel} worst case error, m={m}"] < 1e-5
+            if kernel != "native":
+                assert avx2["errors"][f"{kernel} 8-bit control error, m={m}"] > 0.1, avx2["errors"]
 
 
 # -- the model ---------------------------------------------------------------------------------

@@ -168,11 +168,11 @@ def test_packing_begun_before_loading_is_used_even_if_the_budget_now_looks_full(
     """wsgi.py begins packing when the weights fit; by the time the loader runs, their memory counts
     as used, so the loader must not decide again (it once mapped the weights it had just packed)."""
     from service import packing
-    from service.int8_linear import default_kernel
+    from service.kernel_choice import KernelChoice
     from service.memory import MemoryGuard
     from service.quantized import load_quantized, quantized_marker
 
-    kernel = default_kernel()
+    kernel = KernelChoice(decoder="fbgemm", vision="onednn")
     packing.start(int8_dir, quantized_marker(int8_dir)["linear_shards"], 2, kernel)
     full = MemoryGuard(MemoryGuard(None).used_bytes() + 1)  # nothing more fits now
     model, mapped = load_quantized(int8_dir, 2, full, kernel)

@@ -21,13 +21,18 @@ def health():
 
 @ops.get("/ready")
 def ready():
-    """Ready to serve: the model is loaded (503 while loading or after a failed load)."""
+    """Ready to serve: the model is loaded (503 while loading or after a failed load), and which
+    INT8 kernels serve it."""
     app_state = state()
     try:
         engine = app_state.require_engine()
     except ServiceError as exc:  # loading, or the load failed
         return error_response(exc)
-    return jsonify({"status": "ready", "model": engine.info.name, "random_model": engine.info.is_random})
+    info = engine.info
+    body = {"status": "ready", "model": info.name, "random_model": info.is_random}
+    if info.int8_kernels is not None:  # which kernel serves; what each measured is on /metrics (behind a key)
+        body["int8_kernel"] = {part: info.int8_kernels[part] for part in ("decoder", "vision")}
+    return jsonify(body)
 
 
 @ops.get("/v1/models")

@@ -1,0 +1,50 @@
+"""The INT8 kernel is chosen by measuring the available ones on this machine and checkpoint
+(service/kernel_choice.py), once: a restart reads the result; INT8_KERNEL forces one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from service.int8_linear import available_kernels
+from service.kernel_choice import RESULTS_FILE, choose
+
+
+def test_every_available_kernel_is_measured_and_the_fastest_serves(tiny_dir, tmp_path):
+    choice = choose("auto", tiny_dir, tmp_path, threads=2, rows=128)
+    assert set(choice.measured) == set(available_kernels()) >= {"fbgemm", "onednn", "native"}
+    assert not choice.forced and not choice.cached
+    per_token = {k: m["decode_ms"] + m["prefill_ms"] / m["rows"] for k, m in choice.measured.items()}
+    assert choice.decoder == min(per_token, key=per_token.get)
+    assert choice.vision == min(choice.measured, key=lambda k: choice.measured[k]["prefill_ms"])
+    assert all(m["decode_ms"] > 0 and m["prefill_ms"] > 0 for m in choice.measured.values())
+    assert choice.probe_seconds < 0.5  # what a first start pays (the tiny model's matrices: a lower bound)
+
+
+def test_a_restart_reads_the_measurement_instead_of_measuring_again(tiny_dir, tmp_path):
+    first = choose("auto", tiny_dir, tmp_path, threads=2, rows=128)
+    again = choose("auto", tiny_dir, tmp_path, threads=2, rows=128)
+    assert again.cached and (again.decoder, again.vision, again.measured) == (
+        first.decoder,
+        first.vision,
+        first.measured,
+    )
+    # another thread count (or CPU, torch, checkpoint shape) is another machine: measured anew
+    assert not choose("auto", tiny_dir, tmp_path, threads=1, rows=128).cached
+    assert len(json.loads((tmp_path / RESULTS_FILE).read_text())) == 2
+
+
+@pytest.mark.parametrize("content", ["{not json", '["a list"]', ""])
+def test_a_damaged_results_file_is_measured_over(tiny_dir, tmp_path, content):
+    (tmp_path / RESULTS_FILE).write_text(content)
+    choice = choose("auto", tiny_dir, tmp_path, threads=2, rows=128)
+    assert not choice.cached and choice.decoder in choice.measured
+    assert choose("auto", tiny_dir, tmp_path, threads=2, rows=128).cached
+
+
+@pytest.mark.parametrize("kernel", ["fbgemm", "onednn", "native"])
+def test_int8_kernel_forces_one_for_every_part_without_measuring(tiny_dir, tmp_path, kernel):
+    choice = choose(kernel, tiny_dir, tmp_path, threads=2, rows=128)
+    assert (choice.decoder, choice.vision, choice.forced, choice.measured) == (kernel, kernel, True, {})
+    assert not (tmp_path / RESULTS_FILE).exists()
