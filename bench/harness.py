@@ -124,13 +124,13 @@ def photo(width: int = 1920, height: int = 1080, seed: int = 0) -> np.ndarray:
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def encoded_photo(ext: str = ".jpg", width: int = 1920, height: int = 1080) -> bytes:
+def encoded_photo(ext: str = ".jpg", width: int = 1920, height: int = 1080, seed: int = 0) -> bytes:
     import cv2
 
     params = (
         [cv2.IMWRITE_JPEG_QUALITY, 90] if ext == ".jpg" else [cv2.IMWRITE_WEBP_QUALITY, 90] if ext == ".webp" else []
     )
-    ok, buf = cv2.imencode(ext, photo(width, height), params)
+    ok, buf = cv2.imencode(ext, photo(width, height, seed), params)
     assert ok
     return buf.tobytes()
 

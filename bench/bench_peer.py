@@ -1,0 +1,384 @@
+"""This service side by side with llama.cpp on the same weights, in one run.
+
+    flock /tmp/heavy.lock python -m bench.bench_peer                # 2B-shaped checkpoint, 2 threads
+    python -m bench.bench_peer --rounds 1 --no-q4 --no-save          # a quicker look
+
+The peer is llama.cpp as llama-cpp-python ships it: its sdist (`pip download`, version
+LLAMA_CPP_PYTHON) is unpacked under CACHE_DIR/peer and its vendored llama.cpp built with cmake for
+this CPU (`llama-server`, `llama-quantize`; a few minutes, once). The weights are the service's
+2B-shaped random checkpoint converted by that copy's convert_hf_to_gguf.py: Q8_0 text and F16 vision
+(mmproj), and Q4_0 text by llama-quantize from F16 — cached beside it. The checkpoint's tokenizer
+was trained by the service, so the converter does not know its pre-tokenizer's hash: it is told
+Qwen2's (the same regex), and needs `sentencepiece` installed. Nothing of llama.cpp is kept in git,
+and this never runs in CI.
+
+Each server runs alone on the machine, in the order ours, Q8_0, Q4_0, Q4_0, Q8_0, ours per round,
+both with 2 threads (`llama-server -t 2 -tb 2 -np 4`), and gets the same requests on the OpenAI
+endpoint, greedy, end of turn biased away so answers run to max_tokens:
+- start → ready (client-side): process start to the first 200 of /ready (ours) or /health;
+- first token with a picture (client-side): a 448×448 JPEG and a question, max_tokens 1, a new
+  picture each time (no cache may help), median of 3;
+- decode (server-side, each server's own count: our `timings.decode_tokens_per_s` from the native
+  endpoint, llama.cpp's `timings.predicted_per_second`), 128 tokens after a short (~43-token) and a
+  long (~1,000-token) text prompt;
+- second turn (client-side): a picture and a question (32 tokens), then the whole history resent
+  with a follow-up, max_tokens 1: what a chat client waits for its next answer to start;
+- 4 concurrent text streams of 64 tokens (client-side): all tokens over the wall time;
+- the server's resident memory after the runs (PSS of its processes: Gunicorn's master and worker
+  share the weights copy-on-write, which summed RSS would count twice).
+It writes its section in bench/RESULTS.md and bench/peer.png (each figure against llama.cpp Q8_0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import requests
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from bench.bench_cache import text_of_tokens  # noqa: E402
+from bench.harness import add_checkpoint_args, encoded_photo, require_checkpoint  # noqa: E402
+from bench.results import append_section, cpu_model, markdown_table  # noqa: E402
+
+from servers import free_port, gunicorn_server  # noqa: E402
+
+LLAMA_CPP_PYTHON = "0.3.36"
+PLOT = Path(__file__).resolve().parent / "peer.png"
+QUESTION = "What is in this picture? Describe the objects, their colours and where they are."
+SHORT_PROMPT = "Tell me a long story about a red square that travels across a blue sky to find a yellow circle."
+KINDS = ("this service", "llama.cpp Q8_0", "llama.cpp Q4_0")
+
+
+# -- llama.cpp: build and weights ----------------------------------------------------------------
+
+
+def _run(command: list[str], log: Path, cwd: Path | None = None, env: dict | None = None) -> None:
+    with open(log, "a") as out:
+        out.write(f"\n$ {' '.join(map(str, command))}\n")
+        out.flush()
+        result = subprocess.run(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"failed ({result.returncode}): {' '.join(map(str, command))} — see {log}")
+
+
+def llama_cpp(peer_dir: Path, log: Path) -> Path:
+    """The vendored llama.cpp of the llama-cpp-python sdist, built (once) with llama-server and
+    llama-quantize: its source directory (binaries in build/bin)."""
+    source = peer_dir / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    if all((source / "build" / "bin" / b).exists() for b in ("llama-server", "llama-quantize")):
+        return source
+    if not source.exists():
+        with tempfile.TemporaryDirectory(dir=peer_dir) as scratch:
+            _run(
+                [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", scratch,
+                 f"llama-cpp-python=={LLAMA_CPP_PYTHON}"],
+                log,
+            )  # fmt: skip
+            (archive,) = Path(scratch).glob("*.tar.gz")
+            with tarfile.open(archive) as tar:
+                tar.extractall(peer_dir, filter="data")
+    # No network at build time: no prebuilt web UI, no TLS; this CPU's own instruction set.
+    _run(
+        ["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_USE_PREBUILT_UI=OFF",
+         "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
+        log,
+        cwd=source,
+    )  # fmt: skip
+    _run(
+        ["cmake", "--build", "build", "--target", "llama-server", "llama-quantize", "-j", str(os.cpu_count() or 2)],
+        log,
+        cwd=source,
+    )
+    return source
+
+
+# The converter, told that the checkpoint's pre-tokenizer is Qwen2's (its hash is unknown to it).
+_CONVERT = """
+import runpy, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def gguf_weights(source: Path, llama: Path, out_dir: Path, log: Path, q4: bool) -> dict[str, Path]:
+    """The checkpoint as GGUF (converted once): text Q8_0, vision F16 (mmproj), text Q4_0."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"q8_0": out_dir / "text-q8_0.gguf", "mmproj": out_dir / "mmproj-f16.gguf"}
+    if q4:
+        files["f16"], files["q4_0"] = out_dir / "text-f16.gguf", out_dir / "text-q4_0.gguf"
+    convert = [sys.executable, "-c", _CONVERT, str(llama), str(source)]
+    for name, args in (("q8_0", ["--outtype", "q8_0"]), ("mmproj", ["--mmproj", "--outtype", "f16"])):
+        if not files[name].exists():
+            _run([*convert, *args, "--outfile", str(files[name])], log)
+    if q4 and not files["q4_0"].exists():
+        if not files["f16"].exists():
+            _run([*convert, "--outtype", "f16", "--outfile", str(files["f16"])], log)
+        _run([str(llama / "build" / "bin" / "llama-quantize"), str(files["f16"]), str(files["q4_0"]), "Q4_0"], log)
+    return files
+
+
+@contextmanager
+def llama_server(llama: Path, text: Path, mmproj: Path, threads: int, log: Path):
+    """(base URL, process, seconds from start to ready) of a llama-server on loopback."""
+    port = free_port()
+    command = [
+        str(llama / "build" / "bin" / "llama-server"), "-m", str(text), "--mmproj", str(mmproj),
+        "-t", str(threads), "-tb", str(threads), "-np", "4", "-c", str(4 * 4096), "--jinja",
+        "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+    ]  # fmt: skip
+    started = time.perf_counter()
+    with open(log, "a") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(base + "/health", process)
+        yield base, process, time.perf_counter() - started
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@contextmanager
+def our_server(model_path: Path, threads: int, log: Path):
+    started = time.perf_counter()
+    env = {"MODEL_PATH": str(model_path), "THREADS": str(threads), "MAX_BATCH_SIZE": "4", "QUEUE_TIMEOUT": "600"}
+    with gunicorn_server(env, log, timeout=900, poll=0.05) as (base, process):
+        yield base, process, time.perf_counter() - started
+
+
+def _wait_ready(url: str, process: subprocess.Popen, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited with {process.returncode}")
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(url)
+
+
+# -- the requests --------------------------------------------------------------------------------
+
+
+def picture(seed: int) -> dict:
+    data = base64.b64encode(encoded_photo(".jpg", 448, 448, seed=seed)).decode()
+    return {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{data}"}}
+
+
+class Client:
+    """The same OpenAI-endpoint requests to either server; `ours` also has the native endpoint."""
+
+    def __init__(self, base: str, ours: bool, end_of_turn: list[int]):
+        self.base, self.ours = base, ours
+        self.no_end = {str(t): -100 for t in end_of_turn}
+
+    def chat(self, messages: list[dict], max_tokens: int) -> tuple[dict, float]:
+        body = {"model": "qwen3-vl", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        body["logit_bias"] = self.no_end
+        began = time.perf_counter()
+        reply = requests.post(self.base + "/v1/chat/completions", json=body, timeout=900)
+        reply.raise_for_status()
+        return reply.json(), time.perf_counter() - began
+
+    def decode_rate(self, prompt: str, tokens: int) -> float:
+        """Decode tokens/s as the server counts it."""
+        messages = [{"role": "user", "content": prompt}]
+        if not self.ours:
+            reply, _ = self.chat(messages, tokens)
+            return float(reply["timings"]["predicted_per_second"])
+        body = {"messages": messages, "max_tokens": tokens, "temperature": 0, "stream": False}
+        reply = requests.post(self.base + "/v1/chat", json={**body, "logit_bias": self.no_end}, timeout=900)
+        reply.raise_for_status()
+        return float(reply.json()["timings"]["decode_tokens_per_s"])
+
+
+def user(*parts) -> dict:
+    return {"role": "user", "content": [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]}
+
+
+def measure(client: Client, long_prompt: str, round_: int) -> dict:
+    first = []
+    for i in range(3):  # a new picture each time: nothing cached can help
+        first.append(client.chat([user(picture(100 * round_ + i), QUESTION)], 1)[1])
+    turn1 = [user(picture(1000 + round_), "Describe the picture.")]
+    answer, _ = client.chat(turn1, 32)
+    said = {"role": "assistant", "content": answer["choices"][0]["message"]["content"] or ""}
+    _, second_turn = client.chat([*turn1, said, user("And what colour is it?")], 1)
+    streams, results = 4, []
+    began = time.perf_counter()
+    threads = [
+        threading.Thread(target=lambda i=i: results.append(client.chat([user(f"{SHORT_PROMPT} ({i})")], 64)))
+        for i in range(streams)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    aggregate = sum(r[0]["usage"]["completion_tokens"] for r in results) / (time.perf_counter() - began)
+    return {
+        "first_token_s": statistics.median(first),
+        "decode_short": client.decode_rate(SHORT_PROMPT, 128),
+        "decode_long": client.decode_rate(long_prompt, 128),
+        "second_turn_s": second_turn,
+        "streams_tok_s": aggregate,
+    }
+
+
+def tree_memory(process) -> int:
+    """The server's resident memory: the PSS of its processes (a page Gunicorn's master shares with its
+    worker counted once, not twice as summed RSS would)."""
+    root = psutil.Process(process.pid)
+    return sum(p.memory_full_info().pss for p in [root, *root.children(recursive=True)])
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_checkpoint_args(p)
+    p.add_argument("--rounds", type=int, default=2, help="of ours, Q8_0, Q4_0, Q4_0, Q8_0, ours")
+    p.add_argument("--no-q4", action="store_true", help="leave llama.cpp Q4_0 out")
+    p.add_argument("--no-save", action="store_true", help="print the table, leave bench/RESULTS.md alone")
+    args = p.parse_args(argv)
+    from service.loading import load_processor
+    from service.settings import load_settings
+
+    cache_dir = load_settings().cache_dir
+    source = require_checkpoint(args.model_path or cache_dir / "qwen3vl-2b-random")
+    int8 = source.with_name(source.name + "-int8")
+    ours_path = int8 if (int8 / "config.json").exists() else source
+    if shutil.which("cmake") is None:
+        raise SystemExit("cmake is needed to build llama.cpp (apt-get install cmake)")
+    peer_dir = cache_dir / "peer"
+    peer_dir.mkdir(parents=True, exist_ok=True)
+    log = peer_dir / "bench_peer.log"
+    kinds = [k for k in KINDS if not (args.no_q4 and "Q4" in k)]
+    steps = 2 + 2 * len(kinds) * args.rounds
+    with tqdm(total=steps, desc="bench_peer", unit="step") as bar:
+        bar.set_postfix_str("building llama.cpp (once: a few minutes)")
+        llama = llama_cpp(peer_dir, log)
+        bar.update()
+        bar.set_postfix_str("converting the checkpoint to GGUF (once)")
+        weights = gguf_weights(source, llama, peer_dir / f"gguf-{source.name}", log, q4=not args.no_q4)
+        bar.update()
+        tokenizer = load_processor(source).tokenizer
+        end_of_turn = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+        long_prompt = text_of_tokens(source, 1000)
+        results: dict[str, list[dict]] = {k: [] for k in kinds}
+        for round_ in range(args.rounds):
+            for kind in kinds if round_ % 2 == 0 else list(reversed(kinds)):
+                bar.set_postfix_str(f"{kind}, round {round_ + 1}")
+                if kind == "this service":
+                    server = our_server(ours_path, args.threads, peer_dir / "ours.log")
+                else:
+                    text = weights["q8_0" if "Q8" in kind else "q4_0"]
+                    server = llama_server(llama, text, weights["mmproj"], args.threads, peer_dir / "llama.log")
+                with server as (base, process, ready_s):
+                    bar.update()
+                    client = Client(base, kind == "this service", end_of_turn)
+                    client.chat([user(picture(99999), "Hi.")], 2)  # first-call costs, not measured
+                    run = measure(client, long_prompt, round_)
+                    run["ready_s"], run["memory_gib"] = ready_s, tree_memory(process) / 1024**3
+                    results[kind].append(run)
+                bar.update()
+    med = {k: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for k, runs in results.items()}
+    body = report(med, kinds, args.rounds, ours_path, weights)
+    if args.no_save:
+        print(body)
+    else:
+        plot(med, kinds)
+        append_section(
+            "This service side by side with llama.cpp (bench/bench_peer.py)",
+            {
+                "ours": f"{ours_path.name}, INT8_KERNEL=auto",
+                "llama.cpp": f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, llama-server -t {args.threads} -np 4",
+                "GGUF": ", ".join(p.name for p in weights.values()),
+                "CPU": cpu_model(),
+            },
+            body,
+            threads=args.threads,
+        )
+    return 0
+
+
+ROWS = [  # (label, key, unit, better, side)
+    ("start → ready", "ready_s", "s", "lower", "client"),
+    ("first token, 448×448 picture + question", "first_token_s", "s", "lower", "client"),
+    ("decode after a short prompt", "decode_short", "tok/s", "higher", "server"),
+    ("decode after ~1,000 prompt tokens", "decode_long", "tok/s", "higher", "server"),
+    ("second turn (history resent), first token", "second_turn_s", "s", "lower", "client"),
+    ("4 concurrent streams, aggregate", "streams_tok_s", "tok/s", "higher", "client"),
+    ("resident memory after the runs (PSS)", "memory_gib", "GiB", "lower", "—"),
+]
+
+
+def report(med: dict, kinds: list[str], rounds: int, ours_path: Path, weights: dict) -> str:
+    reference = "llama.cpp Q8_0"
+    rows = []
+    for label, key, unit, _, side in ROWS:
+        cells = [f"{med[k][key]:.3g}" for k in kinds]
+        rows.append([f"{label} ({unit})", side, *cells, f"{med['this service'][key] / med[reference][key]:.2f}x"])
+    table = markdown_table(["", "measured", *kinds, "ours / Q8_0"], rows)
+    return (
+        table
+        + f"\n\nMedians over {rounds} server start(s) per kind, each alone on the machine (order ours, Q8_0, Q4_0, "
+        "then reversed); first token the median of 3 pictures. Client-side: the request's wall time at the "
+        "client, on the same OpenAI-endpoint request for both; server-side: each server's own decode count. "
+        f"Ours: {ours_path.name}; llama.cpp: {', '.join(p.name for p in weights.values())}. "
+        "[Plot: each figure against llama.cpp Q8_0](peer.png)."
+    )
+
+
+def plot(med: dict, kinds: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [label for label, *_ in ROWS]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(kinds)
+    for i, kind in enumerate(kinds):
+        # how many times better than llama.cpp Q8_0 (> 1: better), whatever the direction of the figure
+        ratios = [
+            (med[kind][key] / med["llama.cpp Q8_0"][key]) ** (1 if better == "higher" else -1)
+            for _, key, _, better, _ in ROWS
+        ]
+        ax.barh([y + i * width for y in range(len(ROWS))], ratios, height=width, label=kind)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks([y + width * (len(kinds) - 1) / 2 for y in range(len(ROWS))], labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("times better than llama.cpp Q8_0 (same machine, same run)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(PLOT, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
