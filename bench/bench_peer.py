@@ -262,7 +262,9 @@ def tree_memory(process) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_checkpoint_args(p)
-    p.add_argument("--rounds", type=int, default=2, help="of ours, Q8_0, Q4_0, Q4_0, Q8_0, ours")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="server starts per kind, in the order ours, Q8_0, Q4_0, then reversed"
+    )
     p.add_argument("--no-q4", action="store_true", help="leave llama.cpp Q4_0 out")
     p.add_argument("--no-save", action="store_true", help="print the table, leave bench/RESULTS.md alone")
     args = p.parse_args(argv)
@@ -308,7 +310,7 @@ def main(argv=None) -> int:
                     results[kind].append(run)
                 bar.update()
     med = {k: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for k, runs in results.items()}
-    body = report(med, kinds, args.rounds, ours_path, weights)
+    body = report(med, results, kinds, args.rounds, ours_path, weights)
     if args.no_save:
         print(body)
     else:
@@ -338,17 +340,20 @@ ROWS = [  # (label, key, unit, better, side)
 ]
 
 
-def report(med: dict, kinds: list[str], rounds: int, ours_path: Path, weights: dict) -> str:
+def report(med: dict, results: dict, kinds: list[str], rounds: int, ours_path: Path, weights: dict) -> str:
     reference = "llama.cpp Q8_0"
     rows = []
     for label, key, unit, _, side in ROWS:
-        cells = [f"{med[k][key]:.3g}" for k in kinds]
+        cells = [
+            f"{med[k][key]:.3g}" + (f" ({min(r[key] for r in results[k]):.3g}–{max(r[key] for r in results[k]):.3g})"
+                                    if len(results[k]) > 1 else "")
+            for k in kinds
+        ]  # fmt: skip
         rows.append([f"{label} ({unit})", side, *cells, f"{med['this service'][key] / med[reference][key]:.2f}x"])
     table = markdown_table(["", "measured", *kinds, "ours / Q8_0"], rows)
     return (
-        table
-        + f"\n\nMedians over {rounds} server start(s) per kind, each alone on the machine (order ours, Q8_0, Q4_0, "
-        "then reversed); first token the median of 3 pictures. Client-side: the request's wall time at the "
+        table + f"\n\nMedians (min–max) over {rounds} server start(s) per kind, each alone on the machine (order ours, "
+        "Q8_0, Q4_0, then reversed); first token the median of 3 pictures. Client-side: the request's wall time at the "
         "client, on the same OpenAI-endpoint request for both; server-side: each server's own decode count. "
         f"Ours: {ours_path.name}; llama.cpp: {', '.join(p.name for p in weights.values())}. "
         "[Plot: each figure against llama.cpp Q8_0](peer.png)."

@@ -142,6 +142,7 @@ class Int8Linear(nn.Module):
             lib = native_library()
             rows = rows.contiguous()
             self._packed = torch.empty(lib.int8_packed_bytes(*rows.shape), dtype=torch.int8)
+            native.huge_pages(self._packed.data_ptr(), self._packed.numel())  # before the packing writes it
             self._column_sums = torch.empty(rows.shape[0], dtype=torch.int32)
             lib.int8_pack(rows.data_ptr(), *rows.shape, self._packed.data_ptr(), self._column_sums.data_ptr())
             self._call = _NativeCall(

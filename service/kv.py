@@ -14,6 +14,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .native import huge_pages
+
 # Spare positions kept when a layer has to grow (per layer: 2 × heads × head_dim × 4 bytes each,
 # 8 KiB on Qwen3-VL-2B, so 128 cost 28 MiB per sequence over its 28 layers).
 HEADROOM = 128
@@ -66,6 +68,7 @@ class GrowingLayer(DynamicLayer):
         for name in ("keys", "values"):
             old = getattr(self, name)
             buffer = torch.empty((*like.shape[:2], capacity, like.shape[-1]), dtype=self.store_dtype)
+            huge_pages(buffer.data_ptr(), buffer.numel() * buffer.element_size())  # a long context's: read every step
             if length:
                 buffer[:, :, :length].copy_(old)
             setattr(self, f"_{name}_buffer", buffer)
