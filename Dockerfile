@@ -6,7 +6,7 @@
 FROM python:3.11-slim-bookworm
 
 # Nginx in front; taskset (util-linux, part of every Debian image) pins the instances; gcc builds the
-# exact attention kernel for the CPU the container runs on (service/attention.c, once, into /models/.cache).
+# exact attention kernel for the CPU the container runs on (service/native/attention.c, once, into /models/.cache).
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nginx gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*

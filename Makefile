@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
-.PHONY: install test demo run nginx chromium
+.PHONY: install test test-quick demo run nginx chromium
 
 # torch first, alone: its CPU wheel (anything else resolves to a multi-GB CUDA build). Where pip
 # has no local CPU wheel (plain PyPI), add the CPU index:
@@ -33,6 +33,12 @@ test: install nginx chromium
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m pytest -q tests
+
+# The edit loop: lint, then every test that needs no server, no Nginx, no browser and no long run
+# (pytest.ini's markers; under two minutes on 2 cores). Installs the Python packages only: no root.
+test-quick: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m pytest -q -m "not server and not nginx and not browser and not slow" tests
 
 # Answer a question about a generated picture with the embedded (random!) model.
 demo: install

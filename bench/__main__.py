@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-save", action="store_true", help="print only; do not append to bench/RESULTS.md")
     args = parser.parse_args(argv)
-    from service.checkpoints import embedded_model_dir
+    from service.model.checkpoints import embedded_model_dir
     from service.settings import load_settings
 
     settings = load_settings()

@@ -3,7 +3,7 @@
     flock /tmp/heavy.lock python -m bench.batch_exactness [--model-path DIR] [--steps 32]
 
 Each of 4 prompts (different lengths) is prefilled alone and decoded greedily alone; then the same
-tokens are fed again as a batch of 1, 2 and 4 through the engine's forward (service/forward.py:
+tokens are fed again as a batch of 1, 2 and 4 through the engine's forward (service/model/forward.py:
 each sequence its own KV cache and M-RoPE position) — teacher-forced, so a divergence at one step
 does not compound. Per batch size: the largest |Δlogit| over all steps and
 sequences, and the share of steps whose greedy token differs from the alone one. INT8 is measured
@@ -45,9 +45,9 @@ def copy(cache: DynamicCache, config) -> DynamicCache:
 
 def decode(model, caches: list[DynamicCache], lengths: list[int], fed: list[list[int]]) -> list[list[torch.Tensor]]:
     """Feed fed[i][step] to sequence i at each step, all together through the engine's forward
-    (service/forward.py); logits per sequence and step."""
-    from service.attention import ExactAttention
-    from service.forward import Rows, TextForward
+    (service/model/forward.py); logits per sequence and step."""
+    from service.model.attention import ExactAttention
+    from service.model.forward import Rows, TextForward
 
     step_fn = TextForward(model, ExactAttention.load())
     logits = [[] for _ in caches]
@@ -97,8 +97,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    from service.int8_linear import set_activations
-    from service.loading import load_model
+    from service.model.loading import load_model
+    from service.quant.int8_linear import set_activations
     from service.settings import load_settings
 
     table_rows, loaded = [], {}

@@ -70,7 +70,7 @@ def user(*parts) -> dict:
 
 def text_of_tokens(model_path: Path, tokens: int) -> str:
     """Repeated prose of about `tokens` tokens in this checkpoint's tokenizer."""
-    from service.loading import load_processor
+    from service.model.loading import load_processor
 
     tokenizer = load_processor(model_path).tokenizer
     words = (SENTENCE * (tokens // 4 + 1)).split()

@@ -1,4 +1,4 @@
-"""Decode: the engine's decode step (service/forward.py) against transformers' forward, by context length.
+"""Decode: the engine's decode step (service/model/forward.py) against transformers' forward, by context length.
 
     flock /tmp/heavy.lock python -m bench.bench_decode                 # 2B-shaped INT8 checkpoint, 2 threads
     python -m bench.bench_decode --contexts 64 1024 --no-engines --no-save
@@ -9,7 +9,7 @@ batch of 4 sequences of different lengths (the context, ¾, ½ and ¼ of it), th
 alternating (A B B A):
 - `transformers`: the model's forward (what the service ran before): one sequence, or the batch
   left-padded into one cache with an attention mask;
-- `lean`: service/forward.TextForward, each sequence attending to its own cache (service/attention.c).
+- `lean`: service/forward.TextForward, each sequence attending to its own cache (service/native/attention.c).
 For the lean single stream also: the share of the step in the INT8 kernels and in attention
 (torch.profiler), the KV bytes read per step, and tokens/s as a share of the bandwidth ceiling
 (bytes read per token ÷ a streaming-read measurement with the same threads, same run).
@@ -47,7 +47,7 @@ LONG_PROMPTS = (1000, 3000)  # prompt tokens whose time to first token part 2 me
 
 def synthetic_cache(config, tokens: int, seed: int, dtype=torch.float32):
     """A GrowingCache holding `tokens` positions of random keys and values (as a prefill leaves it)."""
-    from service.kv import GrowingCache
+    from service.caches.kv import GrowingCache
 
     text = config.text_config
     shape = (1, text.num_key_value_heads, tokens, text.head_dim)
@@ -70,7 +70,7 @@ class TransformersStep:
         self.model = model
 
     def pack(self, caches: list) -> tuple:
-        from service.kv import GrowingCache
+        from service.caches.kv import GrowingCache
 
         if len(caches) == 1:
             return caches[0], None
@@ -121,8 +121,8 @@ class LabelledAttention:
 
 def lean_forward(model):
     """service/forward.TextForward as the engine builds it, its attention labelled for the profiler."""
-    from service.attention import ExactAttention
-    from service.forward import TextForward
+    from service.model.attention import ExactAttention
+    from service.model.forward import TextForward
 
     return TextForward(model, LabelledAttention(ExactAttention.load()))
 
@@ -138,7 +138,7 @@ class LeanStep:
         return caches
 
     def __call__(self, token_ids, positions, caches) -> torch.Tensor:
-        from service.forward import Rows
+        from service.model.forward import Rows
 
         return self.step(token_ids, positions, [Rows(c, 1) for c in caches])
 
@@ -167,7 +167,7 @@ def step_ms(step, caches: list, steps: int) -> float:
 
 def _label_native_calls() -> None:
     """Name the native INT8 kernel's calls in torch.profiler's tables (it is no torch op)."""
-    from service.int8_linear import Int8Linear
+    from service.quant.int8_linear import Int8Linear
 
     forward = Int8Linear._forward_native
     if getattr(forward, "labelled", False):
@@ -205,7 +205,7 @@ def prefill_piece(forward, cache, tokens: int, repeats: int = 3) -> dict:
     ms, and its shares in the INT8 kernels and in attention."""
     from torch.profiler import ProfilerActivity, profile
 
-    from service.forward import Rows
+    from service.model.forward import Rows
 
     _label_native_calls()
     start = cache.get_seq_length()
@@ -236,8 +236,8 @@ def prefill_piece(forward, cache, tokens: int, repeats: int = 3) -> dict:
 def sweep(model_path: str, threads: int, contexts: list[int], steps: int, batch: int, piece: int) -> dict:
     """Part 1 (in this process)."""
     from bench.serving import weight_bytes_read_per_token
-    from service.loading import load_model
     from service.memory import kv_cache_bytes
+    from service.model.loading import load_model
     from service.settings import load_settings
 
     settings = load_settings(model_path=model_path, quantization="int8", threads=threads, cache_enabled=False)
@@ -303,9 +303,9 @@ def sweep(model_path: str, threads: int, contexts: list[int], steps: int, batch:
 
 def engine_throughput(model_path: str, threads: int, streams: int, tokens: int) -> dict:
     """Part 2 (in this process's `service`): decode tokens/s of one stream and of `streams` at once."""
-    from service.engine import Engine, GenerationRequest, SamplingParams
-    from service.loading import load_model
-    from service.prompts import ChatMessage, TextPart
+    from service.engine.engine import Engine, GenerationRequest, SamplingParams
+    from service.model.loading import load_model
+    from service.model.prompts import ChatMessage, TextPart
     from service.settings import load_settings
 
     settings = load_settings(

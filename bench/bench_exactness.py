@@ -41,10 +41,10 @@ LONG_PROMPT = " ".join(f"Item {i}: a square of side {i % 17} next to a circle of
 
 def measure(model_path: str, threads: int, repeats: int = 3, decode_tokens: int = 64) -> dict:
     """Timings and the resend scenario of one engine (this process's `service`)."""
-    from service.engine import Engine, GenerationRequest, SamplingParams
-    from service.images import decode_image
-    from service.loading import load_model
-    from service.prompts import ChatMessage, ImagePart, TextPart
+    from service.engine.engine import Engine, GenerationRequest, SamplingParams
+    from service.media.images import decode_image
+    from service.model.loading import load_model
+    from service.model.prompts import ChatMessage, ImagePart, TextPart
     from service.settings import load_settings
 
     def engine_with(cache_enabled: bool):
@@ -60,7 +60,8 @@ def measure(model_path: str, threads: int, repeats: int = 3, decode_tokens: int 
         params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=logprobs)
         request = GenerationRequest(messages, params)
         done = list(engine.generate(request))[-1]
-        done.token_ids = request.streamer.token_ids
+        if not getattr(done, "token_ids", None):  # code older than Completion.token_ids
+            done.token_ids = request.streamer.token_ids
         return done
 
     def user(*parts):

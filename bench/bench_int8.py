@@ -52,10 +52,10 @@ def measure(
     greedy decode's tokens. `activations`: switch the Int8Linears (per_token, per_tensor);
     `mapped_activations`: those of memory-mapped weights (a MAX_MEMORY_MB too small for packed ones);
     `kv_dtype`: KV_DTYPE (None: the default; code older than the setting has fp32 only)."""
-    from service.engine import Engine, GenerationRequest, SamplingParams
-    from service.images import decode_image
-    from service.loading import load_model
-    from service.prompts import ChatMessage, ImagePart, TextPart
+    from service.engine.engine import Engine, GenerationRequest, SamplingParams
+    from service.media.images import decode_image
+    from service.model.loading import load_model
+    from service.model.prompts import ChatMessage, ImagePart, TextPart
     from service.settings import load_settings
 
     settings = load_settings(
@@ -69,11 +69,11 @@ def measure(
     )
     loaded = load_model(settings)
     if activations is not None:
-        from service.int8_linear import set_activations
+        from service.quant.int8_linear import set_activations
 
         set_activations(loaded.model, activations)
     if mapped_activations is not None:
-        from service.int8_linear import MappedInt8Linear
+        from service.quant.int8_linear import MappedInt8Linear
 
         for module in loaded.model.modules():
             if isinstance(module, MappedInt8Linear):
@@ -83,7 +83,8 @@ def measure(
     def ask(parts, max_tokens):
         request = GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=max_tokens, temperature=0))
         done = list(engine.generate(request))[-1]
-        done.token_ids = request.streamer.token_ids
+        if not getattr(done, "token_ids", None):  # code older than Completion.token_ids
+            done.token_ids = request.streamer.token_ids
         return done
 
     picture = decode_image(encoded_photo(".jpg", 448, 448), image_limits_of(engine))

@@ -25,10 +25,10 @@ DECODE_PROMPT = "Tell me a long story about a red square that travels across a b
 
 
 def measure(model_path: str, threads: int, kernel: str, repeats: int = 3) -> dict:
-    from service.engine import Engine, GenerationRequest, SamplingParams
-    from service.images import decode_image
-    from service.loading import load_model
-    from service.prompts import ChatMessage, ImagePart, TextPart
+    from service.engine.engine import Engine, GenerationRequest, SamplingParams
+    from service.media.images import decode_image
+    from service.model.loading import load_model
+    from service.model.prompts import ChatMessage, ImagePart, TextPart
     from service.settings import load_settings
 
     settings = load_settings(

@@ -1,5 +1,5 @@
 """Decode time per token vs context length: transformers' DynamicCache (torch.cat at every step)
-against service.kv.GrowingCache (writes into spare room), same model, same process, alternating.
+against service.caches.kv.GrowingCache (writes into spare room), same model, same process, alternating.
 
     flock /tmp/heavy.lock python -m bench.bench_kv            # 2B-shaped INT8 checkpoint
     python -m bench.bench_kv --contexts 64 1024 --no-save
@@ -55,8 +55,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from transformers import DynamicCache
 
-    from service.kv import HEADROOM, GrowingCache
-    from service.loading import load_model
+    from service.caches.kv import HEADROOM, GrowingCache
+    from service.model.loading import load_model
     from service.settings import load_settings
 
     model_path = checkpoint_of(args)

@@ -268,7 +268,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-q4", action="store_true", help="leave llama.cpp Q4_0 out")
     p.add_argument("--no-save", action="store_true", help="print the table, leave bench/RESULTS.md alone")
     args = p.parse_args(argv)
-    from service.loading import load_processor
+    from service.model.loading import load_processor
     from service.settings import load_settings
 
     cache_dir = load_settings().cache_dir

@@ -143,7 +143,7 @@ class LLGuidance:
     name = "llguidance"
 
     def __init__(self, tokenizer, vocab: int, eos: list[int]):
-        from service.structured import GrammarCompiler
+        from service.answer.structured import GrammarCompiler
 
         self.vocab, self.eos = vocab, eos
         self.compiler = GrammarCompiler(tokenizer, vocab, eos)
@@ -153,7 +153,7 @@ class LLGuidance:
 
     def compile(self, schema):
         """The first request's work (raises on a schema it refuses); then `fresh` takes copies."""
-        from service.structured import json_grammar
+        from service.answer.structured import json_grammar
 
         grammar = json_grammar(schema, "bench")
         self.compiler.constraint(grammar)
@@ -164,7 +164,7 @@ class LLGuidance:
 
     def again(self, schema):
         """What a later request with the same schema costs: the cache lookup and a fresh matcher."""
-        from service.structured import json_grammar
+        from service.answer.structured import json_grammar
 
         return self.compiler.constraint(json_grammar(schema, "bench"))
 
@@ -302,7 +302,7 @@ def large_vocabulary_tokenizer(cache_dir: Path):
     only a few hundred tokens from their small corpus, and a mask's cost grows with the vocabulary."""
     from transformers import PreTrainedTokenizerFast
 
-    from service.checkpoints import train_bpe
+    from service.model.checkpoints import train_bpe
 
     path = cache_dir / "bench-bpe-151643" / "tokenizer.json"
     if not path.exists():
@@ -387,7 +387,7 @@ def _streams(engine, grammars: list, tokens: int) -> tuple[float, list[float]]:
     """One request per entry of `grammars` (None = unconstrained), together: the run's wall time and
     each stream's decode tok/s. End of turn is biased away (-100), so each decodes all its tokens."""
     from service.generation import GenerationRequest, SamplingParams
-    from service.prompts import ChatMessage, TextPart
+    from service.model.prompts import ChatMessage, TextPart
 
     rates: list[float] = [0.0] * len(grammars)
     no_end = {token: -100.0 for token in engine.grammars.eos_ids}
@@ -416,7 +416,7 @@ def _spread(values: list[float]) -> str:
 
 
 def measure_service(engine, tokens: int, repeats: int) -> str:
-    from service.structured import json_grammar
+    from service.answer.structured import json_grammar
 
     constrained = json_grammar(LONG_TEXT, "response_format")
     _streams(engine, [None], 8)  # warm-up
@@ -467,8 +467,8 @@ def measure_service(engine, tokens: int, repeats: int) -> str:
 
 
 def compile_times(engine) -> str:
-    from service.structured import OutputGrammar, json_grammar
-    from service.tools import call_rules
+    from service.answer.structured import OutputGrammar, json_grammar
+    from service.answer.tools import call_rules
 
     weather = {
         "name": "get_weather",
@@ -517,9 +517,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from service.checkpoints import embedded_model_dir
-    from service.engine import Engine
-    from service.loading import load_model
+    from service.engine.engine import Engine
+    from service.model.checkpoints import embedded_model_dir
+    from service.model.loading import load_model
     from service.settings import load_settings
 
     if args.tiny:
@@ -535,7 +535,7 @@ def main(argv=None) -> int:
         max_new_tokens=max(args.tokens, 64),
     )
     engine = Engine(load_model(settings), settings)
-    logging.getLogger("service.structured").setLevel(logging.CRITICAL)  # the probes' refused tokens are expected
+    logging.getLogger("service.answer.structured").setLevel(logging.CRITICAL)  # the probes' refused tokens are expected
     engines_table = compare_engines(engine, settings.cache_dir, 400)
     compile_table = compile_times(engine)
     service_table = measure_service(engine, args.tokens, args.repeats)

@@ -64,7 +64,7 @@ def clip_bytes(path: Path, size: tuple[int, int], seconds: float = 10.0, fps: fl
 
 def decoding_table(clips: dict[str, bytes], limits) -> str:
     """Decode each clip three times; bytes beyond VIDEO_MAX_BYTES are decoded anyway and marked."""
-    from service.video import decode_video
+    from service.media.video import decode_video
 
     unlimited = dataclasses.replace(limits, max_bytes=2**40)
     rows = []
@@ -102,7 +102,7 @@ def decoding_table(clips: dict[str, bytes], limits) -> str:
 
 
 def ask(engine, messages, conversation_id: str, max_tokens: int, received_at: float):
-    from service.engine import Completion, GenerationRequest, SamplingParams
+    from service.engine.engine import Completion, GenerationRequest, SamplingParams
 
     request = GenerationRequest(
         messages,
@@ -117,8 +117,8 @@ def encoder_calls(engine, video) -> tuple[float, float]:
     """Seconds to encode `video` one frame pair per call (the service) and in one call (get_video_features)."""
     import torch
 
-    from service.video import video_patches
-    from service.vision_steps import run_to_end, video_steps
+    from service.media.video import video_patches
+    from service.vision.steps import run_to_end, video_steps
 
     pixel_values, grid = video_patches(video, engine.processor.image_processor)
     with torch.inference_mode():
@@ -130,11 +130,11 @@ def encoder_calls(engine, video) -> tuple[float, float]:
 
 
 def model_rows(loaded, settings, clip: bytes, budgets: list[int], max_tokens: int, bar: tqdm) -> tuple[list, tuple]:
-    from service.engine import Engine
-    from service.images import decode_image
-    from service.prompts import ChatMessage, ImagePart, TextPart, VideoPart
+    from service.engine.engine import Engine
+    from service.media.images import decode_image
+    from service.media.video import decode_video, video_patches
+    from service.model.prompts import ChatMessage, ImagePart, TextPart, VideoPart
     from service.settings import load_settings
-    from service.video import decode_video, video_patches
 
     rows = []
     for budget in budgets:
@@ -213,8 +213,9 @@ def main(argv=None) -> int:
     args.model_path = checkpoint_of(args)
     budgets = [int(b) for b in args.budgets.split(",")]
 
-    from service.limits import RequestLimits, fit_processor
-    from service.loading import load_model, load_processor
+    from service.limits import RequestLimits
+    from service.media.images import fit_processor
+    from service.model.loading import load_model, load_processor
     from service.settings import load_settings
 
     settings = {"model_path": args.model_path, "quantization": args.quantization, "threads": args.threads}

@@ -70,9 +70,9 @@ def image_inputs(processor, side: int):
 
 def load_backend(args, backend: str, precision: str):
     """The checkpoint and the encoder `backend` names, loaded as the service loads them."""
-    from service.encoders import make_vision_encoder
-    from service.loading import load_model
+    from service.model.loading import load_model
     from service.settings import load_settings
+    from service.vision.encoders import make_vision_encoder
 
     settings = load_settings(
         model_path=args.model_path,
@@ -111,7 +111,7 @@ def memory_worker(args, backend: str, precision: str) -> dict:
 def speed_worker(args, precision: str) -> dict:
     """torch and ONNX Runtime in one process at one precision, timed alternately, so that load
     from other processes on the machine falls on both alike."""
-    from service.vision import TorchVisionEncoder
+    from service.vision.features import TorchVisionEncoder
 
     loaded, onnx_encoder = load_backend(args, "onnxruntime", precision)
     encoders = {"torch": TorchVisionEncoder(loaded.model), "onnxruntime": onnx_encoder}
@@ -142,7 +142,7 @@ def cosines(reference: Path, other: Path) -> float:
 
 def ensure_export(model_path: Path, export_dir: Path, fresh: bool = False) -> str:
     """Build the export unless a current one exists (or `fresh`); what it cost, for the table's note."""
-    from service.onnx_vision import StaleExport, check_export
+    from service.vision.onnx import StaleExport, check_export
 
     if not fresh:
         try:
@@ -210,7 +210,7 @@ def main() -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
 
-    from service.onnx_vision import default_export_dir
+    from service.vision.onnx import default_export_dir
 
     args.export_dir = args.export_dir or default_export_dir(args.model_path, args.cache_dir)
     export_note = ensure_export(args.model_path, args.export_dir, args.fresh_export)

@@ -51,8 +51,8 @@ def _inputs(engine, index: int) -> dict:
     """generate/forward kwargs for prompt `index` (image prompts get a 1080p photo at the pixel budget)."""
     import torch
 
-    from service.images import decode_image
-    from service.prompts import ChatMessage, ImagePart, TextPart, prepare_prompt
+    from service.media.images import decode_image
+    from service.model.prompts import ChatMessage, ImagePart, TextPart, prepare_prompt
 
     if index < len(TEXT_PROMPTS):
         parts = [TextPart(TEXT_PROMPTS[index])]
@@ -79,7 +79,7 @@ def _cache(model, kv_dtype: str):
     """The KV cache the engine would use: keys and values stored (and attended to) in `kv_dtype`."""
     import torch
 
-    from service.kv import GrowingCache
+    from service.caches.kv import GrowingCache
 
     return GrowingCache(config=model.config, dtype=getattr(torch, kv_dtype))
 
@@ -109,9 +109,9 @@ def _greedy(model, kwargs: dict, tokens: int, kv_dtype: str = "float32"):
 
 
 def _engine(model_path: str, threads: int, quantization: str, activations: str | None, spikes: bool):
-    from service.engine import Engine
-    from service.int8_linear import set_activations
-    from service.loading import load_model
+    from service.engine.engine import Engine
+    from service.model.loading import load_model
+    from service.quant.int8_linear import set_activations
     from service.settings import load_settings
 
     settings = load_settings(

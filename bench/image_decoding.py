@@ -27,7 +27,7 @@ def measure(threads: int, repeats: int, image_max_pixels: int) -> list[dict]:
     import numpy as np
     from PIL import Image
 
-    from service.images import ImageLimits, decode_image
+    from service.media.images import ImageLimits, decode_image
     from service.settings import load_settings
 
     cv2.setNumThreads(threads)

@@ -15,11 +15,10 @@ def sweep(model_path: str, threads: int, budgets: list[int]) -> list[dict]:
     """One engine; for each budget, the photo resized into it and a one-token question about it."""
     from transformers.image_utils import SizeDict
 
-    from service.engine import Engine, GenerationRequest, SamplingParams
-    from service.images import decode_image
-    from service.limits import fit_processor
-    from service.loading import load_model
-    from service.prompts import ChatMessage, ImagePart, TextPart, prepare_prompt
+    from service.engine.engine import Engine, GenerationRequest, SamplingParams
+    from service.media.images import decode_image, fit_processor
+    from service.model.loading import load_model
+    from service.model.prompts import ChatMessage, ImagePart, TextPart, prepare_prompt
     from service.settings import load_settings
 
     loaded = load_model(

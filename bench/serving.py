@@ -32,7 +32,7 @@ KINDS = {  # label → (which checkpoint, QUANTIZATION)
 def weight_bytes_read_per_token(model) -> int:
     """Bytes of weights one decode step reads: every decoder and lm_head weight once; of the
     embedding only one row, so none of it."""
-    from service.int8_linear import Int8Linear, MappedInt8Linear
+    from service.quant.int8_linear import Int8Linear, MappedInt8Linear
 
     lm = model.model.language_model
     embed = lm.get_input_embeddings()
@@ -52,11 +52,11 @@ def measure(model_path: str, quantization: str, threads: int, image_max_pixels: 
     import torch
     from transformers import StoppingCriteria
 
-    from service.engine import Engine, GenerationRequest, SamplingParams
-    from service.images import decode_image
-    from service.loading import load_model
+    from service.engine.engine import Engine, GenerationRequest, SamplingParams
+    from service.media.images import decode_image
     from service.memory import kv_cache_bytes, release_memory, unreclaimable_bytes
-    from service.prompts import ChatMessage, ImagePart, TextPart, prepare_prompt
+    from service.model.loading import load_model
+    from service.model.prompts import ChatMessage, ImagePart, TextPart, prepare_prompt
     from service.settings import load_settings
 
     imported = seconds_since_process_start()
@@ -154,7 +154,7 @@ def measure(model_path: str, quantization: str, threads: int, image_max_pixels: 
 
 def int8_weight_bytes(model) -> int:
     """Bytes of int8 weights the loader packs (every Int8Linear)."""
-    from service.int8_linear import Int8Linear
+    from service.quant.int8_linear import Int8Linear
 
     return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear))
 
@@ -163,7 +163,7 @@ def prepack_rate_gbps(rows: int = 6144, cols: int = 2048, repeats: int = 3) -> f
     """How fast torch packs int8 weights for FBGEMM, on one thread (one Linear packs serially)."""
     import torch
 
-    from service.int8_linear import Int8Linear
+    from service.quant.int8_linear import Int8Linear
 
     weight = torch.randint(-127, 128, (rows, cols), dtype=torch.int8)
     scales = torch.full((rows,), 1e-3)

@@ -45,13 +45,13 @@ def _peak_rss_gib() -> float:
 def cmd_chat(args) -> int:
     from pydantic import ValidationError
 
-    from .checkpoints import RANDOM_MODEL_WARNING
-    from .engine import Completion, Engine, GenerationRequest, SamplingParams
+    from .answer.structured import json_grammar
+    from .engine.engine import Completion, Engine, GenerationRequest, SamplingParams
     from .errors import ServiceError
-    from .images import decode_image
-    from .loading import load_model
-    from .prompts import ChatMessage, ImagePart, TextPart
-    from .structured import json_grammar
+    from .media.images import decode_image
+    from .model.checkpoints import RANDOM_MODEL_WARNING
+    from .model.loading import load_model
+    from .model.prompts import ChatMessage, ImagePart, TextPart
 
     settings = _settings(args)
     loaded = load_model(settings)
@@ -102,7 +102,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_make_model(args) -> int:
-    from .checkpoints import RANDOM_MODEL_WARNING, make_checkpoint
+    from .model.checkpoints import RANDOM_MODEL_WARNING, make_checkpoint
 
     t0 = time.perf_counter()
     out = make_checkpoint(args.preset, args.out_dir)
@@ -112,7 +112,7 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from .quantized import write_quantized
+    from .quant.quantized import write_quantized
 
     t0 = time.perf_counter()
     out = write_quantized(args.src, args.dst)
@@ -126,8 +126,8 @@ def cmd_quantize(args) -> int:
 def cmd_export_onnx(args) -> int:
     from tqdm import tqdm
 
-    from .onnx_vision import EXPORT_STEPS, default_export_dir, export_vision_onnx
     from .settings import load_settings
+    from .vision.onnx import EXPORT_STEPS, default_export_dir, export_vision_onnx
 
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():

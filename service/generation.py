@@ -7,14 +7,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob
-from .prompts import ChatMessage
-from .streaming import TokenStreamer
-from .structured import OutputGrammar
+from .answer.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from .answer.structured import OutputGrammar
+from .model.prompts import ChatMessage
 
 # Bounds of each sampling parameter: the engine's and the HTTP schemas' (service/api/protocol.py).
 MaxTokens = Annotated[int, Field(ge=1)]
@@ -49,6 +48,21 @@ class SamplingParams(BaseModel):
     logit_bias: LogitBias | None = None  # token id -> added to its logit
 
 
+# The SamplingParams fields the HTTP endpoints take as they are (service/api/protocol.py derives its
+# schema from them; `stop` and `logprobs` it takes in OpenAI's forms).
+SHARED_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+)
+
+
 @dataclass(eq=False)
 class GenerationRequest:
     messages: list[ChatMessage]
@@ -57,15 +71,10 @@ class GenerationRequest:
     received_at: float = field(default_factory=time.perf_counter)
     request_id: str = ""
     conversation_id: str | None = None
-    streamer: TokenStreamer | None = None  # set while generating: live token count for callers
-    deadline: float | None = None  # perf_counter time at which generation is ended (REQUEST_DEADLINE)
     remembered: int = 0  # leading messages from the server's memory (native endpoint), decoded by earlier requests
     grammar: OutputGrammar | None = None  # what the answer must match (structured output, forced tool calls)
     tools: list[dict] | None = None  # OpenAI tool objects the chat template shows the model
-
-    @property
-    def generated_tokens(self) -> int:
-        return len(self.streamer.token_ids) if self.streamer else 0
+    speculative: bool = True  # False: no guessed tokens for this request (SPECULATIVE=off: none for any)
 
     @property
     def image_decode_seconds(self) -> float:
@@ -114,15 +123,34 @@ class Completion:
     images: int = 0
     videos: int = 0
     answer_token_ids: tuple[int, ...] | None = None  # the ids behind `text`, when they decode to exactly it
+    token_ids: tuple[int, ...] = ()  # every token generated (an end of turn included)
+    drafted_tokens: int = 0  # guessed tokens verified (speculative decoding)
+    accepted_tokens: int = 0  # of them, the ones the model made
     logprobs: list[TokenLogprob] | None = None  # every reported token's, if the request asked
 
 
-class Generation:
-    """An admitted generation: iterate for events; close() (or exhaustion) frees the model."""
+class TokenIds(Protocol):
+    token_ids: list[int]  # the tokens generated so far (the engine's stream of them)
 
-    def __init__(self, events: Iterator[TextDelta | Completion], release):
+
+class Generation:
+    """An admitted generation: iterate for events; close() (or exhaustion) frees the model. It
+    owns the request's live state: its deadline and the tokens generated so far."""
+
+    def __init__(self, events: Iterator[TextDelta | Completion], release, stream: TokenIds, deadline: float):
         self._events = events
         self._release = release
+        self._stream = stream
+        self.deadline = deadline  # perf_counter time at which it is ended (REQUEST_DEADLINE)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens generated so far (all of them once the stream has ended)."""
+        return self._stream.token_ids
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self._stream.token_ids)
 
     def __iter__(self):
         return self

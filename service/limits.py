@@ -5,34 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers.image_utils import SizeDict
-
-from .images import ImageLimits
-from .prompts import PromptLimits
+from .media.images import ImageLimits, image_limits
+from .media.video import VideoLimits
+from .model.prompts import PromptLimits
 from .settings import Settings
-from .video import VideoLimits
-
-
-def image_limits(processor, settings: Settings) -> ImageLimits:
-    """The decode limits, the pixel budget clipped to what the processor itself allows."""
-    ip = processor.image_processor
-    factor = ip.patch_size * ip.merge_size
-    max_pixels = min(settings.image_max_pixels, ip.size.longest_edge or settings.image_max_pixels)
-    min_pixels = min(ip.size.shortest_edge or factor * factor, max_pixels)
-    return ImageLimits(
-        max_bytes=settings.image_max_bytes,
-        max_decoded_pixels=settings.image_max_decoded_pixels,
-        max_pixels=max_pixels,
-        min_pixels=min_pixels,
-        factor=factor,
-    )
-
-
-def fit_processor(processor, settings: Settings) -> None:
-    """Make the processor's own resize rule the pixel budget's, so it never resizes an image the
-    service already sized (idempotent: the budget computed again from it is the same)."""
-    limits = image_limits(processor, settings)
-    processor.image_processor.size = SizeDict(shortest_edge=limits.min_pixels, longest_edge=limits.max_pixels)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ MEMORY_BUDGET = Gauge(
     multiprocess_mode="livemax",
 )
 CACHE_BUDGET = Gauge("qwen3vl_cache_budget_bytes", "bytes each cache may hold", ["cache"], multiprocess_mode="livemax")
-# The INT8 kernels serving (1 for the kernel of each part) and what each measured (service/kernel_choice.py)
+# The INT8 kernels serving (1 for the kernel of each part) and what each measured (service/quant/kernel_choice.py)
 INT8_KERNEL = Gauge(
     "qwen3vl_int8_kernel", "1 for the INT8 kernel serving each part", ["part", "kernel"], multiprocess_mode="livemax"
 )
@@ -54,6 +54,9 @@ INT8_KERNEL_MS = Gauge(
     ["kernel", "rows"],
     multiprocess_mode="livemax",
 )
+
+# Exact speculative decoding: guessed tokens by where they came from (grammar, lookup) and verdict
+DRAFT_TOKENS = Counter("qwen3vl_draft_tokens_total", "guessed tokens verified", ["source", "result"])
 
 # Structured outputs: grammars compiled per request (hit: reused from the compile cache; invalid: a 400)
 GRAMMARS = Counter("qwen3vl_grammars_total", "answer grammars requested, by how compiling went", ["result"])

@@ -99,6 +99,16 @@ class Settings(BaseSettings):
         "batch's decode steps (each step reads every weight once: larger pieces "
         "prefill faster, smaller ones pause running streams less)",
     )
+    speculative: Literal["on", "off"] = Field(
+        "on",
+        description="exact speculative decoding: guessed tokens (a grammar's forced ones, prompt lookup) "
+        "verified in the decode step's one pass; greedy answers are the same bits with it on or off. "
+        "INT8 weights only (fp32 GEMMs compute a few rows one at a time: no gain). A request's "
+        "`speculative: false` turns it off for that request",
+    )
+    speculative_tokens: int = Field(
+        4, ge=0, le=8, description="guessed tokens a sequence may verify per decode step, at most"
+    )
 
     # Caches (per process): conversation KV cache and vision-feature cache
     cache_enabled: bool = Field(True, description="False turns both caches off (every prompt computed in full)")

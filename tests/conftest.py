@@ -11,14 +11,22 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service.checkpoints import embedded_model_dir  # noqa: E402
-from service.engine import Engine  # noqa: E402
-from service.loading import load_model  # noqa: E402
-from service.prompts import prepare_prompt  # noqa: E402
+from service.engine.engine import Engine  # noqa: E402
+from service.model.checkpoints import embedded_model_dir  # noqa: E402
+from service.model.loading import load_model  # noqa: E402
+from service.model.prompts import prepare_prompt  # noqa: E402
 from service.settings import load_settings  # noqa: E402
 
 # Tests use the embedded model built in a cache of their own, never a user's MODEL_PATH.
 os.environ.pop("MODEL_PATH", None)
+
+
+def pytest_collection_modifyitems(items):
+    """Every test that runs on a real Gunicorn (through the `serve` fixture, or `gunicorn_server`
+    itself: those mark themselves) is a `server` test: the quick tier leaves them out."""
+    for item in items:
+        if "serve" in item.fixturenames:
+            item.add_marker(pytest.mark.server)
 
 
 @pytest.fixture(scope="session")

@@ -11,13 +11,13 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from service.batching import Sampler
-from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
+from service.engine.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
+from service.engine.sampling import Sampler
 from service.errors import QueueFull
-from service.images import decode_image
-from service.loading import load_model
-from service.prompts import ChatMessage, ImagePart, TextPart
-from service.vision_steps import image_steps, run_to_end
+from service.media.images import decode_image
+from service.model.loading import load_model
+from service.model.prompts import ChatMessage, ImagePart, TextPart
+from service.vision.steps import image_steps, run_to_end
 
 from conftest import make_settings, prepared
 from imaging import encode, pattern
@@ -55,7 +55,7 @@ def request(parts, max_tokens=24, **params) -> GenerationRequest:
 
 
 class Stream:
-    """One request run through Engine.start on its own thread, recording when each token arrived."""
+    """One request run through Engine.submit on its own thread, recording when each token arrived."""
 
     def __init__(self, engine: Engine, req: GenerationRequest, close_after: int | None = None):
         self.engine, self.request, self.close_after = engine, req, close_after
@@ -70,13 +70,13 @@ class Stream:
         return self
 
     def _run(self):
-        generation = self.engine.submit(self.request)
+        self.generation = generation = self.engine.submit(self.request)
         try:
             for event in generation:
                 if isinstance(event, TextDelta):
                     self.arrivals.append(time.perf_counter())
                     if self.close_after is not None and len(self.arrivals) >= self.close_after:
-                        self.tokens_at_close = self.request.generated_tokens
+                        self.tokens_at_close = generation.generated_tokens
                         return  # closed in `finally`: what the HTTP layer does when the client goes away
                 else:
                     self.done = event
@@ -91,7 +91,7 @@ class Stream:
         return self
 
     def token_ids(self) -> list[int]:
-        return self.request.streamer.token_ids
+        return self.generation.token_ids
 
 
 def alone(engine, req: GenerationRequest) -> list[int]:
@@ -208,13 +208,13 @@ def test_a_sampling_failure_ends_only_its_own_request(engines, monkeypatch, fail
     expected = [alone(engine, make()) for make in makers]
     real_call, calls = Sampler.__call__, {"n": 0, "batch_at_failure": 0}
 
-    def failing_for_seed_666(self, token_ids, logits, allowed=None):
+    def failing_for_seed_666(self, token_ids, logits, allowed=None, draft=None):
         if self.generator.initial_seed() == 666:
             calls["n"] += 1
             if calls["n"] == fail_at:
                 calls["batch_at_failure"] = engine.scheduler.batch_size
                 raise RuntimeError("injected sampling failure")
-        return real_call(self, token_ids, logits, allowed)
+        return real_call(self, token_ids, logits, allowed, draft)
 
     monkeypatch.setattr(Sampler, "__call__", failing_for_seed_666)
     victim = Stream(engine, request([TextPart("Talk.")], max_tokens=40, seed=666))

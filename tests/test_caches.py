@@ -2,7 +2,7 @@
 
 The contract is exactness: with greedy decoding an engine with caches answers what an engine
 without them answers, while reporting (and doing) less work — with INT8 weights bit for bit (every
-token's log-probability and its alternatives compared as floats: service/forward.py computes a
+token's log-probability and its alternatives compared as floats: service/model/forward.py computes a
 token alike in every path), with fp32 weights token for token and within float rounding (their
 GEMMs round differently with the number of rows). Both reuse any token prefix, the previous answer
 included. Answers are 32 tokens long, pictures in most conversations.
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client import REGISTRY
 
-from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
+from service.engine.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
 from service.errors import PromptTooLong
-from service.images import decode_image
-from service.prompts import ChatMessage, ImagePart, TextPart
+from service.media.images import decode_image
+from service.model.prompts import ChatMessage, ImagePart, TextPart
 
 from conftest import make_settings, prepared
 from imaging import encode, pattern
@@ -46,7 +46,7 @@ def turn(engine, messages, conversation_id=None, max_tokens=ANSWER_TOKENS):
         messages, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3), conversation_id=conversation_id
     )
     done = [e for e in engine.generate(request) if isinstance(e, Completion)][0]
-    return request.streamer.token_ids, done
+    return list(done.token_ids), done
 
 
 @dataclass
@@ -67,7 +67,8 @@ class Engines:
         return done
 
 
-@pytest.fixture(params=["float32", "bfloat16"], ids=["kv-fp32", "kv-bf16"])
+# The quick tier runs the default bf16 keys and values; the whole suite fp32 too.
+@pytest.fixture(params=[pytest.param("float32", marks=pytest.mark.slow), "bfloat16"], ids=["kv-fp32", "kv-bf16"])
 def engines(engine, cache_dir, request):
     """Caches on and off, on fp32 and INT8 weights, with fp32 and bf16 keys and values (KV_DTYPE)."""
     q, kv = engine.loaded.quantization, request.param
@@ -375,7 +376,7 @@ def test_eviction_during_a_generation_does_not_change_its_answer(engines):
     e.vision_cache.entries.clear()
     done = [ev for ev in events if isinstance(ev, Completion)][0]
     assert done.cached_tokens > 0
-    assert request.streamer.token_ids == turn(engines.plain, history)[0]
+    assert list(done.token_ids) == turn(engines.plain, history)[0]
     # And the conversation goes on from the cache its last turn left behind.
     assert turn(e, history + [assistant(done.text), user("Go on.")], "A")[1].cached_tokens >= done.prompt_tokens
 

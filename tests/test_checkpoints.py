@@ -7,11 +7,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 from torch import nn
 
-from service.checkpoints import make_checkpoint
-from service.int8_linear import Int8Linear
-from service.loading import load_model
+from service.model.checkpoints import make_checkpoint
+from service.model.loading import load_model
+from service.quant.int8_linear import Int8Linear
 
 from conftest import ROOT, make_settings
 
@@ -41,6 +42,7 @@ def test_embedded_model_is_marked_random_and_uses_real_qwen_token_layout(tiny_di
     assert config["vision_start_token_id"] == ids["<|vision_start|>"]
 
 
+@pytest.mark.slow  # loads both checkpoints again (the quick tier's engines load them too)
 def test_loads_fp32_and_int8_through_the_public_loader(cache_dir, tiny_dir):
     fp32 = load_model(make_settings(cache_dir, quantization="fp32"))
     int8 = load_model(make_settings(cache_dir, quantization="int8"))
@@ -53,6 +55,7 @@ def test_loads_fp32_and_int8_through_the_public_loader(cache_dir, tiny_dir):
     assert type(fp32.model.lm_head) is nn.Linear
 
 
+@pytest.mark.slow
 def test_cli_chat_streams_an_answer_and_prints_timings(cache_dir, tiny_dir, tmp_path):
     from imaging import encode, pattern
 
@@ -89,6 +92,7 @@ def test_cli_chat_streams_an_answer_and_prints_timings(cache_dir, tiny_dir, tmp_
     assert "INT8 kernels: decoder " in result.stderr  # which kernel the measurement chose, and its figures
 
 
+@pytest.mark.slow
 def test_cli_reports_bad_settings_readably(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "service", "chat", "hi", "--model-path", str(tmp_path / "nope")],
@@ -102,6 +106,7 @@ def test_cli_reports_bad_settings_readably(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_make_model_writes_a_checkpoint(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "service", "make-model", "--preset", "tiny", str(tmp_path / "m")],
@@ -114,6 +119,7 @@ def test_cli_make_model_writes_a_checkpoint(tmp_path):
     assert (tmp_path / "m" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_cli_chat_answers_in_json_valid_against_a_schema_file(cache_dir, tiny_dir, tmp_path):
     import jsonschema
 

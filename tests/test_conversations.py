@@ -6,9 +6,9 @@ import time
 
 import numpy as np
 
-from service.conversations import ConversationStore
-from service.images import DecodedImage
-from service.prompts import ChatMessage, ImagePart, TextPart
+from service.api.histories import ConversationStore
+from service.media.images import DecodedImage
+from service.model.prompts import ChatMessage, ImagePart, TextPart
 
 
 def with_image(nbytes: int) -> list[ChatMessage]:

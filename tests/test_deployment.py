@@ -24,6 +24,8 @@ from service.settings import SettingsError, load_settings
 from imaging import encode, pattern
 from servers import deployment, free_port, gunicorn_server, metric, nginx_proxy, openai_client
 
+pytestmark = [pytest.mark.server, pytest.mark.nginx]
+
 MAX_BODY = 1024 * 1024
 SLOW_SIDE = 1536  # a 1536x1536 image: ~2300 visual tokens, a prefill of about a second on one core
 STACK_ENV = {

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine import Completion, GenerationRequest, SamplingParams, TextDelta
+from service.caches.kv import GrowingCache
+from service.engine.engine import Completion, GenerationRequest, SamplingParams, TextDelta
 from service.errors import PromptTooLong
-from service.images import decode_image
-from service.kv import GrowingCache
-from service.prompts import ChatMessage, ImagePart, TextPart
+from service.media.images import decode_image
+from service.model.prompts import ChatMessage, ImagePart, TextPart
 
 from conftest import prepared
 from imaging import encode, pattern
@@ -101,13 +101,13 @@ def test_cancel_stops_within_one_token_and_leaves_the_batch(engine):
     request = GenerationRequest(
         [ChatMessage("user", [TextPart("Talk forever.")])], SamplingParams(max_tokens=400, temperature=0)
     )
-    stream = engine.generate(request)
+    generation = engine.submit(request)
     seen, at_cancel = 0, None
-    for event in stream:
+    for event in generation:
         seen += 1
         if seen == 3:
             request.cancel.set()
-            at_cancel = request.generated_tokens  # read after setting: counts all tokens made before it
+            at_cancel = generation.generated_tokens  # read after setting: counts all tokens made before it
         if isinstance(event, Completion):
             done = event
     assert done.finish_reason == "cancelled"

@@ -1,7 +1,7 @@
 """The stateless client of the exactness issue, through real Gunicorns with the default settings
 (INT8 weights, bf16 keys and values) and with fp32 keys and values, and the official openai client:
 a second turn answered from the first turn's cached keys and values is bit for bit the answer of a
-server with nothing cached. (With fp32 keys and values the code before service/forward.py failed
+server with nothing cached. (With fp32 keys and values the code before service/model/forward.py failed
 this on the embedded model for every picture tried; with bf16 ones, whose rounding hides most
 last-bit differences, only now and then — on the 2B-shaped checkpoint, bench_exactness.)
 

@@ -1,4 +1,4 @@
-"""The text decoder's forward (service/forward.py) on the real tiny model.
+"""The text decoder's forward (service/model/forward.py) on the real tiny model.
 
 It computes what transformers' forward computes (fp32 within float rounding), and with INT8
 weights a token gets the same bits whichever path computes it: a prompt in one piece or in pieces
@@ -20,15 +20,15 @@ import pytest
 import torch
 from test_caches import image
 
-from service.attention import ExactAttention, TorchAttention
-from service.engine import Engine, GenerationRequest
-from service.forward import Rows, TextForward
-from service.kv import GrowingCache
-from service.loading import load_model
-from service.prefill import PromptRows
-from service.prompts import ChatMessage, ImagePart, TextPart
-from service.vision import VisionFeatures
-from service.vision_steps import image_steps, run_to_end
+from service.caches.kv import GrowingCache
+from service.engine.engine import Engine, GenerationRequest
+from service.engine.prefill import PromptRows
+from service.model.attention import ExactAttention, TorchAttention
+from service.model.forward import Rows, TextForward
+from service.model.loading import load_model
+from service.model.prompts import ChatMessage, ImagePart, TextPart
+from service.vision.features import VisionFeatures
+from service.vision.steps import image_steps, run_to_end
 
 from conftest import make_settings, prepared
 
@@ -130,8 +130,13 @@ def a_picture_and_a_question(engine):
     return [ImagePart(image(engine, 224, 160, seed=3)), TextPart("What is in this picture, in detail?")]
 
 
+# The quick tier checks two combinations (this service's own kernels, and the libraries'); the
+# whole suite checks every INT8 kernel against every attention kernel.
+QUICK = {("native", "native"), ("fbgemm", "torch")}
 EXACT = [
-    pytest.param(kernel, attention, id=f"{kernel}-{attention}")
+    pytest.param(
+        kernel, attention, id=f"{kernel}-{attention}", marks=() if (kernel, attention) in QUICK else pytest.mark.slow
+    )
     for kernel in ("fbgemm", "onednn", "native")
     for attention in ("native", "avx2", "torch")
 ]
@@ -316,6 +321,7 @@ def test_fp32_weights_agree_across_paths_within_float_rounding(engines, attentio
 
 
 @pytest.mark.skipif(FORCED_AVX2, reason="already on the forced AVX2 paths")
+@pytest.mark.slow
 def test_the_same_bits_on_the_forced_avx2_paths_of_both_int8_libraries(cache_dir):
     """FBGEMM_ENABLE_INSTRUCTIONS=AVX2 and ONEDNN_MAX_CPU_ISA=AVX2 make both INT8 libraries take
     the paths of CPUs without AVX-512 and VNNI, NATIVE_MARCH=x86-64-v3 builds the native kernels

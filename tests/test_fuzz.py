@@ -17,6 +17,8 @@ from schemathesis.checks import not_a_server_error
 import hostile
 from servers import metric
 
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "40"))
 FUZZ_ENV = {
     "MAX_NEW_TOKENS": "6",

@@ -14,7 +14,7 @@ import requests
 
 from service import metrics
 from service.api.app import create_app
-from service.batching import Sampler
+from service.engine.sampling import Sampler
 
 from conftest import make_settings
 from imaging import encode, pattern
@@ -130,7 +130,13 @@ def test_native_stream_arrives_incrementally_with_ids_first_and_done_last(server
     (t_done, done) = lines[-1]
     assert {"id", "model", "conversation_id"} <= set(lines[0][1])
     assert done["done"] is True and done["usage"]["completion_tokens"] == 300
-    assert set(done["usage"]) == {"prompt_tokens", "completion_tokens", "cached_tokens"}
+    assert set(done["usage"]) == {
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "drafted_tokens",
+        "accepted_tokens",
+    }
     for key in ("queue_wait", "image_decode", "vision_encode", "prefill", "time_to_first_token", "decode_tokens_per_s"):
         assert key in done["timings"]
     assert sum(1 for _, obj in lines if "delta" in obj) > 10
@@ -420,6 +426,7 @@ def test_health_and_ready(server):
         assert f'qwen3vl_int8_kernel_probe_milliseconds{{kernel="{kernel}",rows="1"}}' in metrics
 
 
+@pytest.mark.server
 def test_a_model_that_fails_to_load_is_reported_by_ready_and_requests(cache_dir, tmp_path):
     broken = tmp_path / "broken-model"
     broken.mkdir()
@@ -436,6 +443,7 @@ def test_a_model_that_fails_to_load_is_reported_by_ready_and_requests(cache_dir,
         assert chat.status_code == 503 and requests.get(base + "/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_a_bug_in_a_handler_is_a_json_500_with_the_request_id(cache_dir, tiny_dir, caplog):
     """The last-resort handler (here for a route that raises) answers in the API's error shape."""
 
@@ -452,6 +460,7 @@ def test_a_bug_in_a_handler_is_a_json_500_with_the_request_id(cache_dir, tiny_di
     assert "a bug" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_failure_after_the_200_ends_the_stream_with_an_error_event_and_is_counted(cache_dir, tiny_dir, monkeypatch):
     """A stream's status goes out before its first token: a later failure (here injected into the
     sampler after two tokens) must end the body with an error line / SSE error event — never a
@@ -459,11 +468,11 @@ def test_a_failure_after_the_200_ends_the_stream_with_an_error_event_and_is_coun
 
     real_call = Sampler.__call__
 
-    def failing_after_two(self, token_ids, logits):
+    def failing_after_two(self, token_ids, logits, allowed=None, draft=None):
         self.calls = getattr(self, "calls", 0) + 1
         if self.calls > 2:
             raise RuntimeError("injected failure")
-        return real_call(self, token_ids, logits)
+        return real_call(self, token_ids, logits, allowed, draft)
 
     monkeypatch.setattr(Sampler, "__call__", failing_after_two)
     client = create_app(make_settings(cache_dir), load="now").test_client()

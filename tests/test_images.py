@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from service.errors import ImageError, TooLarge
-from service.images import ImageLimits, decode_image
+from service.media.images import ImageLimits, decode_image
 
 from imaging import encode, pattern, png_claiming_size, with_exif_orientation
 

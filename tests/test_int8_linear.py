@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from service.fusion import FusedTextAttention, FusedTextMLP
-from service.int8_linear import Int8Linear, quantize_rows
-from service.loading import load_model
-from service.quantized import quantize_in_place
+from service.model.loading import load_model
+from service.quant.fusion import FusedTextAttention, FusedTextMLP
+from service.quant.int8_linear import Int8Linear, quantize_rows
+from service.quant.quantized import quantize_in_place
 
 from conftest import ROOT, make_settings
 
@@ -136,7 +136,7 @@ def saturating_case(kernel: str, m: int = 4) -> tuple[Int8Linear, torch.Tensor, 
 _ISA_PROBE = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-import service.int8_linear as int8_linear
+import service.quant.int8_linear as int8_linear
 from service import native
 from test_int8_linear import KERNEL_NAMES, layer, rows, saturating_case
 native.configure(sys.argv[2])
@@ -157,6 +157,7 @@ print(json.dumps({"out": out, "errors": errors, "native lanes": lanes}))
 """
 
 
+@pytest.mark.slow
 def test_the_kernels_give_the_same_bits_with_and_without_vnni(cache_dir):
     """FBGEMM_ENABLE_INSTRUCTIONS=AVX2 and ONEDNN_MAX_CPU_ISA=AVX2 make both libraries take their
     AVX2 paths (u8×s8 pairs summed in int16, as on CPUs without VNNI) on any x86 CPU, and
@@ -203,6 +204,7 @@ def models(cache_dir, tiny_dir):
     return made, fp32.processor.tokenizer
 
 
+@pytest.mark.slow  # loads checkpoints of its own
 def test_every_int8_linear_quantizes_per_token_and_a_decoder_layer_makes_four_calls(cache_dir, tiny_dir):
     model = load_model(make_settings(cache_dir, quantization="int8")).model
     assert not any(type(m) is nn.Linear for m in model.modules())
@@ -240,6 +242,7 @@ def logits_with_spike(model, ids, kind: str | None) -> torch.Tensor:
     return logits[[i for i in range(ids.shape[1]) if i != SPIKED_TOKEN]]
 
 
+@pytest.mark.slow  # loads checkpoints of its own
 @pytest.mark.parametrize("kind", ["row x1000", "one huge channel"])
 def test_a_spike_in_one_token_moves_the_other_tokens_no_more_than_int8_noise(models, kind):
     made, tokenizer = models

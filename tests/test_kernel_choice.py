@@ -1,5 +1,5 @@
 """The INT8 kernel is chosen by measuring the available ones on this machine and checkpoint
-(service/kernel_choice.py), once: a restart reads the result; INT8_KERNEL forces one."""
+(service/quant/kernel_choice.py), once: a restart reads the result; INT8_KERNEL forces one."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from service.int8_linear import available_kernels
-from service.kernel_choice import RESULTS_FILE, choose
+from service.quant.int8_linear import available_kernels
+from service.quant.kernel_choice import RESULTS_FILE, choose
 
 
 def test_every_available_kernel_is_measured_and_the_fastest_serves(tiny_dir, tmp_path):

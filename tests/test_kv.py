@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from service.caches import kv_bytes
-from service.kv import HEADROOM, GrowingCache, GrowingLayer, compacted
+from service.caches.conversation import kv_bytes
+from service.caches.kv import HEADROOM, GrowingCache, GrowingLayer, compacted
 
 
 def _append_both(growing, plain, layers, tokens):

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from bench.load import run_load, summarize
 
 from servers import gunicorn_server
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
 def test_more_clients_than_the_queue_all_end_in_success_or_429(cache_dir, tiny_dir, tmp_path):

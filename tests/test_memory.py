@@ -12,11 +12,9 @@ import requests
 import torch
 
 from service import metrics
-from service.caches import BudgetedLRU
-from service.engine import Engine, GenerationRequest, SamplingParams
+from service.caches.lru import BudgetedLRU
+from service.engine.engine import Engine, GenerationRequest, SamplingParams
 from service.errors import Unavailable
-from service.int8_linear import MappedInt8Linear
-from service.loading import load_model
 from service.memory import (
     EVICT_AT,
     MIB,
@@ -26,8 +24,10 @@ from service.memory import (
     machine_memory_bytes,
     release_memory,
 )
-from service.prompts import ChatMessage, TextPart
-from service.quantized import write_quantized
+from service.model.loading import load_model
+from service.model.prompts import ChatMessage, TextPart
+from service.quant.int8_linear import MappedInt8Linear
+from service.quant.quantized import write_quantized
 
 from conftest import make_settings
 from imaging import encode, pattern
@@ -122,6 +122,7 @@ def test_a_cgroup_memory_limit_is_read_in_either_cgroup_version(tmp_path, versio
     assert cgroup_memory(tmp_path / "proc", tmp_path) is None
 
 
+@pytest.mark.server
 def test_under_a_cgroup_limit_the_default_budget_follows_it_and_holds(cache_dir, tiny_dir, tmp_path):
     """Gunicorn started in a memory cgroup of 1.5 GiB, no MAX_MEMORY_MB, no cache budgets: the budget
     is the limit less the margin, the caches get shares of what is left after loading, and a run of
@@ -161,6 +162,7 @@ def test_under_a_cgroup_limit_the_default_budget_follows_it_and_holds(cache_dir,
         assert cgroup.oom_kills() == 0 and cgroup.peak_bytes() <= limit
 
 
+@pytest.mark.slow
 def test_engine_over_budget_answers_503_with_a_clear_message(cache_dir, tiny_dir):
     settings = make_settings(cache_dir, quantization="int8", max_memory_mb=1)
     engine = Engine(load_model(settings), settings)
@@ -172,12 +174,14 @@ def test_engine_over_budget_answers_503_with_a_clear_message(cache_dir, tiny_dir
     assert not engine.admission.busy  # refused before taking the model
 
 
+@pytest.mark.slow
 def test_engine_within_budget_answers(cache_dir, tiny_dir):
     settings = make_settings(cache_dir, quantization="int8", max_memory_mb=64 * 1024)
     engine = Engine(load_model(settings), settings)
     assert list(engine.generate(question()))[-1].completion_tokens == 8
 
 
+@pytest.mark.slow
 def test_model_larger_than_the_budget_is_served_from_memory_mapped_weights(cache_dir, tiny_dir, tmp_path, caplog):
     int8_dir = write_quantized(tiny_dir, tmp_path / "int8", progress=False)
     packed = load_model(make_settings(cache_dir, model_path=int8_dir))
@@ -195,6 +199,7 @@ def test_model_larger_than_the_budget_is_served_from_memory_mapped_weights(cache
     assert out.shape[1] == ids.shape[1] + 6
 
 
+@pytest.mark.server
 def test_http_request_over_budget_gets_503_json_error(cache_dir, tiny_dir, tmp_path):
     env = {"CACHE_DIR": str(cache_dir), "MAX_MEMORY_MB": "1"}
     with gunicorn_server(env, tmp_path / "gunicorn.log") as (base, _):
@@ -227,7 +232,7 @@ def test_mapped_weights_compute_any_row_count_even_unaligned():
 def test_quantized_shards_hold_every_tensor_64_byte_aligned(tmp_path):
     from safetensors import safe_open
 
-    from service.packing import ALIGNMENT, SafetensorsReader, write_aligned_safetensors
+    from service.quant.packing import ALIGNMENT, SafetensorsReader, write_aligned_safetensors
 
     tensors = {
         "a.weight": torch.randint(-127, 128, (64, 128), dtype=torch.int8),

@@ -12,17 +12,20 @@ import pytest
 import torch
 
 from service.cli import main
-from service.encoders import make_vision_encoder
-from service.engine import Completion, Engine, GenerationRequest, SamplingParams
-from service.images import decode_image
-from service.loading import load_model
-from service.onnx_vision import GRAPH_FILES, MANIFEST, OnnxVisionEncoder, default_export_dir
-from service.prompts import ChatMessage, ImagePart, TextPart
-from service.quantized import write_quantized
-from service.vision import TorchVisionEncoder
+from service.engine.engine import Completion, Engine, GenerationRequest, SamplingParams
+from service.media.images import decode_image
+from service.model.loading import load_model
+from service.model.prompts import ChatMessage, ImagePart, TextPart
+from service.quant.quantized import write_quantized
+from service.vision.encoders import make_vision_encoder
+from service.vision.features import TorchVisionEncoder
+from service.vision.onnx import GRAPH_FILES, MANIFEST, OnnxVisionEncoder, default_export_dir
 
 from conftest import make_settings, prepared
 from imaging import encode, pattern
+
+# A checkpoint written and loaded per module (~15 s): the whole suite only.
+pytestmark = pytest.mark.slow
 
 # Patch grids (h × w) 28×28, 20×36, 14×20 (small pictures are scaled up to the minimum) and 56×12.
 IMAGE_SIZES = [(448, 448), (640, 360), (96, 64), (200, 900)]
@@ -157,7 +160,7 @@ def test_stale_export_falls_back_to_torch_with_a_warning(onnx_engine, checkpoint
     before = weights.stat()
     os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # the checkpoint was rewritten
     try:
-        with caplog.at_level(logging.WARNING, logger="service.onnx_vision"):
+        with caplog.at_level(logging.WARNING, logger="service.vision.onnx"):
             encoder = make_vision_encoder(onnx_engine.loaded, onnx_engine.settings)
     finally:
         os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
@@ -170,7 +173,7 @@ def test_missing_export_falls_back_to_torch_with_a_warning(onnx_engine, cache_di
     settings = make_settings(
         cache_dir, model_path=onnx_engine.loaded.path, vision_backend="onnxruntime", vision_onnx_dir=tmp_path
     )
-    with caplog.at_level(logging.WARNING, logger="service.onnx_vision"):
+    with caplog.at_level(logging.WARNING, logger="service.vision.onnx"):
         encoder = make_vision_encoder(onnx_engine.loaded, settings)
     assert isinstance(encoder, TorchVisionEncoder)
     assert f"no ONNX export in {tmp_path}" in caplog.text

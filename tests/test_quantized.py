@@ -12,15 +12,18 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from service.engine import Completion, Engine, GenerationRequest, SamplingParams
-from service.images import decode_image
-from service.int8_linear import Int8Embedding, Int8Linear
-from service.loading import load_model
-from service.prompts import ChatMessage, ImagePart, TextPart
-from service.quantized import FORMAT, QUANTIZED_MARKER, write_quantized
+from service.engine.engine import Completion, Engine, GenerationRequest, SamplingParams
+from service.media.images import decode_image
+from service.model.loading import load_model
+from service.model.prompts import ChatMessage, ImagePart, TextPart
+from service.quant.int8_linear import Int8Embedding, Int8Linear
+from service.quant.quantized import FORMAT, QUANTIZED_MARKER, write_quantized
 
 from conftest import ROOT, make_settings
 from imaging import encode, pattern
+
+# A checkpoint written and loaded per module (~15 s): the whole suite only.
+pytestmark = pytest.mark.slow
 
 PROMPTS = ["Describe the colors.", "What is in this picture?", "Tell me a story about a red square."]
 
@@ -167,10 +170,10 @@ def test_gunicorn_packs_a_prequantized_checkpoint_while_importing_and_answers_al
 def test_packing_begun_before_loading_is_used_even_if_the_budget_now_looks_full(int8_dir):
     """wsgi.py begins packing when the weights fit; by the time the loader runs, their memory counts
     as used, so the loader must not decide again (it once mapped the weights it had just packed)."""
-    from service import packing
-    from service.kernel_choice import KernelChoice
     from service.memory import MemoryGuard
-    from service.quantized import load_quantized, quantized_marker
+    from service.quant import packing
+    from service.quant.kernel_choice import KernelChoice
+    from service.quant.quantized import load_quantized, quantized_marker
 
     kernel = KernelChoice(decoder="fbgemm", vision="onednn")
     packing.start(int8_dir, quantized_marker(int8_dir)["linear_shards"], 2, kernel)

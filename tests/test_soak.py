@@ -4,9 +4,13 @@ memory flat."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.soak import BUDGETS, SOAK_ENV, run_soak
 
 from servers import gunicorn_server
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
 def test_short_soak_leaks_nothing(cache_dir, tiny_dir, tmp_path):
@@ -27,7 +31,7 @@ def test_onednn_kernel_cache_is_capped_unless_the_environment_says_otherwise():
     import subprocess
     import sys
 
-    probe = "import service.engine, os; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
+    probe = "import service.engine.engine, os; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
     run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "64"

@@ -1,5 +1,6 @@
-"""The code's shape: no import cycles inside `service`, the HTTP layer imported by nothing else,
-and every bench/RESULTS.md section written by a command of bench/."""
+"""The code's shape: rooms (folders) in layers that import only downward, no import cycles inside
+`service`, the HTTP layer imported by nothing else, and every bench/RESULTS.md section written by
+a command of bench/."""
 
 from __future__ import annotations
 
@@ -68,6 +69,54 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+# The rooms, lowest first: a module may import its own room and the rooms before it, never one after
+# (each room's __init__ says what it owns). The entry points at the end import anything below them.
+LAYERS = [
+    ("basics", ["service.settings", "service.errors", "service.metrics", "service.memory"]),
+    ("native", ["service.native"]),
+    ("media", ["service.media"]),
+    ("quant", ["service.quant"]),
+    ("vision", ["service.vision"]),
+    ("caches", ["service.caches"]),
+    ("answer", ["service.answer"]),
+    ("model", ["service.model"]),
+    ("contract", ["service.limits", "service.generation"]),
+    ("engine", ["service.engine"]),
+    ("entry points", ["service.api", "service.cli", "service.__main__", "service.deploy", "service"]),
+]
+
+
+def layer_of(module: str) -> int:
+    """The index of the module's layer: the longest prefix naming it."""
+    matches = [
+        (len(prefix), i)
+        for i, (_, prefixes) in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    assert matches, f"{module} is in no room: add it to a layer"
+    return max(matches)[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m))
+
+
+def test_rooms_import_only_rooms_below_them():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"service.media.images": {"service.engine.engine"}, "service.engine.engine": {"service.media.images"}}
+    assert upward_imports(graph) == ["service.media.images -> service.engine.engine"]
+
+
+def test_every_room_says_what_it_owns_and_may_import():
+    for init in (ROOT / "service").glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc) > 100 and "import" in doc.lower(), f"{init}: a paragraph on what it owns and may import"
 
 
 def test_service_has_no_import_cycles():

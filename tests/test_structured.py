@@ -12,11 +12,11 @@ import torch
 from prometheus_client import REGISTRY
 from test_batching import Stream
 
-from service.engine import Engine
+from service.answer.structured import OutputGrammar, json_grammar
+from service.answer.tools import OPEN, ToolCallParser, call_rules
+from service.engine.engine import Engine
 from service.generation import Completion, GenerationRequest, SamplingParams
-from service.prompts import ChatMessage, TextPart
-from service.structured import OutputGrammar, json_grammar
-from service.tools import OPEN, ToolCallParser, call_rules
+from service.model.prompts import ChatMessage, TextPart
 
 from conftest import make_settings, prepared
 
@@ -174,19 +174,19 @@ def test_a_constrained_request_leaves_its_batch_neighbours_bit_identical(engine,
     plain_alone, json_alone = (Stream(engine, r).start().join() for r in requests())  # one at a time
     plain, constrained = [Stream(engine, r).start() for r in requests()]
     plain.join(), constrained.join()
-    a, b = plain.request.streamer, constrained.request.streamer
-    assert a.first_token_at < b.last_token_at and b.first_token_at < a.last_token_at  # decoded in one batch
-    assert plain.done.text == plain_alone.done.text and plain.request.streamer.token_ids
-    assert a.token_ids == plain_alone.token_ids()
-    assert b.token_ids == json_alone.token_ids()
+    a, b = plain.arrivals, constrained.arrivals
+    assert a[0] < b[-1] and b[0] < a[-1]  # decoded in one batch
+    assert plain.done.text == plain_alone.done.text and plain.token_ids()
+    assert plain.token_ids() == plain_alone.token_ids()
+    assert constrained.token_ids() == json_alone.token_ids()
     assert constrained.done.text == json_alone.done.text
     jsonschema.validate(json.loads(constrained.done.text), RECEIPT)
 
 
-def direct_logits(engine, request) -> tuple[torch.Tensor, int]:
+def direct_logits(engine, request, answer: tuple[int, ...]) -> tuple[torch.Tensor, int]:
     """One forward of the model over the request's prompt and its answer: (logits, prompt length)."""
     prompt = prepared(engine, request)
-    full = torch.cat([prompt.input_ids, torch.tensor([request.streamer.token_ids])], dim=1)
+    full = torch.cat([prompt.input_ids, torch.tensor([answer])], dim=1)
     with torch.inference_mode():
         logits = engine.model(input_ids=full, mm_token_type_ids=torch.zeros_like(full)).logits[0].float()
     return logits, prompt.num_tokens
@@ -200,9 +200,9 @@ def test_logprobs_are_those_of_a_direct_forward_of_the_model(fp32_engine, cache_
         ask("Describe a cat."), SamplingParams(max_tokens=12, temperature=temperature, seed=3, logprobs=3)
     )
     *_, done = engine.generate(request)
-    ids = request.streamer.token_ids
+    ids = done.token_ids
     assert len(done.logprobs) == len([i for i in ids if i not in engine.loaded.eos_token_ids]) > 0
-    logits, prompt_tokens = direct_logits(engine, request)
+    logits, prompt_tokens = direct_logits(engine, request, ids)
     start = prompt_tokens - 1
     expected = (logits[start : start + len(done.logprobs)] / (temperature or 1.0)).log_softmax(-1)
     for record, row, token in zip(done.logprobs, expected, ids):
@@ -216,15 +216,15 @@ def test_logprobs_are_those_of_a_direct_forward_of_the_model(fp32_engine, cache_
 def test_logprobs_under_a_grammar_cover_only_the_tokens_it_allows(engine):
     done = run(engine, json_grammar(YES_NO, "response_format"), logprobs=5)
     first = done.logprobs[0]
-    assert engine.token_text.text(first.token_id) == "{" and first.logprob == pytest.approx(0.0, abs=1e-6)
-    assert all(engine.token_text.text(i).startswith("{") for i, _ in first.top)
+    assert first.token_bytes == b"{" and first.logprob == pytest.approx(0.0, abs=1e-6)
+    assert all(b.startswith(b"{") for b in first.top_bytes)
     assert [i for i, _ in first.top] == [first.token_id]  # the only token the grammar allows first
 
 
 @pytest.mark.parametrize("piece", [1, 2, 5, 1000])
 def test_qwen_tool_calls_are_found_in_text_however_it_is_split(piece):
     """What a real Qwen3-VL writes in auto mode (the random model never does): text, then calls."""
-    from service.tools import ToolCallDelta
+    from service.answer.tools import ToolCallDelta
 
     text = (
         'Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Z}rich", '
@@ -254,8 +254,8 @@ def test_presence_frequency_penalties_and_logit_bias_follow_openais_formula(fp32
     )
     request = GenerationRequest(ask("Describe a cat."), params)
     *_, done = engine.generate(request)
-    ids = request.streamer.token_ids
-    logits, prompt_tokens = direct_logits(engine, request)
+    ids = done.token_ids
+    logits, prompt_tokens = direct_logits(engine, request, ids)
     counts, bias_row = torch.zeros(logits.shape[-1]), torch.zeros(logits.shape[-1])
     bias_row[list(bias)] = torch.tensor(list(bias.values()))
     for step, (record, token) in enumerate(zip(done.logprobs, ids)):
@@ -273,7 +273,7 @@ def test_a_large_logit_bias_forces_its_token(engine):
         ask("Anything."), SamplingParams(max_tokens=6, temperature=1.0, seed=1, logit_bias={token: 100})
     )
     *_, done = engine.generate(request)
-    assert request.streamer.token_ids == [token] * 6
+    assert done.token_ids == (token,) * 6
 
 
 def test_without_parallel_tool_calls_only_the_first_call_is_parsed():

@@ -16,11 +16,10 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
 from transformers.video_utils import VideoMetadata
 
-from service.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
+from service.engine.engine import Completion, Engine, GenerationRequest, SamplingParams, TextDelta
 from service.errors import BadRequest, TooLarge, VideoError
-from service.images import decode_image
-from service.prompts import ChatMessage, ImagePart, TextPart, VideoPart
-from service.video import (
+from service.media.images import decode_image
+from service.media.video import (
     TEMP_PREFIX,
     DecodedVideo,
     VideoLimits,
@@ -31,8 +30,9 @@ from service.video import (
     video_patches,
     video_prompt_text,
 )
-from service.vision import TorchVisionEncoder
-from service.vision_steps import run_to_end, video_steps
+from service.model.prompts import ChatMessage, ImagePart, TextPart, VideoPart
+from service.vision.features import TorchVisionEncoder
+from service.vision.steps import run_to_end, video_steps
 
 from clips import WRITABLE, noise, write_clip
 from conftest import make_settings, prepared

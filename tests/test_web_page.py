@@ -18,6 +18,8 @@ from playwright.sync_api import Page, expect, sync_playwright
 from imaging import encode, pattern
 from servers import ROOT, metric
 
+pytestmark = [pytest.mark.server, pytest.mark.browser]
+
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package: Playwright's own browser download is not used
 CHROMIUM_ARGS = [
     "--headless",

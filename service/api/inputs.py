@@ -7,12 +7,12 @@ import base64
 import binascii
 import re
 
+from ..answer.tools import ToolCall
 from ..errors import BadRequest, ImageError, TooLarge, VideoError
-from ..images import DecodedImage, ImageLimits, decode_image
 from ..limits import RequestLimits
-from ..prompts import ChatMessage, ImagePart, TextPart, VideoPart
-from ..tools import ToolCall
-from ..video import DecodedVideo, VideoLimits, decode_video
+from ..media.images import DecodedImage, ImageLimits, decode_image
+from ..media.video import DecodedVideo, VideoLimits, decode_video
+from ..model.prompts import ChatMessage, ImagePart, TextPart, VideoPart
 from .protocol import ImageURLPart, Message, VideoURLPart
 
 _WHITESPACE = re.compile(rb"\s+")

@@ -15,8 +15,8 @@ from flask import Blueprint, Response, g, jsonify, request
 from ..errors import BadRequest, ServiceError, UnsupportedMediaType
 from ..generation import Completion, TextDelta
 from ..limits import RequestLimits
-from ..prompts import ChatMessage, TextPart
-from . import protocol
+from ..model.prompts import ChatMessage, TextPart
+from . import protocol, responses
 from .inputs import (
     decode_file,
     decode_inline_image,
@@ -118,40 +118,42 @@ def chat():
         raise BadRequest("a system message can only open a conversation", param="messages")
     messages = history + new_messages
     params = body.sampling()
-    gen_request = generation_request(messages, params, conversation_id, remembered=len(history), shape=shape)
+    gen_request = generation_request(
+        messages, params, conversation_id, remembered=len(history), shape=shape, speculative=body.speculative
+    )
     generation = engine.submit(gen_request)
-    head = {
-        "id": g.request_id,
-        "model": engine.info.name,
-        "conversation_id": conversation_id,
-        "created": int(time.time()),
-        "random_model": engine.info.is_random,
-    }
+    head = responses.NativeHead(
+        id=g.request_id,
+        model=engine.info.name,
+        conversation_id=conversation_id,
+        created=int(time.time()),
+        random_model=engine.info.is_random,
+    )
 
     def remember(done: Completion) -> None:
         answer = ChatMessage("assistant", [TextPart(done.text)], token_ids=done.answer_token_ids)
         app_state.conversations.save(conversation_id, messages + [answer])
 
-    def done_fields(done: Completion) -> dict:
-        logprobs = protocol.logprob_entries(done.logprobs, engine.token_text)
-        return protocol.native_done(done) | ({"logprobs": logprobs} if logprobs is not None else {})
+    def done_line(done: Completion) -> responses.NativeDone:
+        return responses.native_done(done, head, responses.logprob_entries(done.logprobs))
 
     if not body.stream:
         done = collect(generation, gen_request, ENDPOINT)
         remember(done)
-        return jsonify({**head, **done_fields(done)})
+        answer = responses.NativeAnswer(**{**responses.dump(head), **responses.dump(done_line(done))})
+        return jsonify(responses.dump(answer))
 
     def encode(event):
         if event is None:
-            yield _line(head)
+            yield _line(responses.dump(head))
         elif isinstance(event, TextDelta):
-            line = {"delta": event.text}
+            line = responses.NativeDelta(delta=event.text)
             if params.logprobs is not None:
-                line["logprobs"] = protocol.logprob_entries(event.logprobs, engine.token_text)
-            yield _line(line)
+                line.logprobs = responses.logprob_entries(event.logprobs)
+            yield _line(responses.dump(line))
         elif isinstance(event, Completion):
             remember(event)
-            yield _line({"id": head["id"], "conversation_id": conversation_id, **done_fields(event)})
+            yield _line(responses.dump(done_line(event)))
         elif isinstance(event, ServiceError):
             yield _line({**event.to_dict(), "done": True})
 

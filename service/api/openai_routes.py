@@ -8,10 +8,10 @@ import time
 
 from flask import Blueprint, Response, g, jsonify, request
 
+from ..answer.tools import ToolCallDelta, ToolCallParser, split_tool_calls
 from ..errors import ServiceError
 from ..generation import Completion, TextDelta
-from ..tools import ToolCall, ToolCallDelta, ToolCallParser
-from . import protocol
+from . import protocol, responses
 from .inputs import to_chat_messages
 from .outputs import answer_shape
 from .requests import conversation_header, generation_request, json_body
@@ -26,13 +26,6 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def _split(text: str, max_calls: int | None) -> tuple[str, list[ToolCall]]:
-    """An answer's content and the tool calls in it."""
-    parser = ToolCallParser(max_calls)
-    pieces = parser.feed(text) + parser.flush()
-    return "".join(p for p in pieces if isinstance(p, str)), parser.calls
-
-
 @openai_api.post(ENDPOINT)
 def chat_completions():
     body = protocol.ChatCompletionRequest.model_validate(json_body())
@@ -40,24 +33,26 @@ def chat_completions():
     engine = state().require_engine()
     messages = to_chat_messages(body.messages, engine.limits)
     params = body.sampling(body.max_completion_tokens or body.max_tokens)
-    gen_request = generation_request(messages, params, conversation_header() or body.user, remembered=0, shape=shape)
+    gen_request = generation_request(
+        messages, params, conversation_header() or body.user, remembered=0, shape=shape, speculative=body.speculative
+    )
     generation = engine.submit(gen_request)
     model = engine.info.name
 
     if not body.stream:
         done = collect(generation, gen_request, ENDPOINT)
-        content, calls = _split(done.text, shape.max_calls) if shape.parse_tool_calls else (done.text, [])
+        content, calls = split_tool_calls(done.text, shape.max_calls) if shape.parse_tool_calls else (done.text, [])
         content = content if content or not calls else None
-        logprobs = protocol.logprob_entries(done.logprobs, engine.token_text)
-        return jsonify(protocol.chat_completion(g.request_id, model, done, content, calls, logprobs))
+        logprobs = responses.logprob_entries(done.logprobs)
+        return jsonify(responses.chat_completion(g.request_id, model, done, content, calls, logprobs))
 
     request_id, created = g.request_id, int(time.time())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     parser = ToolCallParser(shape.max_calls) if shape.parse_tool_calls else None
     pending: list = []  # logprob records of text the tool-call parser still holds
 
-    def chunk(delta: dict | None, **kwargs) -> bytes:
-        return _sse(protocol.chat_chunk(request_id, model, created, delta, **kwargs))
+    def chunk(delta: responses.Delta | None, **kwargs) -> bytes:
+        return _sse(responses.chat_chunk(request_id, model, created, delta, **kwargs))
 
     def pieces(event: TextDelta | Completion):
         """Content and tool-call chunks, each with the logprobs of the tokens behind it (so the
@@ -69,26 +64,26 @@ def chat_completions():
             pending.extend(event.logprobs)
         for piece in out:
             if isinstance(piece, ToolCallDelta):
-                yield chunk({"tool_calls": [protocol.tool_call_delta(piece)]}, logprobs=held_logprobs())
+                yield chunk(responses.Delta(tool_calls=[responses.tool_call_delta(piece)]), logprobs=held_logprobs())
             else:
-                yield chunk({"content": piece}, logprobs=held_logprobs())
+                yield chunk(responses.Delta(content=piece), logprobs=held_logprobs())
 
-    def held_logprobs() -> list[dict] | None:
+    def held_logprobs() -> list[responses.LogprobEntry] | None:
         records = list(pending) if params.logprobs is not None else None
         pending.clear()
-        return protocol.logprob_entries(records, engine.token_text)
+        return responses.logprob_entries(records)
 
     def encode(event):
         if event is None:
-            yield chunk({"role": "assistant", "content": ""})
+            yield chunk(responses.Delta(role="assistant", content=""))
         elif isinstance(event, TextDelta):
             yield from pieces(event)
         elif isinstance(event, Completion):
             yield from pieces(event)
-            finish = protocol.openai_finish_reason(event, parser.calls if parser else None)
-            yield chunk({}, finish_reason=finish, logprobs=held_logprobs())  # e.g. a call's closing tag
+            finish = responses.openai_finish_reason(event, parser.calls if parser else None)
+            yield chunk(responses.Delta(), finish_reason=finish, logprobs=held_logprobs())  # e.g. a call's closing tag
             if include_usage:
-                yield chunk(None, usage_=protocol.usage(event))
+                yield chunk(None, usage_=responses.usage(event))
             yield b"data: [DONE]\n\n"
         elif isinstance(event, ServiceError):
             yield _sse(event.to_dict())

@@ -6,6 +6,7 @@ import copy
 from functools import lru_cache
 
 from ..limits import RequestLimits
+from . import responses
 from .protocol import FORM_FIELDS, ChatCompletionRequest, NativeChatRequest
 
 _REF = "#/components/schemas/{model}"
@@ -82,6 +83,11 @@ def _document() -> dict:
     components: dict = {"Error": _ERROR_SCHEMA}
     openai_ref = _schema(ChatCompletionRequest, components)
     native_ref = _schema(NativeChatRequest, components)
+    completion, chunk, models = (
+        _schema(m, components) for m in (responses.ChatCompletion, responses.ChatCompletionChunk, responses.ModelList)
+    )
+    answer = _schema(responses.NativeAnswer, components)
+    lines = [_schema(m, components) for m in (responses.NativeHead, responses.NativeDelta, responses.NativeDone)]
     chat_errors = _errors(400, 401, 413, 415, 422, 429, 503)
     return {
         "openapi": "3.1.0",
@@ -98,12 +104,15 @@ def _document() -> dict:
                     "responses": {
                         "200": {
                             "description": (
-                                "a chat.completion (choices[0].message: content, tool_calls; choices[0].logprobs "
-                                "when asked), or text/event-stream chunks (delta.content, delta.tool_calls)"
+                                "a chat.completion, or (stream: true) server-sent events, each `data: ` and a "
+                                "chat.completion.chunk, ending with `data: [DONE]`"
                             ),
                             "content": {
-                                "application/json": {"schema": {"type": "object"}},
-                                "text/event-stream": {"schema": {"type": "string"}},
+                                "application/json": {"schema": completion},
+                                "text/event-stream": {
+                                    "schema": {"type": "string", "description": "data: <ChatCompletionChunk JSON>"},
+                                    "x-event-schema": chunk,
+                                },
                             },
                         },
                         **chat_errors,
@@ -123,12 +132,15 @@ def _document() -> dict:
                     "responses": {
                         "200": {
                             "description": (
-                                "JSON lines ({delta, logprobs?} ..., then done: true with text, usage, timings, "
-                                "logprobs?), or one JSON object when stream is false"
+                                "JSON lines: a NativeHead, a NativeDelta per piece of text, a NativeDone; or one "
+                                "NativeAnswer when stream is false"
                             ),
                             "content": {
-                                "application/x-ndjson": {"schema": {"type": "string"}},
-                                "application/json": {"schema": {"type": "object"}},
+                                "application/x-ndjson": {
+                                    "schema": {"type": "string", "description": "one JSON object per line"},
+                                    "x-line-schemas": lines,
+                                },
+                                "application/json": {"schema": answer},
                             },
                         },
                         **chat_errors,
@@ -139,10 +151,7 @@ def _document() -> dict:
                 "get": {
                     "summary": "the loaded model",
                     "responses": {
-                        "200": {
-                            "description": "model list",
-                            "content": {"application/json": {"schema": {"type": "object"}}},
-                        },
+                        "200": {"description": "model list", "content": {"application/json": {"schema": models}}},
                         **_errors(401, 503),
                     },
                 }

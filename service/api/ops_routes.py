@@ -5,8 +5,9 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify
 
 from .. import metrics
-from ..checkpoints import RANDOM_MODEL_WARNING
 from ..errors import ServiceError
+from ..model.checkpoints import RANDOM_MODEL_WARNING
+from . import responses
 from .openapi import openapi_document
 from .state import error_response, state
 
@@ -38,18 +39,18 @@ def ready():
 @ops.get("/v1/models")
 def models():
     info = state().require_engine().info
-    card = {
-        "id": info.name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "local",
-        "quantization": info.quantization,
-        "random_test_model": info.is_random,
-        "image_max_pixels": info.image_max_pixels,
-    }
+    card = responses.ModelCard(
+        id=info.name,
+        object="model",
+        created=0,
+        owned_by="local",
+        quantization=info.quantization,
+        random_test_model=info.is_random,
+        image_max_pixels=info.image_max_pixels,
+    )
     if info.is_random:
-        card["warning"] = RANDOM_MODEL_WARNING
-    return jsonify({"object": "list", "data": [card]})
+        card.warning = RANDOM_MODEL_WARNING
+    return jsonify(responses.dump(responses.ModelList(object="list", data=[card])))
 
 
 @ops.get("/openapi.json")

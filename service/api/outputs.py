@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 
+from ..answer.structured import OutputGrammar, json_grammar, json_rule
+from ..answer.tools import call_rules
 from ..errors import BadRequest
-from ..structured import OutputGrammar, json_grammar, json_rule
-from ..tools import call_rules
 from .protocol import NamedToolChoice, ResponseFormat, Tool
 
 

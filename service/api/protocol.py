@@ -1,29 +1,21 @@
-"""Request schemas (OpenAI Chat Completions and the native endpoint) and response shapes."""
+"""Request schemas: OpenAI Chat Completions and the native endpoint (what they answer: responses.py)."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
-
-from ..generation import (
-    Completion,
-    LogitBias,
-    MaxTokens,
-    Penalty,
-    RepetitionPenalty,
-    SamplingParams,
-    Seed,
-    StopString,
-    Temperature,
-    TopK,
-    TopLogprobs,
-    TopP,
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
 )
-from ..logprobs import TokenLogprob, TokenText
-from ..tools import ToolCall, ToolCallDelta
+
+from ..generation import SHARED_SAMPLING, MaxTokens, SamplingParams, StopString, TopLogprobs
 
 # A conversation id (body field or X-Conversation-Id header): also a cache key and Nginx's hash key.
 CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -136,22 +128,31 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class _Sampling(_Lenient):
-    """The sampling fields both endpoints take: their bounds are SamplingParams' own (service/generation.py)."""
+# The sampling fields both endpoints take exactly as the engine does (SamplingParams' own, bounds
+# included); `stop`, `logprobs` and `top_logprobs` take OpenAI's forms and are mapped below.
+_SamplingFields = create_model(
+    "_SamplingFields",
+    __base__=_Lenient,
+    **{
+        name: (field.annotation, field)
+        for name, field in SamplingParams.model_fields.items()
+        if name in SHARED_SAMPLING
+    },
+)
 
-    max_tokens: MaxTokens | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    seed: Seed | None = None
+
+class _Sampling(_SamplingFields):
+    """The sampling fields both endpoints take (service/generation.py defines them once)."""
+
     stop: StopString | list[StopString] | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    logit_bias: LogitBias | None = Field(None, description="token id -> bias added to its logit (-100 to 100)")
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = Field(None, description="alternatives per token (needs logprobs: true)")
+    speculative: bool | None = Field(
+        None,
+        description="an extension: false turns exact speculative decoding off for this request (the answer "
+        "is the same either way; only speed differs)",
+    )
 
     @field_validator("top_logprobs")
     @classmethod
@@ -162,19 +163,11 @@ class _Sampling(_Lenient):
 
     def sampling(self, max_tokens: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            max_tokens=max_tokens or self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=stop,
-            repetition_penalty=self.repetition_penalty,
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logit_bias=self.logit_bias,
-        )
+        shared = {name: getattr(self, name) for name in SHARED_SAMPLING}
+        if max_tokens:
+            shared["max_tokens"] = max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(**shared, stop=stop, logprobs=logprobs)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -212,135 +205,9 @@ class NativeChatRequest(_Sampling):
         return value
 
 
-# The NativeChatRequest fields a multipart form may carry once each (`stop` may repeat; files: image, video).
+# The NativeChatRequest fields a multipart form may carry once each (`stop` may repeat; files: image,
+# video): the scalar sampling fields, response_format as JSON text, and the native ones.
 FORM_FIELDS = frozenset(
-    {
-        "prompt",
-        "conversation_id",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "stream",
-        "response_format",  # as JSON text
-        "logprobs",
-        "top_logprobs",
-    }
+    {name for name in SHARED_SAMPLING if name != "logit_bias"}
+    | {"prompt", "conversation_id", "stream", "response_format", "logprobs", "top_logprobs", "speculative"}
 )
-
-
-def usage(done: Completion) -> dict:
-    return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
-    }
-
-
-def openai_finish_reason(done: Completion, tool_calls: list[ToolCall] | None = None) -> str:
-    """An answer cut short is "length" first (its last tool call may be cut too), as OpenAI says it."""
-    if done.finish_reason in ("length", "deadline"):
-        return "length"
-    return "tool_calls" if tool_calls else "stop"
-
-
-def logprob_entries(records: list[TokenLogprob] | None, text: TokenText) -> list[dict] | None:
-    """OpenAI's `logprobs.content` items (None when not asked): each token's text, bytes and
-    log-probability, with its top alternatives."""
-    if records is None:
-        return None
-
-    def entry(token_id: int, logprob: float) -> dict:
-        return {"token": text.text(token_id), "logprob": logprob, "bytes": list(text.bytes(token_id))}
-
-    return [{**entry(r.token_id, r.logprob), "top_logprobs": [entry(i, lp) for i, lp in r.top]} for r in records]
-
-
-def tool_call(call: ToolCall) -> dict:
-    """A call in OpenAI's shape."""
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def tool_call_delta(delta: ToolCallDelta) -> dict:
-    """A streamed piece of a call: the first names it, the next ones add to its arguments."""
-    if delta.name is None:
-        return {"index": delta.index, "function": {"arguments": delta.arguments}}
-    function = {"name": delta.name, "arguments": delta.arguments}
-    return {"index": delta.index, "id": delta.id, "type": "function", "function": function}
-
-
-def chat_completion(
-    request_id: str,
-    model: str,
-    done: Completion,
-    content: str | None,
-    tool_calls: list[ToolCall],
-    logprobs: list[dict] | None,
-) -> dict:
-    message = {"role": "assistant", "content": content}
-    if tool_calls:
-        message["tool_calls"] = [tool_call(c) for c in tool_calls]
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
-                "finish_reason": openai_finish_reason(done, tool_calls),
-            }
-        ],
-        "usage": usage(done),
-    }
-
-
-def chat_chunk(
-    request_id: str,
-    model: str,
-    created: int,
-    delta: dict | None,
-    finish_reason: str | None = None,
-    usage_: dict | None = None,
-    logprobs: list[dict] | None = None,
-) -> dict:
-    choice = {
-        "index": 0,
-        "delta": delta,
-        "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
-        "finish_reason": finish_reason,
-    }
-    chunk = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [] if delta is None else [choice],
-    }
-    if usage_ is not None:
-        chunk["usage"] = usage_
-    return chunk
-
-
-def native_done(done: Completion) -> dict:
-    return {
-        "done": True,
-        "finish_reason": done.finish_reason,
-        "text": done.text,
-        "usage": {
-            "prompt_tokens": done.prompt_tokens,
-            "completion_tokens": done.completion_tokens,
-            "cached_tokens": done.cached_tokens,
-        },
-        "vision_cache_hits": done.vision_cache_hits,
-        "images": done.images,
-        "videos": done.videos,
-        "timings": {k: round(v, 4) for k, v in asdict(done.timings).items()},
-    }

@@ -9,7 +9,7 @@ from flask import g, request
 
 from ..errors import BadRequest, UnsupportedMediaType
 from ..generation import GenerationRequest, SamplingParams
-from ..prompts import ChatMessage
+from ..model.prompts import ChatMessage
 from .outputs import AnswerShape
 from .protocol import CONVERSATION_ID_PATTERN
 
@@ -34,6 +34,7 @@ def generation_request(
     *,
     remembered: int,
     shape: AnswerShape,
+    speculative: bool | None = None,
 ) -> GenerationRequest:
     return GenerationRequest(
         messages=messages,
@@ -44,6 +45,7 @@ def generation_request(
         remembered=remembered,
         grammar=shape.grammar,
         tools=shape.prompt_tools,
+        speculative=speculative is not False,
     )
 
 

@@ -27,22 +27,23 @@ def client_gone(environ) -> bool:
         return True
 
 
-def record(request: GenerationRequest, done: Completion | None, endpoint: str, error_code: str | None = None) -> None:
+def record(
+    request: GenerationRequest,
+    generation: Generation,
+    done: Completion | None,
+    endpoint: str,
+    error_code: str | None = None,
+) -> None:
     """Metrics and the request's log line; `done` is None when the client left mid-stream or the
     generation ended in an error (`error_code`)."""
     if done is None:
+        made = generation.generated_tokens
         metrics.FINISHED.labels("error" if error_code else "cancelled").inc()
-        metrics.GENERATED_TOKENS.inc(request.generated_tokens)
+        metrics.GENERATED_TOKENS.inc(made)
         if error_code:
-            log.warning(
-                "%s %s ended by an error (%s) after %d tokens",
-                request.request_id,
-                endpoint,
-                error_code,
-                request.generated_tokens,
-            )
+            log.warning("%s %s ended by an error (%s) after %d tokens", request.request_id, endpoint, error_code, made)
         else:
-            log.info("%s %s client gone after %d tokens", request.request_id, endpoint, request.generated_tokens)
+            log.info("%s %s client gone after %d tokens", request.request_id, endpoint, made)
         return
     t = done.timings
     metrics.FINISHED.labels(done.finish_reason).inc()
@@ -88,7 +89,7 @@ def collect(generation: Generation, request: GenerationRequest, endpoint: str) -
     finally:
         metrics.GENERATING.dec()
         generation.close()
-        record(request, done, endpoint, error_code)
+        record(request, generation, done, endpoint, error_code)
     return done
 
 
@@ -149,4 +150,4 @@ class EventStream:
         self._body.close()
         self.generation.close()
         metrics.GENERATING.dec()
-        record(self.request, self.done, self.endpoint, self.error_code)
+        record(self.request, self.generation, self.done, self.endpoint, self.error_code)

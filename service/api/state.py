@@ -8,7 +8,7 @@ import threading
 
 from flask import current_app, jsonify
 
-from ..engine import Engine
+from ..engine.engine import Engine
 from ..errors import ServiceError, Unavailable
 from ..settings import Settings
 
@@ -19,7 +19,7 @@ class AppState:
     """What the routes share: settings, the engine once loaded, the conversation histories."""
 
     def __init__(self, settings: Settings):
-        from ..conversations import ConversationStore
+        from .histories import ConversationStore
 
         self.settings = settings
         self.engine: Engine | None = None
@@ -32,7 +32,7 @@ class AppState:
         self.loaded = threading.Event()
 
     def load(self, threads: int | None = None) -> None:
-        from ..loading import load_model
+        from ..model.loading import load_model
 
         try:
             self.engine = Engine(load_model(self.settings, threads), self.settings)

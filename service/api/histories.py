@@ -1,0 +1,46 @@
+"""Server-side chat histories for the native endpoint, where a client sends only its new message
+and a `conversation_id`. Bounded in count, bytes (decoded images dominate) and idle time, with
+evictions counted like the caches' (cache="history"); the KV cache is separate (caches.py)."""
+
+from __future__ import annotations
+
+import uuid
+
+from ..caches.lru import BudgetedLRU
+from ..model.prompts import ChatMessage
+
+
+def _nbytes(messages: list[ChatMessage]) -> int:
+    return (
+        sum(img.pixels.nbytes for m in messages for img in m.images)
+        + sum(video.nbytes for m in messages for video in m.videos)
+        + sum(len(getattr(p, "text", "")) for m in messages for p in m.parts)
+        + sum(8 * len(m.token_ids or ()) for m in messages)
+    )
+
+
+class ConversationStore:
+    """conversation_id → messages so far (images kept decoded, so an evicted KV cache can be rebuilt)."""
+
+    def __init__(self, max_conversations: int, ttl_seconds: float, max_bytes: int):
+        self.entries: BudgetedLRU[list[ChatMessage]] = BudgetedLRU("history", max_bytes, max_conversations, ttl_seconds)
+
+    @staticmethod
+    def new_id() -> str:
+        return "conv-" + uuid.uuid4().hex[:20]
+
+    def history(self, conversation_id: str) -> list[ChatMessage]:
+        """The stored messages (a copy), or [] for an unknown, expired or evicted conversation."""
+        return list(self.entries.get(conversation_id) or [])
+
+    def save(self, conversation_id: str, messages: list[ChatMessage]) -> None:
+        """Keep the conversation (replacing its earlier turns); one larger than the whole byte
+        budget is not kept."""
+        self.entries.put(conversation_id, list(messages), _nbytes(messages))
+
+    @property
+    def bytes(self) -> int:
+        return self.entries.nbytes
+
+    def __len__(self) -> int:
+        return len(self.entries)

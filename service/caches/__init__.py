@@ -1,0 +1,5 @@
+"""The caches room: what spares recomputation — `conversation` (finished generations' KV caches,
+matched by token prefix), `vision_features` (encoder outputs per picture), `kv` (KV storage that
+grows in place), `lru` (the byte-budgeted LRU under both). May import vision, native and the basic
+top-level modules.
+"""

@@ -1,0 +1,91 @@
+"""Guessed tokens for exact speculative decoding, without a second model.
+
+A decode step on these CPUs is bound by reading the weights: verifying a few guessed tokens in one
+pass (several rows of the same forward) costs about as much as making one. Each running sequence
+may bring up to `max_tokens` guesses per step, from:
+
+- its grammar (structured outputs, tool calls): the tokens it forces next (llguidance's
+  fast-forward) — keys, quotes, punctuation, the rest of an enum value; always right;
+- the text so far (prompt lookup): the tokens that followed the last place where the answer's
+  latest n-gram (3, then 2, then 1 tokens) appeared before, in the prompt or the answer — answers
+  that copy (extracting fields, reformatting, correcting an earlier turn) are guessed well.
+
+The scheduler verifies them (service/engine/batching.py); `DraftBudget` keeps guessing where it pays:
+each sequence's recent acceptance decides how many it guesses, and a run of misses pauses its
+prompt lookup for a while (doubling each time), so a sequence whose guesses keep failing costs
+next to nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..answer.structured import Constraint
+
+NGRAMS = (3, 2, 1)  # the n-gram lengths prompt lookup tries, longest first
+LOOKBACK = 4096  # tokens of the text so far searched for the n-gram (its most recent occurrence wins)
+
+
+def prompt_lookup(token_ids: list[int], count: int) -> list[int]:
+    """Up to `count` tokens that followed the latest earlier occurrence of the text's last n-gram."""
+    if count <= 0 or len(token_ids) < 2:
+        return []
+    window = torch.tensor(token_ids[-LOOKBACK:])
+    for n in NGRAMS:
+        if len(window) < 2 * n:  # no earlier place for it to have appeared
+            continue
+        tail = window[-n:]
+        hits = (window[:-n].unfold(0, n, 1) == tail).all(-1).nonzero()
+        if len(hits):
+            at = int(hits[-1]) + n  # the token after the most recent earlier occurrence
+            return window[at : at + count].tolist()
+    return []
+
+
+def forced_tokens(constraint: Constraint | None, count: int) -> list[int]:
+    """Up to `count` tokens the grammar allows as the only continuation (none without a grammar)."""
+    return constraint.forced()[:count] if constraint is not None and count > 0 else []
+
+
+@dataclass
+class DraftBudget:
+    """How many tokens one sequence guesses per step (see the module docstring)."""
+
+    max_tokens: int
+    guess: int = 0  # how many prompt lookup guesses next (grows with acceptance, shrinks with misses)
+    pause: int = 0  # steps left without prompt lookup
+    misses: int = 0  # consecutive lookup steps that accepted nothing
+    drafted: int = 0  # tokens guessed (counted for the request's report and /metrics)
+    accepted: int = 0  # of them, the ones the model made too
+
+    def __post_init__(self):
+        self.guess = min(2, self.max_tokens)
+
+    def drafts(self, token_ids: list[int], constraint: Constraint | None) -> tuple[list[int], bool]:
+        """This step's guesses, and whether they came from prompt lookup (not certain)."""
+        if self.max_tokens <= 0:
+            return [], False
+        forced = forced_tokens(constraint, self.max_tokens)
+        if forced:
+            return forced, False
+        if self.pause > 0:
+            self.pause -= 1
+            return [], False
+        return prompt_lookup(token_ids, self.guess), True
+
+    def record(self, drafted: int, accepted: int, looked_up: bool) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        if not looked_up or not drafted:
+            return
+        if accepted == drafted:  # all right: guess more next time
+            self.guess, self.misses = min(self.max_tokens, self.guess + 1), 0
+        elif accepted == 0:  # all wrong: fewer; after two such steps in a row, pause lookup
+            self.guess = max(1, self.guess - 1)
+            self.misses += 1
+            if self.misses >= 2:
+                self.pause = min(64, 2 ** (self.misses - 1))
+        else:
+            self.guess, self.misses = max(1, accepted), 0

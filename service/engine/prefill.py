@@ -1,0 +1,170 @@
+"""A request's prefill as steps the batch scheduler runs between decode steps: the conversation
+cache lookup, the vision encoder (a block per step, features from the vision cache when seen
+before), then the prompt in pieces of PREFILL_CHUNK_TOKENS, each one forward on the request's own
+KV cache through the text decoder's forward (service/model/forward.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+
+from ..caches.conversation import ConversationCache
+from ..caches.kv import HEADROOM
+from ..caches.vision_features import VisionFeatureCache
+from ..model.forward import Rows, TextForward, VisionRows
+from ..model.prompts import PreparedPrompt
+from ..vision.features import VisionFeatures
+from ..vision.steps import image_steps, video_steps
+from .batching import Prefilled
+
+
+@dataclass
+class PrefillMarks:
+    """What a prefill did and when, for the request's Completion."""
+
+    reused: int = 0  # prompt tokens taken from the conversation cache
+    vision_hits: int = 0  # images and videos whose features came from the vision cache
+    cache_lookup: float = 0.0  # seconds
+    vision_encode: float = 0.0  # seconds
+    prefill_start: float | None = None  # perf_counter time the prompt's first piece began
+
+
+_TYPE_IDS = {"image": 1, "video": 2}  # the processor's mm_token_type_ids
+
+
+class PromptRows:
+    """A prompt as rows of the text decoder's forward: its token ids, M-RoPE positions, and the
+    vision features (`features`: each modality's, for its placeholders after the first `reused`
+    tokens — the rest are in the KV cache — in order) that fill its placeholders."""
+
+    def __init__(self, model, prompt: PreparedPrompt, features: dict[str, VisionFeatures], reused: int):
+        # M-RoPE positions of the whole prompt, from ALL its images' and videos' grids (a reused
+        # prefix included); every token after it is shifted by the same delta.
+        positions, deltas = model.model.get_rope_index(
+            prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, prompt.video_grid_thw
+        )
+        self.ids, self.positions, self.rope_delta = prompt.input_ids[0], positions[:, 0], int(deltas[0, 0])
+        self.types = prompt.mm_token_type_ids[0]
+        self.features = features
+        # for each token index (and the end), how many pads of a modality precede it, from `reused` on
+        self._pads_before = {
+            m: torch.cat([torch.zeros(1, dtype=torch.long), (self.types == _TYPE_IDS[m]).long().cumsum(0)])
+            for m in features
+        }
+        self.reused = reused
+
+    def piece(self, cache, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, list[Rows]]:
+        """The forward's arguments for prompt tokens [start, end) on `cache` — a piece may cut
+        through a picture: it gets the feature rows of the placeholders it holds."""
+        types = self.types[start:end]
+        vision = []
+        for modality, features in self.features.items():
+            before = self._pads_before[modality]
+            lo, hi = int(before[start] - before[self.reused]), int(before[end] - before[self.reused])
+            if hi > lo:
+                vision.append(VisionRows((types == _TYPE_IDS[modality]).nonzero()[:, 0], features.rows(lo, hi)))
+        return self.ids[start:end], self.positions[:, start:end], [Rows(cache, end - start, vision)]
+
+
+class Prefiller:
+    """Makes each request's prefill generator (`steps`) on one model, its caches and its encoder."""
+
+    def __init__(
+        self,
+        model,
+        forward: TextForward,
+        vision_encoder,
+        conversation_cache: ConversationCache,
+        vision_cache: VisionFeatureCache,
+        chunk_tokens: int,
+        kv_dtype: torch.dtype,
+        image_processor,
+    ):
+        self.model, self.forward, self.vision_encoder = model, forward, vision_encoder
+        self.conversation_cache, self.vision_cache = conversation_cache, vision_cache
+        self.chunk_tokens, self.kv_dtype = chunk_tokens, kv_dtype
+        ip = image_processor
+        # Everything besides the pixels that shapes the encoder's input: part of every vision-cache key.
+        self._vision_settings = hashlib.blake2b(
+            repr(
+                (
+                    ip.patch_size,
+                    ip.merge_size,
+                    ip.temporal_patch_size,
+                    list(ip.image_mean),
+                    list(ip.image_std),
+                    dict(ip.size),
+                )
+            ).encode(),
+            digest_size=8,
+        ).hexdigest()
+
+    def piece_ends(self, length: int, reused: int) -> list[int]:
+        """Where the prefill pieces after a cache of `reused` tokens end: every PREFILL_CHUNK_TOKENS,
+        and at the end. (service/model/forward.py computes every row alike: where a prompt is cut changes no bit.)"""
+        return [*range(reused + self.chunk_tokens, length, self.chunk_tokens), length]
+
+    def _features(self, prompt: PreparedPrompt, reused: int) -> Generator[None, None, tuple[dict, int]]:
+        """Features of each image and video after the first `reused` tokens (the rest are in the KV
+        cache), by modality and index, from the vision cache or the encoder (run in steps); and how
+        many came from the cache. One image (one video frame pair) per encoder call: a step stays
+        short, and the features are those the cache keys name whatever else is being encoded."""
+        encoders = {
+            "image": lambda i: image_steps(
+                self.vision_encoder, prompt.pixel_values[i], prompt.image_grid_thw[i : i + 1]
+            ),
+            "video": lambda i: video_steps(
+                self.vision_encoder, prompt.pixel_values_videos[i], prompt.video_grid_thw[i : i + 1]
+            ),
+        }
+        features, hits = {"image": {}, "video": {}}, 0
+        for modality, encode in encoders.items():
+            for i, span in enumerate(prompt.spans[modality]):
+                if span.start < reused:
+                    continue
+                key = f"{self.vision_encoder.name}:{self._vision_settings}:{span.key}"
+                cached = self.vision_cache.get(key)
+                if cached is None:
+                    cached = yield from encode(i)
+                    self.vision_cache.put(key, cached)
+                else:
+                    hits += 1
+                features[modality][i] = cached
+        return features, hits
+
+    def steps(
+        self, prompt: PreparedPrompt, conversation_id: str | None, marks: PrefillMarks
+    ) -> Generator[None, None, Prefilled]:
+        """The prefill, a step per `yield`; records cache use and timings in `marks`."""
+        t0 = time.perf_counter()
+        media = prompt.spans["image"] + prompt.spans["video"]  # what the KV cache matches: the same for both
+        reuse = self.conversation_cache.take(prompt.input_ids[0], media, conversation_id)
+        marks.reused = reuse.tokens if reuse else 0
+        # The request owns the cache: each piece extends it in place.
+        cache = reuse.cache if reuse is not None else self.forward.new_cache(self.kv_dtype)
+        marks.cache_lookup = time.perf_counter() - t0
+        try:
+            t1 = time.perf_counter()
+            features, marks.vision_hits = yield from self._features(prompt, marks.reused)
+            marks.prefill_start = time.perf_counter()
+            marks.vision_encode = marks.prefill_start - t1
+            merged = {m: VisionFeatures.cat([f[i] for i in sorted(f)]) for m, f in features.items() if f}
+            rows = PromptRows(self.model, prompt, merged, marks.reused)
+            cache.reserve(prompt.num_tokens + HEADROOM)
+            start = marks.reused
+            for end in self.piece_ends(prompt.num_tokens, marks.reused):
+                yield
+                logits = self.forward(*rows.piece(cache, start, end), logits_rows=torch.tensor([end - start - 1]))
+                start = end
+        except GeneratorExit:  # cancelled while prefilling: hand the reused prefix back for the client's retry
+            if reuse is not None:
+                cache.crop(marks.reused - cache.get_seq_length())
+                self.conversation_cache.put(
+                    conversation_id, prompt.input_ids[0, : marks.reused], media, marks.reused, cache
+                )
+            raise
+        return Prefilled(cache=cache, logits=logits.float(), rope_delta=rows.rope_delta)

@@ -1,0 +1,252 @@
+"""Decode client image bytes with OpenCV into RGB arrays sized for the vision encoder.
+
+Order matters for safety: size of the bytes → format from the magic bytes → dimensions from the
+header (refusing decompression bombs before any pixel is decoded) → decode (reduced-size JPEG
+decode when the target is much smaller) → alpha, bit depth, grayscale → resize to the budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+import time
+from dataclasses import dataclass
+
+import cv2
+import numpy as np
+from transformers.image_utils import SizeDict
+
+from ..errors import ImageError, TooLarge
+from ..settings import Settings
+
+cv2.setNumThreads(1)  # decoding runs beside torch's threads; OpenCV's own pool would oversubscribe
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_bytes: int
+    max_decoded_pixels: int
+    max_pixels: int  # the budget the image is resized into
+    min_pixels: int = 32 * 32
+    factor: int = 32  # patch size × merge size: sides are multiples of it
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    """An RGB uint8 image already at the size the processor will use (so it does not resize it)."""
+
+    pixels: np.ndarray  # H × W × 3, RGB
+    source_format: str
+    source_size: tuple[int, int]  # (width, height) as stored, before orientation and resizing
+    digest: str  # of the resized pixels: the vision-feature cache key
+    decode_seconds: float = 0.0  # checking, decoding and resizing it
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.pixels.shape[1], self.pixels.shape[0]
+
+
+def sniff_format(data: bytes) -> str | None:
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpeg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    if data[:2] == b"BM":
+        return "bmp"
+    return None
+
+
+def header_size(data: bytes, fmt: str) -> tuple[int, int]:
+    """(width, height) read from the file header without decoding; ImageError if unreadable."""
+    try:
+        if fmt == "png":
+            if data[12:16] != b"IHDR":
+                raise ValueError("no IHDR")
+            return struct.unpack(">II", data[16:24])
+        if fmt == "bmp":
+            width, height = struct.unpack("<ii", data[18:26])
+            return abs(width), abs(height)
+        if fmt == "webp":
+            return _webp_size(data)
+        return _jpeg_size(data)
+    except (struct.error, ValueError, IndexError) as exc:
+        raise ImageError(f"truncated or corrupt {fmt.upper()} header") from exc
+
+
+def _webp_size(data: bytes) -> tuple[int, int]:
+    chunk = data[12:16]
+    if chunk == b"VP8X":
+        width = 1 + int.from_bytes(data[24:27], "little")
+        height = 1 + int.from_bytes(data[27:30], "little")
+        return width, height
+    if chunk == b"VP8L":
+        bits = int.from_bytes(data[21:25], "little")
+        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    if chunk == b"VP8 ":
+        width, height = struct.unpack("<HH", data[26:30])
+        return width & 0x3FFF, height & 0x3FFF
+    raise ValueError("unknown WebP chunk")
+
+
+_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int]:
+    pos = 2
+    while pos + 4 <= len(data):
+        if data[pos] != 0xFF:
+            raise ValueError("bad marker")
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            pos += 2
+            continue
+        length = struct.unpack(">H", data[pos + 2 : pos + 4])[0]
+        if marker in _JPEG_SOF:
+            height, width = struct.unpack(">HH", data[pos + 5 : pos + 9])
+            return width, height
+        pos += 2 + length
+    raise ValueError("no SOF marker")
+
+
+def fit_to_budget(width: int, height: int, limits: ImageLimits) -> tuple[int, int]:
+    """Target (width, height): multiples of `factor`, area within [min_pixels, max_pixels], aspect kept.
+
+    The same rule as Qwen2-VL's `smart_resize`, so the processor leaves the result as it is.
+    """
+    f = limits.factor
+    if max(width, height) / max(1, min(width, height)) > 200:
+        raise ImageError(f"aspect ratio of {width}x{height} is above 200:1")
+    h_bar = max(f, round(height / f) * f)
+    w_bar = max(f, round(width / f) * f)
+    if h_bar * w_bar > limits.max_pixels:
+        beta = math.sqrt(height * width / limits.max_pixels)
+        h_bar = max(f, math.floor(height / beta / f) * f)
+        w_bar = max(f, math.floor(width / beta / f) * f)
+    elif h_bar * w_bar < limits.min_pixels:
+        beta = math.sqrt(limits.min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / f) * f
+        w_bar = math.ceil(width * beta / f) * f
+    return w_bar, h_bar
+
+
+def _jpeg_reduce_flag(width: int, height: int, target: tuple[int, int]) -> int:
+    """The largest libjpeg DCT scaling (1/2, 1/4, 1/8) that still leaves ≥ the target size."""
+    for factor, flag in (
+        (8, cv2.IMREAD_REDUCED_COLOR_8),
+        (4, cv2.IMREAD_REDUCED_COLOR_4),
+        (2, cv2.IMREAD_REDUCED_COLOR_2),
+    ):
+        if (
+            width // factor >= target[0]
+            and height // factor >= target[1]
+            and height // factor >= target[0]
+            and width // factor >= target[1]
+        ):
+            return flag
+    return cv2.IMREAD_COLOR
+
+
+def to_rgb8(img: np.ndarray) -> np.ndarray:
+    """Any OpenCV decode result → RGB uint8. Alpha is composited on white."""
+    if img.dtype == np.uint16:
+        img = (img >> 8).astype(np.uint8)
+    elif img.dtype != np.uint8:
+        img = cv2.normalize(img, None, 0, 255, cv2.NORM_MINMAX).astype(np.uint8)
+    if img.ndim == 2:
+        return cv2.cvtColor(img, cv2.COLOR_GRAY2RGB)
+    channels = img.shape[2]
+    if channels == 1:
+        return cv2.cvtColor(img[:, :, 0], cv2.COLOR_GRAY2RGB)
+    if channels == 4:
+        alpha = img[:, :, 3:4].astype(np.float32) / 255.0
+        bgr = img[:, :, :3].astype(np.float32)
+        img = (bgr * alpha + 255.0 * (1.0 - alpha) + 0.5).astype(np.uint8)
+    return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+
+
+def resize_to(rgb: np.ndarray, target: tuple[int, int]) -> np.ndarray:
+    """`rgb` at `target` (width, height): area averaging to shrink (no aliasing), bicubic to enlarge."""
+    if (rgb.shape[1], rgb.shape[0]) == target:
+        return rgb
+    shrinking = target[0] * target[1] < rgb.shape[0] * rgb.shape[1]
+    return cv2.resize(rgb, target, interpolation=cv2.INTER_AREA if shrinking else cv2.INTER_CUBIC)
+
+
+def checked_upload(data: bytes, kind: str, max_bytes: int, sniff, error, expected: str) -> str:
+    """The format `sniff` finds in an upload of `kind` ("image", "video"), after the checks every
+    upload gets: not empty (`error`, 400), not over `max_bytes` (TooLarge, 413), a known format."""
+    if not data:
+        raise error(f"{kind} is empty")
+    if len(data) > max_bytes:
+        raise TooLarge(f"{kind} is {len(data)} bytes; the limit is {max_bytes}", code=f"{kind}_too_large")
+    fmt = sniff(data)
+    if fmt is None:
+        raise error(f"not a supported {kind}: {expected} expected")
+    return fmt
+
+
+def decode_image(data: bytes, limits: ImageLimits) -> DecodedImage:
+    """Bytes of a JPEG/PNG/WebP/BMP → RGB image resized into the pixel budget.
+
+    Raises ImageError (400) for empty, unknown, truncated or corrupt data and TooLarge (413) for
+    bytes or dimensions beyond the limits.
+    """
+    started = time.perf_counter()
+    fmt = checked_upload(data, "image", limits.max_bytes, sniff_format, ImageError, "JPEG, PNG, WebP or BMP")
+    width, height = header_size(data, fmt)
+    if width <= 0 or height <= 0:
+        raise ImageError(f"{fmt.upper()} header gives an empty image ({width}x{height})")
+    if width * height > limits.max_decoded_pixels:
+        raise TooLarge(
+            f"image is {width}x{height} = {width * height} pixels; the limit is {limits.max_decoded_pixels}",
+            code="image_too_large",
+        )
+    target = fit_to_budget(width, height, limits)
+    buffer = np.frombuffer(data, dtype=np.uint8)
+    if fmt == "jpeg":
+        # COLOR decodes apply the EXIF orientation; reduced decode skips most of the IDCT work.
+        img = cv2.imdecode(buffer, _jpeg_reduce_flag(width, height, target))
+    else:
+        img = cv2.imdecode(buffer, cv2.IMREAD_UNCHANGED)  # keeps alpha and 16-bit samples
+    if img is None or img.size == 0:
+        raise ImageError(f"could not decode the {fmt.upper()} image: truncated or corrupt")
+    rgb = to_rgb8(img)
+    # EXIF rotation may have swapped the sides: fit the image as oriented.
+    target = fit_to_budget(rgb.shape[1], rgb.shape[0], limits)
+    rgb = np.ascontiguousarray(resize_to(rgb, target))
+    digest = hashlib.blake2b(rgb.tobytes(), digest_size=16, person=b"qwen3vl-img").hexdigest()
+    return DecodedImage(
+        pixels=rgb,
+        source_format=fmt,
+        source_size=(width, height),
+        digest=digest,
+        decode_seconds=time.perf_counter() - started,
+    )
+
+
+def image_limits(processor, settings: Settings) -> ImageLimits:
+    """The decode limits, the pixel budget clipped to what the processor itself allows."""
+    ip = processor.image_processor
+    factor = ip.patch_size * ip.merge_size
+    max_pixels = min(settings.image_max_pixels, ip.size.longest_edge or settings.image_max_pixels)
+    min_pixels = min(ip.size.shortest_edge or factor * factor, max_pixels)
+    return ImageLimits(
+        max_bytes=settings.image_max_bytes,
+        max_decoded_pixels=settings.image_max_decoded_pixels,
+        max_pixels=max_pixels,
+        min_pixels=min_pixels,
+        factor=factor,
+    )
+
+
+def fit_processor(processor, settings: Settings) -> None:
+    """Make the processor's own resize rule the pixel budget's, so it never resizes an image the
+    service already sized (idempotent: the budget computed again from it is the same)."""
+    limits = image_limits(processor, settings)
+    processor.image_processor.size = SizeDict(shortest_edge=limits.min_pixels, longest_edge=limits.max_pixels)

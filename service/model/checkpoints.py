@@ -1,0 +1,317 @@
+"""Random-weight Qwen3-VL checkpoints: the embedded tiny test model and a 2B-shaped benchmark model.
+
+Both are real checkpoints (config, safetensors, a trained byte-level BPE tokenizer, chat template,
+image-processor config) that load through the same loader as a downloaded Qwen3-VL. Their weights
+are random, so their answers are noise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..settings import EMBEDDED_MODEL_DIRNAME
+
+log = logging.getLogger(__name__)
+
+RANDOM_MODEL_MARKER = "random_test_model"
+RANDOM_MODEL_WARNING = (
+    "This is the embedded RANDOM-WEIGHT test model: its answers are noise. "
+    "Set MODEL_PATH to a Qwen3-VL checkpoint directory for real answers."
+)
+
+# Qwen's special tokens, in the order (and so with the relative ids) of the real tokenizer.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# The Qwen3-VL Instruct prompt format: ChatML turns, each image as
+# <|vision_start|><|image_pad|><|vision_end|>, no default system prompt; with `tools`, Qwen's
+# function-calling system block (signatures in <tools>, calls answered in <tool_call> tags), an
+# assistant's calls rendered back as those tags and tool results as <tool_response> user turns.
+_CONTENT = (
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+)
+_TOOL_CALLS = (
+    "{% for call in message['tool_calls'] %}"
+    "{% if not loop.first or message['content'] %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": "{{ call[\'function\'][\'name\'] }}", "arguments": '
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}"
+    "}\n</tool_call>{% endfor %}"
+)
+# No whitespace control: every newline here is part of the prompt, as in Qwen's; one right after a
+# block tag is written {{ '\\n' }} (transformers renders with trim_blocks, which would drop it).
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{% set message = messages[0] %}" + _CONTENT + "{{ '\\n\\n' }}{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% if not tools %}<|im_start|>system\n" + _CONTENT + "<|im_end|>\n{% endif %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n" + _CONTENT + "{{ '\\n' }}</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n"
+    + _CONTENT
+    + "{% if message['tool_calls'] %}"
+    + _TOOL_CALLS
+    + "{% endif %}"
+    "<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Deterministic text the tiny tokenizer is trained on: enough English to give real merges.
+_CORPUS_WORDS = (
+    "the a an is are was were be been this that these those what which who where when why how "
+    "picture image photo cat dog bird car house tree sky sun water road person people man woman child "
+    "red green blue yellow black white orange purple brown gray color colour shape square circle line "
+    "left right top bottom middle center front back above below near far big small large tiny many few "
+    "describe tell me show answer question please thank you yes no there here in on at of to from with "
+    "and or but not can could would should will do does did have has had one two three four five six "
+    "seven eight nine ten zero hello world test model random noise assistant user system text video frame"
+).split()
+
+
+def _corpus() -> list[str]:
+    generator = torch.Generator().manual_seed(1234)
+    lines = []
+    for _ in range(2000):
+        idx = torch.randint(len(_CORPUS_WORDS), (12,), generator=generator).tolist()
+        sentence = " ".join(_CORPUS_WORDS[i] for i in idx)
+        lines.append(sentence.capitalize() + ("?" if idx[0] % 3 == 0 else ".") + f" {idx[1]} {idx[2] * 7}")
+    return lines
+
+
+def train_bpe(texts, vocab_size: int):
+    """A Qwen2-style byte-level BPE (Qwen's pre-tokenizer regex, byte alphabet, NFC) trained on
+    `texts`, with Qwen's special tokens after its `vocab_size` learned ones."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    return tokenizer
+
+
+def train_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
+    """Train the checkpoints' tokenizer on a fixed corpus; returns the special-token ids."""
+    tokenizer = train_bpe(_corpus(), vocab_size - len(SPECIAL_TOKENS))
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    tokenizer_config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 262144,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return ids
+
+
+def write_image_processor_config(out_dir: Path) -> None:
+    """The Qwen3-VL-2B-Instruct preprocessor settings (patch 16, merge 2, mean/std 0.5)."""
+    config = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    }
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _model_config(preset: str, ids: dict[str, int], vocab_size: int):
+    from transformers import Qwen3VLConfig
+
+    if preset == "tiny":
+        text = dict(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=32768,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [4, 2, 2],
+                "mrope_interleaved": True,
+            },
+            # Large init so greedy tokens vary: at 0.02 a random model emits one constant token.
+            initializer_range=0.3,
+        )
+        vision = dict(
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=4,
+            out_hidden_size=64,
+            deepstack_visual_indexes=[0, 1],
+            initializer_range=0.3,
+        )
+    elif preset == "2b":
+        text = dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=262144,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [24, 20, 20],
+                "mrope_interleaved": True,
+            },
+            initializer_range=0.02,
+        )
+        vision = dict(
+            depth=24,
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_heads=16,
+            out_hidden_size=2048,
+            deepstack_visual_indexes=[5, 11, 17],
+            initializer_range=0.02,
+        )
+    else:
+        raise ValueError(f"unknown preset {preset!r}: use 'tiny' or '2b'")
+    vision.update(
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        in_channels=3,
+        num_position_embeddings=2304,
+        hidden_act="gelu_pytorch_tanh",
+    )
+    text.update(
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+        tie_word_embeddings=True,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    return Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+
+
+def make_checkpoint(preset: str, out_dir: str | os.PathLike) -> Path:
+    """Write a random-weight Qwen3-VL checkpoint to `out_dir`, deterministically (seeded).
+
+    `tiny` is the embedded test model (fp32, ~1 MB, ~1 s); `2b` has the exact shapes of
+    Qwen3-VL-2B, stored in bf16 like the real checkpoint (~4.3 GB).
+    """
+    from transformers import Qwen3VLForConditionalGeneration
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab_size = 1024 if preset == "tiny" else 4096
+    ids = train_tokenizer(out_dir, vocab_size)
+    write_image_processor_config(out_dir)
+    # The tiny model's vocabulary is exactly its tokenizer's, so every sampled id decodes to text.
+    config = _model_config(preset, ids, max(ids.values()) + 1 if preset == "tiny" else 151936)
+    dtype = torch.float32 if preset == "tiny" else torch.bfloat16
+    config.dtype = dtype
+    setattr(config, RANDOM_MODEL_MARKER, True)
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration._from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(out_dir, max_shard_size="2GB")
+    log.info("wrote %s random Qwen3-VL checkpoint to %s", preset, out_dir)
+    return out_dir
+
+
+def embedded_model_dir(cache_dir: Path) -> Path:
+    """The embedded tiny checkpoint under `cache_dir`, built once (atomically) on first use."""
+    target = Path(cache_dir) / EMBEDDED_MODEL_DIRNAME
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.warning("building the embedded random test model in %s (once)", target)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    try:
+        make_checkpoint("tiny", staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def is_random_test_model(config) -> bool:
+    return bool(getattr(config, RANDOM_MODEL_MARKER, False))

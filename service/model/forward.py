@@ -1,0 +1,191 @@
+"""The text decoder's forward for any number of rows per sequence: prefill pieces, decode steps,
+batches — one computation, so a token's keys, values and logits have the same bits whichever path
+computed them.
+
+Every op works on each row alone: embeddings and vision features are copied in per row; RMSNorm,
+rotary and the MLP's activation are row-wise; every INT8 Linear quantizes its input per row
+(service/quant/int8_linear.py) and accumulates in integers; attention (service/model/attention.py) computes
+each query from its own keys in an order fixed by its position. So a token computed as one of a
+128-row prefill piece, alone in a decode step, or beside three other sequences gets the same
+bits, and a cached prefix is the prefix a fresh prefill computes. (fp32 weights use float GEMMs,
+whose rounding changes with the number of rows: that mode is exact only for equal pieces.)
+
+The layer math is transformers' Qwen3-VL text decoder, read from the loaded model: the same
+weights and config, without its per-layer Python machinery (no masks: each sequence attends to
+exactly its own cache; rotary cos/sin once per call for every layer; q and k heads normed in one
+call; keys and values appended in place, service/caches/kv.py; four Linear calls per layer,
+service/quant/fusion.py). tests/test_forward.py checks it against transformers' forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..caches.kv import GrowingCache
+from ..vision.features import VisionFeatures
+from .attention import TorchAttention
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: nn.Module
+    qk_norm: torch.Tensor  # (heads + kv_heads) × head_dim: q_norm's weight per query head, then k_norm's
+    o_proj: nn.Module
+    post_norm: torch.Tensor
+    gate_up: nn.Module
+    down: nn.Module
+    act: nn.Module
+
+
+@dataclass
+class VisionRows:
+    """Rows of a call that hold pictures or video frames: their features replace the placeholders'
+    embeddings, and feature k of `deepstack` is added after decoder layer k (Qwen3-VL's DeepStack)."""
+
+    rows: torch.Tensor  # indices into the call's rows
+    features: VisionFeatures
+
+
+@dataclass
+class Rows:
+    """One sequence's part of a call: `count` consecutive rows, its KV cache, its vision rows."""
+
+    cache: object  # a GrowingCache (service/caches/kv.py): extended in place by these rows
+    count: int
+    vision: list[VisionRows] = field(default_factory=list)
+
+
+class TextForward:
+    """`forward(ids, positions, sequences, logits_rows)`: see the module docstring."""
+
+    def __init__(self, model, attention):
+        lm = model.model.language_model
+        config = lm.config
+        self.model_config = model.config
+        self.embed_tokens = lm.embed_tokens
+        self.lm_head = model.lm_head
+        self.hidden = config.hidden_size
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.eps = config.rms_norm_eps
+        if not attention.supports(self.head_dim):
+            log.warning("the attention kernel cannot take heads of %d: one SDPA call per prompt token", self.head_dim)
+            attention = TorchAttention()
+        self.attention = attention
+        self.inv_freq = lm.rotary_emb.inv_freq.float()
+        self.rope_scaling = lm.rotary_emb.attention_scaling
+        self.axis_of_frequency = _mrope_axes(lm.rotary_emb.mrope_section, len(self.inv_freq))
+        self.final_norm = lm.norm.weight
+        self.layers = [
+            _Layer(
+                input_norm=layer.input_layernorm.weight,
+                qkv=layer.self_attn.qkv_proj,
+                qk_norm=torch.cat(
+                    [
+                        layer.self_attn.q_norm.weight.expand(self.heads, -1),
+                        layer.self_attn.k_norm.weight.expand(self.kv_heads, -1),
+                    ]
+                ),
+                o_proj=layer.self_attn.o_proj,
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_up=layer.mlp.gate_up_proj,
+                down=layer.mlp.down_proj,
+                act=layer.mlp.act_fn,
+            )
+            for layer in lm.layers
+        ]
+        self._qk_width = (self.heads + self.kv_heads) * self.head_dim
+
+    def new_cache(self, dtype: torch.dtype) -> GrowingCache:
+        """An empty KV cache for one sequence, keys and values stored in `dtype`."""
+        return GrowingCache(config=self.model_config, dtype=dtype)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (rows × 1 × head_dim) at each row's M-RoPE position (3 × rows: time,
+        height, width), as transformers computes them: each frequency takes its axis's position
+        (interleaved M-RoPE); the sign of sin's first half folds rotate_half's negation in."""
+        freqs = positions[self.axis_of_frequency, torch.arange(positions.shape[1])[:, None]].float() * self.inv_freq
+        cos, sin = freqs.cos() * self.rope_scaling, freqs.sin() * self.rope_scaling
+        return torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None]
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x·cos + rotate_half(x)·sin, rotate_half(x) = (-x2, x1): the same products, one roll."""
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        sequences: list[Rows],
+        logits_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (len(logits_rows) × vocab; every row's if None) after feeding `token_ids` (rows)
+        at M-RoPE `positions` (3 × rows, or rows when all three axes agree, as after the prompt):
+        `sequences` take consecutive rows, in order, and each one's cache grows by its rows."""
+        rows = len(token_ids)
+        if sum(s.count for s in sequences) != rows:
+            raise ValueError("the sequences' rows do not add up to the rows given")
+        if positions.dim() == 1:
+            positions = positions.expand(3, rows)
+        x = self.embed_tokens(token_ids)
+        # vision rows of the whole call: placeholders' embeddings replaced by the features
+        vision = [(v.rows + offset, v.features) for offset, s in zip(_offsets(sequences), sequences) for v in s.vision]
+        for index, features in vision:
+            x[index] = features.pooler.to(x.dtype)
+        cos, sin = self.rotary(positions)
+        starts = [s.cache.get_seq_length() for s in sequences]
+        attended = torch.empty(rows, self.heads, self.head_dim)
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
+            qkv = layer.qkv(h)
+            # q and k heads normed and rotated in one go: one call each instead of two
+            qk = qkv[:, : self._qk_width].view(rows, self.heads + self.kv_heads, self.head_dim)
+            qk = self._rotate(F.rms_norm(qk, (self.head_dim,), eps=self.eps) * layer.qk_norm, cos, sin)
+            v = qkv[:, self._qk_width :].view(rows, self.kv_heads, self.head_dim)
+            lo = 0
+            for sequence, start in zip(sequences, starts):
+                hi = lo + sequence.count
+                keys, values = sequence.cache.layers[i].update(
+                    qk[lo:hi, self.heads :].transpose(0, 1)[None], v[lo:hi].transpose(0, 1)[None]
+                )
+                self.attention(qk[lo:hi, : self.heads], keys, values, start, attended[lo:hi])
+                lo = hi
+            x = x + layer.o_proj(attended.view(rows, -1))
+            h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(layer.act(gate) * up)
+            for index, features in vision:
+                if i < len(features.deepstack):
+                    x[index] = x[index] + features.deepstack[i].to(x.dtype)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return self.lm_head(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps))
+
+
+def _offsets(sequences: list[Rows]) -> list[int]:
+    """The first row of each sequence in the call."""
+    offsets, at = [], 0
+    for s in sequences:
+        offsets.append(at)
+        at += s.count
+    return offsets
+
+
+def _mrope_axes(section: list[int], frequencies: int) -> torch.Tensor:
+    """The M-RoPE axis (0 time, 1 height, 2 width) of each rotary frequency, interleaved as
+    transformers' `recomposition_frequencies`: height every third from 1, width every third from 2,
+    within 3 × their sections; time elsewhere."""
+    axes = torch.zeros(frequencies, dtype=torch.long)
+    for axis in (1, 2):
+        axes[axis : section[axis] * 3 : 3] = axis
+    return axes

@@ -1,0 +1,211 @@
+"""Which INT8 kernel serves: measured on this machine, on this checkpoint's shapes, not read off CPU flags.
+
+The kernels (service/quant/int8_linear.py: FBGEMM, oneDNN, the service's own `native` one) give the same
+bits, so the choice is about speed only — and they rank differently on every CPU seen so far (on an
+AVX-512 EPYC without AMX FBGEMM decoded 1.6x faster than oneDNN; on a Xeon with AMX oneDNN
+prefilled 2-4x faster). So at the first start on a machine each available kernel is timed on
+the checkpoint's own two kinds of matrix (hidden → MLP width, MLP width → hidden):
+
+- a decode step's row, weights read from memory (the caches are flushed before each call, as a
+  step reads every layer's weights once and none stays cached);
+- a prefill piece of PREFILL_CHUNK_TOKENS rows (weights in cache: that is compute).
+
+The text decoder takes the kernel with the least `decode + prefill / rows`: the time per token of a
+typical turn whose prompt and answer are about as long (a picture and a question of ~250 tokens,
+an answer of a paragraph or two); decode weighs most because every answer token pays it. The
+vision tower, which only ever sees many rows, takes the fastest prefill. INT8_KERNEL=fbgemm|
+onednn|native forces one kernel for both.
+
+The result is kept in CACHE_DIR/int8-kernels.json under the CPU's model and flags, the torch
+version, the native kernel's source, the threads and the shapes: a restart reads it instead of
+measuring again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..native import INT8_GEMM, cpu_identity
+from .int8_linear import Int8Linear, available_kernels
+
+log = logging.getLogger(__name__)
+
+PROBE_VERSION = 1  # bump when the measurement changes: earlier results are then measured again
+RESULTS_FILE = "int8-kernels.json"
+DECODE_CALLS = 3  # timed calls per matrix and kernel (the fastest counts: noise only ever adds)
+PREFILL_CALLS = 2
+
+
+@dataclass
+class KernelChoice:
+    """The kernels serving the text decoder (with lm_head) and the vision tower, and why."""
+
+    decoder: str
+    vision: str
+    forced: bool = False
+    cached: bool = False  # read from CACHE_DIR, not measured by this process
+    probe_seconds: float = 0.0
+    # kernel → {"decode_ms": one row, both matrices; "prefill_ms": PREFILL_CHUNK_TOKENS rows, both matrices}
+    measured: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.forced:
+            return f"{self.decoder} (INT8_KERNEL)"
+        figures = ", ".join(
+            f"{k} {m['decode_ms']:.2f} ms/row + {m['prefill_ms']:.1f} ms/piece" for k, m in self.measured.items()
+        )
+        how = "measured before" if self.cached else f"measured in {self.probe_seconds:.2f} s"
+        return f"decoder {self.decoder}, vision {self.vision} ({how}: {figures})"
+
+
+def checkpoint_shapes(model_path: Path) -> tuple[int, int]:
+    """(hidden size, MLP width) of the checkpoint's text decoder, from its config.json."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    text = config.get("text_config", config)
+    return int(text["hidden_size"]), int(text["intermediate_size"])
+
+
+def choose(setting: str, model_path: Path, cache_dir: Path, threads: int, rows: int) -> KernelChoice:
+    """The kernels INT8_KERNEL (`setting`) names, or for "auto" the measured best (cached per machine)."""
+    if setting != "auto":
+        return KernelChoice(decoder=setting, vision=setting, forced=True)
+    hidden, width = checkpoint_shapes(model_path)
+    candidates = available_kernels()
+    key = hashlib.blake2b(
+        repr(
+            (
+                PROBE_VERSION,
+                INT8_GEMM.source.read_bytes(),
+                cpu_identity(),
+                torch.__version__,
+                threads,
+                rows,
+                hidden,
+                width,
+            )
+            + tuple(candidates)
+        ).encode(),
+        digest_size=8,
+    ).hexdigest()
+    path = Path(cache_dir) / RESULTS_FILE
+    known = _read(path)
+    try:
+        return _decide(known[key]["measured"], cached=True, probe_seconds=known[key]["probe_seconds"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):  # not measured here yet, or not readable
+        pass
+    started = time.perf_counter()
+    measured = _in_own_thread(lambda: _measure(candidates, hidden, width, threads, rows))
+    choice = _decide(measured, cached=False, probe_seconds=time.perf_counter() - started)
+    _write(path, {**_read(path), key: {"measured": measured, "probe_seconds": choice.probe_seconds}})
+    return choice
+
+
+def _decide(measured: dict, cached: bool, probe_seconds: float) -> KernelChoice:
+    def per_token(kernel):
+        return measured[kernel]["decode_ms"] + measured[kernel]["prefill_ms"] / measured[kernel]["rows"]
+
+    return KernelChoice(
+        decoder=min(measured, key=per_token),
+        vision=min(measured, key=lambda k: measured[k]["prefill_ms"]),
+        cached=cached,
+        probe_seconds=probe_seconds,
+        measured=measured,
+    )
+
+
+def _in_own_thread(work):
+    """Run `work` on a thread of its own, with its own OpenMP team: a process that forks afterwards
+    (Gunicorn's preloading master) must never have started one on its main thread (the child would
+    hang in its first parallel region)."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = work()
+        except BaseException as exc:  # re-raised in the caller
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="int8-kernel-probe")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _flush_size() -> int:
+    """Bytes to read between decode calls so that no weight is left in any cache: twice the last
+    level cache (from sysfs; 64 MiB if it does not say)."""
+    try:
+        sizes = [Path(p).read_text().strip() for p in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")]
+        largest = max(int(s[:-1]) * {"K": 1024, "M": 1024**2}[s[-1]] for s in sizes if s[-1] in "KM")
+        return min(2 * largest, 1024**3)
+    except (OSError, ValueError):
+        return 64 * 1024**2
+
+
+def _measure(candidates: list[str], hidden: int, width: int, threads: int, rows: int) -> dict:
+    torch.set_num_threads(threads)  # this thread's OpenMP team (the caller's is its own)
+    generator = torch.Generator().manual_seed(0)
+    # (out, in): gate_up's and down's kinds of matrix, capped at 4-6 MB so that three kernels pack and
+    # run in a fraction of a second
+    shapes = [(min(2 * width, 2048), hidden), (min(hidden, 1024), width)]
+    weights = [
+        (torch.empty(shape, dtype=torch.int8).random_(-127, 128, generator=generator), torch.full((shape[0],), 1e-3))
+        for shape in shapes
+    ]
+    inputs = [torch.randn(rows, shape[1], generator=generator) for shape in shapes]
+    flush = torch.ones(_flush_size() // 4)
+    measured = {}
+    with torch.inference_mode():
+        for kernel in candidates:
+            layers = [Int8Linear(w, s, None, kernel=kernel) for w, s in weights]
+            for layer, x in zip(layers, inputs):
+                layer(x[:1])  # first-call costs
+            decode = []
+            for _ in range(DECODE_CALLS):
+                total = 0.0
+                for layer, x in zip(layers, inputs):
+                    flush.sum()
+                    began = time.perf_counter()
+                    layer(x[:1])
+                    total += time.perf_counter() - began
+                decode.append(total)
+            prefill = []
+            for _ in range(PREFILL_CALLS):
+                began = time.perf_counter()
+                for layer, x in zip(layers, inputs):
+                    layer(x)
+                prefill.append(time.perf_counter() - began)
+            measured[kernel] = {"decode_ms": min(decode) * 1000, "prefill_ms": min(prefill) * 1000, "rows": rows}
+            del layers
+    return measured
+
+
+def _read(path: Path) -> dict:
+    """The kept measurements; {} for a missing or damaged file (measured over, then rewritten)."""
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return results if isinstance(results, dict) else {}
+
+
+def _write(path: Path, results: dict) -> None:
+    """Atomically (instances starting together may race: the last one wins, both are valid)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_name(f".{path.name}.{os.getpid()}")
+        scratch.write_text(json.dumps(results, indent=1))
+        os.replace(scratch, path)
+    except OSError as exc:
+        log.warning("could not keep the INT8 kernel measurement in %s: %s", path, exc)

@@ -1,0 +1,60 @@
+"""Vision encoders: pixel patches → per-image features (`pooler_output` and deepstack features).
+
+`VisionFeatures` is what the caches store and what the model's forward takes via `mm_encoder_outputs`.
+Backends share one call: `encoder(pixel_values, image_grid_thw) -> list[VisionFeatures]`
+(service/vision/encoders.py picks one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+
+@dataclass
+class VisionFeatures:
+    """One image's encoder output: merged tokens × hidden, and one such tensor per deepstack layer."""
+
+    pooler: torch.Tensor
+    deepstack: list[torch.Tensor]
+
+    @classmethod
+    def cat(cls, parts: list[VisionFeatures]) -> VisionFeatures:
+        """Several features (frames, pictures) as one, rows in order."""
+        return cls(
+            pooler=torch.cat([p.pooler for p in parts]),
+            deepstack=[torch.cat(layer) for layer in zip(*(p.deepstack for p in parts))],
+        )
+
+    def rows(self, lo: int, hi: int) -> VisionFeatures:
+        return VisionFeatures(pooler=self.pooler[lo:hi], deepstack=[d[lo:hi] for d in self.deepstack])
+
+
+class TorchVisionEncoder:
+    """The model's own vision tower (`get_image_features`)."""
+
+    name = "torch"
+
+    def __init__(self, model):
+        self.model = model
+
+    @torch.inference_mode()
+    def __call__(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[VisionFeatures]:
+        out = self.model.model.get_image_features(pixel_values, image_grid_thw)
+        layers = [list(layer) for layer in out.deepstack_features]
+        return [
+            VisionFeatures(pooler=p, deepstack=[layer[i] for layer in layers]) for i, p in enumerate(out.pooler_output)
+        ]
+
+
+def as_mm_encoder_outputs(features: list[VisionFeatures], modality: str = "image") -> dict:
+    """Per-image (or per-video) features in the container `model(..., mm_encoder_outputs=...)` expects."""
+    depth = len(features[0].deepstack)
+    return {
+        modality: BaseModelOutputWithDeepstackFeatures(
+            pooler_output=[f.pooler for f in features],
+            deepstack_features=[[f.deepstack[k] for f in features] for k in range(depth)],
+        )
+    }

@@ -1,0 +1,125 @@
+"""The published contract is the one kept: every answer of both chat endpoints (whole, streamed,
+with tool calls and logprobs) and of /v1/models validates against the 200 schemas /openapi.json
+publishes — the routes build their bodies from the same pydantic models (service/api/responses.py).
+The app in-process on the embedded model (Flask's test client: the schemas, not the transport)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import jsonschema
+import pytest
+from referencing import Registry, Resource
+
+from service.api.app import create_app
+
+from conftest import make_settings
+from imaging import encode, pattern
+
+PICTURE = "data:image/png;base64," + base64.b64encode(encode(pattern(96, 96), ".png")).decode()
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
+
+
+@pytest.fixture(scope="module")
+def client(cache_dir, tiny_dir):
+    return create_app(make_settings(cache_dir), load="now").test_client()
+
+
+@pytest.fixture(scope="module")
+def document(client):
+    return client.get("/openapi.json").json
+
+
+def validator(document: dict, schema: dict):
+    """A validator of `schema` ({"$ref": "#/components/schemas/..."}) in the document's components."""
+    root = Resource.from_contents({**document, "$schema": "https://json-schema.org/draft/2020-12/schema"})
+    registry = Registry().with_resource("urn:openapi", root)
+    return jsonschema.Draft202012Validator({"$ref": "urn:openapi" + schema["$ref"]}, registry=registry)
+
+
+def response_schema(document: dict, path: str, method: str, media: str) -> dict:
+    content = document["paths"][path][method]["responses"]["200"]["content"][media]
+    return {"$ref": content["schema"]["$ref"]}
+
+
+def ref(document: dict, path: str, media: str, key: str) -> list[dict]:
+    """The x-event-schema / x-line-schemas refs of a streamed response."""
+    value = document["paths"][path]["post"]["responses"]["200"]["content"][media][key]
+    return value if isinstance(value, list) else [value]
+
+
+def valid_against_one(document: dict, schemas: list[dict], instance: dict) -> bool:
+    return any(validator(document, {"$ref": s["$ref"]}).is_valid(instance) for s in schemas)
+
+
+def openai_body(**extra) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": PICTURE}}, {"type": "text", "text": "What is it?"}]
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 12, "temperature": 0, **extra}
+
+
+def sse_events(response) -> list[dict]:
+    lines = [line[len("data: ") :] for line in response.get_data(as_text=True).split("\n\n") if line]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"logprobs": True, "top_logprobs": 2}, {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 200}],
+    ids=["plain", "logprobs", "tool call"],
+)
+def test_a_chat_completion_is_what_the_document_says(client, document, extra):
+    body = client.post("/v1/chat/completions", json=openai_body(**extra)).json
+    schema = response_schema(document, "/v1/chat/completions", "post", "application/json")
+    validator(document, schema).validate(body)
+    assert body["object"] == "chat.completion"
+    if "tools" in extra:
+        assert body["choices"][0]["message"]["tool_calls"] and body["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True}}, {"tools": [WEATHER]}],
+    ids=["plain", "logprobs and usage", "tools"],
+)
+def test_every_streamed_chunk_is_what_the_document_says(client, document, extra):
+    events = sse_events(client.post("/v1/chat/completions", json=openai_body(stream=True, **extra)))
+    chunk = ref(document, "/v1/chat/completions", "text/event-stream", "x-event-schema")
+    assert len(events) > 2 and all(valid_against_one(document, chunk, e) for e in events)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+@pytest.mark.parametrize("extra", [{}, {"logprobs": True, "top_logprobs": 1}], ids=["plain", "logprobs"])
+def test_every_native_line_and_answer_is_what_the_document_says(client, document, extra):
+    body = {"prompt": "What is it?", "images": [PICTURE], "max_tokens": 10, "temperature": 0, **extra}
+    lines = [json.loads(line) for line in client.post("/v1/chat", json=body).get_data(as_text=True).splitlines()]
+    head, *deltas, done = lines
+    schemas = ref(document, "/v1/chat", "application/x-ndjson", "x-line-schemas")
+    assert [valid_against_one(document, [s], line) for s, line in zip(schemas, (head, deltas[0], done))] == [True] * 3
+    assert all(valid_against_one(document, [schemas[1]], d) for d in deltas)
+    whole = client.post("/v1/chat", json={**body, "stream": False}).json
+    validator(document, response_schema(document, "/v1/chat", "post", "application/json")).validate(whole)
+    assert whole["done"] is True and whole["text"] == done["text"]
+
+
+def test_the_model_list_is_what_the_document_says(client, document):
+    schema = response_schema(document, "/v1/models", "get", "application/json")
+    validator(document, schema).validate(client.get("/v1/models").json)
+
+
+def test_a_schema_check_catches_a_body_that_breaks_the_contract(document):
+    """The control: the same check refuses a chat.completion whose usage lost a field."""
+    schema = response_schema(document, "/v1/chat/completions", "post", "application/json")
+    broken = {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}},
+    }
+    assert not validator(document, schema).is_valid(broken)

@@ -1,0 +1,211 @@
+"""Exact speculative decoding (service/engine/drafts.py, the scheduler's verify pass) on the real
+tiny model: greedy answers are the same bits with it on and off — alone, in a batch, after a cache
+hit, under a grammar — whatever the guesses; sampling keeps its distribution; it is reported.
+
+Guesses come from the grammar and from prompt lookup; to reach every path, some tests also force
+them: always right (the answer itself, computed before: every guess accepted) or always wrong."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+from test_caches import image
+from test_structured import RECEIPT
+from transformers import GenerationConfig
+
+from service.answer.structured import json_grammar
+from service.engine.drafts import DraftBudget, prompt_lookup
+from service.engine.engine import Engine
+from service.engine.sampling import Sampler
+from service.generation import Completion, GenerationRequest, SamplingParams
+from service.model.loading import load_model
+from service.model.prompts import ChatMessage, ImagePart, TextPart
+
+from conftest import make_settings
+
+ANSWER = 40
+
+
+@pytest.fixture(scope="module")
+def engines(cache_dir, tiny_dir):
+    """INT8 engines sharing one model: speculation on and off, bf16 and fp32 keys and values."""
+    loaded = load_model(make_settings(cache_dir, quantization="int8"))
+
+    def engine(**overrides):
+        return Engine(loaded, make_settings(cache_dir, quantization="int8", **overrides))
+
+    return {
+        ("on", "bfloat16"): engine(),
+        ("off", "bfloat16"): engine(speculative="off"),
+        ("on", "float32"): engine(kv_dtype="float32"),
+        ("off", "float32"): engine(speculative="off", kv_dtype="float32"),
+    }
+
+
+KV = pytest.mark.parametrize("kv", ["bfloat16", "float32"], ids=["kv-bf16", "kv-fp32"])
+
+
+def request(parts, **params) -> GenerationRequest:
+    sampling = SamplingParams(**{"max_tokens": ANSWER, "temperature": 0, "logprobs": 2, **params})
+    return GenerationRequest([ChatMessage("user", parts)], sampling)
+
+
+def run(engine: Engine, req: GenerationRequest) -> Completion:
+    return [e for e in engine.generate(req) if isinstance(e, Completion)][0]
+
+
+def same_bits(a: Completion, b: Completion) -> bool:
+    """The same tokens, and every logprob and alternative equal as floats."""
+    return a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+@pytest.fixture
+def forced_guesses(monkeypatch):
+    """force(lambda sequence_tokens: guesses): the drafts every sequence brings, instead of its own."""
+
+    def force(oracle):
+        monkeypatch.setattr(DraftBudget, "drafts", lambda self, token_ids, constraint: (oracle(token_ids), True))
+
+    return force
+
+
+def picture_question(engine, seed=0):
+    return [ImagePart(image(engine, 224, 160, seed=seed)), TextPart("Describe the picture, with every detail.")]
+
+
+@KV
+def test_right_guesses_are_all_accepted_and_change_no_bit(engines, forced_guesses, kv):
+    on, off = engines["on", kv], engines["off", kv]
+    parts = picture_question(on)
+    expected = run(off, request(parts))
+    prompt_length = None
+
+    def oracle(token_ids):  # the rest of the answer the model will give: every guess right
+        nonlocal prompt_length
+        prompt_length = prompt_length or len(token_ids) - 1
+        made = len(token_ids) - prompt_length
+        return list(expected.token_ids[made : made + 4])
+
+    forced_guesses(oracle)
+    got = run(on, request(parts))
+    assert same_bits(got, expected)
+    assert got.drafted_tokens >= ANSWER // 2 and got.accepted_tokens == got.drafted_tokens
+
+
+@KV
+def test_wrong_guesses_are_all_rejected_and_change_no_bit(engines, forced_guesses, kv):
+    on, off = engines["on", kv], engines["off", kv]
+    parts = picture_question(on, seed=1)
+    expected = run(off, request(parts))
+    forced_guesses(lambda token_ids: [(token_ids[-1] + 1 + i) % 50 for i in range(4)])  # never the answer
+    got = run(on, request(parts))
+    assert same_bits(got, expected)
+    assert got.drafted_tokens > 0 and got.accepted_tokens < got.drafted_tokens
+
+
+def test_the_cache_a_speculative_answer_leaves_is_the_bits_of_one_without(engines, forced_guesses):
+    """Rejected rows leave the KV cache as if never written: the kept conversation is the same bits."""
+    on, off = engines["on", "bfloat16"], engines["off", "bfloat16"]
+    parts = picture_question(on, seed=2)
+    forced_guesses(lambda token_ids: [token_ids[-1], 7, 7, 7])  # a mix of hits (repeats) and misses
+    for engine in (on, off):
+        kept = GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=ANSWER, temperature=0))
+        kept.conversation_id = "kept"
+        run(engine, kept)
+    a, b = (e.conversation_cache.entries.peek("id:kept") for e in (on, off))
+    assert torch.equal(a.token_ids, b.token_ids)
+    assert all(
+        torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values) for x, y in zip(a.cache.layers, b.cache.layers)
+    )
+
+
+@KV
+def test_greedy_answers_in_a_batch_are_the_same_bits_with_speculation_on_and_off(engines, kv):
+    """Four requests together, their own guesses (prompt lookup): each answer the bits of its
+    answer without speculation, alone."""
+    on, off = engines["on", kv], engines["off", kv]
+    makers = [
+        lambda: request([TextPart("Repeat after me: red square, blue circle, red square, blue circle.")]),
+        lambda: request(picture_question(on, seed=3)),
+        lambda: request([TextPart("Hi.")], max_tokens=25),
+        lambda: request([TextPart("Count: one two three one two three one two three")]),
+    ]
+    expected = [run(off, make()) for make in makers]
+    results = [None] * len(makers)
+
+    def go(i):
+        results[i] = run(on, makers[i]())
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(makers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(same_bits(r, e) for r, e in zip(results, expected))
+
+
+def test_a_grammar_guesses_its_forced_tokens_and_the_json_is_the_same_bits(engines):
+    """Under a JSON Schema the grammar's forced tokens (keys, quotes, punctuation) are guessed: the
+    model makes most of them (the grammar forces the text; the model may spell it in other tokens),
+    and the answer is the bits of the answer without speculation."""
+    on, off = engines["on", "bfloat16"], engines["off", "bfloat16"]
+
+    def constrained():
+        req = request([TextPart("Read the receipt in this message.")], max_tokens=200)
+        req.grammar = json_grammar(RECEIPT, "response_format")
+        return req
+
+    expected, got = run(off, constrained()), run(on, constrained())
+    assert same_bits(got, expected)
+    assert got.accepted_tokens > 10 and got.accepted_tokens >= 0.8 * got.drafted_tokens
+
+
+def test_sampled_answers_are_reproducible_with_a_seed(engines):
+    on = engines["on", "bfloat16"]
+    parts = [TextPart("Repeat after me: red square, blue circle, red square, blue circle.")]
+    first, again = (run(on, request(parts, temperature=0.8, seed=11)) for _ in range(2))
+    assert first.token_ids == again.token_ids and first.drafted_tokens == again.drafted_tokens
+
+
+def test_a_guess_keeps_the_sampling_distribution():
+    """The point-mass rule: accept the guess with the model's probability of it, else draw from the
+    rest. Over 10,000 draws the frequencies match the distribution with and without a guess (a
+    likely guess, an unlikely one): within 0.02, 4 standard deviations; a rule that drew from the whole
+    distribution after a rejection would be off by 0.25 for the likely guess."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
+    probs = logits.softmax(-1)[0]
+    sampler = Sampler(GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0), seed=5)
+    draws = 10_000
+    for draft in (None, 0, 3):
+        counts = torch.zeros(5)
+        for _ in range(draws):
+            counts[sampler([1], logits, draft=draft)] += 1
+        assert torch.allclose(counts / draws, probs, atol=0.02), (draft, counts / draws, probs)
+
+
+def test_prompt_lookup_guesses_what_followed_the_latest_ngram():
+    assert prompt_lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]  # the 3-gram 1 2 3 seen before
+    assert prompt_lookup([5, 6, 7, 6], 2) == [7, 6]  # falls back to the 1-gram 6
+    assert prompt_lookup([1, 2, 3], 4) == []  # nothing repeats
+
+
+def test_speculation_off_guesses_nothing_and_the_request_field_turns_it_off(engines):
+    parts = [TextPart("Repeat after me: red square, blue circle, red square, blue circle.")]
+    assert run(engines["off", "bfloat16"], request(parts)).drafted_tokens == 0
+    req = request(parts)
+    req.speculative = False
+    assert run(engines["on", "bfloat16"], req).drafted_tokens == 0
+
+    def counted():
+        return sum(
+            REGISTRY.get_sample_value("qwen3vl_draft_tokens_total", {"source": "lookup", "result": r}) or 0
+            for r in ("accepted", "rejected")
+        )
+
+    before = counted()
+    done = run(engines["on", "bfloat16"], request(parts))
+    assert done.drafted_tokens > 0  # the repeated phrase is guessed
+    assert counted() - before == done.drafted_tokens
