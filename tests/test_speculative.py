@@ -1,6 +1,6 @@
 """Exact speculative decoding (service/engine/drafts.py, the scheduler's verify pass) on the real
 tiny model: greedy answers are the same bits with it on and off — alone, in a batch, after a cache
-hit, under a grammar — whatever the guesses; sampling keeps its distribution; it is reported.
+hit, under a grammar — whatever the guesses; so are seeded sampled answers; it is reported.
 
 Guesses come from the grammar and from prompt lookup; to reach every path, some tests also force
 them: always right (the answer itself, computed before: every guess accepted) or always wrong."""
@@ -14,12 +14,10 @@ import torch
 from prometheus_client import REGISTRY
 from test_caches import image
 from test_structured import RECEIPT
-from transformers import GenerationConfig
 
 from service.answer.structured import json_grammar
 from service.engine.drafts import DraftBudget, prompt_lookup
 from service.engine.engine import Engine
-from service.engine.sampling import Sampler
 from service.generation import Completion, GenerationRequest, SamplingParams
 from service.model.loading import load_model
 from service.model.prompts import ChatMessage, ImagePart, TextPart
@@ -76,20 +74,28 @@ def picture_question(engine, seed=0):
     return [ImagePart(image(engine, 224, 160, seed=seed)), TextPart("Describe the picture, with every detail.")]
 
 
+def answer_oracle(expected: Completion, right: int = 4, wrong: int = 0, after: list[int] = ()):
+    """Guesses from an answer computed before: its next `right` tokens, then `wrong` tokens it does
+    not hold there (`after`: what to guess past its end)."""
+    prompt_length = None
+    answer = [*expected.token_ids, *after]
+
+    def oracle(token_ids):
+        nonlocal prompt_length
+        prompt_length = prompt_length or len(token_ids) - 1
+        made = len(token_ids) - prompt_length
+        good = answer[made : made + right]
+        return good + [(answer[min(made + len(good), len(answer) - 1)] + 1 + i) % 50 for i in range(wrong)]
+
+    return oracle
+
+
 @KV
 def test_right_guesses_are_all_accepted_and_change_no_bit(engines, forced_guesses, kv):
     on, off = engines["on", kv], engines["off", kv]
     parts = picture_question(on)
     expected = run(off, request(parts))
-    prompt_length = None
-
-    def oracle(token_ids):  # the rest of the answer the model will give: every guess right
-        nonlocal prompt_length
-        prompt_length = prompt_length or len(token_ids) - 1
-        made = len(token_ids) - prompt_length
-        return list(expected.token_ids[made : made + 4])
-
-    forced_guesses(oracle)
+    forced_guesses(answer_oracle(expected))
     got = run(on, request(parts))
     assert same_bits(got, expected)
     assert got.drafted_tokens >= ANSWER // 2 and got.accepted_tokens == got.drafted_tokens
@@ -110,11 +116,17 @@ def test_the_cache_a_speculative_answer_leaves_is_the_bits_of_one_without(engine
     """Rejected rows leave the KV cache as if never written: the kept conversation is the same bits."""
     on, off = engines["on", "bfloat16"], engines["off", "bfloat16"]
     parts = picture_question(on, seed=2)
-    forced_guesses(lambda token_ids: [token_ids[-1], 7, 7, 7])  # a mix of hits (repeats) and misses
-    for engine in (on, off):
-        kept = GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=ANSWER, temperature=0))
-        kept.conversation_id = "kept"
-        run(engine, kept)
+
+    def kept():
+        req = GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=ANSWER, temperature=0))
+        req.conversation_id = "kept"
+        return req
+
+    expected = run(off, kept())
+    forced_guesses(answer_oracle(expected, right=2, wrong=2))  # every step: two made, then two not
+    got = run(on, kept())
+    assert got.token_ids == expected.token_ids
+    assert 0 < got.accepted_tokens < got.drafted_tokens  # rows verified and cut back, step after step
     a, b = (e.conversation_cache.entries.peek("id:kept") for e in (on, off))
     assert torch.equal(a.token_ids, b.token_ids)
     assert all(
@@ -123,8 +135,10 @@ def test_the_cache_a_speculative_answer_leaves_is_the_bits_of_one_without(engine
 
 
 @KV
-def test_greedy_answers_in_a_batch_are_the_same_bits_with_speculation_on_and_off(engines, kv):
-    """Four requests together, their own guesses (prompt lookup): each answer the bits of its
+@pytest.mark.parametrize("guesses", ["own", "4 wrong each"])
+def test_greedy_answers_in_a_batch_are_the_same_bits_with_speculation_on_and_off(engines, forced_guesses, kv, guesses):
+    """Four requests together, their own guesses (prompt lookup) or 4 wrong ones each (16 rows of
+    guesses: more than a step verifies, so some sequences get fewer): each answer the bits of its
     answer without speculation, alone."""
     on, off = engines["on", kv], engines["off", kv]
     makers = [
@@ -134,6 +148,8 @@ def test_greedy_answers_in_a_batch_are_the_same_bits_with_speculation_on_and_off
         lambda: request([TextPart("Count: one two three one two three one two three")]),
     ]
     expected = [run(off, make()) for make in makers]
+    if guesses != "own":
+        forced_guesses(lambda token_ids: [(token_ids[-1] + 1 + i) % 50 for i in range(4)])
     results = [None] * len(makers)
 
     def go(i):
@@ -145,6 +161,7 @@ def test_greedy_answers_in_a_batch_are_the_same_bits_with_speculation_on_and_off
     for t in threads:
         t.join(120)
     assert all(same_bits(r, e) for r, e in zip(results, expected))
+    assert sum(r.drafted_tokens for r in results) > 0
 
 
 def test_a_grammar_guesses_its_forced_tokens_and_the_json_is_the_same_bits(engines):
@@ -163,27 +180,57 @@ def test_a_grammar_guesses_its_forced_tokens_and_the_json_is_the_same_bits(engin
     assert got.accepted_tokens > 10 and got.accepted_tokens >= 0.8 * got.drafted_tokens
 
 
-def test_sampled_answers_are_reproducible_with_a_seed(engines):
-    on = engines["on", "bfloat16"]
-    parts = [TextPart("Repeat after me: red square, blue circle, red square, blue circle.")]
-    first, again = (run(on, request(parts, temperature=0.8, seed=11)) for _ in range(2))
-    assert first.token_ids == again.token_ids and first.drafted_tokens == again.drafted_tokens
+@pytest.mark.parametrize("guesses", ["right, then wrong", "own"])
+def test_a_seeded_sampled_answer_is_the_same_with_speculation_on_and_off(engines, forced_guesses, guesses):
+    """The token is drawn as without guesses and a guess is kept when it is that token (accepted with
+    the model's probability of it: the point-mass rule), so the generator is consumed the same way:
+    the same tokens and logprobs with speculation on and off — alone and in a batch of four."""
+    on, off = engines["on", "bfloat16"], engines["off", "bfloat16"]
+    texts = [f"Repeat after me: red square, blue circle, red square, blue circle ({i})." for i in range(4)]
+
+    def sampled(text, seed):
+        return request([TextPart(text)], temperature=0.9, top_p=0.95, seed=seed)
+
+    expected = [run(off, sampled(text, seed)) for seed, text in enumerate(texts)]
+    assert len({e.token_ids for e in expected}) == 4  # the seeds matter: the comparison is not vacuous
+    if guesses != "own":
+        forced_guesses(answer_oracle(expected[0], right=2, wrong=2))
+    alone = run(on, sampled(texts[0], 0))
+    assert same_bits(alone, expected[0])
+    if guesses != "own":
+        assert 0 < alone.accepted_tokens < alone.drafted_tokens
+    together = [None] * 4
+
+    def go(i):
+        together[i] = run(on, sampled(texts[i], i))
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(same_bits(t, e) for t, e in zip(together, expected))
+    assert sum(t.drafted_tokens for t in together) > 0
 
 
-def test_a_guess_keeps_the_sampling_distribution():
-    """The point-mass rule: accept the guess with the model's probability of it, else draw from the
-    rest. Over 10,000 draws the frequencies match the distribution with and without a guess (a
-    likely guess, an unlikely one): within 0.02, 4 standard deviations; a rule that drew from the whole
-    distribution after a rejection would be off by 0.25 for the likely guess."""
-    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
-    probs = logits.softmax(-1)[0]
-    sampler = Sampler(GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0), seed=5)
-    draws = 10_000
-    for draft in (None, 0, 3):
-        counts = torch.zeros(5)
-        for _ in range(draws):
-            counts[sampler([1], logits, draft=draft)] += 1
-        assert torch.allclose(counts / draws, probs, atol=0.02), (draft, counts / draws, probs)
+def test_guesses_past_the_end_of_the_answer_are_neither_kept_nor_counted(engines, forced_guesses):
+    """An end of turn among the guesses ends the answer there; the guesses after it were never
+    compared, so they are not counted as rejected."""
+    on, off = engines["on", "bfloat16"], engines["off", "bfloat16"]
+    end = off.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def short(bias):  # an end of turn made likely: the answer ends on its own, before max_tokens
+        return request([TextPart("Hi.")], logit_bias={end: bias})
+
+    for bias in (5.0, 4.0, 3.0, 2.5, 2.0, 1.5, 1.0):  # the random model's: the first that ends after a few tokens
+        expected = run(off, short(bias))
+        if expected.finish_reason == "stop" and 3 <= len(expected.token_ids) < ANSWER:
+            break
+    assert expected.finish_reason == "stop" and expected.token_ids[-1] == end and len(expected.token_ids) >= 3
+    forced_guesses(answer_oracle(expected, right=8, after=[5, 6, 7, 8, 9, 10, 11, 12]))
+    got = run(on, short(bias))
+    assert same_bits(got, expected) and got.finish_reason == "stop"
+    assert got.drafted_tokens > 0 and got.accepted_tokens == got.drafted_tokens
 
 
 def test_prompt_lookup_guesses_what_followed_the_latest_ngram():

@@ -90,13 +90,12 @@ class Sequence:
             self.cancel.set()
         return self.cancel.is_set()
 
-    def accept(self, logits: torch.Tensor, draft: int | None = None) -> int:
-        """Choose the next token from its logits (within its grammar; `draft`: a guess of it) and
-        stream it."""
+    def accept(self, logits: torch.Tensor) -> int:
+        """Choose the next token from its logits (within its grammar) and stream it."""
         if self.constraint is None:
-            token = self.sampler(self.token_ids, logits, draft=draft)
+            token = self.sampler(self.token_ids, logits)
         else:
-            token = self.sampler(self.token_ids, logits, self.constraint.allowed(), draft)
+            token = self.sampler(self.token_ids, logits, self.constraint.allowed())
             self.constraint.advance(token)
         self.token_ids.append(token)
         self.streamer.put_token(token)
@@ -111,15 +110,18 @@ class Sequence:
         drafts, looked_up = self.drafts.drafts(self.token_ids, self.constraint)
         return drafts[: max(0, min(room, left))], looked_up
 
-    def verify(self, logits: torch.Tensor, drafts: list[int]) -> int:
+    def verify(self, logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
         """Choose a token from each row of `logits` (the rows fed: the last token, then `drafts`)
         while the model makes the guessed one: the guesses it made and its own next token are the
-        step's tokens; the rows of the others leave the KV cache. Returns how many guesses it made."""
-        accepted = 0
+        step's tokens; the rows of the others leave the KV cache. Returns how many guesses were
+        compared with the model's token (not those after the end of the answer) and how many it made."""
+        compared = accepted = 0
         for i, row in enumerate(logits):
-            draft = drafts[i] if i < len(drafts) else None
-            token = self.accept(row[None], draft)
-            if draft is None or token != draft:
+            token = self.accept(row[None])
+            if i == len(drafts):
+                break
+            compared += 1
+            if token != drafts[i]:
                 break
             accepted += 1
             if self.finished:
@@ -128,7 +130,7 @@ class Sequence:
         surplus = self.cache.get_seq_length() - (len(self.token_ids) - 1)
         if surplus > 0:
             self.cache.crop(-surplus)
-        return accepted
+        return compared, accepted
 
 
 class Scheduler:
@@ -246,10 +248,10 @@ class Scheduler:
         at = 0
         for sequence, row, (drafts, looked_up) in zip(running, rows, plans):
             try:
-                accepted = sequence.verify(logits[at : at + row.count], drafts)
-                rejected = len(drafts) - accepted
-                if drafts:
-                    sequence.drafts.record(len(drafts), accepted, looked_up)
+                compared, accepted = sequence.verify(logits[at : at + row.count], drafts)
+                rejected = compared - accepted
+                if compared:
+                    sequence.drafts.record(compared, accepted, looked_up)
                     source = "lookup" if looked_up else "grammar"
                     metrics.DRAFT_TOKENS.labels(source=source, result="accepted").inc(accepted)
                     metrics.DRAFT_TOKENS.labels(source=source, result="rejected").inc(rejected)

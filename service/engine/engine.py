@@ -270,9 +270,15 @@ class Engine:
         )
 
     def _speculates(self, request: GenerationRequest) -> bool:
-        """Guessed tokens for this request: SPECULATIVE on, the request not against, INT8 weights
-        (fp32 GEMMs compute up to 4 rows one at a time here: verifying k guesses costs k steps)."""
-        return self.settings.speculative == "on" and request.speculative and self.loaded.quantization == "int8"
+        """Guessed tokens for this request: SPECULATIVE on, the request not against, INT8 weights in
+        memory (fp32 GEMMs compute up to 4 rows one at a time here: verifying k guesses costs k steps;
+        mapped INT8 weights take another path past a few rows, so a verify pass would not be exact)."""
+        return (
+            self.settings.speculative == "on"
+            and request.speculative
+            and self.loaded.quantization == "int8"
+            and not self.loaded.weights_mapped
+        )
 
     def _events(self, run: _Run) -> Iterator[TextDelta | Completion]:
         request = run.request

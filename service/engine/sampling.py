@@ -21,9 +21,10 @@ class Sampler:
     `torch.manual_seed(seed)`). OpenAI's penalties and logit_bias (`adjustments`), then a grammar's
     mask, apply after the repetition penalty.
 
-    With a `draft` (a guessed next token, service/engine/drafts.py) the choice keeps the same
-    distribution: greedy takes the argmax as ever; sampling accepts the draft with the model's
-    probability of it and otherwise draws from the rest — a point-mass draft's exact rule.
+    A guessed token (service/engine/drafts.py) never enters the choice: the token is drawn as ever,
+    and the guess is accepted when it is that token — with the model's probability of it, the rest
+    of the distribution otherwise: a point-mass draft's exact rule, and the generator consumed as
+    without guesses, so a seeded answer is the same with speculation on and off.
 
     With `top_logprobs` set (0-20) it records each chosen token's log-probability (and that many
     alternatives') in `logprobs`, from the distribution it drew from: penalties, bias, mask and temperature
@@ -53,17 +54,15 @@ class Sampler:
         self.logprobs: list[TokenLogprob] | None = [] if top_logprobs is not None else None
         self.adjustments = adjustments
 
-    def __call__(
-        self, token_ids: list[int], logits: torch.Tensor, allowed: torch.Tensor | None = None, draft: int | None = None
-    ) -> int:
+    def __call__(self, token_ids: list[int], logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
         """The next token after `token_ids` (prompt and answer so far) given its logits (1 × vocab);
-        `allowed` (bool, vocab) is a grammar's mask; `draft` a guess of it."""
+        `allowed` (bool, vocab) is a grammar's mask."""
         scores = self.penalty(torch.tensor([token_ids]), logits) if self.penalty else logits
         if self.adjustments is not None:
             scores = self.adjustments(scores)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
-        token = self._draw(scores, draft)
+        token = self._draw(scores)
         if self.adjustments is not None:
             self.adjustments.record(token)
         if self.logprobs is not None:
@@ -71,17 +70,10 @@ class Sampler:
             self.logprobs.append(token_logprob(distribution, token, self.top_logprobs))
         return token
 
-    def _draw(self, scores: torch.Tensor, draft: int | None = None) -> int:
+    def _draw(self, scores: torch.Tensor) -> int:
         if self.do_sample:
             probs = (self.warpers(None, scores) if self.warpers else scores).softmax(-1)
             if torch.isfinite(probs).all():
-                if draft is not None:
-                    chance = float(probs[0, draft])
-                    if chance > 0 and float(torch.rand(1, generator=self.generator)) < chance:
-                        return draft
-                    probs[0, draft] = 0  # the rest of the distribution, renormalized by multinomial
-                    if not bool(probs.any()):
-                        return draft
                 return int(torch.multinomial(probs, 1, generator=self.generator))
             # A temperature (or penalty) so extreme that the scores overflowed: the distribution's
             # limit is all its mass on the most likely token.
