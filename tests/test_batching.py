@@ -208,13 +208,13 @@ def test_a_sampling_failure_ends_only_its_own_request(engines, monkeypatch, fail
     expected = [alone(engine, make()) for make in makers]
     real_call, calls = Sampler.__call__, {"n": 0, "batch_at_failure": 0}
 
-    def failing_for_seed_666(self, token_ids, logits, allowed=None, draft=None):
+    def failing_for_seed_666(self, token_ids, logits, allowed=None):
         if self.generator.initial_seed() == 666:
             calls["n"] += 1
             if calls["n"] == fail_at:
                 calls["batch_at_failure"] = engine.scheduler.batch_size
                 raise RuntimeError("injected sampling failure")
-        return real_call(self, token_ids, logits, allowed, draft)
+        return real_call(self, token_ids, logits, allowed)
 
     monkeypatch.setattr(Sampler, "__call__", failing_for_seed_666)
     victim = Stream(engine, request([TextPart("Talk.")], max_tokens=40, seed=666))

@@ -468,11 +468,11 @@ def test_a_failure_after_the_200_ends_the_stream_with_an_error_event_and_is_coun
 
     real_call = Sampler.__call__
 
-    def failing_after_two(self, token_ids, logits, allowed=None, draft=None):
+    def failing_after_two(self, token_ids, logits, allowed=None):
         self.calls = getattr(self, "calls", 0) + 1
         if self.calls > 2:
             raise RuntimeError("injected failure")
-        return real_call(self, token_ids, logits, allowed, draft)
+        return real_call(self, token_ids, logits, allowed)
 
     monkeypatch.setattr(Sampler, "__call__", failing_after_two)
     client = create_app(make_settings(cache_dir), load="now").test_client()
