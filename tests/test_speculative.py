@@ -55,6 +55,21 @@ def run(engine: Engine, req: GenerationRequest) -> Completion:
     return [e for e in engine.generate(req) if isinstance(e, Completion)][0]
 
 
+def run_together(engine: Engine, reqs: list[GenerationRequest]) -> list[Completion]:
+    """The requests submitted at once from their own threads (so they decode in one batch)."""
+    results = [None] * len(reqs)
+
+    def go(i):
+        results[i] = run(engine, reqs[i])
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
 def same_bits(a: Completion, b: Completion) -> bool:
     """The same tokens, and every logprob and alternative equal as floats."""
     return a.token_ids == b.token_ids and a.logprobs == b.logprobs
@@ -150,16 +165,7 @@ def test_greedy_answers_in_a_batch_are_the_same_bits_with_speculation_on_and_off
     expected = [run(off, make()) for make in makers]
     if guesses != "own":
         forced_guesses(lambda token_ids: [(token_ids[-1] + 1 + i) % 50 for i in range(4)])
-    results = [None] * len(makers)
-
-    def go(i):
-        results[i] = run(on, makers[i]())
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(makers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    results = run_together(on, [make() for make in makers])
     assert all(same_bits(r, e) for r, e in zip(results, expected))
     assert sum(r.drafted_tokens for r in results) > 0
 
@@ -199,16 +205,7 @@ def test_a_seeded_sampled_answer_is_the_same_with_speculation_on_and_off(engines
     assert same_bits(alone, expected[0])
     if guesses != "own":
         assert 0 < alone.accepted_tokens < alone.drafted_tokens
-    together = [None] * 4
-
-    def go(i):
-        together[i] = run(on, sampled(texts[i], i))
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    together = run_together(on, [sampled(text, seed) for seed, text in enumerate(texts)])
     assert all(same_bits(t, e) for t, e in zip(together, expected))
     assert sum(t.drafted_tokens for t in together) > 0
 
