@@ -56,7 +56,7 @@ from bench.bench_cache import text_of_tokens  # noqa: E402
 from bench.harness import add_checkpoint_args, encoded_photo, require_checkpoint  # noqa: E402
 from bench.results import append_section, cpu_model, markdown_table  # noqa: E402
 
-from servers import free_port, gunicorn_server  # noqa: E402
+from servers import free_port, gunicorn_server, wait_ready  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"
 PLOT = Path(__file__).resolve().parent / "peer.png"
@@ -150,7 +150,7 @@ def llama_server(llama: Path, text: Path, mmproj: Path, threads: int, log: Path)
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(base + "/health", process)
+        wait_ready(base, process, 900, "/health", poll=0.05)
         yield base, process, time.perf_counter() - started
     finally:
         process.send_signal(signal.SIGTERM)
@@ -166,20 +166,6 @@ def our_server(model_path: Path, threads: int, log: Path):
     env = {"MODEL_PATH": str(model_path), "THREADS": str(threads), "MAX_BATCH_SIZE": "4", "QUEUE_TIMEOUT": "600"}
     with gunicorn_server(env, log, timeout=900, poll=0.05) as (base, process):
         yield base, process, time.perf_counter() - started
-
-
-def _wait_ready(url: str, process: subprocess.Popen, timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url}: the server exited with {process.returncode}")
-        try:
-            if requests.get(url, timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(url)
 
 
 # -- the requests --------------------------------------------------------------------------------

@@ -102,11 +102,11 @@ def main(argv=None) -> int:
             return
         answer, prompt_length = oracle["answer"], oracle["prompt"]
 
-        def guesses(self, token_ids, constraint):
+        def guesses(self, token_ids, constraint, room):
             made = len(token_ids) - prompt_length
             if kind == "right":
-                return list(answer[made : made + k]), True
-            return wrong(k), True
+                return list(answer[made : made + min(k, room)]), True
+            return wrong(min(k, room)), True
 
         drafts_module.DraftBudget.drafts = guesses
 

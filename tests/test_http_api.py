@@ -496,3 +496,26 @@ def test_a_failure_after_the_200_ends_the_stream_with_an_error_event_and_is_coun
     plain = client.post("/v1/chat", json={"prompt": "Talk.", "max_tokens": 20, "stream": False})
     assert plain.status_code == 500 and plain.json["error"]["code"] == "internal_error"
     assert counted._value.get() - before == 2  # a plain request's failure is its status, not a stream error
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat", "/v1/chat/completions"])
+def test_the_speculative_field_turns_guessing_off_for_one_request(server, no_end_of_turn, endpoint):
+    """The same repetitive prompt guesses tokens by default (prompt lookup) and none with
+    `"speculative": false`; both endpoints report the guesses in their usage."""
+    text = "Repeat after me: red square, blue circle, red square, blue circle, red square, blue circle."
+
+    def guessed(**extra) -> int:
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 40, "temperature": 0}
+        body |= {"logit_bias": no_end_of_turn, "stream": False, **extra}
+        if endpoint == "/v1/chat/completions":
+            body["model"] = "qwen3-vl"
+        reply = requests.post(server + endpoint, json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        usage = reply.json()["usage"]
+        if endpoint == "/v1/chat":
+            return usage["drafted_tokens"]
+        details = usage["completion_tokens_details"]
+        return details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]
+
+    assert guessed() > 0
+    assert guessed(speculative=False) == 0

@@ -80,7 +80,9 @@ def forced_guesses(monkeypatch):
     """force(lambda sequence_tokens: guesses): the drafts every sequence brings, instead of its own."""
 
     def force(oracle):
-        monkeypatch.setattr(DraftBudget, "drafts", lambda self, token_ids, constraint: (oracle(token_ids), True))
+        monkeypatch.setattr(
+            DraftBudget, "drafts", lambda self, token_ids, constraint, room: (oracle(token_ids)[:room], True)
+        )
 
     return force
 
@@ -144,6 +146,7 @@ def test_the_cache_a_speculative_answer_leaves_is_the_bits_of_one_without(engine
     assert 0 < got.accepted_tokens < got.drafted_tokens  # rows verified and cut back, step after step
     a, b = (e.conversation_cache.entries.peek("id:kept") for e in (on, off))
     assert torch.equal(a.token_ids, b.token_ids)
+    assert len(a.cache.layers) == len(b.cache.layers) > 0
     assert all(
         torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values) for x, y in zip(a.cache.layers, b.cache.layers)
     )
@@ -236,7 +239,7 @@ def test_prompt_lookup_guesses_what_followed_the_latest_ngram():
     assert prompt_lookup([1, 2, 3], 4) == []  # nothing repeats
 
 
-def test_speculation_off_guesses_nothing_and_the_request_field_turns_it_off(engines):
+def test_speculation_off_guesses_nothing_and_a_request_can_turn_it_off(engines):
     parts = [TextPart("Repeat after me: red square, blue circle, red square, blue circle.")]
     assert run(engines["off", "bfloat16"], request(parts)).drafted_tokens == 0
     req = request(parts)

@@ -58,9 +58,6 @@ class TokenText:
             return piece.encode()
         return bytes(self._byte_of[ch] for ch in piece)
 
-    def text(self, token_id: int) -> str:
-        return self.bytes(token_id).decode("utf-8", errors="replace")
-
     def rendered(self, record: TokenLogprob) -> TokenLogprob:
         """The record with its tokens' bytes filled in."""
         return replace(

@@ -107,8 +107,7 @@ class Sequence:
         if self.drafts is None:
             return [], False
         left = self.max_new_tokens - (len(self.token_ids) - len(self.prompt_ids)) - 1
-        drafts, looked_up = self.drafts.drafts(self.token_ids, self.constraint)
-        return drafts[: max(0, min(room, left))], looked_up
+        return self.drafts.drafts(self.token_ids, self.constraint, min(room, left))
 
     def verify(self, logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
         """Choose a token from each row of `logits` (the rows fed: the last token, then `drafts`)

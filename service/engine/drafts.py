@@ -63,17 +63,19 @@ class DraftBudget:
     def __post_init__(self):
         self.guess = min(2, self.max_tokens)
 
-    def drafts(self, token_ids: list[int], constraint: Constraint | None) -> tuple[list[int], bool]:
-        """This step's guesses, and whether they came from prompt lookup (not certain)."""
-        if self.max_tokens <= 0:
+    def drafts(self, token_ids: list[int], constraint: Constraint | None, room: int) -> tuple[list[int], bool]:
+        """This step's guesses (at most `room`: what the step and the answer's token limit leave),
+        and whether they came from prompt lookup (not certain). No room: nothing is looked up."""
+        room = min(room, self.max_tokens)
+        if room <= 0:
             return [], False
-        forced = forced_tokens(constraint, self.max_tokens)
+        forced = forced_tokens(constraint, room)
         if forced:
             return forced, False
         if self.pause > 0:
             self.pause -= 1
             return [], False
-        return prompt_lookup(token_ids, self.guess), True
+        return prompt_lookup(token_ids, min(self.guess, room)), True
 
     def record(self, drafted: int, accepted: int, looked_up: bool) -> None:
         self.drafted += drafted

@@ -13,6 +13,7 @@ service but its settings.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -43,6 +44,7 @@ INT8_GEMM = Kernel(HERE / "int8_gemm.c", ("-ffp-contract=off",))
 KERNELS = (ATTENTION, INT8_GEMM)
 
 
+@functools.cache
 def cpu_identity() -> str:
     """What -march=native compiles for: the CPU's model name and flags."""
     try:
@@ -63,15 +65,23 @@ _build_locks: dict[Path, threading.Lock] = {}
 _locks_lock = threading.Lock()
 
 
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    """Part of a build's key; asked once per process (a subprocess each time otherwise)."""
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+
+
 def build(kernel: Kernel, cache_dir: Path, march: str | None = None) -> Path:
     """The shared library of `kernel` for this machine (or for the instruction set `march` names)."""
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if compiler is None:
         raise RuntimeError("no C compiler (gcc) on PATH")
     every_flag = [*FLAGS, *kernel.flags, f"-march={march or target_march()}"]
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.blake2b(
-        "\n".join([kernel.source.read_text(), " ".join(every_flag), version, cpu_identity()]).encode(), digest_size=8
+        "\n".join(
+            [kernel.source.read_text(), " ".join(every_flag), _compiler_version(compiler), cpu_identity()]
+        ).encode(),
+        digest_size=8,
     ).hexdigest()
     target = Path(cache_dir) / "kernels" / f"{kernel.source.stem}-{key}.so"
     with _locks_lock:
@@ -121,6 +131,11 @@ _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def huge_pages(address: int, length: int) -> None:
     """Ask the kernel for 2 MiB pages behind [address, address + length) — its aligned inside —
     before the memory is first written: streaming weights through 4 KiB pages costs a TLB miss per
@@ -130,8 +145,7 @@ def huge_pages(address: int, length: int) -> None:
     start = (address + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
     end = (address + length) // _HUGE_PAGE * _HUGE_PAGE
     if end > start:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
 
 
 def prebuild(cache_dir: Path) -> None:

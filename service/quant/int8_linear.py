@@ -19,6 +19,7 @@ VNNI, whose `vpmaddubsw` saturates there, compute the same bits as those with it
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from pathlib import Path
 
@@ -91,8 +92,9 @@ class _NativeCall(ctypes.Structure):
     ]
 
 
+@functools.cache
 def native_library() -> ctypes.CDLL:
-    """int8_gemm.c built for this CPU."""
+    """int8_gemm.c built for this CPU, its functions typed (once per process: every native Linear asks)."""
     lib = native.library(native.INT8_GEMM)
     lib.int8_packed_bytes.restype = ctypes.c_int64
     lib.int8_packed_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
