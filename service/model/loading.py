@@ -14,8 +14,8 @@ from torch import nn
 from ..media.images import fit_processor
 from ..memory import MemoryGuard
 from ..quant.fusion import fuse_projections
-from ..quant.packing import int8_kernels
-from ..quant.quantized import load_quantized, quantize_in_place, quantized_marker
+from ..quant.packing import FORMAT_INT4, int8_kernels
+from ..quant.quantized import load_quantized, published_checkpoint, quantize_in_place, quantized_marker
 from ..settings import Settings
 from .checkpoints import RANDOM_MODEL_WARNING, embedded_model_dir, is_random_test_model
 
@@ -100,10 +100,12 @@ def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
     processor = load_processor(path)
     fit_processor(processor, settings)
     hf_logging.set_verbosity_error()
-    prequantized, mapped = quantized_marker(path) is not None, False
+    path = published_checkpoint(path, settings)  # GPTQ/AWQ: converted once (exactly) into CACHE_DIR
+    marker = quantized_marker(path)
+    prequantized, mapped = marker is not None, False
     if prequantized and settings.quantization != "int8":
         raise ValueError(
-            f"{path} is an INT8 checkpoint (made by `python -m service quantize`): use "
+            f"{path} is a quantized checkpoint (made by `python -m service quantize`): use "
             "QUANTIZATION=int8, or point MODEL_PATH at the original checkpoint for fp32"
         )
     kernels = int8_kernels(settings, path) if settings.quantization == "int8" else None
@@ -137,7 +139,7 @@ def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
         processor=processor,
         path=path,
         name="embedded-random-tiny-qwen3-vl" if settings.model_path is None else path.name,
-        quantization=settings.quantization,
+        quantization="int4" if prequantized and marker.get("format") == FORMAT_INT4 else settings.quantization,
         is_random=is_random,
         load_seconds=time.perf_counter() - start,
         eos_token_ids=eos_ids,
@@ -148,7 +150,7 @@ def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
     log.info(
         "loaded %s (%s%s) from %s in %.1f s",
         loaded.name,
-        f"int8, kernels: {kernels.describe()}" if kernels else "fp32",
+        f"{loaded.quantization}, INT8 kernels: {kernels.describe()}" if kernels else "fp32",
         ", pre-quantized" if prequantized else "",
         path,
         loaded.load_seconds,

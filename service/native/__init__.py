@@ -35,13 +35,20 @@ BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)  # what a mis
 class Kernel:
     source: Path
     flags: tuple[str, ...] = ()
+    headers: tuple[Path, ...] = ()  # included files: part of the build's key, like the source
+
+    def text(self) -> str:
+        return "\n".join(path.read_text() for path in (self.source, *self.headers))
 
 
 HERE = Path(__file__).parent
 ATTENTION = Kernel(HERE / "attention.c")
+SIMD = HERE / "simd.h"
 # no fused multiply-adds: its float steps must round as FBGEMM's and oneDNN's do
-INT8_GEMM = Kernel(HERE / "int8_gemm.c", ("-ffp-contract=off",))
-KERNELS = (ATTENTION, INT8_GEMM)
+INT8_GEMM = Kernel(HERE / "int8_gemm.c", ("-ffp-contract=off",), (SIMD,))
+# its float steps are its own (nothing to match), fused where it says so: none may fuse behind its back
+INT4_GEMM = Kernel(HERE / "int4_gemm.c", ("-ffp-contract=off",), (SIMD,))
+KERNELS = (ATTENTION, INT8_GEMM, INT4_GEMM)
 
 
 @functools.cache
@@ -79,7 +86,7 @@ def build(kernel: Kernel, cache_dir: Path, march: str | None = None) -> Path:
     every_flag = [*FLAGS, *kernel.flags, f"-march={march or target_march()}"]
     key = hashlib.blake2b(
         "\n".join(
-            [kernel.source.read_text(), " ".join(every_flag), _compiler_version(compiler), cpu_identity()]
+            [kernel.text(), " ".join(every_flag), _compiler_version(compiler), cpu_identity()]
         ).encode(),
         digest_size=8,
     ).hexdigest()
@@ -92,7 +99,7 @@ def build(kernel: Kernel, cache_dir: Path, march: str | None = None) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            command = [compiler, *every_flag, "-o", str(built), str(kernel.source)]
+            command = [compiler, *every_flag, f"-I{kernel.source.parent}", "-o", str(built), str(kernel.source)]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"compiling {kernel.source.name} failed: {result.stderr.strip()[-2000:]}")

@@ -84,7 +84,7 @@ def choose(setting: str, model_path: Path, cache_dir: Path, threads: int, rows: 
         repr(
             (
                 PROBE_VERSION,
-                INT8_GEMM.source.read_bytes(),
+                INT8_GEMM.text(),
                 cpu_identity(),
                 torch.__version__,
                 threads,

@@ -24,14 +24,20 @@ from pathlib import Path
 
 import torch
 
+from .. import native
+from .int4_linear import Int4Linear
 from .int8_linear import Int8Linear
 
 log = logging.getLogger(__name__)
 
 QUANTIZED_MARKER = "service_int8"  # the config.json entry of a checkpoint written by `python -m service quantize`
 FORMAT = "qwen3-vl-service-int8"
+FORMAT_INT4 = "qwen3-vl-service-int4"  # 4-bit Linears (some may stay INT8) — `quantize --bits 4`
 FORMAT_VERSION = 1
+FORMATS = (FORMAT, FORMAT_INT4)
 SCALE = ".weight_scale"
+INT4_PARTS = ("qweight", "qzeros", "scales")  # a 4-bit Linear's packed tensors (int4_linear.pack)
+INT4_SHAPE = ".qshape"  # int32 [out, in, group] beside them
 DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
@@ -146,6 +152,20 @@ def kernel_of(name: str, kernels) -> str:
     return kernels.vision if name.startswith("model.visual.") else kernels.decoder
 
 
+def int4_names(keys) -> list[str]:
+    """The 4-bit Linears (model names, fused where the model fuses) among a shard's tensor names."""
+    return sorted(k[: -len(INT4_SHAPE)] for k in keys if k.endswith(INT4_SHAPE))
+
+
+def int4_linear(name: str, get, has) -> Int4Linear:
+    """The 4-bit Linear `name` from a checkpoint's tensors: `get(key)` gives one (read into memory of
+    its own, or a view of a mapped file), `has(key)` tells whether it exists."""
+    out_features, in_features, group = (int(v) for v in get(f"{name}{INT4_SHAPE}"))
+    packed = {part: get(f"{name}.{part}") for part in INT4_PARTS}
+    bias = get(f"{name}.bias") if has(f"{name}.bias") else None
+    return Int4Linear(packed, out_features, in_features, group, bias)
+
+
 def fused_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if all(b is None for b in biases) else torch.cat(biases)
 
@@ -166,8 +186,19 @@ def packed_linear(parts: list[tuple[SafetensorsReader, str]], kernel: str) -> In
     return Int8Linear(rows, scales, bias, kernel=kernel)
 
 
+def _read_int4(reader: SafetensorsReader, name: str) -> Int4Linear:
+    def get(key):
+        entry = reader.entries[key]
+        out = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+        native.huge_pages(out.data_ptr(), out.numel() * out.element_size())  # before the read writes it
+        return reader.read_into(key, out)
+
+    return int4_linear(name, get, reader.entries.__contains__)
+
+
 class Packing:
-    """Every Linear of one checkpoint's shards, being packed on `threads` threads: `results()`."""
+    """Every Linear of one checkpoint's shards, being packed (INT8) or read (4-bit, already in the
+    kernel's layout) on `threads` threads: `results()`."""
 
     def __init__(self, path: Path, shards: list[str], threads: int, kernels):
         self.began = time.perf_counter()
@@ -186,8 +217,11 @@ class Packing:
             name: self._pool.submit(packed_linear, [(reader_of[p], p) for p in parts], kernel_of(name, kernels))
             for name, parts in jobs
         }
+        for reader in self.readers:
+            for name in int4_names(reader.entries):
+                self.futures[name] = self._pool.submit(_read_int4, reader, name)
 
-    def results(self) -> dict[str, Int8Linear]:
+    def results(self) -> dict[str, Int8Linear | Int4Linear]:
         """Wait for every Linear; the packed modules by model name (the readers are closed after)."""
         try:
             return {name: future.result() for name, future in self.futures.items()}
@@ -226,7 +260,6 @@ def claim(path: Path, kernels) -> Packing | None:
 
 def int8_kernels(settings, path: Path):
     """The kernels INT8_KERNEL asks for on this checkpoint (measured for "auto": service/quant/kernel_choice.py)."""
-    from .. import native
     from .kernel_choice import choose
 
     native.configure(settings.cache_dir)
@@ -240,7 +273,7 @@ def start_early(settings) -> None:
 
     path = settings.model_path
     marker = quantized_marker(path) if path is not None and settings.quantization == "int8" else None
-    if not marker or marker.get("format") != FORMAT or marker.get("version") != FORMAT_VERSION:
+    if not marker or marker.get("format") not in FORMATS or marker.get("version") != FORMAT_VERSION:
         return  # not one: the loader reports what is wrong, if anything
     if not MemoryGuard.from_settings(settings).fits(linear_bytes(path, marker)):
         return

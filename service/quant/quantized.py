@@ -28,15 +28,21 @@ import torch
 from torch import nn
 
 from ..memory import MIB, MemoryGuard, release_memory
-from . import packing
+from . import packing, published
 from .fusion import fuse_projections
+from .int4_linear import GROUP_SIZES, group_for, pack, quantize_groups
 from .int8_linear import Int8Embedding, Int8Linear, MappedInt8Linear, quantize_rows
 from .packing import (
     FORMAT,
+    FORMAT_INT4,
     FORMAT_VERSION,
+    FORMATS,
+    INT4_SHAPE,
     QUANTIZED_MARKER,
     SCALE,
     fused_bias,
+    int4_linear,
+    int4_names,
     kernel_of,
     linear_bytes,
     linear_groups,
@@ -47,6 +53,9 @@ log = logging.getLogger(__name__)
 
 RESIDENT_FILE = "resident.safetensors"
 SHARD_BYTES = 256 * MIB  # the writer holds at most about one shard of output in memory
+BITS = (8, 4)
+GROUP_SIZE = 128  # `--bits 4`'s default group (bench/fidelity.py and bench_kernels measure the others)
+KEEP_8BIT = ("model.visual.",)  # `--bits 4`'s default: Linears (name prefixes) that stay INT8
 
 
 # -- the model's structure ------------------------------------------------------------------
@@ -146,6 +155,13 @@ class _SourceTensors:
                 with safe_open(file, "pt") as f:
                     self.file_of.update(dict.fromkeys(f.keys(), file.name))
         self.path = path
+        self.published = published.quantized_linears(self.file_of)  # GPTQ/AWQ 4-bit Linears
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        from safetensors import safe_open
+
+        with safe_open(self.path / self.file_of[name], "pt") as f:
+            return tuple(f.get_slice(name).get_shape())
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
@@ -194,45 +210,109 @@ def _quantized_linear(source: _SourceTensors, name: str, weight_name: str, has_b
     return out
 
 
-def write_quantized(src: str | Path, dst: str | Path, progress: bool = True) -> Path:
-    """Write an INT8 checkpoint of the Qwen3-VL checkpoint `src` to `dst`, one block at a time.
+def _four_bit(
+    source: _SourceTensors, scheme: dict | None, name: str, parts: list[str], weight_names: list[str], spec: dict
+) -> dict | None:
+    """The 4-bit tensors of the model Linear `name` (the checkpoint Linears `parts`, fused in order), or
+    None when it stays INT8: a published 4-bit Linear converts exactly; an unquantized one is
+    quantized in groups (int4_linear.group_for) unless `spec["keep_8bit"]` names it or no group fits."""
+    if scheme is not None and all(p in source.published for p in parts):
+        keys = [f"{p}.{t}" for p in parts for t in ("qweight", "qzeros", "scales", "g_idx") if f"{p}.{t}" in source]
+        tensors = source.read(keys)
+        pieces = [published.unpack(tensors, scheme, p) for p in parts]
+    elif spec["bits"] != 4 or name.startswith(spec["keep_8bit"]):
+        return None
+    else:
+        group = group_for(source.shape(weight_names[0])[1], spec["group_size"])
+        if group is None:
+            return None
+        weights = source.read(weight_names)
+        pieces = [quantize_groups(weights[w], group, spec["symmetric"]) for w in weight_names]
+    values, zeros, scales = (torch.cat([piece[i] for piece in pieces]) for i in range(3))
+    group = values.shape[1] // zeros.shape[1]
+    out = {f"{name}.{part}": t for part, t in pack(values, zeros, scales).items()}
+    out[f"{name}{INT4_SHAPE}"] = torch.tensor([values.shape[0], values.shape[1], group], dtype=torch.int32)
+    return out
 
+
+def write_quantized(
+    src: str | Path,
+    dst: str | Path,
+    progress: bool = True,
+    bits: int = 8,
+    group_size: int = GROUP_SIZE,
+    symmetric: bool = False,
+    keep_8bit: tuple[str, ...] = KEEP_8BIT,
+) -> Path:
+    """Write a quantized checkpoint of the Qwen3-VL checkpoint `src` to `dst`, one block at a time.
+
+    bits=8: every Linear INT8. bits=4: the Linears 4-bit in groups of `group_size` inputs (a smaller
+    group where that does not divide a Linear's inputs; asymmetric unless `symmetric`), except those
+    whose names start with one of `keep_8bit` (and any no group divides), which stay INT8. A GPTQ or AWQ `src` converts exactly: its
+    4-bit Linears keep their values, its unquantized ones (vision tower, lm_head) become INT8.
     Each tensor is read on its own from SRC's safetensors and quantized in row chunks, and freed
     memory goes back to the OS after every block, so the whole fp32 model never exists.
     """
-    from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import AutoConfig
 
     src, dst = Path(src), Path(dst)
-    config = AutoConfig.from_pretrained(src)
-    if getattr(config, QUANTIZED_MARKER, None):
-        raise ValueError(f"{src} is already an INT8 checkpoint")
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}")
+    config_dict = json.loads((src / "config.json").read_text())
+    if config_dict.get(QUANTIZED_MARKER):
+        raise ValueError(f"{src} is already a checkpoint written by `python -m service quantize`")
+    scheme = published.scheme(config_dict)
+    if scheme is not None and bits != 4:
+        raise ValueError(f"{src} is a {scheme['quant_method'].upper()} 4-bit checkpoint: convert it with --bits 4")
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty")
+    config = AutoConfig.from_pretrained(src)
+    if scheme is not None:  # transformers would try to set up GPTQ/AWQ kernels from it; the skeleton needs none
+        for holder in (config, getattr(config, "text_config", None)):
+            if holder is not None and hasattr(holder, "quantization_config"):
+                delattr(holder, "quantization_config")
     dst.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     model = skeleton(config)
     source = _SourceTensors(src)
+    spec = {"bits": bits, "group_size": group_size, "symmetric": symmetric, "keep_8bit": tuple(keep_8bit)}
     embed_name = _embedding_name(model)
     tied = f"{embed_name}.weight" if bool(getattr(config, "tie_word_embeddings", False)) else None
     shards = _ShardWriter(dst, SHARD_BYTES)
     linear_params: set[str] = set()
     embedding: dict[str, torch.Tensor] = {}
+    four_bit: list[str] = []  # model Linears written 4-bit (fused where the model fuses)
+    four_bit_parts = 0  # the checkpoint Linears they replace
     for name, block in tqdm(quantization_blocks(model), desc="quantizing", unit="block", disable=not progress):
-        for linear in _linear_names(name, block):
-            module = model.get_submodule(linear)
-            weight_name = f"{linear}.weight"
-            if weight_name not in source and linear == "lm_head" and tied:
-                weight_name = tied  # tied lm_head: SRC stores the embedding only
-            tensors = _quantized_linear(source, linear, weight_name, module.bias is not None)
-            if linear == "lm_head" and weight_name == tied:
-                embedding = {
-                    f"{embed_name}.weight": tensors["lm_head.weight"],
-                    f"{embed_name}{SCALE}": tensors[f"lm_head{SCALE}"],
-                }
-            shards.add(tensors)
-            linear_params.update({f"{linear}.weight", f"{linear}.bias"})
+        linears = {n: model.get_submodule(n) for n in _linear_names(name, block)}
+        for fused, parts in linear_groups(list(linears)).items():
+            weight_names = [
+                tied if (p == "lm_head" and tied and f"{p}.weight" not in source) else f"{p}.weight" for p in parts
+            ]  # tied lm_head: SRC stores the embedding only
+            has_bias = linears[parts[0]].bias is not None
+            packed = _four_bit(source, scheme, fused, parts, weight_names, spec)
+            if packed is not None:
+                if has_bias:
+                    biases = source.read([f"{p}.bias" for p in parts])
+                    packed[f"{fused}.bias"] = torch.cat([biases[f"{p}.bias"].float() for p in parts])
+                shards.add(packed)
+                four_bit.append(fused)
+                four_bit_parts += len(parts)
+            else:
+                for part, weight_name in zip(parts, weight_names):
+                    if part in source.published:
+                        raise published.UnsupportedCheckpoint(f"{part}: a 4-bit Linear this service cannot keep 4-bit")
+                    tensors = _quantized_linear(source, part, weight_name, has_bias)
+                    if part == "lm_head" and weight_name == tied:
+                        embedding = {
+                            f"{embed_name}.weight": tensors["lm_head.weight"],
+                            f"{embed_name}{SCALE}": tensors[f"lm_head{SCALE}"],
+                        }
+                    shards.add(tensors)
+            linear_params.update(f"{p}.{t}" for p in parts for t in ("weight", "bias"))
         release_memory()
     shards.flush()
     if not embedding:
@@ -240,7 +320,7 @@ def write_quantized(src: str | Path, dst: str | Path, progress: bool = True) -> 
         embedding = {f"{embed_name}.weight": rows, f"{embed_name}{SCALE}": scales}
     rest = [n for n, _ in model.named_parameters() if n not in linear_params and not n.startswith(embed_name + ".")]
     resident = {n: t.to(torch.float32, copy=True) for n, t in source.read(rest).items()}
-    save_file({**embedding, **resident}, dst / RESIDENT_FILE, metadata={"format": "pt"})
+    packing.write_aligned_safetensors({**embedding, **resident}, dst / RESIDENT_FILE)
     del embedding, resident
     release_memory()
     for file in src.iterdir():
@@ -250,15 +330,16 @@ def write_quantized(src: str | Path, dst: str | Path, progress: bool = True) -> 
             and file.name not in ("config.json", "model.safetensors.index.json")
         ):
             shutil.copy2(file, dst / file.name)
-    config_dict = json.loads((src / "config.json").read_text())
-    config_dict[QUANTIZED_MARKER] = {
-        "format": FORMAT,
+    config_dict.pop("quantization_config", None)
+    config_dict.get("text_config", {}).pop("quantization_config", None)
+    marker = {
+        "format": FORMAT_INT4 if bits == 4 else FORMAT,
         "version": FORMAT_VERSION,
         "weights": "int8, symmetric per output channel (torch per_channel_dynamic_qconfig), zero point 0",
         "activations": "quantized at run time, per token (service/quant/int8_linear.py)",
         "embedding": "int8 rows with per-row scales" + (" = the tied lm_head's INT8 weight" if tied else ""),
         "other_tensors": "float32",
-        "made_by": "python -m service quantize",
+        "made_by": "python -m service quantize" + (" --bits 4" if bits == 4 else ""),
         "source": str(src.resolve()),
         "source_dtype": str(config_dict.get("dtype") or config_dict.get("torch_dtype")),
         "torch": torch.__version__,
@@ -266,9 +347,49 @@ def write_quantized(src: str | Path, dst: str | Path, progress: bool = True) -> 
         "linear_shards": shards.files,
         "resident": RESIDENT_FILE,
     }
+    if bits == 4:
+        marker.update(
+            weights="4-bit: unsigned values with a zero point and an fp16 scale per group of inputs "
+            "(service/quant/int4_linear.py), in the kernel's packed layout; those under `keep_8bit` (and any "
+            "whose inputs do not split into groups) INT8",
+            source_quantization=scheme["quant_method"] if scheme else None,
+            group_size=None if scheme else group_size,
+            symmetric=None if scheme else symmetric,
+            keep_8bit=list(spec["keep_8bit"]),
+            int4_linears=len(four_bit),
+            int8_linears=sum(1 for n in linear_params if n.endswith(".weight")) - four_bit_parts,
+        )
+    config_dict[QUANTIZED_MARKER] = marker
     # config.json last: a half-written directory has none, so it cannot be mistaken for a checkpoint.
     (dst / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
-    log.info("wrote INT8 checkpoint %s from %s in %.1f s", dst, src, time.perf_counter() - start)
+    log.info("wrote %d-bit checkpoint %s from %s in %.1f s", bits, dst, src, time.perf_counter() - start)
+    return dst
+
+
+def published_checkpoint(path: Path, settings) -> Path:
+    """`path` itself, or for a GPTQ/AWQ checkpoint its exact conversion into this service's 4-bit
+    format, written once under CACHE_DIR/converted (keyed by the source files' names, sizes and
+    times; instances starting together convert it once, under a lock)."""
+    import fcntl
+    import hashlib
+    import os
+    import tempfile
+
+    config = Path(path) / "config.json"
+    if not config.is_file() or published.scheme(json.loads(config.read_text())) is None:
+        return path
+    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(path).iterdir() if f.is_file())
+    key = hashlib.blake2b(repr((str(Path(path).resolve()), files)).encode(), digest_size=8).hexdigest()
+    root = Path(settings.cache_dir) / "converted"
+    dst = root / f"{Path(path).name}-{key}"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{dst.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (dst / "config.json").exists():
+            log.warning("%s is a published 4-bit checkpoint: converting it (exactly) to %s, once", path, dst)
+            scratch = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=root))
+            write_quantized(path, scratch, progress=False, bits=4)
+            os.replace(scratch, dst)
     return dst
 
 
@@ -290,11 +411,11 @@ def load_quantized(
 
     path = Path(path)
     marker = quantized_marker(path)
-    if not marker or marker.get("format") != FORMAT:
-        raise ValueError(f"{path} is not an INT8 checkpoint written by `python -m service quantize`")
+    if not marker or marker.get("format") not in FORMATS:
+        raise ValueError(f"{path} is not a checkpoint written by `python -m service quantize`")
     if marker.get("version") != FORMAT_VERSION:
         raise ValueError(
-            f"{path} has INT8 format version {marker.get('version')}; this service reads "
+            f"{path} has format version {marker.get('version')}; this service reads "
             f"{FORMAT_VERSION}: re-run `python -m service quantize`"
         )
     config = AutoConfig.from_pretrained(path)
@@ -342,6 +463,9 @@ def load_quantized(
                 [file_of[f"{p}.bias"].get_tensor(f"{p}.bias") if f"{p}.bias" in file_of else None for p in parts]
             )
             _replace_module(model, name, MappedInt8Linear(tensors, bias))
+        for f in files.values():  # the 4-bit kernel computes from the mapped layout as it is
+            for name in int4_names(f.keys()):
+                _replace_module(model, name, int4_linear(name, f.get_tensor, lambda key, f=f: key in f.keys()))
     else:  # packed on `threads` threads, begun early if wsgi.py started it (service/quant/packing.py)
         work = started or packing.Packing(path, marker["linear_shards"], threads, kernel)
         for name, module in work.results().items():

@@ -1,0 +1,201 @@
+/* 4-bit Linear with activations quantized per row: the service's kernel for 4-bit weights
+ * (service/quant/int4_linear.py).
+ *
+ * Weights are unsigned 4-bit values w in 0..15 in groups of G inputs along a row, each group with
+ * its own zero point z (0..15) and fp16 scale s: the weight is s·(w − z) (GPTQ's and AWQ's form;
+ * symmetric quantization is z = 8). Each input row is quantized as the INT8 kernel quantizes it
+ * (simd.h: its absolute maximum, the fixed step 2^-6, values 64 ± 64), used here as signed
+ * a = q − 64 in −64..64. A row's output:
+ *     y[n] = (Σ_g s[n][g] · (Σ_{k∈g} w[n][k]·a[k] − z[n][g]·Σ_{k∈g} a[k])) · peak·2^-6 + bias[n]
+ * The inner sums are integers (exact in any order); the groups are added in float in one fixed
+ * order with one fused multiply-add each, then scaled: the same operations for a row whatever
+ * else is in the call — a row's result never depends on the other rows.
+ *
+ * The packed layout does not depend on the CPU (a checkpoint may store it; AVX-512 and AVX2 read
+ * the same bytes): output channels in groups of 64; per group, per 8 inputs, 256 bytes: 64
+ * channels × 4 bytes, byte j of channel c holding input j in its low nibble and input j + 4 in its
+ * high one. One 64-byte load, masked and shifted, is two vectors of 16 channels × 4 inputs — what
+ * one VNNI dot product (vpdpbusd: 4 u8×s8 products added into each int32 lane) reads. Zero points
+ * (u8) and scales (fp16) are stored per channel group and input group, 64 of each side by side.
+ */
+#include "simd.h"
+
+#if L == 16
+#define SRLI16(v, n) _mm512_srli_epi16(v, n)
+#define AND(a, b) _mm512_and_si512(a, b)
+#define SET8(x) _mm512_set1_epi8(x)
+#define F_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define ZEROS_I32(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define SCALES_F32(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define ROWS 4 /* 4 rows × 4 vectors of sums, 8 broadcasts and the weights: 28 of 32 registers */
+#else
+#define SRLI16(v, n) _mm256_srli_epi16(v, n)
+#define AND(a, b) _mm256_and_si256(a, b)
+#define SET8(x) _mm256_set1_epi8(x)
+#define F_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define ZEROS_I32(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define SCALES_F32(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define ROWS 2 /* 16 registers only */
+#endif
+
+#define CHANNELS 64          /* output channels of one packed group */
+#define STEP_BYTES 256       /* CHANNELS × 4 bytes: 8 inputs of every channel of a group */
+#define SLICE 4              /* vectors of channels a micro-kernel computes: 64 channels (AVX-512) or 32 (AVX2) */
+#define SLICE_CHANNELS (SLICE * L)
+
+int int4_channels(void) { return CHANNELS; }
+
+/* Bytes of the packed weights of an n × k matrix (k a multiple of 8). */
+int64_t int4_packed_bytes(int n, int k) { return round_up(n, CHANNELS) * k / 2; }
+
+/* Entries of the packed zero points (bytes) and scales (fp16) of an n × k matrix in groups of `group` inputs. */
+int64_t int4_group_entries(int n, int k, int group) { return round_up(n, CHANNELS) * (k / group); }
+
+/* values (n × k bytes, 0..15, row-major), zeros and scales (n × k/group, row-major) → the packed
+ * layout above; padding channels get weights 0, zero 0 and scale 0 (their outputs are never written). */
+void int4_pack(const uint8_t *values, const uint8_t *zeros, const uint16_t *scales, int n, int k, int group,
+               uint8_t *packed, uint8_t *packed_zeros, uint16_t *packed_scales) {
+    const int groups = k / group;
+    const int64_t group_bytes = (int64_t)k / 8 * STEP_BYTES;
+    memset(packed, 0, int4_packed_bytes(n, k));
+    memset(packed_zeros, 0, int4_group_entries(n, k, group));
+    memset(packed_scales, 0, int4_group_entries(n, k, group) * 2);
+    for (int64_t row = 0; row < n; row++) {
+        const uint8_t *src = values + row * k;
+        const int64_t cg = row / CHANNELS, c = row % CHANNELS;
+        uint8_t *dst = packed + cg * group_bytes + c * 4;
+        for (int64_t step = 0; step < k / 8; step++)
+            for (int j = 0; j < 4; j++)
+                dst[step * STEP_BYTES + j] = (uint8_t)((src[step * 8 + j] & 15) | (src[step * 8 + 4 + j] & 15) << 4);
+        for (int g = 0; g < groups; g++) {
+            packed_zeros[(cg * groups + g) * CHANNELS + c] = zeros[row * groups + g];
+            packed_scales[(cg * groups + g) * CHANNELS + c] = scales[row * groups + g];
+        }
+    }
+}
+
+/* Rows [0, MB) of a (signed activations, k each; `sums`: Σ a per input group) against one slice of
+ * a channel group: float sums over the groups into f (MB × SLICE_CHANNELS). */
+#define MICRO(MB)                                                                                                    \
+    static void micro_##MB(const int8_t *a, const int32_t *sums, int64_t k, int group, const uint8_t *w,              \
+                           const uint8_t *zeros, const uint16_t *scales, float *f) {                                 \
+        const int groups = (int)(k / group);                                                                        \
+        const vec low = SET8(15);                                                                                   \
+        for (int i = 0; i < MB * SLICE_CHANNELS; i++) f[i] = 0.0f;                                                  \
+        for (int g = 0; g < groups; g++) {                                                                          \
+            vec s[MB][SLICE];                                                                                       \
+            for (int i = 0; i < MB; i++)                                                                            \
+                for (int v = 0; v < SLICE; v++) s[i][v] = ZERO();                                                   \
+            for (int64_t step = (int64_t)g * group / 8; step < (int64_t)(g + 1) * group / 8; step++) {            \
+                const uint8_t *at = w + step * STEP_BYTES;                                                          \
+                vec first[MB], second[MB];                                                                          \
+                for (int i = 0; i < MB; i++) {                                                                      \
+                    first[i] = BROADCAST(a + i * k + step * 8);                                                     \
+                    second[i] = BROADCAST(a + i * k + step * 8 + 4);                                                \
+                }                                                                                                   \
+                for (int v = 0; v < SLICE; v++) {                                                                   \
+                    const vec raw = LOAD(at + v * L * 4);                                                           \
+                    const vec lo = AND(raw, low), hi = AND(SRLI16(raw, 4), low);                                    \
+                    for (int i = 0; i < MB; i++) s[i][v] = DOT(DOT(s[i][v], lo, first[i]), hi, second[i]);          \
+                }                                                                                                   \
+            }                                                                                                       \
+            for (int v = 0; v < SLICE; v++) {                                                                       \
+                const vec z = ZEROS_I32(zeros + g * CHANNELS + v * L);                                              \
+                const vecf scale = SCALES_F32(scales + g * CHANNELS + v * L);                                       \
+                for (int i = 0; i < MB; i++) {                                                                      \
+                    const vec exact = I_SUB(s[i][v], I_MUL(z, I_SET(sums[i * groups + g])));                        \
+                    float *out = f + i * SLICE_CHANNELS + v * L;                                                    \
+                    F_STORE(out, F_FMA(F_FROM_INT(exact), scale, F_LOAD(out)));                                     \
+                }                                                                                                   \
+            }                                                                                                       \
+        }                                                                                                           \
+    }
+MICRO(1)
+MICRO(2)
+#if ROWS >= 4
+MICRO(3)
+MICRO(4)
+#endif
+typedef void (*micro_fn)(const int8_t *, const int32_t *, int64_t, int, const uint8_t *, const uint8_t *,
+                         const uint16_t *, float *);
+#if ROWS >= 4
+static const micro_fn MICRO_ROWS[ROWS + 1] = {0, micro_1, micro_2, micro_3, micro_4};
+#else
+static const micro_fn MICRO_ROWS[ROWS + 1] = {0, micro_1, micro_2};
+#endif
+
+#define BLOCK_ROWS 192 /* rows a work item runs against its channels, at most (they stay in cache meanwhile) */
+
+typedef struct {
+    const float *x;
+    int64_t x_row;
+    int m, k, n, group;
+    const uint8_t *packed;
+    const uint8_t *zeros;
+    const uint16_t *scales;
+    const float *bias; /* or NULL */
+    float *y;
+    int64_t y_row;
+} Int4Linear;
+
+/* One row's activations: the INT8 kernel's uint8 values made signed, and their sum per input group. */
+static float signed_row(const float *x, int k, int group, uint8_t *scratch, int8_t *a, int32_t *sums) {
+    const float peak = quantize_row(x, k, k, scratch);
+    for (int g = 0; g < k / group; g++) {
+        int32_t sum = 0;
+        for (int i = g * group; i < (g + 1) * group; i++) {
+            a[i] = (int8_t)(scratch[i] - ZERO_POINT);
+            sum += a[i];
+        }
+        sums[g] = sum;
+    }
+    return peak;
+}
+
+int int4_linear(const Int4Linear *c, int threads) {
+    const int64_t k = c->k, groups = k / c->group, group_bytes = k / 8 * STEP_BYTES;
+    const int slices = (int)(round_up(c->n, CHANNELS) / SLICE_CHANNELS), per_group = CHANNELS / SLICE_CHANNELS;
+    const int m = c->m > 0 ? c->m : 1;
+    int8_t *a = aligned_alloc(64, round_up((int64_t)m * k, 64));
+    uint8_t *scratch = aligned_alloc(64, round_up((int64_t)m * k, 64));
+    int32_t *sums = malloc(sizeof(int32_t) * m * groups);
+    float *peaks = malloc(sizeof(float) * m);
+    if (!a || !scratch || !sums || !peaks) {
+        free(a), free(scratch), free(sums), free(peaks);
+        return 2;
+    }
+    const int row_blocks = (c->m + BLOCK_ROWS - 1) / BLOCK_ROWS, items = slices * row_blocks;
+    const int block_rows = (int)round_up((c->m + row_blocks - 1) / (row_blocks > 0 ? row_blocks : 1), ROWS);
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int i = 0; i < c->m; i++)
+            peaks[i] = signed_row(c->x + i * c->x_row, c->k, c->group, scratch + i * k, a + i * k, sums + i * groups);
+        float f[ROWS * SLICE_CHANNELS];
+#pragma omp for schedule(static)
+        for (int item = 0; item < items; item++) {
+            const int slice = item % slices, block = item / slices;
+            const int64_t cg = slice / per_group, within = (int64_t)(slice % per_group) * SLICE_CHANNELS;
+            const int col0 = slice * SLICE_CHANNELS, cols = c->n - col0 < SLICE_CHANNELS ? c->n - col0 : SLICE_CHANNELS;
+            const uint8_t *w = c->packed + cg * group_bytes + within * 4;
+            const uint8_t *zeros = c->zeros + cg * groups * CHANNELS + within;
+            const uint16_t *scales = c->scales + cg * groups * CHANNELS + within;
+            const int m_end = (block + 1) * block_rows < c->m ? (block + 1) * block_rows : c->m;
+            for (int m0 = block * block_rows; m0 < m_end; m0 += ROWS) {
+                const int mb = m_end - m0 < ROWS ? m_end - m0 : ROWS;
+                MICRO_ROWS[mb](a + m0 * k, sums + m0 * groups, k, c->group, w, zeros, scales, f);
+                for (int i = 0; i < mb; i++) {
+                    const float step = peaks[m0 + i] * SCALE; /* exact: SCALE is a power of two */
+                    float *y = c->y + (m0 + i) * c->y_row + col0;
+                    for (int j = 0; j < cols; j++) {
+                        const float v = f[i * SLICE_CHANNELS + j] * step;
+                        y[j] = c->bias ? v + c->bias[col0 + j] : v;
+                    }
+                }
+            }
+        }
+    }
+    free(a), free(scratch), free(sums), free(peaks);
+    return 0;
+}
