@@ -84,9 +84,31 @@ def serve(cache_dir, tiny_dir, tmp_path_factory):
     return start
 
 
-@pytest.fixture(scope="session", params=["fp32", "int8"])
+@pytest.fixture(scope="session")
+def int4_dir(cache_dir, tiny_dir) -> Path:
+    """The embedded model written as a 4-bit checkpoint (`python -m service quantize --bits 4`'s
+    defaults: groups of 128 inputs where they divide, else 64 or 32; the vision tower INT8)."""
+    from service.quant.quantized import write_quantized
+
+    path = cache_dir / "embedded-tiny-int4"
+    if not (path / "config.json").exists():
+        write_quantized(tiny_dir, path, progress=False, bits=4)
+    return path
+
+
+def weights_settings(cache_dir, weights: str, **overrides):
+    """Settings serving the embedded model with `weights`: fp32, int8 (quantized at load) or int4
+    (the 4-bit checkpoint of `int4_dir`, which must exist)."""
+    if weights == "int4":
+        return make_settings(cache_dir, model_path=cache_dir / "embedded-tiny-int4", **overrides)
+    return make_settings(cache_dir, quantization=weights, **overrides)
+
+
+@pytest.fixture(scope="session", params=["fp32", "int8", "int4"])
 def engine(request, cache_dir, tiny_dir) -> Engine:
-    settings = make_settings(cache_dir, quantization=request.param)
+    if request.param == "int4":
+        request.getfixturevalue("int4_dir")
+    settings = weights_settings(cache_dir, request.param)
     return Engine(load_model(settings), settings)
 
 

@@ -1,7 +1,7 @@
-"""Conversation KV cache and vision-feature cache on the real tiny model, fp32 and int8.
+"""Conversation KV cache and vision-feature cache on the real tiny model, fp32, INT8 and 4-bit.
 
 The contract is exactness: with greedy decoding an engine with caches answers what an engine
-without them answers, while reporting (and doing) less work — with INT8 weights bit for bit (every
+without them answers, while reporting (and doing) less work — with INT8 and 4-bit weights bit for bit (every
 token's log-probability and its alternatives compared as floats: service/model/forward.py computes a
 token alike in every path), with fp32 weights token for token and within float rounding (their
 GEMMs round differently with the number of rows). Both reuse any token prefix, the previous answer
@@ -21,7 +21,7 @@ from service.errors import PromptTooLong
 from service.media.images import decode_image
 from service.model.prompts import ChatMessage, ImagePart, TextPart
 
-from conftest import make_settings, prepared
+from conftest import prepared, weights_settings
 from imaging import encode, pattern
 
 
@@ -60,7 +60,7 @@ class Engines:
         ids, done = turn(self.cached, messages, conversation_id, max_tokens)
         plain_ids, plain = turn(self.plain, messages, max_tokens=max_tokens)
         assert ids == plain_ids, "differs from a full recompute"
-        if self.cached.loaded.quantization == "int8":
+        if self.cached.loaded.quantization in ("int8", "int4"):
             assert done.logprobs == plain.logprobs, "not the bits of a full recompute"
         else:
             assert max(abs(a.logprob - b.logprob) for a, b in zip(done.logprobs, plain.logprobs)) < 1e-4
@@ -70,11 +70,11 @@ class Engines:
 # The quick tier runs the default bf16 keys and values; the whole suite fp32 too.
 @pytest.fixture(params=[pytest.param("float32", marks=pytest.mark.slow), "bfloat16"], ids=["kv-fp32", "kv-bf16"])
 def engines(engine, cache_dir, request):
-    """Caches on and off, on fp32 and INT8 weights, with fp32 and bf16 keys and values (KV_DTYPE)."""
+    """Caches on and off, on fp32, INT8 and 4-bit weights, with fp32 and bf16 keys and values (KV_DTYPE)."""
     q, kv = engine.loaded.quantization, request.param
     return Engines(
-        cached=Engine(engine.loaded, make_settings(cache_dir, quantization=q, kv_dtype=kv)),
-        plain=Engine(engine.loaded, make_settings(cache_dir, quantization=q, kv_dtype=kv, cache_enabled=False)),
+        cached=Engine(engine.loaded, weights_settings(cache_dir, q, kv_dtype=kv)),
+        plain=Engine(engine.loaded, weights_settings(cache_dir, q, kv_dtype=kv, cache_enabled=False)),
     )
 
 
@@ -306,7 +306,7 @@ def test_vision_cache_tells_different_pictures_apart(engines):
 
 
 def engine_with(engine, cache_dir, **settings) -> Engine:
-    return Engine(engine.loaded, make_settings(cache_dir, quantization=engine.loaded.quantization, **settings))
+    return Engine(engine.loaded, weights_settings(cache_dir, engine.loaded.quantization, **settings))
 
 
 def two_conversations(engine):

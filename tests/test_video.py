@@ -35,7 +35,7 @@ from service.vision.features import TorchVisionEncoder
 from service.vision.steps import run_to_end, video_steps
 
 from clips import WRITABLE, noise, write_clip
-from conftest import make_settings, prepared
+from conftest import prepared, weights_settings
 from imaging import encode, pattern
 from servers import openai_client
 
@@ -307,11 +307,11 @@ def answer(engine, messages, conversation_id=None, max_tokens=8) -> tuple[list, 
 
 @pytest.fixture
 def engines(engine, cache_dir):
-    """(caches on, caches off) over the same loaded model, fp32 and int8."""
+    """(caches on, caches off) over the same loaded model, fp32, INT8 and 4-bit."""
     q = engine.loaded.quantization
     return (
-        Engine(engine.loaded, make_settings(cache_dir, quantization=q)),
-        Engine(engine.loaded, make_settings(cache_dir, quantization=q, cache_enabled=False)),
+        Engine(engine.loaded, weights_settings(cache_dir, q)),
+        Engine(engine.loaded, weights_settings(cache_dir, q, cache_enabled=False)),
     )
 
 

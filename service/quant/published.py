@@ -65,7 +65,7 @@ def unpack(tensors: dict[str, torch.Tensor], qc: dict, name: str) -> tuple[torch
         values = _nibbles(qweight.T)  # [out, in]
         zeros = _nibbles(qzeros)  # [groups, out]
         if str(qc.get("checkpoint_format", "gptq")).lower() == "gptq":
-            zeros = (zeros.to(torch.int16) + 1).clamp_(max=15).to(torch.uint8)  # v1 stores zero − 1
+            zeros += 1  # v1 stores zero − 1 (a stored 15 is 16, as GPTQ's own kernels compute it: u8 holds it)
         in_features = values.shape[1]
         g_idx = tensors.get(f"{name}.g_idx")
         if g_idx is not None:

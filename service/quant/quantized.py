@@ -220,8 +220,8 @@ def _four_bit(
         keys = [f"{p}.{t}" for p in parts for t in ("qweight", "qzeros", "scales", "g_idx") if f"{p}.{t}" in source]
         tensors = source.read(keys)
         pieces = [published.unpack(tensors, scheme, p) for p in parts]
-    elif spec["bits"] != 4 or name.startswith(spec["keep_8bit"]):
-        return None
+    elif scheme is not None or spec["bits"] != 4 or name.startswith(spec["keep_8bit"]):
+        return None  # (a published checkpoint's unquantized Linears were left so by its publisher: INT8)
     else:
         group = group_for(source.shape(weight_names[0])[1], spec["group_size"])
         if group is None:
