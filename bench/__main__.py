@@ -85,11 +85,26 @@ def compare(args) -> None:
     _serving(args, list(serving.KINDS), ["start", "ttft", "decode"], "fp32 versus INT8, side by side")
 
 
+def _quantized(args, kind: str) -> Path:
+    """The source's quantized copy of fidelity.CHECKPOINTS `kind` (INT8: --int8-path), written if missing."""
+    if kind == "int8":
+        return _int8(args)
+    path = args.model_path.with_name(f"{args.model_path.name}-{kind}")
+    if not (path / "config.json").exists():
+        from service.quant.quantized import write_quantized
+
+        write_quantized(args.model_path, path, **fidelity.CHECKPOINTS[kind])
+    return path
+
+
 def fidelity_(args) -> None:
-    body = fidelity.run(args.model_path, _int8(args), args.threads, args.fidelity_tokens)
+    variants = fidelity.select(args.fidelity_bits)
+    checkpoints = {kind: _quantized(args, kind) for kind in {v[0] for v in variants.values()}}
+    body = fidelity.run(args.model_path, checkpoints, args.threads, args.fidelity_tokens, variants)
     _save(
         args,
-        f"INT8 fidelity against fp32 ({args.model_path.name})",
+        f"{'INT8' if args.fidelity_bits == 'int8' else 'INT8 and 4-bit'} fidelity against fp32 "
+        f"({args.model_path.name})",
         body,
         greedy_tokens=args.fidelity_tokens,
         prompts=f"{len(fidelity.TEXT_PROMPTS)} text + {len(fidelity.IMAGE_PROMPTS)} with a 1080p photo",
@@ -144,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-max-pixels", type=int, help="IMAGE_MAX_PIXELS (default: the service's)")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--fidelity-tokens", type=int, default=16)
+    parser.add_argument(
+        "--fidelity-bits",
+        choices=["all", "int8", "int4"],
+        default="all",
+        help="fidelity: which variants (int4: the 4-bit ones beside the shipped INT8)",
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-save", action="store_true", help="print only; do not append to bench/RESULTS.md")
     args = parser.parse_args(argv)

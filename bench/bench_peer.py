@@ -12,9 +12,11 @@ was trained by the service, so the converter does not know its pre-tokenizer's h
 Qwen2's (the same regex), and needs `sentencepiece` installed. Nothing of llama.cpp is kept in git,
 and this never runs in CI.
 
-Each server runs alone on the machine, in the order ours, Q8_0, Q4_0, Q4_0, Q8_0, ours per round,
-both with 2 threads (`llama-server -t 2 -tb 2 -np 4`), and gets the same requests on the OpenAI
-endpoint, greedy, end of turn biased away so answers run to max_tokens:
+Ours runs twice: the INT8 checkpoint (`-int8`, the default) and the 4-bit one (`-int4`, `python -m
+service quantize --bits 4`; written if missing). Each server runs alone on the machine, in the order
+ours, ours 4-bit, Q8_0, Q4_0, then reversed per round, all with 2 threads (`llama-server -t 2 -tb 2
+-np 4`), and gets the same requests on the OpenAI endpoint, greedy, end of turn biased away so
+answers run to max_tokens:
 - start → ready (client-side): process start to the first 200 of /ready (ours) or /health;
 - first token with a picture (client-side): a 448×448 JPEG and a question, max_tokens 1, a new
   picture each time (no cache may help), median of 3;
@@ -62,7 +64,8 @@ LLAMA_CPP_PYTHON = "0.3.36"
 PLOT = Path(__file__).resolve().parent / "peer.png"
 QUESTION = "What is in this picture? Describe the objects, their colours and where they are."
 SHORT_PROMPT = "Tell me a long story about a red square that travels across a blue sky to find a yellow circle."
-KINDS = ("this service", "llama.cpp Q8_0", "llama.cpp Q4_0")
+OURS_4BIT = "this service 4-bit"
+KINDS = ("this service", OURS_4BIT, "llama.cpp Q8_0", "llama.cpp Q4_0")
 
 
 # -- llama.cpp: build and weights ----------------------------------------------------------------
@@ -248,10 +251,9 @@ def tree_memory(process) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_checkpoint_args(p)
-    p.add_argument(
-        "--rounds", type=int, default=3, help="server starts per kind, in the order ours, Q8_0, Q4_0, then reversed"
-    )
+    p.add_argument("--rounds", type=int, default=3, help="server starts per kind, in the order of KINDS, then reversed")
     p.add_argument("--no-q4", action="store_true", help="leave llama.cpp Q4_0 out")
+    p.add_argument("--no-int4", action="store_true", help="leave this service's 4-bit checkpoint out")
     p.add_argument("--no-save", action="store_true", help="print the table, leave bench/RESULTS.md alone")
     args = p.parse_args(argv)
     from service.model.loading import load_processor
@@ -261,12 +263,17 @@ def main(argv=None) -> int:
     source = require_checkpoint(args.model_path or cache_dir / "qwen3vl-2b-random")
     int8 = source.with_name(source.name + "-int8")
     ours_path = int8 if (int8 / "config.json").exists() else source
+    int4 = source.with_name(source.name + "-int4")
+    if not args.no_int4 and not (int4 / "config.json").exists():
+        from service.quant.quantized import write_quantized
+
+        write_quantized(source, int4, bits=4)
     if shutil.which("cmake") is None:
         raise SystemExit("cmake is needed to build llama.cpp (apt-get install cmake)")
     peer_dir = cache_dir / "peer"
     peer_dir.mkdir(parents=True, exist_ok=True)
     log = peer_dir / "bench_peer.log"
-    kinds = [k for k in KINDS if not (args.no_q4 and "Q4" in k)]
+    kinds = [k for k in KINDS if not (args.no_q4 and "Q4" in k) and not (args.no_int4 and k == OURS_4BIT)]
     steps = 2 + 2 * len(kinds) * args.rounds
     with tqdm(total=steps, desc="bench_peer", unit="step") as bar:
         bar.set_postfix_str("building llama.cpp (once: a few minutes)")
@@ -282,21 +289,22 @@ def main(argv=None) -> int:
         for round_ in range(args.rounds):
             for kind in kinds if round_ % 2 == 0 else list(reversed(kinds)):
                 bar.set_postfix_str(f"{kind}, round {round_ + 1}")
-                if kind == "this service":
-                    server = our_server(ours_path, args.threads, peer_dir / "ours.log")
+                if kind.startswith("this service"):
+                    path = int4 if kind == OURS_4BIT else ours_path
+                    server = our_server(path, args.threads, peer_dir / "ours.log")
                 else:
                     text = weights["q8_0" if "Q8" in kind else "q4_0"]
                     server = llama_server(llama, text, weights["mmproj"], args.threads, peer_dir / "llama.log")
                 with server as (base, process, ready_s):
                     bar.update()
-                    client = Client(base, kind == "this service", end_of_turn)
+                    client = Client(base, kind.startswith("this service"), end_of_turn)
                     client.chat([user(picture(99999), "Hi.")], 2)  # first-call costs, not measured
                     run = measure(client, long_prompt, round_)
                     run["ready_s"], run["memory_gib"] = ready_s, tree_memory(process) / 1024**3
                     results[kind].append(run)
                 bar.update()
     med = {k: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for k, runs in results.items()}
-    body = report(med, results, kinds, args.rounds, ours_path, weights)
+    body = report(med, results, kinds, args.rounds, ours_path, weights, int4)
     if args.no_save:
         print(body)
     else:
@@ -304,7 +312,7 @@ def main(argv=None) -> int:
         append_section(
             "This service side by side with llama.cpp (bench/bench_peer.py)",
             {
-                "ours": f"{ours_path.name}, INT8_KERNEL=auto",
+                "ours": f"{ours_path.name}" + ("" if args.no_int4 else f" and {int4.name}") + ", INT8_KERNEL=auto",
                 "llama.cpp": f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, llama-server -t {args.threads} -np 4",
                 "GGUF": ", ".join(p.name for p in weights.values()),
                 "CPU": cpu_model(),
@@ -326,8 +334,13 @@ ROWS = [  # (label, key, unit, better, side)
 ]
 
 
-def report(med: dict, results: dict, kinds: list[str], rounds: int, ours_path: Path, weights: dict) -> str:
+def report(med: dict, results: dict, kinds: list[str], rounds: int, ours_path: Path, weights: dict, int4: Path) -> str:
     reference = "llama.cpp Q8_0"
+    ratios = [("ours / Q8_0", "this service", reference)]
+    if OURS_4BIT in kinds:
+        ratios.append(("4-bit / ours INT8", OURS_4BIT, "this service"))
+        if "llama.cpp Q4_0" in kinds:
+            ratios.append(("4-bit / Q4_0", OURS_4BIT, "llama.cpp Q4_0"))
     rows = []
     for label, key, unit, _, side in ROWS:
         cells = [
@@ -335,13 +348,15 @@ def report(med: dict, results: dict, kinds: list[str], rounds: int, ours_path: P
                                     if len(results[k]) > 1 else "")
             for k in kinds
         ]  # fmt: skip
-        rows.append([f"{label} ({unit})", side, *cells, f"{med['this service'][key] / med[reference][key]:.2f}x"])
-    table = markdown_table(["", "measured", *kinds, "ours / Q8_0"], rows)
+        rows.append([f"{label} ({unit})", side, *cells, *[f"{med[a][key] / med[b][key]:.2f}x" for _, a, b in ratios]])
+    table = markdown_table(["", "measured", *kinds, *[name for name, _, _ in ratios]], rows)
+    ours = ours_path.name + (f" and {int4.name}" if OURS_4BIT in kinds else "")
     return (
-        table + f"\n\nMedians (min–max) over {rounds} server start(s) per kind, each alone on the machine (order ours, "
-        "Q8_0, Q4_0, then reversed); first token the median of 3 pictures. Client-side: the request's wall time at the "
-        "client, on the same OpenAI-endpoint request for both; server-side: each server's own decode count. "
-        f"Ours: {ours_path.name}; llama.cpp: {', '.join(p.name for p in weights.values())}. "
+        table
+        + f"\n\nMedians (min–max) over {rounds} server start(s) per kind, each alone on the machine (in the order "
+        "of the columns, then reversed); first token the median of 3 pictures. Client-side: the request's wall time at "
+        "the client, on the same OpenAI-endpoint request for all; server-side: each server's own decode count. "
+        f"Ours: {ours}; llama.cpp: {', '.join(p.name for p in weights.values())}. "
         "[Plot: each figure against llama.cpp Q8_0](peer.png)."
     )
 

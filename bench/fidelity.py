@@ -1,6 +1,7 @@
-"""INT8 versus fp32 fidelity on a fixed prompt set: logit cosine similarity and greedy-token agreement,
-for per-token activations (shipped; with fp32 and with bf16 keys and values) and per-tensor ones
-(torch's dynamic Linear, before), without and with activation spikes.
+"""INT8 and 4-bit versus fp32 fidelity on a fixed prompt set: logit cosine similarity and greedy-token
+agreement, for per-token activations (shipped; with fp32 and with bf16 keys and values), per-tensor
+ones (torch's dynamic Linear, before), and 4-bit checkpoints (`quantize --bits 4`: the default with
+the vision tower INT8, and everything 4-bit), without and with activation spikes.
 
 The fp32 model answers each prompt greedily (`reference`, one process); each INT8 variant (its own
 process, `compare`) then reads the same token sequences (teacher forcing) — logit cosine and top-1
@@ -22,12 +23,31 @@ TEXT_PROMPTS = [
 ]
 IMAGE_PROMPTS = ["Describe this picture.", "How many circles are in this image, and what colors are they?"]
 
-VARIANTS = {  # label → (activations, keys and values as cached)
-    "int8 per-token activations, fp32 KV cache (KV_DTYPE=float32)": ("per_token", "float32"),
-    "int8 per-token activations, bf16 KV cache (shipped: KV_DTYPE=bfloat16)": ("per_token", "bfloat16"),
-    "int8 per-tensor activations (before)": ("per_tensor", "float32"),
+SHIPPED = "int8 per-token activations, bf16 KV cache (shipped: KV_DTYPE=bfloat16)"
+VARIANTS = {  # label → (checkpoint, activations (INT8 only), keys and values as cached)
+    "int8 per-token activations, fp32 KV cache (KV_DTYPE=float32)": ("int8", "per_token", "float32"),
+    SHIPPED: ("int8", "per_token", "bfloat16"),
+    "int8 per-tensor activations (before)": ("int8", "per_tensor", "float32"),
+    "4-bit, groups of 128, vision tower INT8 (`quantize --bits 4`), bf16 KV": ("int4", None, "bfloat16"),
+    "4-bit everywhere (`--keep-8bit none`: vision tower too), bf16 KV": ("int4-all", None, "bfloat16"),
+}
+CHECKPOINTS = {  # checkpoint → `write_quantized` arguments (besides source and destination)
+    "int8": {},
+    "int4": {"bits": 4},
+    "int4-all": {"bits": 4, "keep_8bit": ()},
 }
 SCENARIOS = ("no spikes", "spikes")
+
+
+def select(bits: str) -> dict:
+    """The VARIANTS of `bits`: all, int8, or int4 (beside the shipped INT8 variant)."""
+    return {
+        label: v
+        for label, v in VARIANTS.items()
+        if bits == "all" or v[0].startswith(bits) or (bits == "int4" and label == SHIPPED)
+    }
+
+
 SPIKE = 1000.0
 
 
@@ -151,9 +171,15 @@ def reference(model_path: str, threads: int, tokens: int, out_file: str, spikes:
 
 
 def compare(
-    model_path: str, threads: int, tokens: int, ref_file: str, activations: str, spikes: bool, kv_dtype: str = "float32"
+    model_path: str,
+    threads: int,
+    tokens: int,
+    ref_file: str,
+    activations: str | None,
+    spikes: bool,
+    kv_dtype: str = "float32",
 ) -> dict:
-    """One INT8 variant (the pre-quantized checkpoint) against the saved fp32 reference."""
+    """One variant (a pre-quantized checkpoint) against the saved fp32 reference."""
     import torch
 
     engine = _engine(model_path, threads, "int8", activations, spikes)
@@ -180,9 +206,9 @@ def compare(
     }
 
 
-def run(source, int8, threads: int, tokens: int) -> str:
-    """Both variants against fp32 on checkpoint `source` (pre-quantized copy `int8`), in both
-    scenarios: a markdown table."""
+def run(source, checkpoints: dict, threads: int, tokens: int, variants: dict = VARIANTS) -> str:
+    """`variants` against fp32 on checkpoint `source` (its quantized copies: `checkpoints`, by
+    CHECKPOINTS key), in both scenarios: a markdown table."""
     import tempfile
     from pathlib import Path
 
@@ -193,7 +219,7 @@ def run(source, int8, threads: int, tokens: int) -> str:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        steps = tqdm(total=len(SCENARIOS) * (1 + len(VARIANTS)), desc=f"fidelity {Path(source).name}", unit="process")
+        steps = tqdm(total=len(SCENARIOS) * (1 + len(variants)), desc=f"fidelity {Path(source).name}", unit="process")
         for scenario in SCENARIOS:
             spikes = scenario == "spikes"
             ref = str(Path(tmp) / f"fp32-{spikes}.pt")
@@ -206,10 +232,10 @@ def run(source, int8, threads: int, tokens: int) -> str:
                 spikes=spikes,
             )
             steps.update()
-            for label, (activations, kv_dtype) in VARIANTS.items():
+            for label, (checkpoint, activations, kv_dtype) in variants.items():
                 r = isolated(
                     "bench.fidelity:compare",
-                    model_path=str(int8),
+                    model_path=str(checkpoints[checkpoint]),
                     threads=threads,
                     tokens=tokens,
                     ref_file=ref,
@@ -234,7 +260,7 @@ def run(source, int8, threads: int, tokens: int) -> str:
     return markdown_table(
         [
             "scenario",
-            "INT8 variant vs fp32",
+            "variant vs fp32",
             "logit cosine (mean)",
             "logit cosine (min)",
             "top-1 agreement (teacher-forced)",

@@ -115,12 +115,18 @@ def cmd_quantize(args) -> int:
     from .quant.quantized import GROUP_SIZE, KEEP_8BIT, write_quantized
 
     t0 = time.perf_counter()
-    keep = tuple(args.keep_8bit) if args.keep_8bit is not None else KEEP_8BIT
+    keep = KEEP_8BIT if args.keep_8bit is None else tuple(p for p in args.keep_8bit if p != "none")
     out = write_quantized(
-        args.src, args.dst, bits=args.bits, group_size=args.group_size or GROUP_SIZE, symmetric=args.symmetric, keep_8bit=keep
+        args.src,
+        args.dst,
+        bits=args.bits,
+        group_size=args.group_size or GROUP_SIZE,
+        symmetric=args.symmetric,
+        keep_8bit=keep,
     )
     print(
-        f"wrote the {'4-bit' if args.bits == 4 else 'INT8'} checkpoint {out} in {time.perf_counter() - t0:.1f} s (peak RSS {_peak_rss_gib():.2f} GiB); "
+        f"wrote the {'4-bit' if args.bits == 4 else 'INT8'} checkpoint {out} in {time.perf_counter() - t0:.1f} s "
+        f"(peak RSS {_peak_rss_gib():.2f} GiB); "
         f"serve it with MODEL_PATH={out}"
     )
     return 0
@@ -211,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-8bit",
         action="append",
         metavar="PREFIX",
-        help="--bits 4: Linears whose names start with PREFIX stay INT8 (repeatable; default: model.visual.)",
+        help="--bits 4: Linears whose names start with PREFIX stay INT8 (repeatable; default: model.visual.; "
+        "none: every Linear 4-bit)",
     )
     quantize.set_defaults(func=cmd_quantize)
 

@@ -27,7 +27,9 @@ class Settings(BaseSettings):
         None, description="Qwen3-VL checkpoint directory; unset = embedded random test model"
     )
     quantization: Literal["int8", "fp32"] = Field(
-        "int8", description="int8 = INT8 Linear layers, activations quantized per token"
+        "int8",
+        description="int8 = INT8 Linear layers, activations quantized per token (a 4-bit checkpoint written by "
+        "`quantize --bits 4`, or a GPTQ/AWQ one, is served as it is under int8)",
     )
     int8_kernel: Literal["auto", "fbgemm", "onednn", "native"] = Field(
         "auto",

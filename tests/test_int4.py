@@ -170,7 +170,18 @@ def test_the_command_line_writes_one_too_and_refuses_a_bad_group(tiny_dir, tmp_p
     assert "4-bit checkpoint" in run.stdout and f"MODEL_PATH={dst}" in run.stdout
     assert quantized_marker(dst)["group_size"] == 32
     bad = subprocess.run(
-        [sys.executable, "-m", "service", "quantize", "--bits", "4", "--group-size", "48", str(tiny_dir), str(tmp_path / "x")],
+        [
+            sys.executable,
+            "-m",
+            "service",
+            "quantize",
+            "--bits",
+            "4",
+            "--group-size",
+            "48",
+            str(tiny_dir),
+            str(tmp_path / "x"),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -351,3 +362,28 @@ def test_what_a_published_layout_cannot_keep_exactly_is_refused_by_name(cache_di
         (src / "config.json").write_text(json.dumps({**settings, "quantization_config": config}))
         with pytest.raises(published.UnsupportedCheckpoint, match=words):
             load_model(make_settings(cache_dir, model_path=src))
+
+
+# -- served -------------------------------------------------------------------------------------
+
+
+def test_gunicorn_serves_a_4_bit_checkpoint_to_the_openai_client_with_the_loaders_answer(serve, int4_dir, int4_engine):
+    """MODEL_PATH at the 4-bit checkpoint is all a user does: the model card says int4, the official
+    client gets the answer the loader's engine gives (the same tokens and log-probabilities)."""
+    from servers import openai_client
+
+    expected = greedy(int4_engine, "Tell me about a red square.")
+    with serve({"MODEL_PATH": str(int4_dir), "PRELOAD": "true"}, "int4") as (base, _):
+        client = openai_client(base)
+        assert client.models.list().data[0].model_extra["quantization"] == "int4"
+        reply = client.chat.completions.create(
+            model="any",
+            messages=[{"role": "user", "content": "Tell me about a red square."}],
+            max_tokens=16,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+        )
+    content = reply.choices[0].logprobs.content
+    assert reply.choices[0].message.content == expected.text and content
+    assert [t.logprob for t in content] == [r.logprob for r in expected.logprobs][: len(content)]

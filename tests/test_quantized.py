@@ -135,7 +135,7 @@ def test_int8_logits_stay_close_to_fp32(load_time_engine, fp32_engine):
 
 
 def test_fp32_setting_on_an_int8_checkpoint_is_refused_with_the_way_out(cache_dir, int8_dir):
-    with pytest.raises(ValueError, match="INT8 checkpoint.*QUANTIZATION=int8"):
+    with pytest.raises(ValueError, match="quantized checkpoint.*QUANTIZATION=int8"):
         load_model(make_settings(cache_dir, model_path=int8_dir, quantization="fp32"))
 
 
@@ -144,7 +144,7 @@ def test_quantize_refuses_a_non_empty_destination_and_an_int8_source(tiny_dir, i
     with pytest.raises(FileExistsError):
         write_quantized(tiny_dir, tmp_path, progress=False)
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
-    with pytest.raises(ValueError, match="already an INT8 checkpoint"):
+    with pytest.raises(ValueError, match="already a checkpoint written by `python -m service quantize`"):
         write_quantized(int8_dir, tmp_path / "again", progress=False)
 
 

@@ -85,9 +85,7 @@ def build(kernel: Kernel, cache_dir: Path, march: str | None = None) -> Path:
         raise RuntimeError("no C compiler (gcc) on PATH")
     every_flag = [*FLAGS, *kernel.flags, f"-march={march or target_march()}"]
     key = hashlib.blake2b(
-        "\n".join(
-            [kernel.text(), " ".join(every_flag), _compiler_version(compiler), cpu_identity()]
-        ).encode(),
+        "\n".join([kernel.text(), " ".join(every_flag), _compiler_version(compiler), cpu_identity()]).encode(),
         digest_size=8,
     ).hexdigest()
     target = Path(cache_dir) / "kernels" / f"{kernel.source.stem}-{key}.so"

@@ -20,6 +20,19 @@
  */
 #include "simd.h"
 
+/* DOT_AT(acc, u, p): acc += u (unsigned bytes) · the 4 signed bytes at p, broadcast. With AVX-512
+ * VNNI the broadcast is the instruction's own memory operand ({1to16}): no register holds it, so a
+ * micro-kernel keeps 6 rows' sums in registers instead of 4. */
+#if L == 16 && defined(__AVX512VNNI__)
+static inline __m512i dot_at(__m512i acc, __m512i u, const void *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
+    return acc;
+}
+#define DOT_AT(acc, u, p) dot_at(acc, u, p)
+#else
+#define DOT_AT(acc, u, p) DOT(acc, u, BROADCAST(p))
+#endif
+
 #if L == 16
 #define SRLI16(v, n) _mm512_srli_epi16(v, n)
 #define AND(a, b) _mm512_and_si512(a, b)
@@ -27,7 +40,11 @@
 #define F_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define ZEROS_I32(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define SCALES_F32(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#if defined(__AVX512VNNI__)
+#define ROWS 6 /* 6 rows × 4 vectors of sums and the weights: 28 of 32 registers */
+#else
 #define ROWS 4 /* 4 rows × 4 vectors of sums, 8 broadcasts and the weights: 28 of 32 registers */
+#endif
 #else
 #define SRLI16(v, n) _mm256_srli_epi16(v, n)
 #define AND(a, b) _mm256_and_si256(a, b)
@@ -88,15 +105,12 @@ void int4_pack(const uint8_t *values, const uint8_t *zeros, const uint16_t *scal
                 for (int v = 0; v < SLICE; v++) s[i][v] = ZERO();                                                   \
             for (int64_t step = (int64_t)g * group / 8; step < (int64_t)(g + 1) * group / 8; step++) {            \
                 const uint8_t *at = w + step * STEP_BYTES;                                                          \
-                vec first[MB], second[MB];                                                                          \
-                for (int i = 0; i < MB; i++) {                                                                      \
-                    first[i] = BROADCAST(a + i * k + step * 8);                                                     \
-                    second[i] = BROADCAST(a + i * k + step * 8 + 4);                                                \
-                }                                                                                                   \
+                const int8_t *inputs = a + step * 8;                                                                \
                 for (int v = 0; v < SLICE; v++) {                                                                   \
                     const vec raw = LOAD(at + v * L * 4);                                                           \
                     const vec lo = AND(raw, low), hi = AND(SRLI16(raw, 4), low);                                    \
-                    for (int i = 0; i < MB; i++) s[i][v] = DOT(DOT(s[i][v], lo, first[i]), hi, second[i]);          \
+                    for (int i = 0; i < MB; i++)                                                                    \
+                        s[i][v] = DOT_AT(DOT_AT(s[i][v], lo, inputs + i * k), hi, inputs + i * k + 4);              \
                 }                                                                                                   \
             }                                                                                                       \
             for (int v = 0; v < SLICE; v++) {                                                                       \
@@ -112,17 +126,13 @@ void int4_pack(const uint8_t *values, const uint8_t *zeros, const uint16_t *scal
     }
 MICRO(1)
 MICRO(2)
-#if ROWS >= 4
 MICRO(3)
 MICRO(4)
-#endif
+MICRO(5)
+MICRO(6)
 typedef void (*micro_fn)(const int8_t *, const int32_t *, int64_t, int, const uint8_t *, const uint8_t *,
                          const uint16_t *, float *);
-#if ROWS >= 4
-static const micro_fn MICRO_ROWS[ROWS + 1] = {0, micro_1, micro_2, micro_3, micro_4};
-#else
-static const micro_fn MICRO_ROWS[ROWS + 1] = {0, micro_1, micro_2};
-#endif
+static const micro_fn MICRO_ROWS[7] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6};
 
 #define BLOCK_ROWS 192 /* rows a work item runs against its channels, at most (they stay in cache meanwhile) */
 

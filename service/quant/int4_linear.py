@@ -22,7 +22,14 @@ from .. import native
 
 GROUP_SIZES = (32, 64, 128, 256)
 SYMMETRIC_ZERO = 8
-CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)  # range shrinks tried per group: the one with the least squared error wins
+CLIP_RATIOS = (
+    1.0,
+    0.95,
+    0.9,
+    0.85,
+    0.8,
+    0.75,
+)  # range shrinks tried per group: the one with the least squared error wins
 QUANTIZE_ROWS = 2048  # rows quantized at once (the candidates of a chunk: ~100 MB for 2048-wide rows)
 _FP16_TINY = 2.0**-14  # smallest normal fp16: scales below it would lose precision
 

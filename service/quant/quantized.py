@@ -248,8 +248,9 @@ def write_quantized(
 
     bits=8: every Linear INT8. bits=4: the Linears 4-bit in groups of `group_size` inputs (a smaller
     group where that does not divide a Linear's inputs; asymmetric unless `symmetric`), except those
-    whose names start with one of `keep_8bit` (and any no group divides), which stay INT8. A GPTQ or AWQ `src` converts exactly: its
-    4-bit Linears keep their values, its unquantized ones (vision tower, lm_head) become INT8.
+    whose names start with one of `keep_8bit` (and any no group divides), which stay INT8. A GPTQ or
+    AWQ `src` converts exactly: its 4-bit Linears keep their values, its unquantized ones (vision
+    tower, lm_head) become INT8.
     Each tensor is read on its own from SRC's safetensors and quantized in row chunks, and freed
     memory goes back to the OS after every block, so the whole fp32 model never exists.
     """
