@@ -6,9 +6,10 @@ For every group size (32, 64, 128, 256), asymmetric (a zero point per group) and
 point 8): the weights' relative error (‖dequantized − fp32‖ / ‖fp32‖) over a sample of the 2B-shaped
 checkpoint's decoder Linears (and the vision tower's), the bytes a weight costs with its scales and
 zero points, and the service's 4-bit kernel's time for one 2048 → 6144 layer (24 copies cycled, so
-weights come from DRAM, as in a decode step) at 1, 4, 64 and 218 rows — beside the INT8 native kernel
-and torch's own 4-bit CPU kernel (`_weight_int4pack_mm_for_cpu`: bf16 activations, so neither the
-INT8 layers' per-row bits nor a row's independence from its neighbours are given; a speed reference).
+weights come from DRAM, as in a decode step) at 1, 4, 64 and 218 rows — beside the INT8 native kernel,
+ONNX Runtime's `MatMulNBits` (int8 activations per block of inputs) and torch's own 4-bit CPU kernel
+(`_weight_int4pack_mm_for_cpu`, bf16 activations): for those two, neither the INT8 layers' per-row
+bits nor a row's independence from its neighbours are given, so they are speed references.
 One process, 2 threads; timings are the fastest of 7 rounds, the kernels taking turns in each.
 
 `--memory`: the 4-bit checkpoint (and the INT8 one, for comparison) served by Gunicorn inside a
@@ -79,6 +80,52 @@ def weight_errors(source) -> dict:
     return errors
 
 
+def matmul_nbits(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, threads: int):
+    """ONNX Runtime's 4-bit MatMulNBits (block `group`, int8 activations per block: accuracy_level 4)
+    on the same weights, as a callable on fp32 rows: a single-node graph and its session."""
+    import numpy as np
+    import onnx
+    import onnxruntime
+    from onnx import TensorProto, helper
+
+    n, k = values.shape
+    v = values.reshape(n, k // group, group // 2, 2)
+    blob = (v[..., 0] | (v[..., 1] << 4)).numpy().astype(np.uint8)  # element 2i low nibble, 2i+1 high
+    z = zeros.reshape(n, -1)
+    if z.shape[1] % 2:
+        z = torch.cat([z, torch.zeros(n, 1, dtype=z.dtype)], 1)
+    packed_zeros = (z[:, 0::2] | (z[:, 1::2] << 4)).numpy().astype(np.uint8).reshape(-1)
+    node = helper.make_node(
+        "MatMulNBits",
+        ["A", "B", "scales", "zero_points"],
+        ["Y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=4,
+        block_size=group,
+        accuracy_level=4,
+    )
+    graph = helper.make_graph(
+        [node],
+        "matmul_nbits",
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+        [
+            onnx.numpy_helper.from_array(blob, "B"),
+            onnx.numpy_helper.from_array(scales.float().numpy().reshape(-1), "scales"),
+            onnx.numpy_helper.from_array(packed_zeros, "zero_points"),
+        ],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return lambda x: session.run(None, {"A": x.numpy()})[0]
+
+
 def kernel_times(threads: int) -> dict:
     from service.quant.int4_linear import Int4Linear, pack, quantize_groups
     from service.quant.int8_linear import Int8Linear, quantize_rows
@@ -100,6 +147,11 @@ def kernel_times(threads: int) -> dict:
                 [Int4Linear({k: v.clone() for k, v in packed.items()}, 6144, 2048, group, None) for _ in range(COPIES)],
                 torch.float32,
             )
+        values, zeros, scales = quantize_groups(weight, 128)
+        kernels["ONNX Runtime `MatMulNBits`, block 128, `accuracy_level=4` (int8 activations per block)"] = (
+            [matmul_nbits(values, scales, zeros, 128, threads) for _ in range(COPIES)],
+            torch.float32,
+        )
         try:  # torch's own: bf16 activations, group 128, weights packed for its CPU kernel
             w_int = torch.randint(0, 16, (6144, 2048), dtype=torch.int32, generator=generator)
             packed_w = torch._convert_weight_to_int4pack_for_cpu(w_int, 1)

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 RESIDENT_FILE = "resident.safetensors"
 SHARD_BYTES = 256 * MIB  # the writer holds at most about one shard of output in memory
 BITS = (8, 4)
-GROUP_SIZE = 128  # `--bits 4`'s default group (bench/fidelity.py and bench_kernels measure the others)
+GROUP_SIZE = 128  # `--bits 4`'s default group (bench/bench_int4.py measures the others' error, bytes and speed)
 KEEP_8BIT = ("model.visual.",)  # `--bits 4`'s default: Linears (name prefixes) that stay INT8
 
 
@@ -333,6 +333,21 @@ def write_quantized(
             shutil.copy2(file, dst / file.name)
     config_dict.pop("quantization_config", None)
     config_dict.get("text_config", {}).pop("quantization_config", None)
+    config_dict[QUANTIZED_MARKER] = _marker(src, config_dict, spec, scheme, tied, shards.files)
+    if bits == 4:
+        config_dict[QUANTIZED_MARKER].update(
+            int4_linears=len(four_bit),
+            int8_linears=sum(1 for n in linear_params if n.endswith(".weight")) - four_bit_parts,
+        )
+    # config.json last: a half-written directory has none, so it cannot be mistaken for a checkpoint.
+    (dst / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+    log.info("wrote %d-bit checkpoint %s from %s in %.1f s", bits, dst, src, time.perf_counter() - start)
+    return dst
+
+
+def _marker(src: Path, config_dict: dict, spec: dict, scheme: dict | None, tied, shards: list[str]) -> dict:
+    """The QUANTIZED_MARKER entry: how the checkpoint was made, from what, and its files."""
+    bits = spec["bits"]
     marker = {
         "format": FORMAT_INT4 if bits == 4 else FORMAT,
         "version": FORMAT_VERSION,
@@ -345,7 +360,7 @@ def write_quantized(
         "source_dtype": str(config_dict.get("dtype") or config_dict.get("torch_dtype")),
         "torch": torch.__version__,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "linear_shards": shards.files,
+        "linear_shards": shards,
         "resident": RESIDENT_FILE,
     }
     if bits == 4:
@@ -354,17 +369,11 @@ def write_quantized(
             "(service/quant/int4_linear.py), in the kernel's packed layout; those under `keep_8bit` (and any "
             "whose inputs do not split into groups) INT8",
             source_quantization=scheme["quant_method"] if scheme else None,
-            group_size=None if scheme else group_size,
-            symmetric=None if scheme else symmetric,
+            group_size=None if scheme else spec["group_size"],
+            symmetric=None if scheme else spec["symmetric"],
             keep_8bit=list(spec["keep_8bit"]),
-            int4_linears=len(four_bit),
-            int8_linears=sum(1 for n in linear_params if n.endswith(".weight")) - four_bit_parts,
         )
-    config_dict[QUANTIZED_MARKER] = marker
-    # config.json last: a half-written directory has none, so it cannot be mistaken for a checkpoint.
-    (dst / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
-    log.info("wrote %d-bit checkpoint %s from %s in %.1f s", bits, dst, src, time.perf_counter() - start)
-    return dst
+    return marker
 
 
 def published_checkpoint(path: Path, settings) -> Path:
