@@ -249,6 +249,7 @@ def test_packing_reads_the_4_bit_weights_on_the_pool_begun_early(int4_dir):
     model, mapped = load_quantized(int4_dir, 2, MemoryGuard(None), kernel)
     assert not mapped and packing.claim(int4_dir, kernel) is None
     assert isinstance(model.lm_head, Int4Linear)
+    assert not in_a_mapping_of(model.lm_head.qweight.data_ptr(), int4_dir)  # read into memory of its own
 
 
 # -- published layouts (GPTQ, AWQ) --------------------------------------------------------------

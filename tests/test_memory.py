@@ -123,15 +123,19 @@ def test_a_cgroup_memory_limit_is_read_in_either_cgroup_version(tmp_path, versio
 
 
 @pytest.mark.server
-def test_under_a_cgroup_limit_the_default_budget_follows_it_and_holds(cache_dir, tiny_dir, tmp_path):
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_under_a_cgroup_limit_the_default_budget_follows_it_and_holds(cache_dir, tiny_dir, tmp_path, request, weights):
     """Gunicorn started in a memory cgroup of 1.5 GiB, no MAX_MEMORY_MB, no cache budgets: the budget
     is the limit less the margin, the caches get shares of what is left after loading, and a run of
-    picture conversations stays inside the limit without an OOM kill."""
+    picture conversations stays inside the limit without an OOM kill — INT8 weights quantized at load,
+    and the 4-bit checkpoint."""
     from cgroups import memory_cgroup
 
     limit = 1536 * MIB
     with memory_cgroup(limit) as cgroup:
         env = {"CACHE_DIR": str(cache_dir)}
+        if weights == "int4":
+            env["MODEL_PATH"] = str(request.getfixturevalue("int4_dir"))
         with gunicorn_server(env, tmp_path / "gunicorn.log", preexec_fn=cgroup.enter) as (base, _):
             budget = metric(base, "qwen3vl_memory_budget_bytes")
             assert budget == limit - 256 * MIB
