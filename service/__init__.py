@@ -8,3 +8,7 @@ import os
 # prefill pieces in use at once; only odd lengths (a prompt's last piece, a picture) rebuild.
 # Set here, before torch is imported by any service module; the environment still wins.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+# Threads compute on one core unless they ask for more (service/threads.py: only the engine's
+# scheduler does for long; another team of threads would make libgomp sleep its threads between the
+# decode step's parallel regions, halving decode speed on 2 cores). Also before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")

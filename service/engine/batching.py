@@ -34,6 +34,7 @@ from transformers import DynamicCache
 from .. import metrics
 from ..answer.structured import Constraint
 from ..model.forward import Rows, TextForward
+from ..threads import compute_on
 from .drafts import DraftBudget
 from .sampling import Sampler
 from .streaming import TokenStream
@@ -160,7 +161,7 @@ class Scheduler:
     def _loop(self) -> None:
         # This thread's own OpenMP setting (each thread has one) and torch's: the model may have been
         # loaded on one thread, to fork safely after it (gunicorn.conf.py's preload).
-        torch.set_num_threads(self.threads)
+        compute_on(self.threads)
         with torch.inference_mode():
             while True:
                 with self._wake:

@@ -17,6 +17,7 @@ from ..quant.fusion import fuse_projections
 from ..quant.packing import FORMAT_INT4, int8_kernels
 from ..quant.quantized import load_quantized, published_checkpoint, quantize_in_place, quantized_marker
 from ..settings import Settings
+from ..threads import in_own_thread
 from .checkpoints import RANDOM_MODEL_WARNING, embedded_model_dir, is_random_test_model
 
 log = logging.getLogger(__name__)
@@ -88,13 +89,16 @@ class _OnceWarnings:
 
 def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
     """Load MODEL_PATH (or build and load the embedded tiny model) as settings say, computing on
-    `threads` torch threads (default THREADS; 1 = no OpenMP thread team is started, so the process
-    can fork safely afterwards — the engine's scheduler sets THREADS for itself)."""
+    `threads` torch threads (default THREADS) of a thread of its own, which ends with the load: the
+    caller is left without an OpenMP team (service/threads.py; a process that forks afterwards must
+    not hold one), and the engine's scheduler computes on THREADS for itself."""
+    return in_own_thread(lambda: _load(settings), threads or settings.threads, "model-load")
+
+
+def _load(settings: Settings) -> LoadedModel:
     from transformers import Qwen3VLForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
-    threads = threads or settings.threads
-    torch.set_num_threads(threads)
     start = time.perf_counter()
     path = settings.model_path or embedded_model_dir(settings.cache_dir)
     processor = load_processor(path)
@@ -112,7 +116,6 @@ def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
     with _OnceWarnings():
         if prequantized:
             model, mapped = load_quantized(path, settings.threads, MemoryGuard.from_settings(settings), kernels)
-            torch.set_num_threads(threads)  # the packing threads set it to 1 for themselves (and globally)
         else:
             # The checkpoint's own dtype (bf16 for Qwen's releases): no whole fp32 copy before quantizing.
             dtype = "auto" if settings.quantization == "int8" else torch.float32

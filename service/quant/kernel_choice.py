@@ -10,6 +10,8 @@ the checkpoint's own two kinds of matrix (hidden → MLP width, MLP width → hi
   step reads every layer's weights once and none stays cached);
 - a prefill piece of PREFILL_CHUNK_TOKENS rows (weights in cache: that is compute).
 
+It runs on a thread of its own (service/threads.py): its OpenMP team ends with it.
+
 The text decoder takes the kernel with the least `decode + prefill / rows`: the time per token of a
 typical turn whose prompt and answer are about as long (a picture and a question of ~250 tokens,
 an answer of a paragraph or two); decode weighs most because every answer token pays it. The
@@ -27,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 from ..native import INT8_GEMM, cpu_identity
+from ..threads import in_own_thread
 from .int8_linear import Int8Linear, available_kernels
 
 log = logging.getLogger(__name__)
@@ -103,7 +105,7 @@ def choose(setting: str, model_path: Path, cache_dir: Path, threads: int, rows: 
     except (KeyError, TypeError, ValueError, ZeroDivisionError):  # not measured here yet, or not readable
         pass
     started = time.perf_counter()
-    measured = _in_own_thread(lambda: _measure(candidates, hidden, width, threads, rows))
+    measured = in_own_thread(lambda: _measure(candidates, hidden, width, rows), threads, "int8-kernel-probe")
     choice = _decide(measured, cached=False, probe_seconds=time.perf_counter() - started)
     _write(path, {**_read(path), key: {"measured": measured, "probe_seconds": choice.probe_seconds}})
     return choice
@@ -122,26 +124,6 @@ def _decide(measured: dict, cached: bool, probe_seconds: float) -> KernelChoice:
     )
 
 
-def _in_own_thread(work):
-    """Run `work` on a thread of its own, with its own OpenMP team: a process that forks afterwards
-    (Gunicorn's preloading master) must never have started one on its main thread (the child would
-    hang in its first parallel region)."""
-    out = {}
-
-    def run():
-        try:
-            out["value"] = work()
-        except BaseException as exc:  # re-raised in the caller
-            out["error"] = exc
-
-    thread = threading.Thread(target=run, name="int8-kernel-probe")
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
-
 def _flush_size() -> int:
     """Bytes to read between decode calls so that no weight is left in any cache: twice the last
     level cache (from sysfs; 64 MiB if it does not say)."""
@@ -153,8 +135,7 @@ def _flush_size() -> int:
         return 64 * 1024**2
 
 
-def _measure(candidates: list[str], hidden: int, width: int, threads: int, rows: int) -> dict:
-    torch.set_num_threads(threads)  # this thread's OpenMP team (the caller's is its own)
+def _measure(candidates: list[str], hidden: int, width: int, rows: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     # (out, in): gate_up's and down's kinds of matrix, capped at 4-6 MB so that three kernels pack and
     # run in a fraction of a second

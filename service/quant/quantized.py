@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..memory import MIB, MemoryGuard, release_memory
+from ..threads import compute_on
 from . import packing, published
 from .fusion import fuse_projections
 from .int4_linear import GROUP_SIZES, group_for, pack, quantize_groups
@@ -493,7 +494,7 @@ def load_quantized(
 
 def mapped_slowdown(threads: int) -> str:
     """Measure (in ~0.2 s) how much slower the memory-mapped kernel is than the packed one here."""
-    torch.set_num_threads(threads)
+    compute_on(threads)
     rows = torch.randint(-127, 128, (4096, 2048), dtype=torch.int8)
     scales = torch.full((4096,), 1e-3)
     x = torch.randn(1, 2048)

@@ -1,0 +1,68 @@
+"""Only the engine's scheduler computes on several cores (service/threads.py): any other thread that
+runs torch ops — a request thread preparing a picture, the caller of the loader — computes on one
+and starts no OpenMP team of its own, whose threads would make libgomp stop spinning between the
+decode step's parallel regions (a decode step measured 2x slower on 2 cores)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+from test_caches import image
+
+from service.engine.engine import GenerationRequest, SamplingParams
+from service.model.prompts import ChatMessage, ImagePart, TextPart
+from service.threads import compute_on
+
+
+def os_threads() -> int:
+    """The process's OS threads, once the count holds still (an ended thread's team takes a moment to go)."""
+    count = -1
+    while count != (count := len(os.listdir("/proc/self/task"))):
+        time.sleep(0.2)
+    return count
+
+
+def on_a_thread_that_stays(work) -> tuple[object, int, int]:
+    """Run `work()` on a new thread that then waits: (its result, its torch threads, OS threads
+    the process gained while it ran and waits — itself and any OpenMP team it started)."""
+    before, out, done, leave = os_threads(), {}, threading.Event(), threading.Event()
+
+    def run():
+        out["value"] = work()
+        out["threads"] = torch.get_num_threads()
+        done.set()
+        leave.wait(30)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    done.wait(120)
+    gained = os_threads() - before
+    leave.set()
+    thread.join()
+    return out["value"], out["threads"], gained
+
+
+def test_a_picture_request_from_another_thread_starts_no_team_of_its_own(engine):
+    def ask():
+        parts = [ImagePart(image(engine, 320, 240, seed=5)), TextPart("What is this?")]
+        request = GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=4, temperature=0))
+        return list(engine.generate(request))[-1]
+
+    ask()  # the scheduler (and its team) exist before the count
+    done, threads, gained = on_a_thread_that_stays(ask)
+    assert done.completion_tokens == 4
+    assert threads == 1 and gained == 1  # the request thread itself, and no OpenMP worker beside it
+
+
+def test_a_thread_that_asks_for_cores_gets_them_and_the_others_keep_one():
+    def big_op():
+        x = torch.randn(2_000_000)
+        return float((x * 2).sum())
+
+    _, threads, gained = on_a_thread_that_stays(lambda: (compute_on(2), big_op()))
+    assert threads == 2 and gained >= 2  # itself and its team (the control: a team shows in the count)
+    _, threads, gained = on_a_thread_that_stays(big_op)
+    assert threads == 1 and gained == 1
