@@ -83,8 +83,9 @@ def weight_errors(source) -> dict:
 def matmul_nbits(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, threads: int, copies=1):
     """ONNX Runtime's 4-bit MatMulNBits (block `group`, int8 activations per block: accuracy_level 4)
     on the same weights, as a callable on fp32 rows: a graph of `copies` such nodes side by side (each
-    its own copy of the weights) in one session, so one thread pool serves them all (a session each
-    would start a pool each, and their spinning threads would fight over the cores)."""
+    its own weights: copy i's bytes xor i, for ONNX Runtime would share equal ones) in one session, so
+    one thread pool serves them all (a session each would start a pool each, and their spinning
+    threads would fight over the cores)."""
     import numpy as np
     import onnx
     import onnxruntime
@@ -114,7 +115,7 @@ def matmul_nbits(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
         )
         outputs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, ["M", n]))
         initializers += [
-            onnx.numpy_helper.from_array(blob, f"B{i}"),
+            onnx.numpy_helper.from_array(blob ^ np.uint8(i), f"B{i}"),  # other bytes: ORT shares equal ones
             onnx.numpy_helper.from_array(scales.float().numpy().reshape(-1), f"scales{i}"),
             onnx.numpy_helper.from_array(packed_zeros, f"zero_points{i}"),
         ]
