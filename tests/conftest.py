@@ -45,6 +45,15 @@ def kernels_in_the_test_cache(cache_dir):
     native.configure(cache_dir)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def tests_compute_on_two_threads():
+    """The tests' own forwards (against transformers', in the main thread) on two threads, as a
+    script that asks would; every other thread keeps the default of one (service/threads.py)."""
+    from service.threads import compute_on
+
+    compute_on(2)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(cache_dir) -> Path:
     return embedded_model_dir(cache_dir)
