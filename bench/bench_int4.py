@@ -26,7 +26,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from bench.harness import add_checkpoint_args, default_model_path, encoded_photo
+from bench.harness import add_checkpoint_args, default_model_path, encoded_photo, tree_memory
 from bench.results import append_section, markdown_table
 
 GROUPS = (32, 64, 128, 256)
@@ -179,27 +179,17 @@ def served_in_a_cgroup(model_path, limit_mib: int, threads: int) -> dict:
     import tempfile
     from pathlib import Path
 
-    import psutil
     import requests
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from cgroups import memory_cgroup
     from servers import gunicorn_server
 
-    def pss(process) -> int:
-        total = 0
-        for p in [process, *process.children(recursive=True)]:
-            try:
-                total += p.memory_full_info().pss
-            except psutil.Error:
-                pass
-        return total
-
     served, failures = 0, []
     with tempfile.TemporaryDirectory() as logs, memory_cgroup(limit_mib * 1024**2) as cgroup:
         env = {"MODEL_PATH": str(model_path), "THREADS": str(threads)}
         with gunicorn_server(env, Path(logs) / "gunicorn.log", timeout=900, preexec_fn=cgroup.enter) as (base, proc):
-            ready_pss = pss(psutil.Process(proc.pid))
+            ready_pss = tree_memory(proc)
             for conversation in tqdm(range(10), desc=f"30 requests in {limit_mib} MiB", unit="conversation"):
                 for turn in range(3):
                     files = None
@@ -220,7 +210,7 @@ def served_in_a_cgroup(model_path, limit_mib: int, threads: int) -> dict:
                     served += reply.status_code == 200
                     if reply.status_code != 200:
                         failures.append(reply.status_code)
-            after_pss = pss(psutil.Process(proc.pid))
+            after_pss = tree_memory(proc)
         return {
             "ready_pss_gib": ready_pss / 1024**3,
             "after_pss_gib": after_pss / 1024**3,

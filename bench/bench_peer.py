@@ -48,14 +48,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import psutil
 import requests
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from bench.bench_cache import text_of_tokens  # noqa: E402
-from bench.harness import add_checkpoint_args, encoded_photo, require_checkpoint  # noqa: E402
+from bench.harness import add_checkpoint_args, encoded_photo, require_checkpoint, tree_memory  # noqa: E402
 from bench.results import append_section, cpu_model, markdown_table  # noqa: E402
 
 from servers import free_port, gunicorn_server, wait_ready  # noqa: E402
@@ -236,13 +235,6 @@ def measure(client: Client, long_prompt: str, round_: int) -> dict:
         "second_turn_s": second_turn,
         "streams_tok_s": aggregate,
     }
-
-
-def tree_memory(process) -> int:
-    """The server's resident memory: the PSS of its processes (a page Gunicorn's master shares with its
-    worker counted once, not twice as summed RSS would)."""
-    root = psutil.Process(process.pid)
-    return sum(p.memory_full_info().pss for p in [root, *root.children(recursive=True)])
 
 
 # -- the run -------------------------------------------------------------------------------------

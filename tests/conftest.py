@@ -69,6 +69,24 @@ def no_end_of_turn(tiny_dir) -> dict[str, int]:
     return {str(tokenizer.convert_tokens_to_ids(t)): -100 for t in ("<|im_end|>", "<|endoftext|>")}
 
 
+def run_probe(script: str, cache_dir, env: dict[str, str]) -> dict:
+    """The JSON a probe script prints, run in a fresh Python with `env` added (how the tests reach
+    the forced AVX2 paths: those settings are read once per process). The script gets the tests'
+    folder and the session's cache as its arguments."""
+    import json
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(ROOT / "tests"), str(cache_dir)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 def make_settings(cache_dir, **overrides):
     return load_settings(cache_dir=cache_dir, threads=2, **overrides)
 
@@ -93,13 +111,16 @@ def serve(cache_dir, tiny_dir, tmp_path_factory):
     return start
 
 
+INT4_DIR = "embedded-tiny-int4"  # under the session's cache: `int4_dir` writes it, `weights_settings` serves it
+
+
 @pytest.fixture(scope="session")
 def int4_dir(cache_dir, tiny_dir) -> Path:
     """The embedded model written as a 4-bit checkpoint (`python -m service quantize --bits 4`'s
     defaults: groups of 128 inputs where they divide, else 64 or 32; the vision tower INT8)."""
     from service.quant.quantized import write_quantized
 
-    path = cache_dir / "embedded-tiny-int4"
+    path = cache_dir / INT4_DIR
     if not (path / "config.json").exists():
         write_quantized(tiny_dir, path, progress=False, bits=4)
     return path
@@ -109,7 +130,7 @@ def weights_settings(cache_dir, weights: str, **overrides):
     """Settings serving the embedded model with `weights`: fp32, int8 (quantized at load) or int4
     (the 4-bit checkpoint of `int4_dir`, which must exist)."""
     if weights == "int4":
-        return make_settings(cache_dir, model_path=cache_dir / "embedded-tiny-int4", **overrides)
+        return make_settings(cache_dir, model_path=cache_dir / INT4_DIR, **overrides)
     return make_settings(cache_dir, quantization=weights, **overrides)
 
 

@@ -6,7 +6,6 @@ tested beside INT8's (tests/test_forward.py, tests/test_caches.py: the `int4` ca
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from service.quant.int8_linear import Int8Linear
 from service.quant.packing import quantized_marker
 from service.quant.quantized import FORMAT_INT4, load_quantized
 
-from conftest import ROOT, make_settings
+from conftest import ROOT, make_settings, run_probe
 
 
 def float_layer(in_features=2048, out_features=320, seed=0, bias=True) -> nn.Linear:
@@ -101,19 +100,7 @@ print(json.dumps({"out": out}))
 def test_the_avx2_build_gives_the_same_bits(cache_dir):
     """NATIVE_MARCH=x86-64-v3 builds the kernel for AVX2 (8 lanes, vpmaddubsw, 2 rows per call):
     the same outputs bit for bit as this CPU's build, for a row, a batch and a prefill piece."""
-
-    def run(env):
-        done = subprocess.run(
-            [sys.executable, "-c", _ISA_PROBE, str(ROOT / "tests"), str(cache_dir)],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **env},
-            timeout=120,
-        )
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)["out"]
-
-    assert run({"NATIVE_MARCH": "x86-64-v3"}) == run({})
+    assert run_probe(_ISA_PROBE, cache_dir, {"NATIVE_MARCH": "x86-64-v3"}) == run_probe(_ISA_PROBE, cache_dir, {})
 
 
 # -- group quantization --------------------------------------------------------------------------
@@ -255,14 +242,21 @@ def test_packing_reads_the_4_bit_weights_on_the_pool_begun_early(int4_dir):
 # -- published layouts (GPTQ, AWQ) --------------------------------------------------------------
 
 
+def pack_words(values: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 8w] of 4-bit values → int32 [..., w], low nibble first: how both layouts pack."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    words = (values.to(torch.int64).unflatten(-1, (-1, 8)) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
+
+
 def gptq_tensors(name, values, zeros, scales, v1: bool, g_idx=None) -> dict[str, torch.Tensor]:
     """One Linear in GPTQ's layout: qweight [in/8, out] packs 8 inputs of an output per word, qzeros
     [groups, out/8] 8 outputs' zero points per word (v1 stores each minus one)."""
     stored = ((zeros.to(torch.int16) - 1) & 15).to(torch.uint8) if v1 else zeros
     in_order = torch.arange(values.shape[1], dtype=torch.int32) // (values.shape[1] // zeros.shape[1])
     return {
-        f"{name}.qweight": published.pack_words(values).T.contiguous(),
-        f"{name}.qzeros": published.pack_words(stored.T.contiguous()),
+        f"{name}.qweight": pack_words(values).T.contiguous(),
+        f"{name}.qzeros": pack_words(stored.T.contiguous()),
         f"{name}.scales": scales.T.contiguous(),
         f"{name}.g_idx": in_order if g_idx is None else g_idx,
     }
@@ -273,7 +267,7 @@ def awq_tensors(name, values, zeros, scales) -> dict[str, torch.Tensor]:
     order = torch.tensor(published.AWQ_ORDER)
 
     def interleaved(t):  # [rows, out] → words of outputs 8j + AWQ_ORDER[i] in nibble i
-        return published.pack_words(t.unflatten(-1, (-1, 8))[..., order].flatten(-2))
+        return pack_words(t.unflatten(-1, (-1, 8))[..., order].flatten(-2))
 
     return {
         f"{name}.qweight": interleaved(values.T.contiguous()),

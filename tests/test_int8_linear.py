@@ -8,10 +8,6 @@ Each property is also checked to fail on torch's per-tensor dynamic quantization
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +18,7 @@ from service.quant.fusion import FusedTextAttention, FusedTextMLP
 from service.quant.int8_linear import Int8Linear, quantize_rows
 from service.quant.quantized import quantize_in_place
 
-from conftest import ROOT, make_settings
+from conftest import make_settings, run_probe
 
 KERNEL_NAMES = ("fbgemm", "onednn", "native")
 KERNELS = pytest.mark.parametrize("kernel", KERNEL_NAMES)
@@ -163,20 +159,12 @@ def test_the_kernels_give_the_same_bits_with_and_without_vnni(cache_dir):
     AVX2 paths (u8×s8 pairs summed in int16, as on CPUs without VNNI) on any x86 CPU, and
     NATIVE_MARCH=x86-64-v3 builds the native kernel for AVX2 (8 lanes, vpmaddubsw): their answers
     must equal the default paths' bit for bit, worst-case row included."""
-
-    def run(env):
-        out = subprocess.run(
-            [sys.executable, "-c", _ISA_PROBE, str(ROOT / "tests"), str(cache_dir)],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **env},
-            timeout=120,
-            check=True,
-        )
-        return json.loads(out.stdout)
-
-    default = run({})
-    avx2 = run({"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "NATIVE_MARCH": "x86-64-v3"})
+    default = run_probe(_ISA_PROBE, cache_dir, {})
+    avx2 = run_probe(
+        _ISA_PROBE,
+        cache_dir,
+        {"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "NATIVE_MARCH": "x86-64-v3"},
+    )
     assert avx2["out"] == default["out"]
     assert default["out"]["fbgemm"] == default["out"]["onednn"] == default["out"]["native"]
     assert avx2["native lanes"] == 8

@@ -55,8 +55,6 @@ static inline __m512i dot_at(__m512i acc, __m512i u, const void *p) {
 #define SLICE 4              /* vectors of channels a micro-kernel computes: 64 channels (AVX-512) or 32 (AVX2) */
 #define SLICE_CHANNELS (SLICE * L)
 
-int int4_channels(void) { return CHANNELS; }
-
 /* Bytes of the packed weights of an n × k matrix (k a multiple of 8). */
 int64_t int4_packed_bytes(int n, int k) { return round_up(n, CHANNELS) * k / 2; }
 
@@ -123,11 +121,9 @@ MICRO(1)
 MICRO(2)
 MICRO(3)
 MICRO(4)
-MICRO(5)
-MICRO(6)
 typedef void (*micro_fn)(const int8_t *, const int32_t *, int64_t, int, const uint8_t *, const uint8_t *,
                          const uint16_t *, float *);
-static const micro_fn MICRO_ROWS[7] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6};
+static const micro_fn MICRO_ROWS[5] = {0, micro_1, micro_2, micro_3, micro_4};
 
 #define BLOCK_ROWS 192 /* rows a work item runs against its channels, at most (they stay in cache meanwhile) */
 

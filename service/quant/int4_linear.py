@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import native
+from .int8_linear import native_rows
 
 GROUP_SIZES = (32, 64, 128, 256)
 SYMMETRIC_ZERO = 8
@@ -201,11 +202,7 @@ class Int4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.float().contiguous()
-        y = torch.empty(flat.shape[0], self.out_features)
-        call = _NativeCall.from_buffer_copy(self._call)  # a call of its own: callers on other threads may overlap
-        call.x, call.x_row, call.m, call.y = flat.data_ptr(), flat.stride(0), flat.shape[0], y.data_ptr()
-        if self._native.int4_linear(ctypes.byref(call), torch.get_num_threads()):
-            raise MemoryError("the 4-bit kernel could not allocate its scratch memory")
+        y = native_rows(self._native.int4_linear, self._call, flat, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

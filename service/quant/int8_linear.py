@@ -103,6 +103,18 @@ def native_library() -> ctypes.CDLL:
     return lib
 
 
+def native_rows(function, template: ctypes.Structure, flat: torch.Tensor, out_features: int) -> torch.Tensor:
+    """One call of a native Linear kernel (int8_gemm.c, int4_gemm.c) on fp32 rows `flat`: a copy of
+    the layer's call structure `template` (callers on other threads may overlap) given the rows and a
+    new output, run on this thread's torch threads."""
+    y = torch.empty(flat.shape[0], out_features)
+    call = type(template).from_buffer_copy(template)
+    call.x, call.x_row, call.m, call.y = flat.data_ptr(), flat.stride(0), flat.shape[0], y.data_ptr()
+    if function(ctypes.byref(call), torch.get_num_threads()):
+        raise MemoryError("a native Linear kernel could not allocate its scratch memory")
+    return y
+
+
 def available_kernels() -> list[str]:
     """The kernels this machine can run: FBGEMM always (x86), oneDNN where torch has it, the native
     one where a C compiler builds it."""
@@ -218,12 +230,7 @@ class Int8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _forward_native(self, flat: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(flat.shape[0], self.out_features)
-        call = _NativeCall.from_buffer_copy(self._call)  # a call of its own: callers on other threads may overlap
-        call.x, call.x_row, call.m, call.y = flat.data_ptr(), flat.stride(0), flat.shape[0], y.data_ptr()
-        if self._native.int8_linear(ctypes.byref(call), torch.get_num_threads()):
-            raise MemoryError("the native INT8 kernel could not allocate its scratch memory")
-        return y
+        return native_rows(self._native.int8_linear, self._call, flat, self.out_features)
 
     def _per_tensor(self, flat: torch.Tensor) -> torch.Tensor:
         """torch's dynamic quantization: one scale for the whole input (7-bit range, as FBGEMM's)."""

@@ -87,10 +87,3 @@ def unpack(tensors: dict[str, torch.Tensor], qc: dict, name: str) -> tuple[torch
 def quantized_linears(names) -> set[str]:
     """The Linears (names without a suffix) a published checkpoint stores as 4-bit."""
     return {n[: -len(".qweight")] for n in names if n.endswith(".qweight")}
-
-
-def pack_words(values: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 8w] of 4-bit values → int32 [..., w], low nibble first (the inverse of `_nibbles`;
-    the tests write published layouts with it)."""
-    words = (values.to(torch.int64).unflatten(-1, (-1, 8)) << _SHIFTS.to(torch.int64)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
