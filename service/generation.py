@@ -119,6 +119,7 @@ class Completion:
     completion_tokens: int
     cached_tokens: int
     timings: Timings
+    cached_from: str | None = None  # the conversation cache's tier the cached tokens came from: memory or disk
     vision_cache_hits: int = 0
     images: int = 0
     videos: int = 0

@@ -69,6 +69,23 @@ CACHE_EVICTIONS = Counter("qwen3vl_cache_evictions_total", "entries evicted", ["
 CACHE_BYTES = Gauge("qwen3vl_cache_bytes", "bytes held by each cache", ["cache"], multiprocess_mode="livesum")
 CACHE_ENTRIES = Gauge("qwen3vl_cache_entries", "entries held by each cache", ["cache"], multiprocess_mode="livesum")
 
+# The conversation cache's disk tier (service/caches/kv_disk.py); its hits, misses, evictions and
+# budget are the cache metrics above with cache="kv_disk". One store serves the machine's instances.
+KV_DISK_READ_BYTES = Counter("qwen3vl_kv_disk_read_bytes_total", "bytes of keys and values read from the disk tier")
+KV_DISK_WRITTEN_BYTES = Counter("qwen3vl_kv_disk_written_bytes_total", "bytes written to the disk tier")
+KV_DISK_LOAD_SECONDS = Histogram(
+    "qwen3vl_kv_disk_load_seconds", "reading a prefix's keys and values from the disk tier", buckets=_LATENCY
+)
+KV_DISK_REJECTED = Counter(
+    "qwen3vl_kv_disk_rejected_files_total", "disk-tier files removed unused: foreign, truncated, corrupt", ["reason"]
+)
+KV_DISK_PENDING = Gauge(
+    "qwen3vl_kv_disk_pending_writes", "kept conversations not yet written to the disk tier", multiprocess_mode="livesum"
+)
+KV_DISK_BYTES = Gauge(
+    "qwen3vl_kv_disk_bytes", "bytes the disk tier's files hold (at the last scan)", multiprocess_mode="livemax"
+)
+
 
 def render() -> tuple[bytes, str]:
     """The exposition text of every worker (multiprocess) or of this process."""

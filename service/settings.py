@@ -128,6 +128,14 @@ class Settings(BaseSettings):
     )
     vision_cache_max_entries: int = Field(512, ge=0, description="images whose features are kept")
     cache_ttl_seconds: float = Field(1800.0, gt=0, description="idle seconds before a cache entry is dropped")
+    kv_disk_mb: int | None = Field(
+        None,
+        ge=0,
+        description="the conversation cache's disk tier (keys and values of every kept conversation, shared "
+        "by the instances of the machine, kept across restarts), in MiB; 0 = off; unset = a quarter of "
+        "the disk's free space (what the store holds counted free), at most 64 GiB",
+    )
+    kv_disk_dir: Path | None = Field(None, description="the disk tier's folder; unset = CACHE_DIR/kv")
 
     # HTTP and admission
     host: str = "127.0.0.1"
@@ -199,7 +207,7 @@ class Settings(BaseSettings):
     def _lower_case(cls, value):
         return value.lower() if isinstance(value, str) else value
 
-    @field_validator("vision_onnx_dir", mode="before")
+    @field_validator("vision_onnx_dir", "kv_disk_dir", mode="before")
     @classmethod
     def _empty_is_unset(cls, value):
         return None if value == "" else value

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -87,7 +90,18 @@ def run_probe(script: str, cache_dir, env: dict[str, str]) -> dict:
     return json.loads(done.stdout)
 
 
+def own_kv_disk_dir() -> str:
+    """A new empty folder for a disk tier (KV_DISK_DIR), removed when the session ends: an engine or a
+    server of a test starts with its caches empty unless the test shares a folder on purpose."""
+    return tempfile.mkdtemp(prefix="kv-", dir=_KV_DIRS)
+
+
+_KV_DIRS = tempfile.mkdtemp(prefix="qwen3vl-test-kv-")
+atexit.register(shutil.rmtree, _KV_DIRS, True)
+
+
 def make_settings(cache_dir, **overrides):
+    overrides.setdefault("kv_disk_dir", own_kv_disk_dir())
     return load_settings(cache_dir=cache_dir, threads=2, **overrides)
 
 
@@ -105,7 +119,8 @@ def serve(cache_dir, tiny_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("server-logs")
 
     def start(env: dict[str, str], name: str = "gunicorn", **kwargs):
-        return gunicorn_server({"CACHE_DIR": str(cache_dir), **env}, start.log(name), **kwargs)
+        env = {"CACHE_DIR": str(cache_dir), "KV_DISK_DIR": own_kv_disk_dir(), **env}
+        return gunicorn_server(env, start.log(name), **kwargs)
 
     start.log = lambda name: logs / f"{name}.log"
     return start

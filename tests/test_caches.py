@@ -314,17 +314,22 @@ def two_conversations(engine):
     a = [user(image(engine), "What is in this picture?")]
     _, done = turn(engine, a, "A", max_tokens=4)
     turn(engine, [user(image(engine, 192, 192, seed=9), "And here?")], "B", max_tokens=4)
+    if engine.conversations.disk is not None:
+        assert engine.conversations.disk.flush(30)  # what memory evicts is on disk by now
     _, again = turn(engine, a + [assistant(done.text), user("More.")], "A", max_tokens=4)
     return a, again
 
 
 def test_entry_cap_evicts_the_least_recently_used_conversation(engine, cache_dir):
-    small = engine_with(engine, cache_dir, conversation_cache_max_entries=1)
+    small = engine_with(engine, cache_dir, conversation_cache_max_entries=1, kv_disk_mb=0)
     a, again = two_conversations(small)
     assert again.cached_tokens < image_end(small, a)  # A's picture was not kept
-    roomy = engine_with(engine, cache_dir)
+    roomy = engine_with(engine, cache_dir, kv_disk_mb=0)
     a, again = two_conversations(roomy)
-    assert again.cached_tokens > image_end(roomy, a)
+    assert again.cached_tokens > image_end(roomy, a) and again.cached_from == "memory"
+    tiered = engine_with(engine, cache_dir, conversation_cache_max_entries=1)  # the disk tier (on by default)
+    a, again = two_conversations(tiered)
+    assert again.cached_tokens > image_end(tiered, a) and again.cached_from == "disk"
 
 
 def test_byte_budget_evicts_the_least_recently_used_conversation(engine, cache_dir):
@@ -332,14 +337,17 @@ def test_byte_budget_evicts_the_least_recently_used_conversation(engine, cache_d
     turn(probe, [user(image(probe), "What is in this picture?")], "A", max_tokens=4)
     one = probe.conversation_cache.entries.nbytes
     assert one > 0
-    small = engine_with(engine, cache_dir, conversation_cache_max_bytes=int(one * 1.5))
+    small = engine_with(engine, cache_dir, conversation_cache_max_bytes=int(one * 1.5), kv_disk_mb=0)
     a, again = two_conversations(small)
     assert again.cached_tokens < image_end(small, a)
     assert 0 < small.conversation_cache.entries.nbytes <= int(one * 1.5)
+    tiered = engine_with(engine, cache_dir, conversation_cache_max_bytes=int(one * 1.5))
+    a, again = two_conversations(tiered)
+    assert again.cached_tokens > image_end(tiered, a) and again.cached_from == "disk"
 
 
 def test_idle_entries_expire_without_further_requests(engine, cache_dir):
-    quick = engine_with(engine, cache_dir, cache_ttl_seconds=0.2)
+    quick = engine_with(engine, cache_dir, cache_ttl_seconds=0.2, kv_disk_mb=0)  # the memory tier's TTL
     expired = [metric("qwen3vl_cache_evictions_total", cache=c, reason="ttl") for c in ("conversation", "vision")]
     history = [user(image(quick), "What is in this picture?")]
     _, done = turn(quick, history, "A", max_tokens=4)

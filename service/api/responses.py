@@ -271,6 +271,9 @@ class NativeUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = Field(description="prompt tokens whose keys and values came from the cache")
+    cached_from: Literal["memory", "disk"] | None = Field(
+        description="the conversation cache's tier they came from (null: none came from it)"
+    )
     drafted_tokens: int = Field(description="tokens guessed and verified (exact speculative decoding)")
     accepted_tokens: int = Field(description="of them, the ones the model made too")
 
@@ -326,6 +329,7 @@ def native_done(done: Completion, head: NativeHead, logprobs: list[LogprobEntry]
             prompt_tokens=done.prompt_tokens,
             completion_tokens=done.completion_tokens,
             cached_tokens=done.cached_tokens,
+            cached_from=done.cached_from,
             drafted_tokens=done.drafted_tokens,
             accepted_tokens=done.accepted_tokens,
         ),

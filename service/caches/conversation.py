@@ -56,6 +56,7 @@ class KVReuse:
 
     cache: DynamicCache
     tokens: int
+    source: str = "memory"  # the tier it came from: memory, or disk (service/caches/kv_disk.py)
 
 
 def reusable_prefix(entry: KVEntry, token_ids: torch.Tensor, images: list[VisionSpan]) -> int:
@@ -108,6 +109,25 @@ class ConversationCache:
     def enabled(self) -> bool:
         return self.entries.enabled
 
+    def _best(self, token_ids: torch.Tensor, images: list[VisionSpan], conversation_id: str | None):
+        """(key, tokens) of the entry holding the longest reusable prefix, or (None, 0)."""
+        best_key, best = None, 0
+        for key in reversed(self.entries.keys()):  # most recent first: it wins ties
+            entry = self.entries.peek(key)
+            n = reusable_prefix(entry, token_ids, images)
+            same = conversation_id is not None and entry.conversation_id == conversation_id
+            if n > best or (n == best and n > 0 and same):
+                best_key, best = key, n
+        return (best_key, best) if best >= self.min_tokens else (None, 0)
+
+    def reusable(self, token_ids: torch.Tensor, images: list[VisionSpan], conversation_id: str | None) -> int:
+        """How many tokens `take` would give now (0: a miss); takes nothing."""
+        if not self.enabled:
+            return 0
+        with self.entries.lock:
+            self.entries.sweep()
+            return self._best(token_ids, images, conversation_id)[1]
+
     def take(self, token_ids: torch.Tensor, images: list[VisionSpan], conversation_id: str | None) -> KVReuse | None:
         """The KV cache of the longest reusable prefix of `token_ids` (1-D), or None on a miss.
 
@@ -119,14 +139,8 @@ class ConversationCache:
             return None
         with self.entries.lock:
             self.entries.sweep()
-            best_key, best = None, 0
-            for key in reversed(self.entries.keys()):  # most recent first: it wins ties
-                entry = self.entries.peek(key)
-                n = reusable_prefix(entry, token_ids, images)
-                same = conversation_id is not None and entry.conversation_id == conversation_id
-                if n > best or (n == best and n > 0 and same):
-                    best_key, best = key, n
-            if best_key is None or best < self.min_tokens:
+            best_key, best = self._best(token_ids, images, conversation_id)
+            if best_key is None:
                 metrics.CACHE_MISSES.labels(cache=self.name).inc()
                 return None
             entry = self.entries.peek(best_key)

@@ -90,6 +90,17 @@ class GrowingCache(DynamicCache):
         for layer, (keys, values) in zip(self.layers, ddp_cache_data or []):
             layer.update(keys, values)
 
+    @classmethod
+    def holding(cls, keys: list[torch.Tensor], values: list[torch.Tensor], length: int, config) -> GrowingCache:
+        """A cache over per-layer buffers (1 × heads × capacity × head_dim) whose first `length`
+        positions are filled; the rest is its room to grow in place (no copy)."""
+        cache = cls(config=config, dtype=keys[0].dtype)
+        for layer, layer_keys, layer_values in zip(cache.layers, keys, values, strict=True):
+            layer.lazy_initialization(layer_keys[:, :, :0], layer_values[:, :, :0])
+            layer._keys_buffer, layer._values_buffer = layer_keys, layer_values
+            layer.keys, layer.values = layer_keys[:, :, :length], layer_values[:, :, :length]
+        return cache
+
     def reserve(self, tokens: int) -> None:
         """Make room for `tokens` positions at the next growth, at once (a prompt's pieces then fill
         one buffer instead of copying the cache at each piece)."""

@@ -6,7 +6,8 @@ cost little more than one. A sequence joins the batch at the first step after it
 leaves the moment it finishes or is cancelled.
 
 Prefill is a generator (`Sequence.prefill`, written by the engine) that yields after each unit of
-work — a vision-encoder block, a chunk of prompt tokens. The scheduler interleaves: one unit of
+work — a vision-encoder block, a chunk of prompt tokens — or, while the disk tier reads its cached
+prefix on a thread of its own, the read in progress. The scheduler interleaves: one unit of
 the oldest waiting prefill, then one decode step of the batch, and again. A running stream so
 waits at most one unit per token while a neighbour prefills; with nothing to decode, prefill runs
 back to back.
@@ -20,6 +21,7 @@ sequence's tokens are the ones it gets alone (INT8 included: its Linears quantiz
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -44,6 +46,9 @@ log = logging.getLogger(__name__)
 # Guessed tokens verified in one decode step, all sequences together: a step's rows stay few enough
 # that reading each weight once still bounds its time (measured: bench_speculative).
 VERIFY_ROWS = 12
+# Seconds an idle scheduler waits at a time for a prefill's read from the disk tier (new requests
+# are looked at between waits).
+READ_WAIT = 0.05
 
 
 @dataclass
@@ -62,7 +67,7 @@ class Sequence:
     in `cache`, or None if it never finished prefill), then sets `done`."""
 
     prompt_ids: list[int]
-    prefill: Generator[None, None, Prefilled]
+    prefill: Generator[object, None, Prefilled]  # yields None, or a Future it waits for
     sampler: Sampler
     streamer: TokenStream
     cancel: threading.Event
@@ -197,7 +202,9 @@ class Scheduler:
             sequence.prefill_started_at = time.perf_counter()
             metrics.PREFILL_WAIT.observe(sequence.prefill_started_at - sequence.submitted_at)
         try:
-            next(sequence.prefill)
+            reading = next(sequence.prefill)
+            if reading is not None and not self._running:  # a read from disk: wait a moment, no other work
+                concurrent.futures.wait([reading], timeout=READ_WAIT)
             return
         except StopIteration as end:
             prefilled: Prefilled = end.value

@@ -14,6 +14,8 @@ into the caller's request.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import time
@@ -29,6 +31,8 @@ from ..answer.stops import StopStringMatcher
 from ..answer.structured import Constraint, GrammarCompiler
 from ..caches.conversation import ConversationCache, VisionSpan
 from ..caches.kv import HEADROOM
+from ..caches.kv_disk import KVDiskStore, KVLayout, default_budget_bytes, held_bytes
+from ..caches.tiers import ConversationTiers
 from ..caches.vision_features import VisionFeatureCache
 from ..errors import BadRequest, PromptTooLong
 from ..generation import Completion, Generation, GenerationRequest, SamplingParams, TextDelta, Timings
@@ -36,6 +40,7 @@ from ..limits import RequestLimits
 from ..memory import CONVERSATION_CACHE_SHARE, MIB, VISION_CACHE_SHARE, MemoryGuard, kv_cache_bytes
 from ..model.attention import ExactAttention
 from ..model.forward import TextForward
+from ..model.identity import checkpoint_identity
 from ..model.loading import LoadedModel
 from ..model.prompts import PreparedPrompt, prepare_prompt, renders_tools
 from ..settings import Settings
@@ -43,7 +48,7 @@ from ..vision.encoders import make_vision_encoder
 from .admission import Admission
 from .batching import Scheduler, Sequence
 from .drafts import DraftBudget
-from .prefill import Prefiller, PrefillMarks
+from .prefill import Prefiller, PrefillMarks, vision_settings
 from .sampling import Sampler, ScoreAdjustments
 from .streaming import TokenStream
 
@@ -108,6 +113,7 @@ class Engine:
         metrics.CACHE_BUDGET.labels(cache=self.conversation_cache.name).set(kv_bytes)
         metrics.CACHE_BUDGET.labels(cache=self.vision_cache.name).set(vision_bytes)
         self.kv_dtype = getattr(torch, settings.kv_dtype)
+        self.conversations = ConversationTiers(self.conversation_cache, self._kv_disk(settings))
         self.vocab_size = getattr(loaded.model.config, "text_config", loaded.model.config).vocab_size
         self.token_text = TokenText(self.processor.tokenizer)  # logprobs' token strings and bytes
         self.grammars = GrammarCompiler(self.processor.tokenizer, self.vocab_size, loaded.eos_token_ids)
@@ -116,7 +122,7 @@ class Engine:
             loaded.model,
             self.forward,
             self.vision_encoder,
-            self.conversation_cache,
+            self.conversations,
             self.vision_cache,
             settings.prefill_chunk_tokens,
             self.kv_dtype,
@@ -141,6 +147,34 @@ class Engine:
             vision / MIB,
         )
         return kv, vision
+
+    def _kv_disk(self, settings: Settings) -> KVDiskStore | None:
+        """The conversation cache's disk tier (KV_DISK_MB; off with the caches), its files named for
+        exactly this checkpoint, quantization, vision encoder and KV layout."""
+        if not settings.cache_enabled or settings.kv_disk_mb == 0:
+            return None
+        root = settings.kv_disk_dir or settings.cache_dir / "kv"
+        loaded, layout = self.loaded, KVLayout.of(self.model.config, self.kv_dtype)
+        parts = [
+            checkpoint_identity(loaded.path),
+            loaded.quantization,
+            loaded.weights_mapped,  # mapped INT8 weights compute prompts another way: other bits
+            self.vision_encoder.name,
+            vision_settings(self.processor.image_processor),
+            layout.described(),
+        ]
+        fingerprint = hashlib.blake2b(json.dumps(parts).encode(), digest_size=16).hexdigest()
+        held = held_bytes(root)
+        budget = settings.kv_disk_mb * MIB if settings.kv_disk_mb else default_budget_bytes(root, held)
+        store = KVDiskStore(root, budget, fingerprint, layout, self.model.config)
+        metrics.CACHE_BUDGET.labels(cache=store.name).set(store.budget_bytes)
+        log.info(
+            "conversation cache on disk: %s, up to %.0f MiB (%.0f MiB held now)",
+            root,
+            store.budget_bytes / MIB,
+            held / MIB,
+        )
+        return store
 
     # -- request path -------------------------------------------------------------------------
 
@@ -246,7 +280,7 @@ class Engine:
         if cache is None or sequence.error is not None:
             return
         covered = torch.tensor(sequence.token_ids[: cache.get_seq_length()])
-        self.conversation_cache.put(run.request.conversation_id, covered, media, run.prompt.num_tokens, cache)
+        self.conversations.keep(run.request.conversation_id, covered, media, run.prompt.num_tokens, cache)
 
     def _sequence(self, run: _Run) -> Sequence:
         """The request as the scheduler runs it: its prefill steps, sampler, stream and limits."""
@@ -334,6 +368,7 @@ class Engine:
             prompt_tokens=prompt.num_tokens,
             completion_tokens=len(ids),
             cached_tokens=run.marks.reused,
+            cached_from=run.marks.reused_from,
             timings=self._timings(run, sequence, end),
             vision_cache_hits=run.marks.vision_hits,
             images=len(prompt.pixel_values),

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..caches.conversation import ConversationCache
 from ..caches.kv import HEADROOM
+from ..caches.tiers import ConversationTiers
 from ..caches.vision_features import VisionFeatureCache
 from ..model.forward import Rows, TextForward, VisionRows
 from ..model.prompts import PreparedPrompt
@@ -27,6 +27,7 @@ class PrefillMarks:
     """What a prefill did and when, for the request's Completion."""
 
     reused: int = 0  # prompt tokens taken from the conversation cache
+    reused_from: str | None = None  # its tier: memory or disk
     vision_hits: int = 0  # images and videos whose features came from the vision cache
     cache_lookup: float = 0.0  # seconds
     vision_encode: float = 0.0  # seconds
@@ -70,6 +71,13 @@ class PromptRows:
         return self.ids[start:end], self.positions[:, start:end], [Rows(cache, end - start, vision)]
 
 
+def vision_settings(ip) -> str:
+    """A digest of everything besides the pixels that shapes the vision encoder's input (part of every
+    key of a cache of what the encoder made)."""
+    settings = (ip.patch_size, ip.merge_size, ip.temporal_patch_size, list(ip.image_mean), list(ip.image_std))
+    return hashlib.blake2b(repr((*settings, dict(ip.size))).encode(), digest_size=8).hexdigest()
+
+
 class Prefiller:
     """Makes each request's prefill generator (`steps`) on one model, its caches and its encoder."""
 
@@ -78,30 +86,16 @@ class Prefiller:
         model,
         forward: TextForward,
         vision_encoder,
-        conversation_cache: ConversationCache,
+        conversations: ConversationTiers,
         vision_cache: VisionFeatureCache,
         chunk_tokens: int,
         kv_dtype: torch.dtype,
         image_processor,
     ):
         self.model, self.forward, self.vision_encoder = model, forward, vision_encoder
-        self.conversation_cache, self.vision_cache = conversation_cache, vision_cache
+        self.conversations, self.vision_cache = conversations, vision_cache
         self.chunk_tokens, self.kv_dtype = chunk_tokens, kv_dtype
-        ip = image_processor
-        # Everything besides the pixels that shapes the encoder's input: part of every vision-cache key.
-        self._vision_settings = hashlib.blake2b(
-            repr(
-                (
-                    ip.patch_size,
-                    ip.merge_size,
-                    ip.temporal_patch_size,
-                    list(ip.image_mean),
-                    list(ip.image_std),
-                    dict(ip.size),
-                )
-            ).encode(),
-            digest_size=8,
-        ).hexdigest()
+        self._vision_settings = vision_settings(image_processor)
 
     def piece_ends(self, length: int, reused: int) -> list[int]:
         """Where the prefill pieces after a cache of `reused` tokens end: every PREFILL_CHUNK_TOKENS,
@@ -138,12 +132,15 @@ class Prefiller:
 
     def steps(
         self, prompt: PreparedPrompt, conversation_id: str | None, marks: PrefillMarks
-    ) -> Generator[None, None, Prefilled]:
-        """The prefill, a step per `yield`; records cache use and timings in `marks`."""
+    ) -> Generator[object, None, Prefilled]:
+        """The prefill, a step per `yield` (which yields what it waits for, if it waits for a read);
+        records cache use and timings in `marks`."""
         t0 = time.perf_counter()
         media = prompt.spans["image"] + prompt.spans["video"]  # what the KV cache matches: the same for both
-        reuse = self.conversation_cache.take(prompt.input_ids[0], media, conversation_id)
+        capacity = prompt.num_tokens + HEADROOM
+        reuse = yield from self.conversations.lookup(prompt.input_ids[0], media, conversation_id, capacity)
         marks.reused = reuse.tokens if reuse else 0
+        marks.reused_from = reuse.source if reuse else None
         # The request owns the cache: each piece extends it in place.
         cache = reuse.cache if reuse is not None else self.forward.new_cache(self.kv_dtype)
         marks.cache_lookup = time.perf_counter() - t0
@@ -154,7 +151,7 @@ class Prefiller:
             marks.vision_encode = marks.prefill_start - t1
             merged = {m: VisionFeatures.cat([f[i] for i in sorted(f)]) for m, f in features.items() if f}
             rows = PromptRows(self.model, prompt, merged, marks.reused)
-            cache.reserve(prompt.num_tokens + HEADROOM)
+            cache.reserve(capacity)
             start = marks.reused
             for end in self.piece_ends(prompt.num_tokens, marks.reused):
                 yield
@@ -163,7 +160,7 @@ class Prefiller:
         except GeneratorExit:  # cancelled while prefilling: hand the reused prefix back for the client's retry
             if reuse is not None:
                 cache.crop(marks.reused - cache.get_seq_length())
-                self.conversation_cache.put(
+                self.conversations.keep(
                     conversation_id, prompt.input_ids[0, : marks.reused], media, marks.reused, cache
                 )
             raise

@@ -1,0 +1,70 @@
+"""The conversation cache's two tiers as one: memory (conversation.py) in front of disk (kv_disk.py).
+
+A kept cache goes to memory and, written behind, to disk; a lookup takes the longer of what the two
+hold — memory when they hold as much, since it costs nothing to read — and a disk hit continues
+exactly as a memory hit would: the same keys and values, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from concurrent.futures import Future
+
+import torch
+
+from .. import metrics
+from .conversation import ConversationCache, KVReuse, VisionSpan
+from .kv_disk import KVDiskStore
+
+log = logging.getLogger(__name__)
+
+
+class ConversationTiers:
+    def __init__(self, memory: ConversationCache, disk: KVDiskStore | None):
+        self.memory = memory
+        self.disk = disk
+
+    def lookup(
+        self, token_ids: torch.Tensor, images: list[VisionSpan], conversation_id: str | None, capacity: int
+    ) -> Generator[Future, None, KVReuse | None]:
+        """The cache of the longest reusable prefix of `token_ids`, with room for `capacity` positions
+        if it comes from disk; while the disk tier reads (on a thread of its own) this yields the read
+        in progress, and the scheduler decodes its other sequences meanwhile.
+
+        The disk is read only when memory misses or holds less than the disk's full blocks (found by
+        name, without reading): memory holds the latest turn of the conversations it has."""
+        in_memory = self.memory.reusable(token_ids, images, conversation_id)
+        if self.disk is not None:
+            limit = len(token_ids) - 1
+            blocks, _ = self.disk.stored_blocks(token_ids, images, limit)
+            if not in_memory or (blocks and blocks[-1].end > in_memory):
+                reading = self.disk.read_async(token_ids, images, limit, capacity, beat=in_memory)
+                while not reading.done():
+                    yield reading
+                try:
+                    reuse = reading.result()
+                except Exception:
+                    log.exception("KV disk tier: reading a prefix failed")
+                    reuse = None
+                if reuse is not None:
+                    metrics.CACHE_MISSES.labels(cache=self.memory.name).inc()
+                    metrics.CACHE_REUSED_TOKENS.inc(reuse.tokens)
+                    return reuse
+        reuse = self.memory.take(token_ids, images, conversation_id)
+        if reuse is not None and self.disk is not None:
+            self.disk.truncate(reuse.cache, reuse.tokens)  # extended in place from there on: not written past it
+        return reuse
+
+    def keep(
+        self,
+        conversation_id: str | None,
+        token_ids: torch.Tensor,
+        images: list[VisionSpan],
+        prompt_tokens: int,
+        cache,
+    ) -> None:
+        """Keep a finished generation's cache (covering `token_ids`) in memory and, behind, on disk."""
+        self.memory.put(conversation_id, token_ids, images, prompt_tokens, cache)
+        if self.disk is not None:
+            self.disk.save(cache, token_ids.clone(), images)

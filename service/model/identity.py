@@ -1,0 +1,27 @@
+"""What names a checkpoint's weights without reading them all: caches kept outside the process (the
+KV disk tier) are only valid for the weights that made them."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+SAMPLE_BYTES = 64 * 1024
+
+
+def checkpoint_identity(path: Path) -> str:
+    """A digest of the checkpoint folder's config and of each weight file's name, size and bytes at its
+    start, middle and end: copies of one checkpoint agree wherever they live, while a fine-tune, a
+    re-quantization or another shard layout differs (a header alone could match; sampled tensor bytes
+    do not). Reads a few hundred KiB, not the weights."""
+    path = Path(path)
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update((path / "config.json").read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with open(weights, "rb") as f:
+            for offset in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
+                f.seek(offset)
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()

@@ -1,0 +1,264 @@
+"""The conversation cache's disk tier (service/caches/kv_disk.py) on the real tiny model, fp32, INT8
+and 4-bit: a turn whose cache memory lost (evicted, restarted, another instance) continues from
+disk with the very bits a turn from memory and a full recompute get; damaged and foreign files are
+removed unused; the budget holds. Then through real Gunicorn instances: restarts (graceful and
+SIGKILL) and two instances sharing one store.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import struct
+import time
+
+import pytest
+import requests
+import torch
+from prometheus_client import REGISTRY
+from test_caches import assistant, image, image_end, turn, user
+
+from service.caches.kv_disk import BLOCK_TOKENS, MAGIC, held_bytes
+from service.engine.engine import Engine
+
+from conftest import prepared, weights_settings
+from servers import metric, openai_client
+
+
+def tiered(engine, cache_dir, folder, **settings) -> Engine:
+    """An engine on `engine`'s loaded model with its disk tier in `folder` (a new one: as after a restart)."""
+    return Engine(engine.loaded, weights_settings(cache_dir, engine.loaded.quantization, kv_disk_dir=folder, **settings))
+
+
+QUESTION = "What is in this picture? Describe each part of it, its colours and its shapes, in detail. " * 2
+
+
+def first_turn(e: Engine, seed=0):
+    """A one-picture conversation's first turn, written to disk: (its history, the second turn's messages)."""
+    history = [user(image(e, seed=seed), QUESTION)]
+    _, done = turn(e, history, "A")
+    assert e.conversations.disk.flush(30)
+    return history, history + [assistant(done.text), user("Tell me more.")]
+
+
+def test_a_turn_from_disk_has_the_bits_of_a_turn_from_memory_and_of_a_recompute(engine, cache_dir, tmp_path):
+    first = tiered(engine, cache_dir, tmp_path / "kv")
+    history, follow = first_turn(first)
+    shutil.copytree(tmp_path / "kv", tmp_path / "copy")  # the store as a restart finds it
+    memory_ids, from_memory = turn(first, follow, "A")
+    disk_ids, from_disk = turn(tiered(engine, cache_dir, tmp_path / "copy"), follow, "A")
+    plain_ids, plain = turn(tiered(engine, cache_dir, tmp_path / "off", cache_enabled=False), follow)
+    assert (from_memory.cached_from, from_disk.cached_from, plain.cached_from) == ("memory", "disk", None)
+    assert from_disk.cached_tokens == from_memory.cached_tokens > image_end(first, history)
+    assert disk_ids == memory_ids == plain_ids
+    # Every token's log-probability and alternatives as floats: the same keys and values, the same rows after them.
+    assert from_disk.logprobs == from_memory.logprobs
+    if engine.loaded.quantization in ("int8", "int4"):
+        assert from_disk.logprobs == plain.logprobs  # and a recompute's bits (fp32 GEMMs round by row count)
+
+
+def test_keys_and_values_read_from_disk_are_the_bits_kept_in_memory(engine, cache_dir, tmp_path):
+    e = tiered(engine, cache_dir, tmp_path)
+    first_turn(e)
+    entry = e.conversation_cache.entries.peek("id:A")
+    length = len(entry.token_ids)
+    assert length > 2 * BLOCK_TOKENS  # full blocks and a tail
+    reuse = e.conversations.disk.read(entry.token_ids, entry.images, length, capacity=length)
+    assert reuse.tokens == length and reuse.source == "disk"
+    for read, kept in zip(reuse.cache.layers, entry.cache.layers, strict=True):
+        assert torch.equal(read.keys, kept.keys) and torch.equal(read.values, kept.values)
+    # A prompt that differs inside a block (a re-tokenized answer) gets the block's matching part.
+    changed = entry.token_ids.clone()
+    changed[BLOCK_TOKENS + 10] = (changed[BLOCK_TOKENS + 10] + 1) % 100
+    reuse = e.conversations.disk.read(changed, entry.images, length, capacity=length)
+    assert reuse.tokens == BLOCK_TOKENS + 10
+    for read, kept in zip(reuse.cache.layers, entry.cache.layers, strict=True):
+        assert torch.equal(read.keys, kept.keys[:, :, : reuse.tokens])
+
+
+def test_another_picture_behind_the_same_tokens_is_not_taken_from_disk(engine, cache_dir, tmp_path):
+    e = tiered(engine, cache_dir, tmp_path)
+    history, _ = first_turn(e)
+    other = [user(image(e, seed=7), QUESTION)]  # the same tokens, other pixels
+    restarted = tiered(engine, cache_dir, tmp_path)
+    _, done = turn(restarted, other, "B")
+    assert done.cached_tokens <= prepared(e, _request(other)).image_spans[0][0]
+
+
+def _request(messages):
+    from service.engine.engine import GenerationRequest
+
+    return GenerationRequest(messages)
+
+
+def rejected(reason: str) -> float:
+    return REGISTRY.get_sample_value("qwen3vl_kv_disk_rejected_files_total", {"reason": reason}) or 0.0
+
+
+def first_block(folder):
+    """The file holding a conversation's first tokens, and its header."""
+    for path in folder.glob("*/*.kv"):
+        data = path.read_bytes()
+        (size,) = struct.unpack("<I", data[8:12])
+        header = json.loads(data[12 : 12 + size])
+        if header["start"] == 0:
+            return path, header, size
+    raise AssertionError("no first block")
+
+
+def rewrite_header(path, size, **changes):
+    data = path.read_bytes()
+    header = json.loads(data[12 : 12 + size])
+    header.update(changes)
+    new = json.dumps(header).encode()
+    path.write_bytes(MAGIC + struct.pack("<I", len(new)) + new + data[12 + size :])
+
+
+DAMAGES = {
+    "truncated": ("truncated", lambda path, size: path.write_bytes(path.read_bytes()[:-100])),
+    "flipped byte": ("corrupt", lambda path, size: path.write_bytes(_flip(path.read_bytes(), -50))),
+    "another checkpoint": ("foreign", lambda path, size: rewrite_header(path, size, fingerprint="0" * 32)),
+    "another KV layout": (
+        "foreign",
+        lambda path, size: rewrite_header(
+            path, size, layout={**json.loads(path.read_bytes()[12 : 12 + size])["layout"], "dtype": "torch.float32"}
+        ),
+    ),
+    "another block's tokens": ("corrupt", lambda path, size: rewrite_header(path, size, start=0, tokens=[1] * 64)),
+}
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    data = bytearray(data)
+    data[at] ^= 0x10
+    return bytes(data)
+
+
+@pytest.mark.parametrize("engine", ["int8"], indirect=True)
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_or_foreign_file_is_removed_and_never_used(engine, cache_dir, tmp_path, damage):
+    e = tiered(engine, cache_dir, tmp_path)
+    _, follow = first_turn(e)
+    path, _, size = first_block(tmp_path)
+    reason, harm = DAMAGES[damage]
+    harm(path, size)
+    before = rejected(reason)
+    restarted = tiered(engine, cache_dir, tmp_path)
+    ids, done = turn(restarted, follow, "A")
+    assert done.cached_tokens == 0 and done.cached_from is None  # its first block is the way in
+    assert not path.exists() and rejected(reason) == before + 1
+    plain_ids, plain = turn(tiered(engine, cache_dir, tmp_path / "off", cache_enabled=False), follow)
+    assert ids == plain_ids and done.logprobs == plain.logprobs
+
+
+@pytest.mark.parametrize("engine", ["int8"], indirect=True)
+def test_a_store_of_other_weights_or_another_kv_layout_shares_nothing(engine, cache_dir, fp32_engine, tmp_path):
+    _, follow = first_turn(tiered(engine, cache_dir, tmp_path))
+    for other in (tiered(fp32_engine, cache_dir, tmp_path), tiered(engine, cache_dir, tmp_path, kv_dtype="float32")):
+        _, done = turn(other, follow, "A")
+        assert done.cached_tokens == 0
+    _, done = turn(tiered(engine, cache_dir, tmp_path), follow, "A")
+    assert done.cached_from == "disk"  # the same weights and layout: found
+
+
+@pytest.mark.parametrize("engine", ["int8"], indirect=True)
+def test_the_disk_budget_holds_and_the_least_recently_used_go_first(engine, cache_dir, tmp_path):
+    e = tiered(engine, cache_dir, tmp_path, kv_disk_mb=1, conversation_cache_max_entries=1)
+    conversations = []
+    for seed in range(40):
+        history = [user(image(e, seed=seed), f"Picture {seed}: what is in it?")]
+        turn(e, history, f"c{seed}", max_tokens=2)
+        conversations.append(history)
+        assert e.conversations.disk.flush(30)
+        assert held_bytes(tmp_path) <= 1024**2
+    restarted = tiered(engine, cache_dir, tmp_path, kv_disk_mb=1)
+    assert turn(restarted, conversations[-1] + [user("More.")], max_tokens=2)[1].cached_from == "disk"
+    assert turn(restarted, conversations[0] + [user("More.")], max_tokens=2)[1].cached_from is None
+
+
+# -- through Gunicorn -----------------------------------------------------------------------------
+
+
+def pending_writes_done(base: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(base, "qwen3vl_kv_disk_pending_writes") > 0:
+        assert time.monotonic() < deadline, "writes still pending"
+        time.sleep(0.1)
+
+
+def native_turn(base: str, messages: list[dict]) -> tuple[str, dict]:
+    """A stateless native request (the whole history sent): (answer, the done line)."""
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0}
+    lines = [json.loads(line) for line in requests.post(base + "/v1/chat", json=body, timeout=60).iter_lines() if line]
+    done = lines[-1]
+    assert done["done"], done
+    return done["text"], done
+
+
+def picture_question() -> list[dict]:
+    from test_http_api import data_url
+
+    from imaging import encode, pattern
+
+    png = encode(pattern(320, 256, seed=3), ".png")
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": data_url(png)}}, {"type": "text", "text": "What?"}],
+        }
+    ]
+
+
+def test_a_conversation_outlives_a_graceful_restart_and_a_sigkill(serve, tmp_path):
+    env = {"KV_DISK_DIR": str(tmp_path)}
+    messages = picture_question()
+    with serve(env, "kv-restart-1") as (base, master):
+        answer, done = native_turn(base, messages)
+        assert done["usage"]["cached_from"] is None
+        master.send_signal(signal.SIGTERM)  # at once: what is queued is written on the way out
+        master.wait(60)
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Tell me more."}]
+    with serve(env, "kv-restart-2") as (base, master):
+        answer, done = native_turn(base, messages)
+        assert done["usage"]["cached_from"] == "disk" and done["usage"]["cached_tokens"] > 80
+        second_prompt = done["usage"]["prompt_tokens"]
+        pending_writes_done(base)
+        assert metric(base, "qwen3vl_cache_hits_total", 'cache="kv_disk"') == 1
+        assert metric(base, "qwen3vl_kv_disk_read_bytes_total") > 0
+        assert metric(base, "qwen3vl_kv_disk_load_seconds_count") == 1
+        workers = _children(master.pid)
+        master.send_signal(signal.SIGKILL)
+        for worker in workers:
+            worker.kill()
+        master.wait(60)
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+    with serve(env, "kv-restart-3") as (base, _):
+        _, done = native_turn(base, messages)
+        assert done["usage"]["cached_from"] == "disk"
+        assert done["usage"]["cached_tokens"] >= second_prompt  # written by the instance killed since
+
+
+def _children(pid: int):
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_two_instances_share_one_store_for_a_stateless_client(serve, tmp_path):
+    env = {"KV_DISK_DIR": str(tmp_path)}
+    messages = picture_question()
+    with serve(env, "kv-share-a") as (a, _), serve(env, "kv-share-b") as (b, _):
+        first = openai_client(a).chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+        pending_writes_done(a)
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Tell me more."},
+        ]
+        second = openai_client(b).chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens - 8
+        assert metric(b, "qwen3vl_cache_hits_total", 'cache="kv_disk"') == 1
+        assert metric(a, "qwen3vl_kv_disk_written_bytes_total") > 0
