@@ -28,7 +28,8 @@ from servers import metric, openai_client
 
 def tiered(engine, cache_dir, folder, **settings) -> Engine:
     """An engine on `engine`'s loaded model with its disk tier in `folder` (a new one: as after a restart)."""
-    return Engine(engine.loaded, weights_settings(cache_dir, engine.loaded.quantization, kv_disk_dir=folder, **settings))
+    settings = weights_settings(cache_dir, engine.loaded.quantization, kv_disk_dir=folder, **settings)
+    return Engine(engine.loaded, settings)
 
 
 QUESTION = "What is in this picture? Describe each part of it, its colours and its shapes, in detail. " * 2
