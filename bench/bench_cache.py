@@ -8,7 +8,8 @@ caching server only, new conversations opening with the picture already seen ver
 never seen, the picture first (its KV prefix can be reused) and after some text (only its vision
 features can), and one prompt sent twice. Times are measured by the client (request sent → first
 text line) and by the server (`timings.time_to_first_token`). Prints the table and writes it to
-bench/RESULTS.md.
+bench/RESULTS.md. Then the disk tier's runs (bench/cache_tiers.py): second turns from memory, from
+disk after an eviction and after a restart, and recomputed; a low-memory round robin.
 
     flock /tmp/heavy.lock python -m bench.bench_cache     # the 2B-shaped random checkpoint, int8, 2 threads
     python -m bench.bench_cache --model-path /path/to/Qwen3-VL-2B-Instruct --threads 4
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench import cache_tiers  # noqa: E402
 from bench.harness import add_checkpoint_args, checkpoint_of  # noqa: E402
 from bench.results import append_section, markdown_table  # noqa: E402
 
@@ -149,6 +151,74 @@ def cache_counters(metrics_text: str) -> str:
     return "; ".join(line.replace("qwen3vl_cache_", "") for line in lines)
 
 
+TIER_NAMES = ("memory", "disk", "recomputed")
+
+
+def server_env(args) -> dict[str, str]:
+    return {
+        "MODEL_PATH": str(args.model_path),
+        "QUANTIZATION": args.quantization,
+        "THREADS": str(args.threads),
+        "LOG_LEVEL": "warning",
+    }
+
+
+def disk_tier(args) -> None:
+    """The disk tier's two sections (bench/cache_tiers.py)."""
+    from transformers import AutoConfig
+
+    from service.memory import kv_cache_bytes
+
+    logs = Path(tempfile.mkdtemp(prefix="bench-cache-tiers-"))
+    env = server_env(args)
+    long_text = text_of_tokens(args.model_path, args.long_tokens)
+    rows, note = cache_tiers.second_turns(env, logs, long_text, picture(7), args.repeats)
+    header = [
+        "conversation",
+        "second turn's cache",
+        "prompt tokens",
+        "cached tokens",
+        "cached_from",
+        "read (MB)",
+        "disk load (s)",
+        "TTFT (s)",
+        "x recompute",
+        "target",
+    ]
+    settings = {
+        "MODEL_PATH": args.model_path.name,
+        "QUANTIZATION": args.quantization,
+        "THREADS": args.threads,
+        "KV_DTYPE": "bfloat16",
+        "client": "requests, native endpoint, stateless (the whole history sent)",
+    }
+    append_section(
+        "Conversation cache on disk: second turns by tier (bench/bench_cache.py)",
+        settings,
+        markdown_table(header, rows) + "\n\n" + note,
+        threads=args.threads,
+    )
+    # The memory tier holding about three conversations of a picture and three short turns.
+    keep = 3 * kv_cache_bytes(AutoConfig.from_pretrained(args.model_path), 300, 2)
+    pictures = [picture(500 + i) for i in range(args.conversations)]
+    runs = {label: cache_tiers.low_memory(env, logs, pictures, keep, label == "on") for label in ("on", "off")}
+    header = ["disk tier", "turn", "from memory", "from disk", "recomputed", "median TTFT (s)"]
+    rows = [
+        [label, turn + 1, *(run["counts"].get((turn, t), 0) for t in TIER_NAMES), run["ttft"][turn]]
+        for label, run in runs.items()
+        for turn in range(3)
+    ]
+    append_section(
+        "Conversation cache on disk: low memory, round-robin conversations (bench/bench_cache.py)",
+        {**settings, "CONVERSATION_CACHE_MAX_BYTES": keep, "conversations": args.conversations, "max_tokens": 8},
+        markdown_table(header, rows)
+        + f"\n\n{args.conversations} conversations of a 448x448 picture, three turns each, visited round-robin; "
+        f"the memory tier's budget ({keep / 2**20:.0f} MiB) holds about three of them. With the disk tier "
+        "(KV_DISK_MB=4096) and without (KV_DISK_MB=0), one server each, the same requests.",
+        threads=args.threads,
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_checkpoint_args(p)
@@ -156,8 +226,20 @@ def main(argv=None) -> int:
     p.add_argument("--first-answer-tokens", type=int, default=24, help="max_tokens of the first turn")
     p.add_argument("--measured-tokens", type=int, default=4, help="max_tokens of the measured requests")
     p.add_argument("--repeats", type=int, default=3, help="of every measurement (odd: the median is reported)")
+    p.add_argument(
+        "--disk-tier",
+        choices=["also", "only", "no"],
+        default="also",
+        help="the disk tier's runs (bench/cache_tiers.py): with the memory caches' table, alone, or not",
+    )
+    p.add_argument("--long-tokens", type=int, default=3000, help="the long conversation's first prompt, in tokens")
+    p.add_argument("--conversations", type=int, default=20, help="picture conversations of the low-memory run")
     args = p.parse_args(argv)
     args.model_path = checkpoint_of(args)
+    if args.disk_tier != "no":
+        disk_tier(args)
+    if args.disk_tier == "only":
+        return 0
 
     seen = picture(1)
     follow_up = "Now tell me which part of the picture is the brightest, and why."
@@ -223,12 +305,8 @@ def main(argv=None) -> int:
                 ("on",),
             ),
         ]
-    env = {
-        "MODEL_PATH": str(args.model_path),
-        "QUANTIZATION": args.quantization,
-        "THREADS": str(args.threads),
-        "LOG_LEVEL": "warning",
-    }
+    env = server_env(args)
+    env["KV_DISK_DIR"] = tempfile.mkdtemp(prefix="bench-cache-kv-")  # the caching server starts with none
     logs = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     bar = tqdm(total=2 + len(conversation) * 2 + len(openings), desc="requests", unit="req")
     results = run_servers(env, logs, conversation + openings, bar)
