@@ -136,6 +136,7 @@ def second_turns(env: dict, logs: Path, long_text: str, picture: str, repeats: i
         chat(base, filler, 1)  # first-call costs, not measured
         for name in conversations:
             for i in range(repeats):
+                chat(base, filler, 1)  # from the second repeat on, the conversation is in memory: evicted
                 drop_from_page_cache(store)
                 # (c) after a restart, the store's files on the device
                 results.setdefault((name, TIERS[2]), []).append(disk_chat(base, follow(name, firsts[name], i + 2), 4))

@@ -7,11 +7,13 @@ SIGKILL) and two instances sharing one store.
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import signal
 import struct
 import time
+import weakref
 
 import pytest
 import requests
@@ -76,6 +78,17 @@ def test_keys_and_values_read_from_disk_are_the_bits_kept_in_memory(engine, cach
     assert reuse.tokens == BLOCK_TOKENS + 10
     for read, kept in zip(reuse.cache.layers, entry.cache.layers, strict=True):
         assert torch.equal(read.keys, kept.keys[:, :, : reuse.tokens])
+
+
+def test_the_writer_lets_go_of_what_it_wrote(engine, cache_dir, tmp_path):
+    e = tiered(engine, cache_dir, tmp_path)
+    _, follow = first_turn(e)
+    first_keys = weakref.ref(e.conversation_cache.entries.peek("id:A").cache.layers[0].keys)
+    _, done = turn(e, follow, "A")  # the same cache taken over, extended, kept and written again
+    assert done.cached_from == "memory" and e.conversations.disk.flush(30)
+    gc.collect()
+    assert first_keys() is None  # the first turn's tensors: neither queued nor held once written
+    assert e.conversation_cache.entries.peek("id:A") is not None
 
 
 def test_another_picture_behind_the_same_tokens_is_not_taken_from_disk(engine, cache_dir, tmp_path):

@@ -56,6 +56,7 @@ EVICT_TO = 0.9  # of the budget, once over it
 SCAN_EVERY = 0.05  # of the budget written between two scans of the folder (other instances write too)
 STALE_TEMPORARY_SECONDS = 3600.0  # a writer's unfinished file older than this was left by a crash
 FLUSH_SECONDS = 10.0  # at exit, waiting for queued writes
+MAX_CANDIDATES = 64  # blocks stored after one prefix whose headers a lookup reads, at most
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class _Write:
     token_ids: torch.Tensor
     images: list[VisionSpan]
     limit: int
+    owner: weakref.ref  # the cache it was queued from
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -146,7 +148,8 @@ class KVDiskStore:
         self.min_tokens = min_tokens
         self._seed = hashlib.blake2b(f"{FORMAT_VERSION}:{fingerprint}".encode(), digest_size=16).digest()
         self._jobs: queue.Queue[_Write] = queue.Queue()
-        self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache → its _Writes
+        self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache → its queued _Writes
+        self._pending_lock = threading.Lock()
         self._unfinished = 0
         self._idle = threading.Condition()
         self._threads_lock = threading.Lock()
@@ -230,11 +233,14 @@ class KVDiskStore:
     ) -> Block | None:
         """Of the blocks stored after the chain key `previous` (at token `start`), the one sharing the
         most leading tokens (and pictures) with `token_ids`, as a Block of those tokens."""
+        if previous == self._seed:
+            return None  # every conversation's first block follows the seed: too many to look through
         prefix, best = previous.hex(), None
         try:
             candidates = [e.path for e in os.scandir(self.root / prefix[:2]) if e.name.startswith(prefix)]
         except FileNotFoundError:
             return None
+        del candidates[MAX_CANDIDATES:]  # a prefix many conversations continue (a long system prompt)
         ours = token_ids[start:limit].tolist()
         for path in candidates:
             try:
@@ -362,8 +368,10 @@ class KVDiskStore:
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         if not layers or layers[0][0].dtype != self.layout.dtype or len(token_ids) < self.min_tokens:
             return
-        job = _Write(layers, token_ids, [s for s in images if s.start < len(token_ids)], len(token_ids))
-        self._pending.setdefault(cache, []).append(job)
+        spans = [s for s in images if s.start < len(token_ids)]
+        job = _Write(layers, token_ids, spans, len(token_ids), weakref.ref(cache))
+        with self._pending_lock:
+            self._pending.setdefault(cache, []).append(job)
         with self._idle:
             self._unfinished += 1
         metrics.KV_DISK_PENDING.inc()
@@ -372,7 +380,9 @@ class KVDiskStore:
 
     def truncate(self, cache, tokens: int) -> None:
         """`cache` is being extended in place from `tokens` on: its queued writes stop there."""
-        for job in self._pending.get(cache, ()):
+        with self._pending_lock:
+            jobs = list(self._pending.get(cache, ()))
+        for job in jobs:
             with job.lock:  # waits for a block being copied out right now
                 job.limit = min(job.limit, tokens)
 
@@ -414,10 +424,22 @@ class KVDiskStore:
             except Exception:
                 log.exception("KV disk tier: writing a conversation failed")
             finally:
+                self._done(job)
                 with self._idle:
                     self._unfinished -= 1
                     self._idle.notify_all()
                 metrics.KV_DISK_PENDING.dec()
+
+    def _done(self, job: _Write) -> None:
+        """Forget a written job (and its tensors: an evicted cache's memory goes back now)."""
+        with self._pending_lock:
+            cache = job.owner()
+            jobs = self._pending.get(cache) if cache is not None else None
+            if jobs and job in jobs:
+                jobs.remove(job)
+                if not jobs:
+                    del self._pending[cache]
+        job.layers = []
 
     def _write(self, job: _Write) -> None:
         length, previous, end = len(job.token_ids), self._seed, 0
