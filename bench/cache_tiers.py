@@ -111,9 +111,12 @@ def second_turns(env: dict, logs: Path, long_text: str, picture: str, repeats: i
     results: dict[tuple[str, str], list[dict]] = {}
     bar = tqdm(total=2 + 2 * 5 * repeats + 1 + 2 * (repeats + 1), desc="disk tier: second turns", unit="req")
 
+    asked = iter(range(1, 1000))
+
     def follow(name: str, first: dict, i: int, question: str | None = None) -> list[dict]:
+        """The second turn: a question no request asked before (each tier's hit reuses the same prefix)."""
         said = [*conversations[name], message("assistant", first["text"])]
-        return [*said, message("user", question or FOLLOW_UPS[i % len(FOLLOW_UPS)])]
+        return [*said, message("user", f"Question {next(asked)}: {question or FOLLOW_UPS[i % len(FOLLOW_UPS)]}")]
 
     with gunicorn_server(env, logs / "tiers-1.log", timeout=1800) as (base, _):
         firsts = {}
@@ -142,7 +145,7 @@ def second_turns(env: dict, logs: Path, long_text: str, picture: str, repeats: i
                 results.setdefault((name, TIERS[2]), []).append(disk_chat(base, follow(name, firsts[name], i + 2), 4))
                 bar.update()
             # (d) recomputed: the same prompt with another first token, nothing to reuse
-            changed = follow(name, firsts[name], 0)
+            changed = follow(name, firsts[name], 0)  # (its own question too)
             changed[0] = {**changed[0], "content": [{"type": "text", "text": "Note."}, *changed[0]["content"]]}
             results[(name, TIERS[3])] = [chat(base, changed, 4)]
             bar.update()
