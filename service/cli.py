@@ -45,6 +45,7 @@ def _peak_rss_gib() -> float:
 def cmd_chat(args) -> int:
     from pydantic import ValidationError
 
+    from .answer.grounding import GROUNDING_SCHEMA
     from .answer.structured import json_grammar
     from .engine.engine import Completion, Engine, GenerationRequest, SamplingParams
     from .errors import ServiceError
@@ -77,6 +78,8 @@ def cmd_chat(args) -> int:
         if args.json_schema is not None:
             schema = json.loads(Path(args.json_schema).read_text()) if args.json_schema else {"type": "object"}
             grammar = json_grammar(schema, "--json-schema")
+        elif args.boxes:
+            grammar = json_grammar(GROUNDING_SCHEMA, "--boxes")  # a list of labelled boxes, always well formed
         request = GenerationRequest(messages, params, received_at=t0, grammar=grammar)
         for event in engine.generate(request):
             if isinstance(event, Completion):
@@ -98,6 +101,31 @@ def cmd_chat(args) -> int:
     )
     if loaded.kernels is not None:
         print(f"INT8 kernels: {loaded.kernels.describe()}", file=sys.stderr)
+    if args.boxes:
+        return _write_boxes(args.boxes, args.image, done.boxes)
+    return 0
+
+
+def _write_boxes(out: str, images: list[str], boxes) -> int:
+    """Print the answer's boxes and draw them over the pictures: `out` for the first, `out` with -2,
+    -3 ... before its suffix for the others."""
+    import cv2
+
+    from .media.drawing import draw_boxes
+
+    for box in boxes:
+        print(json.dumps({"label": box.label, box.kind: box.relative, "pixels": box.pixels, "image": box.image}))
+    if not images:
+        print("error: --boxes needs an --image to draw on", file=sys.stderr)
+        return 2
+    path = Path(out)
+    for i, image in enumerate(images):
+        picture = cv2.imread(image, cv2.IMREAD_COLOR)  # EXIF orientation applied: the picture as one sees it
+        target = path if i == 0 else path.with_name(f"{path.stem}-{i + 1}{path.suffix}")
+        if picture is None or not cv2.imwrite(str(target), draw_boxes(picture, [b for b in boxes if b.image == i])):
+            print(f"error: could not draw on {image} into {target}", file=sys.stderr)
+            return 2
+        print(f"{sum(b.image == i for b in boxes)} boxes drawn on {image} → {target}", file=sys.stderr)
     return 0
 
 
@@ -189,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
         const="",
         metavar="FILE",
         help="answer in JSON valid against the JSON Schema in FILE (no FILE: any JSON object)",
+    )
+    chat.add_argument(
+        "--boxes",
+        metavar="OUT.png",
+        help="grounding: answer with a list of labelled boxes (the `grounding` response format, unless "
+        "--json-schema), print them in the picture's pixels and draw them over it into OUT.png",
     )
     _settings_flags(chat)
     chat.set_defaults(func=cmd_chat)

@@ -11,6 +11,7 @@ from typing import Annotated, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from .answer.grounding import Box
 from .answer.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from .answer.structured import OutputGrammar
 from .model.prompts import ChatMessage
@@ -128,6 +129,7 @@ class Completion:
     drafted_tokens: int = 0  # guessed tokens verified (speculative decoding)
     accepted_tokens: int = 0  # of them, the ones the model made
     logprobs: list[TokenLogprob] | None = None  # every reported token's, if the request asked
+    boxes: list[Box] = field(default_factory=list)  # boxes and points the answer names (answer/grounding.py)
 
 
 class TokenIds(Protocol):

@@ -72,6 +72,14 @@ class Settings(BaseSettings):
     image_max_pixels: int = Field(
         448 * 448, ge=32 * 32, le=16_777_216, description="pixel budget an image is resized into"
     )
+    image_request_max_pixels: int = Field(
+        1024 * 1024,
+        ge=32 * 32,
+        le=16_777_216,
+        description="the largest pixel budget a request may ask for its pictures (OpenAI image_url.detail=high, "
+        "the native max_pixels): locating small things needs more pixels than describing a scene; "
+        "IMAGE_MAX_PIXELS stays the default",
+    )
     image_max_bytes: int = Field(20 * 1024 * 1024, ge=1024, description="largest encoded image accepted")
     image_max_decoded_pixels: int = Field(64_000_000, ge=1024, description="largest width*height decoded (bomb guard)")
 

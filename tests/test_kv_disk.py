@@ -12,6 +12,7 @@ import json
 import shutil
 import signal
 import struct
+import threading
 import time
 import weakref
 
@@ -53,6 +54,7 @@ def test_a_turn_from_disk_has_the_bits_of_a_turn_from_memory_and_of_a_recompute(
     disk_ids, from_disk = turn(tiered(engine, cache_dir, tmp_path / "copy"), follow, "A")
     plain_ids, plain = turn(tiered(engine, cache_dir, tmp_path / "off", cache_enabled=False), follow)
     assert (from_memory.cached_from, from_disk.cached_from, plain.cached_from) == ("memory", "disk", None)
+    assert any(t.name.startswith("kv-disk-read") for t in threading.enumerate())  # read off the scheduler's thread
     assert from_disk.cached_tokens == from_memory.cached_tokens > image_end(first, history)
     assert disk_ids == memory_ids == plain_ids
     # Every token's log-probability and alternatives as floats: the same keys and values, the same rows after them.

@@ -10,7 +10,9 @@ import shutil
 import time
 from pathlib import Path
 
+import cv2
 import jsonschema
+import numpy as np
 import pytest
 import requests
 from playwright.sync_api import Page, expect, sync_playwright
@@ -135,13 +137,13 @@ def upload_bytes(request) -> int:
     return int(request.all_headers()["content-length"])
 
 
-def save_screenshot(page: Page, name: str, for_readme: bool = False) -> Path:
+def save_screenshot(page: Page, name: str, for_readme: bool = False, readme_copy: Path = README_SCREENSHOT) -> Path:
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / name
     page.screenshot(path=str(path), full_page=True)
     if for_readme and os.environ.get("UPDATE_SCREENSHOT") == "1":
-        README_SCREENSHOT.parent.mkdir(exist_ok=True)
-        shutil.copyfile(path, README_SCREENSHOT)
+        readme_copy.parent.mkdir(exist_ok=True)
+        shutil.copyfile(path, readme_copy)
     return path
 
 
@@ -225,6 +227,46 @@ def test_the_json_option_gives_an_answer_valid_against_the_typed_schema(page):
     ask(page, "Which animal, how many?")
     turn = finished_turn(page, 1)
     jsonschema.validate(json.loads(turn.locator(".answer").inner_text()), schema)  # the random model's answer
+
+
+BOX_COLOURS = ["#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#008080"]  # app.js's, in order
+
+
+def edge_pixels_in(picture: np.ndarray, colour: str, box: list[float]) -> float:
+    """The share of the box's top edge (a 3 px band at y1, from x1 to x2, in the shot's pixels) that
+    shows `colour`."""
+    rgb = np.array([int(colour[i : i + 2], 16) for i in (1, 3, 5)])
+    x1, y1, x2, _ = (round(c) for c in box)
+    band = picture[max(y1, 0) : y1 + 3, max(x1 + 3, 0) : max(x2 - 3, x1 + 4), ::-1].astype(int)  # BGR → RGB
+    return float((np.abs(band - rgb).sum(axis=2) < 40).mean()) if band.size else 0.0
+
+
+def test_boxes_are_drawn_over_the_picture_where_their_coordinates_say(page):
+    set_options(page, max_tokens=160, temperature=0)
+    show_options(page)
+    page.get_by_label("Answer with boxes").check()
+    show_options(page, False)
+    pick(page, "wide.png", encode(pattern(640, 360, seed=4), ".png"))
+    with page.expect_response("**/v1/chat") as response:
+        ask(page, "Locate every object.")
+    turn = finished_turn(page, 1)
+    done = json.loads(response.value.text().strip().splitlines()[-1])
+    assert done["boxes"], done["text"]
+    expect(turn.locator(".box")).to_have_count(len(done["boxes"]))
+    frame = turn.locator(".picture").first
+    shot = cv2.imdecode(np.frombuffer(frame.screenshot(), np.uint8), cv2.IMREAD_COLOR)
+    height, width = shot.shape[:2]
+    assert abs(width / height - 640 / 360) < 0.02  # the whole picture, its aspect kept
+    # The largest box, in the shot's pixels: 0-1000 coordinates scaled to the picture as shown.
+    i, box = max(enumerate(done["boxes"]), key=lambda b: b[1]["bbox_2d"][2] - b[1]["bbox_2d"][0])
+    x1, y1, x2, y2 = box["bbox_2d"]
+    where = [x1 * width / 1000, y1 * height / 1000, x2 * width / 1000, y2 * height / 1000]
+    assert edge_pixels_in(shot, BOX_COLOURS[i % 6], where) > 0.5, "the box's top edge is drawn where it says"
+    save_screenshot(page, "grounding.png", for_readme=True, readme_copy=ROOT / "docs" / "grounding.png")
+    show_options(page)
+    page.get_by_label("Show boxes on the pictures").uncheck()
+    hidden = cv2.imdecode(np.frombuffer(frame.screenshot(), np.uint8), cv2.IMREAD_COLOR)
+    assert edge_pixels_in(hidden, BOX_COLOURS[i % 6], where) < 0.2  # the toggle hides them
 
 
 def test_a_follow_up_continues_the_conversation(page):

@@ -115,8 +115,42 @@ def checked_text(text: str, param: str) -> str:
     return text
 
 
-def to_chat_messages(messages: list[Message], limits: RequestLimits) -> list[ChatMessage]:
-    """OpenAI-format messages → ChatMessages (images and videos decoded, each with its decode time)."""
+# OpenAI's image_url.detail "low": a small budget (64 visual tokens on Qwen3-VL), within the server's.
+LOW_DETAIL_PIXELS = 256 * 256
+
+
+def picture_budget(limits: ImageLimits, pixels: int | None, param: str) -> ImageLimits:
+    """The image limits with a request's own pixel budget (None: the server's default), which may not
+    pass the server's ceiling (IMAGE_REQUEST_MAX_PIXELS)."""
+    if pixels is None:
+        return limits
+    if not limits.factor**2 <= pixels <= limits.ceiling:
+        raise BadRequest(
+            f"{param} is {pixels}; this server resizes pictures into {limits.factor**2} to {limits.ceiling} "
+            "pixels (IMAGE_REQUEST_MAX_PIXELS)",
+            param=param,
+        )
+    return limits.with_budget(pixels)
+
+
+def detail_budget(limits: ImageLimits, detail: str | None, param: str) -> ImageLimits:
+    """OpenAI's image_url.detail as a pixel budget: low = LOW_DETAIL_PIXELS, high = the server's
+    ceiling (small things located), auto or none = the request's budget."""
+    if detail == "low":
+        return limits.with_budget(min(LOW_DETAIL_PIXELS, limits.max_pixels))
+    if detail == "high":
+        return limits.with_budget(limits.ceiling)
+    if detail not in (None, "auto"):
+        raise BadRequest(f"image_url.detail is {detail!r}: low, high or auto", param=f"{param}.image_url.detail")
+    return limits
+
+
+def to_chat_messages(
+    messages: list[Message], limits: RequestLimits, image_limits: ImageLimits | None = None
+) -> list[ChatMessage]:
+    """OpenAI-format messages → ChatMessages (images and videos decoded, each with its decode time),
+    pictures into `image_limits` (default: the server's) or their image_url.detail's budget."""
+    image_limits = image_limits or limits.image
     out: list[ChatMessage] = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
@@ -133,8 +167,12 @@ def to_chat_messages(messages: list[Message], limits: RequestLimits) -> list[Cha
         parts = []
         for j, part in enumerate(m.content):
             if isinstance(part, ImageURLPart):
-                url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
-                parts.append(ImagePart(decode_data_url(url, limits.image, f"messages[{i}].content[{j}]")))
+                param = f"messages[{i}].content[{j}]"
+                if isinstance(part.image_url, str):
+                    url, budget = part.image_url, image_limits
+                else:
+                    url, budget = part.image_url.url, detail_budget(image_limits, part.image_url.detail, param)
+                parts.append(ImagePart(decode_data_url(url, budget, param)))
             elif isinstance(part, VideoURLPart):
                 url = part.video_url if isinstance(part.video_url, str) else part.video_url.url
                 parts.append(VideoPart(decode_video_data_url(url, limits.video, f"messages[{i}].content[{j}]")))

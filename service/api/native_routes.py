@@ -22,6 +22,7 @@ from .inputs import (
     decode_inline_image,
     decode_inline_video,
     decode_video_file,
+    picture_budget,
     to_chat_messages,
     user_message,
 )
@@ -66,13 +67,15 @@ def _from_form(limits: RequestLimits) -> tuple[protocol.NativeChatRequest, list[
     body = protocol.NativeChatRequest.model_validate(fields)
     if body.prompt is None:
         raise BadRequest("the form needs a prompt field: -F prompt='your question'", param="prompt")
-    images = [decode_file(f.read(), limits.image, f"image[{i}]") for i, f in enumerate(files.getlist("image"))]
+    budget = picture_budget(limits.image, body.max_pixels, "max_pixels")
+    images = [decode_file(f.read(), budget, f"image[{i}]") for i, f in enumerate(files.getlist("image"))]
     videos = [decode_video_file(f.read(), limits.video, f"video[{i}]") for i, f in enumerate(files.getlist("video"))]
     return body, [user_message(body.prompt, images, videos)]
 
 
 def _from_json(limits: RequestLimits) -> tuple[protocol.NativeChatRequest, list[ChatMessage]]:
     body = protocol.NativeChatRequest.model_validate(json_body())
+    budget = picture_budget(limits.image, body.max_pixels, "max_pixels")
     if (body.messages is None) == (body.prompt is None):
         raise BadRequest(
             "send either messages (OpenAI format) or prompt (+ images, videos), not both or neither", param="messages"
@@ -81,8 +84,8 @@ def _from_json(limits: RequestLimits) -> tuple[protocol.NativeChatRequest, list[
         for name in ("images", "videos"):
             if getattr(body, name):
                 raise BadRequest(f"{name} go inside messages when messages are sent", param=name)
-        return body, to_chat_messages(body.messages, limits)
-    images = [decode_inline_image(s, limits.image, f"images[{i}]") for i, s in enumerate(body.images or [])]
+        return body, to_chat_messages(body.messages, limits, budget)
+    images = [decode_inline_image(s, budget, f"images[{i}]") for i, s in enumerate(body.images or [])]
     videos = [decode_inline_video(s, limits.video, f"videos[{i}]") for i, s in enumerate(body.videos or [])]
     return body, [user_message(body.prompt, images, videos)]
 

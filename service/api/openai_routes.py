@@ -81,7 +81,10 @@ def chat_completions():
         elif isinstance(event, Completion):
             yield from pieces(event)
             finish = responses.openai_finish_reason(event, parser.calls if parser else None)
-            yield chunk(responses.Delta(), finish_reason=finish, logprobs=held_logprobs())  # e.g. a call's closing tag
+            last = responses.Delta()
+            if event.boxes:
+                last.boxes = [responses.box_out(b) for b in event.boxes]
+            yield chunk(last, finish_reason=finish, logprobs=held_logprobs())  # e.g. a call's closing tag
             if include_usage:
                 yield chunk(None, usage_=responses.usage(event))
             yield b"data: [DONE]\n\n"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 
+from ..answer.grounding import GROUNDING_SCHEMA
 from ..answer.structured import OutputGrammar, json_grammar, json_rule
 from ..answer.tools import call_rules
 from ..errors import BadRequest
@@ -45,6 +46,8 @@ def answer_schema(response_format: ResponseFormat | None) -> dict | None:
     """The schema an answer in `response_format` must match, or None for free text."""
     if response_format is None or response_format.type == "text":
         return None
+    if response_format.type == "grounding":
+        return GROUNDING_SCHEMA
     spec = response_format.json_schema
     if response_format.type == "json_object" or spec is None or spec.schema_ is None:
         return {"type": "object"}

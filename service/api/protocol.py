@@ -35,7 +35,9 @@ JSONSchema = Annotated[dict[str, Any], Field(description="a JSON Schema (draft 2
 
 class ImageURL(_Lenient):
     url: Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]
-    detail: str | None = None
+    detail: str | None = Field(
+        None, description="the picture's pixel budget: low (256x256), high (IMAGE_REQUEST_MAX_PIXELS), auto (default)"
+    )
 
 
 class TextPart(_Lenient):
@@ -91,9 +93,10 @@ class JSONSchemaFormat(_Lenient):
 
 
 class ResponseFormat(_Lenient):
-    """OpenAI's response_format: free text, any JSON object, or JSON valid against a schema."""
+    """OpenAI's response_format: free text, any JSON object, or JSON valid against a schema; and this
+    service's `grounding` preset: a list of labelled boxes (answer/grounding.py's GROUNDING_SCHEMA)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "grounding"]
     json_schema: JSONSchemaFormat | None = None
 
     @model_validator(mode="after")
@@ -195,6 +198,11 @@ class NativeChatRequest(_Sampling):
     videos: list[Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]] | None = None
     conversation_id: Annotated[str, StringConstraints(pattern=CONVERSATION_ID_PATTERN)] | None = None
     stream: bool = True
+    max_pixels: int | None = Field(
+        None,
+        description="the pixel budget this request's pictures are resized into (default IMAGE_MAX_PIXELS, at "
+        "most IMAGE_REQUEST_MAX_PIXELS): more pixels locate smaller things, at more visual tokens",
+    )
     tools: list | None = Field(None, description="not supported here: tool calls are on /v1/chat/completions")
 
     @field_validator("tools")
@@ -210,4 +218,5 @@ class NativeChatRequest(_Sampling):
 FORM_FIELDS = frozenset(
     {name for name in SHARED_SAMPLING if name != "logit_bias"}
     | {"prompt", "conversation_id", "stream", "response_format", "logprobs", "top_logprobs", "speculative"}
+    | {"max_pixels"}
 )

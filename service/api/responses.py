@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from ..answer.grounding import Box
 from ..answer.logprobs import TokenLogprob
 from ..answer.tools import ToolCall, ToolCallDelta
 from ..generation import Completion
@@ -114,10 +115,34 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
+class BoxOut(BaseModel):
+    """A box or point the answer names (an extension of both formats: the official client keeps it in
+    `model_extra`), in the 0-1000 coordinates the model wrote and in the pixels of the client's picture."""
+
+    label: str | None
+    bbox_2d: list[float] | None = Field(None, description="x1, y1, x2, y2 as written, 0-1000 (clipped)")
+    point_2d: list[float] | None = Field(None, description="x, y as written, 0-1000 (clipped)")
+    pixels: list[float] = Field(
+        description="the same in pixels of the picture as the client sent it (EXIF orientation applied)"
+    )
+    image: int = Field(description="which picture of the latest user message holding pictures (0-based)")
+    clipped: bool = Field(description="true: a coordinate lay outside 0-1000")
+
+
+def box_out(box: Box) -> BoxOut:
+    out = BoxOut(label=box.label, pixels=list(box.pixels), image=box.image, clipped=box.clipped)
+    if box.kind == "bbox":
+        out.bbox_2d = list(box.relative)
+    else:
+        out.point_2d = list(box.relative)
+    return out
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    boxes: list[BoxOut] | None = Field(None, description="boxes and points the answer names (when it names any)")
 
 
 class Choice(BaseModel):
@@ -142,6 +167,7 @@ class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDeltaOut] | None = None
+    boxes: list[BoxOut] | None = Field(None, description="on the last chunk: the answer's boxes, when it names any")
 
 
 class ChunkChoice(BaseModel):
@@ -209,6 +235,8 @@ def chat_completion(
     message = AssistantMessage(role="assistant", content=content)
     if tool_calls:
         message.tool_calls = [tool_call(c) for c in tool_calls]
+    if done.boxes:
+        message.boxes = [box_out(b) for b in done.boxes]
     choice = Choice(
         index=0,
         message=message,
@@ -307,6 +335,7 @@ class NativeDone(BaseModel):
     images: int
     videos: int
     timings: NativeTimings
+    boxes: list[BoxOut] = Field(description="boxes and points the answer names, in the client's pixels (grounding)")
     logprobs: list[LogprobEntry] | None = None
 
 
@@ -337,6 +366,7 @@ def native_done(done: Completion, head: NativeHead, logprobs: list[LogprobEntry]
         images=done.images,
         videos=done.videos,
         timings=NativeTimings(**{k: round(v, 4) for k, v in asdict(done.timings).items()}),
+        boxes=[box_out(b) for b in done.boxes],
     )
     if logprobs is not None:
         line.logprobs = logprobs

@@ -26,6 +26,7 @@ import torch
 from transformers import GenerationConfig
 
 from .. import metrics, native
+from ..answer.grounding import find_boxes
 from ..answer.logprobs import TokenLogprob, TokenText
 from ..answer.stops import StopStringMatcher
 from ..answer.structured import Constraint, GrammarCompiler
@@ -42,7 +43,7 @@ from ..model.attention import ExactAttention
 from ..model.forward import TextForward
 from ..model.identity import checkpoint_identity
 from ..model.loading import LoadedModel
-from ..model.prompts import PreparedPrompt, prepare_prompt, renders_tools
+from ..model.prompts import PreparedPrompt, pictures_of, prepare_prompt, renders_tools
 from ..settings import Settings
 from ..vision.encoders import make_vision_encoder
 from .admission import Admission
@@ -378,6 +379,7 @@ class Engine:
             drafted_tokens=sequence.drafts.drafted if sequence.drafts else 0,
             accepted_tokens=sequence.drafts.accepted if sequence.drafts else 0,
             logprobs=logprobs,
+            boxes=find_boxes(text, pictures_of(run.request.messages)) if "_2d" in text else [],
         )
 
     @staticmethod

@@ -11,7 +11,7 @@ import hashlib
 import math
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cv2
 import numpy as np
@@ -30,6 +30,11 @@ class ImageLimits:
     max_pixels: int  # the budget the image is resized into
     min_pixels: int = 32 * 32
     factor: int = 32  # patch size × merge size: sides are multiples of it
+    ceiling: int = 0  # the largest budget a request may ask for (0: max_pixels)
+
+    def with_budget(self, pixels: int) -> ImageLimits:
+        """These limits with another pixel budget (a request's own, within `ceiling`)."""
+        return replace(self, max_pixels=pixels, min_pixels=min(self.min_pixels, pixels))
 
 
 @dataclass(frozen=True)
@@ -41,10 +46,16 @@ class DecodedImage:
     source_size: tuple[int, int]  # (width, height) as stored, before orientation and resizing
     digest: str  # of the resized pixels: the vision-feature cache key
     decode_seconds: float = 0.0  # checking, decoding and resizing it
+    oriented_size: tuple[int, int] | None = None  # (width, height) after EXIF orientation, before resizing
 
     @property
     def size(self) -> tuple[int, int]:
         return self.pixels.shape[1], self.pixels.shape[0]
+
+    @property
+    def sent_size(self) -> tuple[int, int]:
+        """(width, height) of the picture as the client sees it: stored size, EXIF orientation applied."""
+        return self.oriented_size or self.source_size
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -217,7 +228,9 @@ def decode_image(data: bytes, limits: ImageLimits) -> DecodedImage:
     if img is None or img.size == 0:
         raise ImageError(f"could not decode the {fmt.upper()} image: truncated or corrupt")
     rgb = to_rgb8(img)
-    # EXIF rotation may have swapped the sides: fit the image as oriented.
+    # EXIF rotation may have swapped the sides (a reduced JPEG decode keeps the aspect): fit the image as oriented.
+    swapped = width != height and (rgb.shape[1] > rgb.shape[0]) != (width > height)
+    oriented = (height, width) if swapped else (width, height)
     target = fit_to_budget(rgb.shape[1], rgb.shape[0], limits)
     rgb = np.ascontiguousarray(resize_to(rgb, target))
     digest = hashlib.blake2b(rgb.tobytes(), digest_size=16, person=b"qwen3vl-img").hexdigest()
@@ -227,6 +240,7 @@ def decode_image(data: bytes, limits: ImageLimits) -> DecodedImage:
         source_size=(width, height),
         digest=digest,
         decode_seconds=time.perf_counter() - started,
+        oriented_size=oriented,
     )
 
 
@@ -234,7 +248,9 @@ def image_limits(processor, settings: Settings) -> ImageLimits:
     """The decode limits, the pixel budget clipped to what the processor itself allows."""
     ip = processor.image_processor
     factor = ip.patch_size * ip.merge_size
-    max_pixels = min(settings.image_max_pixels, ip.size.longest_edge or settings.image_max_pixels)
+    largest = ip.size.longest_edge or settings.image_request_max_pixels
+    max_pixels = min(settings.image_max_pixels, largest)
+    ceiling = max(max_pixels, min(settings.image_request_max_pixels, largest))
     min_pixels = min(ip.size.shortest_edge or factor * factor, max_pixels)
     return ImageLimits(
         max_bytes=settings.image_max_bytes,
@@ -242,6 +258,7 @@ def image_limits(processor, settings: Settings) -> ImageLimits:
         max_pixels=max_pixels,
         min_pixels=min_pixels,
         factor=factor,
+        ceiling=ceiling,
     )
 
 
@@ -249,4 +266,4 @@ def fit_processor(processor, settings: Settings) -> None:
     """Make the processor's own resize rule the pixel budget's, so it never resizes an image the
     service already sized (idempotent: the budget computed again from it is the same)."""
     limits = image_limits(processor, settings)
-    processor.image_processor.size = SizeDict(shortest_edge=limits.min_pixels, longest_edge=limits.max_pixels)
+    processor.image_processor.size = SizeDict(shortest_edge=limits.min_pixels, longest_edge=limits.ceiling)

@@ -56,6 +56,17 @@ class ChatMessage:
         return [p.video for p in self.parts if isinstance(p, VideoPart)]
 
 
+def pictures_of(messages: list[ChatMessage]) -> list[tuple[int, int]]:
+    """The (width, height) of each picture, as the client sent it, of the latest user message that
+    holds pictures: what an answer's boxes refer to."""
+    for message in reversed(messages):
+        if message.role == "user":
+            sizes = [part.image.sent_size for part in message.parts if isinstance(part, ImagePart)]
+            if sizes:
+                return sizes
+    return []
+
+
 @dataclass(frozen=True)
 class PromptLimits:
     """Per-request bounds (settings): refused with a 4xx before the request waits for the model."""

@@ -10,6 +10,7 @@ const state = {
   maxPixels: null,      // the server's per-image pixel budget (from v1/models)
   pending: [],          // pictures chosen for the next question
   controller: null,     // AbortController of the answer being streamed
+  pictures: null,       // the latest turn's pictures ({strip, frames}): what an answer's boxes refer to
 };
 
 // ---- small helpers ---------------------------------------------------------------------------
@@ -192,14 +193,19 @@ function addTurn(question, images) {
   article.append(element("p", "question", question));
   if (images.length) {
     const strip = element("div", "turn-images");
+    const frames = [];
     for (const item of images) {
       if (!item.width) continue;
+      const frame = element("div", "picture");
       const img = element("img");
       img.src = item.url;
       img.alt = item.file.name;
-      strip.append(img);
+      frame.append(img);
+      strip.append(frame);
+      frames.push(frame);
     }
     article.append(strip);
+    if (frames.length) state.pictures = { strip, frames }; // what the answers' boxes refer to from now on
   }
   const answer = element("p", "answer");
   answer.setAttribute("aria-busy", "true");
@@ -227,8 +233,37 @@ function showFailure(turn, { message, detail }) {
   turn.article.append(box);
 }
 
+// Boxes and points of a grounded answer over the pictures they refer to (the latest turn with
+// pictures), in percent of each picture: the 0-1000 coordinates divided by 10, whatever its size.
+const BOX_COLOURS = ["#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#008080"];
+
+function drawBoxes(boxes) {
+  const pictures = state.pictures;
+  if (!pictures || !boxes || !boxes.length) return;
+  pictures.strip.classList.add("grounded");
+  boxes.forEach((box, i) => {
+    const frame = pictures.frames[box.image];
+    if (!frame) return;
+    const mark = element("div", box.bbox_2d ? "box" : "point");
+    mark.style.setProperty("--box", BOX_COLOURS[i % BOX_COLOURS.length]);
+    if (box.bbox_2d) {
+      const [x1, y1, x2, y2] = box.bbox_2d;
+      Object.assign(mark.style, {
+        left: `${x1 / 10}%`, top: `${y1 / 10}%`, width: `${(x2 - x1) / 10}%`, height: `${(y2 - y1) / 10}%`,
+      });
+      if (box.label) mark.append(element("span", "", box.label));
+    } else {
+      const [x, y] = box.point_2d;
+      Object.assign(mark.style, { left: `${x / 10}%`, top: `${y / 10}%` });
+    }
+    mark.title = box.label || "";
+    frame.append(mark);
+  });
+}
+
 function showDone(turn, done) {
   endTurn(turn);
+  drawBoxes(done.boxes);
   const u = done.usage || {};
   const t = done.timings || {};
   const images = done.images ? ` · ${done.images} picture${done.images === 1 ? "" : "s"} in the prompt` +
@@ -332,7 +367,8 @@ async function ask() {
     }
     if ($("max-tokens").value) form.append("max_tokens", $("max-tokens").value);
     if ($("temperature").value) form.append("temperature", $("temperature").value);
-    if ($("json-mode").checked) form.append("response_format", JSON.stringify(responseFormat()));
+    if ($("grounding-mode").checked) form.append("response_format", JSON.stringify({ type: "grounding" }));
+    else if ($("json-mode").checked) form.append("response_format", JSON.stringify(responseFormat()));
 
     const response = await fetch("v1/chat", { method: "POST", body: form, headers, signal: controller.signal });
     if (!response.ok) {
@@ -358,6 +394,7 @@ function stop() {
 
 function newConversation() {
   state.conversationId = null;
+  state.pictures = null;
   $("transcript").replaceChildren();
   setStatus("New conversation.");
   $("question").focus();
@@ -405,6 +442,9 @@ function wire() {
 
   $("json-mode").addEventListener("change", (event) => {
     $("json-schema").disabled = !event.target.checked;
+  });
+  $("show-boxes").addEventListener("change", (event) => {
+    document.body.classList.toggle("hide-boxes", !event.target.checked);
   });
 
   const key = $("api-key");
