@@ -32,7 +32,7 @@ run: install nginx
 test: install nginx chromium
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=20 tests
 
 # The edit loop: lint, then every test that needs no server, no Nginx, no browser and no long run
 # (pytest.ini's markers; under two minutes on 2 cores). Installs the Python packages only: no root.

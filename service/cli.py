@@ -114,7 +114,7 @@ def _write_boxes(out: str, images: list[str], boxes) -> int:
     from .media.drawing import draw_boxes
 
     for box in boxes:
-        print(json.dumps({"label": box.label, box.kind: box.relative, "pixels": box.pixels, "image": box.image}))
+        print(json.dumps({"label": box.label, f"{box.kind}_2d": box.written, "pixels": box.pixels, "image": box.image}))
     if not images:
         print("error: --boxes needs an --image to draw on", file=sys.stderr)
         return 2

@@ -58,7 +58,7 @@ def test_points_and_corners_given_backwards():
 def test_coordinates_outside_0_to_1000_are_clipped_and_flagged():
     [box] = find_boxes('{"bbox_2d": [-20, 100, 1200, 1000.5], "label": "wide"}', [PICTURE])
     assert box.clipped and box.relative == (0, 100, 1000, 1000)
-    assert box.pixels == (0, 36, 640, 360)
+    assert box.written == (-20, 100, 1200, 1000.5) and box.pixels == (0, 36, 640, 360)
 
 
 @pytest.mark.parametrize(
@@ -169,7 +169,8 @@ def test_native_done_line_carries_boxes_in_the_clients_pixels(server):
     done = lines[-1]
     assert done["done"] and done["boxes"], done
     for box, item in zip(done["boxes"], json.loads(done["text"])):
-        x1, y1, x2, y2 = box["bbox_2d"]
+        assert box["bbox_2d"] == item["bbox_2d"]  # as written
+        (x1, x2), (y1, y2) = sorted(item["bbox_2d"][::2]), sorted(item["bbox_2d"][1::2])
         assert box["pixels"] == [round(x1 * 0.36, 1), round(y1 * 0.64, 1), round(x2 * 0.36, 1), round(y2 * 0.64, 1)]
         assert box["label"] == item["label"] and box["image"] == 0 and box["clipped"] is False
     plain = {**body, "response_format": None, "max_tokens": 4, "stream": False}

@@ -134,9 +134,11 @@ def test_native_stream_arrives_incrementally_with_ids_first_and_done_last(server
         "prompt_tokens",
         "completion_tokens",
         "cached_tokens",
+        "cached_from",
         "drafted_tokens",
         "accepted_tokens",
     }
+    assert done["usage"]["cached_from"] is None and done["boxes"] == []  # nothing cached, no boxes named
     for key in ("queue_wait", "image_decode", "vision_encode", "prefill", "time_to_first_token", "decode_tokens_per_s"):
         assert key in done["timings"]
     assert sum(1 for _, obj in lines if "delta" in obj) > 10

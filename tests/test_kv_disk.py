@@ -226,31 +226,37 @@ def picture_question() -> list[dict]:
     ]
 
 
-def test_a_conversation_outlives_a_graceful_restart_and_a_sigkill(serve, tmp_path):
+def test_a_conversation_outlives_its_instance_shutdown_and_sigkill_on_a_shared_store(serve, tmp_path):
+    """Two instances on one store; the first ends (SIGTERM) right after turn 1, the second continues the
+    stateless conversation from disk (official client), is SIGKILLed once written, and a third answers
+    turn 3 from what the killed one wrote."""
     env = {"KV_DISK_DIR": str(tmp_path)}
     messages = picture_question()
-    with serve(env, "kv-restart-1") as (base, master):
-        answer, done = native_turn(base, messages)
+    with serve(env, "kv-shared-a") as (a, first), serve(env, "kv-shared-b") as (b, second):
+        answer, done = native_turn(a, messages)
         assert done["usage"]["cached_from"] is None
-        master.send_signal(signal.SIGTERM)  # at once: what is queued is written on the way out
-        master.wait(60)
-    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Tell me more."}]
-    with serve(env, "kv-restart-2") as (base, master):
-        answer, done = native_turn(base, messages)
-        assert done["usage"]["cached_from"] == "disk" and done["usage"]["cached_tokens"] > 80
-        second_prompt = done["usage"]["prompt_tokens"]
-        pending_writes_done(base)
-        assert metric(base, "qwen3vl_cache_hits_total", 'cache="kv_disk"') == 1
-        assert metric(base, "qwen3vl_kv_disk_read_bytes_total") > 0
-        assert metric(base, "qwen3vl_kv_disk_load_seconds_count") == 1
-        workers = _children(master.pid)
-        master.send_signal(signal.SIGKILL)
+        first.send_signal(signal.SIGTERM)  # at once: what is queued is written on the way out
+        first.wait(60)
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Tell me more."}]
+        reply = openai_client(b).chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+        assert reply.usage.prompt_tokens_details.cached_tokens > done["usage"]["prompt_tokens"] - 8
+        assert metric(b, "qwen3vl_cache_hits_total", 'cache="kv_disk"') == 1  # B never saw turn 1: from disk
+        assert metric(b, "qwen3vl_kv_disk_read_bytes_total") > 0
+        assert metric(b, "qwen3vl_kv_disk_load_seconds_count") == 1
+        pending_writes_done(b)
+        assert metric(b, "qwen3vl_kv_disk_written_bytes_total") > 0
+        second_prompt = reply.usage.prompt_tokens
+        workers = _children(second.pid)
+        second.send_signal(signal.SIGKILL)
         for worker in workers:
             worker.kill()
-        master.wait(60)
-    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
-    with serve(env, "kv-restart-3") as (base, _):
-        _, done = native_turn(base, messages)
+        second.wait(60)
+    messages += [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "And then?"},
+    ]
+    with serve(env, "kv-shared-c") as (c, _):
+        _, done = native_turn(c, messages)
         assert done["usage"]["cached_from"] == "disk"
         assert done["usage"]["cached_tokens"] >= second_prompt  # written by the instance killed since
 
@@ -262,19 +268,3 @@ def _children(pid: int):
         return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-
-
-def test_two_instances_share_one_store_for_a_stateless_client(serve, tmp_path):
-    env = {"KV_DISK_DIR": str(tmp_path)}
-    messages = picture_question()
-    with serve(env, "kv-share-a") as (a, _), serve(env, "kv-share-b") as (b, _):
-        first = openai_client(a).chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
-        pending_writes_done(a)
-        messages += [
-            {"role": "assistant", "content": first.choices[0].message.content},
-            {"role": "user", "content": "Tell me more."},
-        ]
-        second = openai_client(b).chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
-        assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens - 8
-        assert metric(b, "qwen3vl_cache_hits_total", 'cache="kv_disk"') == 1
-        assert metric(a, "qwen3vl_kv_disk_written_bytes_total") > 0

@@ -345,8 +345,11 @@ def test_the_openapi_document_covers_the_new_fields(server):
     openai_fields = schemas["ChatCompletionRequest"]["properties"]
     for name in ("response_format", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs"):
         assert name in openai_fields, name
-    assert {"response_format", "logprobs", "top_logprobs"} <= set(schemas["NativeChatRequest"]["properties"])
-    assert set(schemas["ResponseFormat"]["properties"]["type"]["enum"]) == {"text", "json_object", "json_schema"}
+    native_fields = {"response_format", "logprobs", "top_logprobs", "max_pixels"}
+    assert native_fields <= set(schemas["NativeChatRequest"]["properties"])
+    formats = {"text", "json_object", "json_schema", "grounding"}
+    assert set(schemas["ResponseFormat"]["properties"]["type"]["enum"]) == formats
+    assert "boxes" in schemas["NativeDone"]["properties"] and "boxes" in schemas["AssistantMessage"]["properties"]
     assert "tool" in schemas["Message"]["properties"]["role"]["enum"]
     form = document["paths"]["/v1/chat"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert form["properties"]["response_format"]["$ref"] == "#/components/schemas/ResponseFormat"

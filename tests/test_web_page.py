@@ -258,8 +258,8 @@ def test_boxes_are_drawn_over_the_picture_where_their_coordinates_say(page):
     height, width = shot.shape[:2]
     assert abs(width / height - 640 / 360) < 0.02  # the whole picture, its aspect kept
     # The largest box, in the shot's pixels: 0-1000 coordinates scaled to the picture as shown.
-    i, box = max(enumerate(done["boxes"]), key=lambda b: b[1]["bbox_2d"][2] - b[1]["bbox_2d"][0])
-    x1, y1, x2, y2 = box["bbox_2d"]
+    i, box = max(enumerate(done["boxes"]), key=lambda b: abs(b[1]["bbox_2d"][2] - b[1]["bbox_2d"][0]))
+    (x1, x2), (y1, y2) = sorted(box["bbox_2d"][::2]), sorted(box["bbox_2d"][1::2])  # as written: any corner order
     where = [x1 * width / 1000, y1 * height / 1000, x2 * width / 1000, y2 * height / 1000]
     assert edge_pixels_in(shot, BOX_COLOURS[i % 6], where) > 0.5, "the box's top edge is drawn where it says"
     save_screenshot(page, "grounding.png", for_readme=True, readme_copy=ROOT / "docs" / "grounding.png")

@@ -44,11 +44,13 @@ GROUNDING_SCHEMA = {
 @dataclass(frozen=True)
 class Box:
     """A box (`bbox`: x1, y1, x2, y2) or a point (`point`: x, y) the answer names, on picture `image`
-    (its index among the message's pictures). `relative`: the 0–1000 coordinates as written (clipped);
-    `pixels`: in the picture as the client sent it (width × height after EXIF orientation)."""
+    (its index among the message's pictures). `written`: the 0–1000 coordinates as the answer wrote
+    them; `relative`: the same clipped to 0–1000 (a box's corners in order); `pixels`: those in the
+    picture as the client sent it (width × height after EXIF orientation)."""
 
     kind: str
     label: str | None
+    written: tuple[float, ...]
     relative: tuple[float, ...]
     pixels: tuple[float, ...]
     image: int
@@ -127,6 +129,7 @@ def find_boxes(text: str, pictures: list[tuple[int, int]]) -> list[Box]:
                     Box(
                         kind=kind,
                         label=str(label) if label is not None else None,
+                        written=tuple(int(c) if c.is_integer() else c for c in coords),
                         relative=clipped,
                         pixels=tuple(round(c * s, 1) for c, s in zip(clipped, scale)),
                         image=index,

@@ -120,10 +120,11 @@ class BoxOut(BaseModel):
     `model_extra`), in the 0-1000 coordinates the model wrote and in the pixels of the client's picture."""
 
     label: str | None
-    bbox_2d: list[float] | None = Field(None, description="x1, y1, x2, y2 as written, 0-1000 (clipped)")
-    point_2d: list[float] | None = Field(None, description="x, y as written, 0-1000 (clipped)")
+    bbox_2d: list[float] | None = Field(None, description="x1, y1, x2, y2 as the answer wrote them (0-1000)")
+    point_2d: list[float] | None = Field(None, description="x, y as the answer wrote them (0-1000)")
     pixels: list[float] = Field(
-        description="the same in pixels of the picture as the client sent it (EXIF orientation applied)"
+        description="the same clipped to 0-1000 (corners in order), in pixels of the picture as the client "
+        "sent it (EXIF orientation applied)"
     )
     image: int = Field(description="which picture of the latest user message holding pictures (0-based)")
     clipped: bool = Field(description="true: a coordinate lay outside 0-1000")
@@ -132,9 +133,9 @@ class BoxOut(BaseModel):
 def box_out(box: Box) -> BoxOut:
     out = BoxOut(label=box.label, pixels=list(box.pixels), image=box.image, clipped=box.clipped)
     if box.kind == "bbox":
-        out.bbox_2d = list(box.relative)
+        out.bbox_2d = list(box.written)
     else:
-        out.point_2d = list(box.relative)
+        out.point_2d = list(box.written)
     return out
 
 

@@ -234,7 +234,10 @@ function showFailure(turn, { message, detail }) {
 }
 
 // Boxes and points of a grounded answer over the pictures they refer to (the latest turn with
-// pictures), in percent of each picture: the 0-1000 coordinates divided by 10, whatever its size.
+// pictures), in percent of each picture: the 0-1000 coordinates (clipped, corners in order) divided
+// by 10, whatever its size.
+const per1000 = (c) => Math.min(Math.max(c, 0), 1000) / 10;
+
 const BOX_COLOURS = ["#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#008080"];
 
 function drawBoxes(boxes) {
@@ -247,14 +250,13 @@ function drawBoxes(boxes) {
     const mark = element("div", box.bbox_2d ? "box" : "point");
     mark.style.setProperty("--box", BOX_COLOURS[i % BOX_COLOURS.length]);
     if (box.bbox_2d) {
-      const [x1, y1, x2, y2] = box.bbox_2d;
-      Object.assign(mark.style, {
-        left: `${x1 / 10}%`, top: `${y1 / 10}%`, width: `${(x2 - x1) / 10}%`, height: `${(y2 - y1) / 10}%`,
-      });
+      const [ax, ay, bx, by] = box.bbox_2d.map(per1000);
+      const [x1, x2, y1, y2] = [Math.min(ax, bx), Math.max(ax, bx), Math.min(ay, by), Math.max(ay, by)];
+      Object.assign(mark.style, { left: `${x1}%`, top: `${y1}%`, width: `${x2 - x1}%`, height: `${y2 - y1}%` });
       if (box.label) mark.append(element("span", "", box.label));
     } else {
-      const [x, y] = box.point_2d;
-      Object.assign(mark.style, { left: `${x / 10}%`, top: `${y / 10}%` });
+      const [x, y] = box.point_2d.map(per1000);
+      Object.assign(mark.style, { left: `${x}%`, top: `${y}%` });
     }
     mark.title = box.label || "";
     frame.append(mark);
