@@ -100,6 +100,20 @@ _KV_DIRS = tempfile.mkdtemp(prefix="qwen3vl-test-kv-")
 atexit.register(shutil.rmtree, _KV_DIRS, True)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
+# Tests that compare the AVX2 paths with this CPU's own have nothing to compare on a CPU without
+# AVX-512: its own paths are the AVX2 ones, which the whole suite runs (a test condition, not a kernel choice).
+HAS_AVX512 = "avx512f" in _cpu_flags()
+ONLY_AVX2 = "this CPU has no AVX-512: its own paths are the AVX2 ones, which the suite runs"
+
+
 def make_settings(cache_dir, **overrides):
     overrides.setdefault("kv_disk_dir", own_kv_disk_dir())
     return load_settings(cache_dir=cache_dir, threads=2, **overrides)

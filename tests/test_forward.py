@@ -30,7 +30,7 @@ from service.model.prompts import ChatMessage, ImagePart, TextPart
 from service.vision.features import VisionFeatures
 from service.vision.steps import image_steps, run_to_end
 
-from conftest import prepared, weights_settings
+from conftest import HAS_AVX512, ONLY_AVX2, prepared, weights_settings
 
 STEPS = 32
 KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["kv-fp32", "kv-bf16"])
@@ -327,6 +327,7 @@ def test_fp32_weights_agree_across_paths_within_float_rounding(engines, attentio
 
 
 @pytest.mark.skipif(FORCED_AVX2, reason="already on the forced AVX2 paths")
+@pytest.mark.skipif(not HAS_AVX512, reason=ONLY_AVX2)
 @pytest.mark.slow
 def test_the_same_bits_on_the_forced_avx2_paths_of_both_int8_libraries(cache_dir):
     """FBGEMM_ENABLE_INSTRUCTIONS=AVX2 and ONEDNN_MAX_CPU_ISA=AVX2 make both INT8 libraries take

@@ -25,7 +25,7 @@ from service.quant.int8_linear import Int8Linear
 from service.quant.packing import quantized_marker
 from service.quant.quantized import FORMAT_INT4, load_quantized
 
-from conftest import ROOT, make_settings, run_probe
+from conftest import HAS_AVX512, ONLY_AVX2, ROOT, make_settings, run_probe
 
 
 def float_layer(in_features=2048, out_features=320, seed=0, bias=True) -> nn.Linear:
@@ -96,6 +96,7 @@ print(json.dumps({"out": out}))
 """
 
 
+@pytest.mark.skipif(not HAS_AVX512, reason=ONLY_AVX2)
 @pytest.mark.slow
 def test_the_avx2_build_gives_the_same_bits(cache_dir):
     """NATIVE_MARCH=x86-64-v3 builds the kernel for AVX2 (8 lanes, vpmaddubsw, 2 rows per call):
