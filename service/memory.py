@@ -60,11 +60,17 @@ def unreclaimable_bytes(process: psutil.Process | None = None) -> int:
     return info.rss - getattr(info, "shared", 0)
 
 
-def kv_cache_bytes(config, tokens: int, bytes_per_value: int = 4) -> int:
-    """Bytes of a KV cache holding `tokens` tokens for this (Qwen3-VL) config (fp32: 4 bytes a value)."""
+def kv_shape(config) -> tuple[int, int, int]:
+    """(layers, key/value heads, head dim) of this (Qwen3-VL) config's KV cache."""
     text = getattr(config, "text_config", config)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return tokens * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * bytes_per_value
+    return text.num_hidden_layers, text.num_key_value_heads, head_dim
+
+
+def kv_cache_bytes(config, tokens: int, bytes_per_value: int = 4) -> int:
+    """Bytes of a KV cache holding `tokens` tokens for this (Qwen3-VL) config (fp32: 4 bytes a value)."""
+    layers, heads, head_dim = kv_shape(config)
+    return tokens * layers * 2 * heads * head_dim * bytes_per_value
 
 
 def cgroup_memory(

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from .. import metrics
+from ..memory import kv_shape
 from ..native import huge_pages
 from .conversation import KVReuse, VisionSpan
 from .kv import GrowingCache
@@ -71,9 +72,7 @@ class KVLayout:
 
     @classmethod
     def of(cls, config, dtype: torch.dtype) -> KVLayout:
-        text = getattr(config, "text_config", config)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        return cls(text.num_hidden_layers, text.num_key_value_heads, head_dim, dtype)
+        return cls(*kv_shape(config), dtype)
 
     def described(self) -> dict:
         return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "dtype": str(self.dtype)}
@@ -135,7 +134,7 @@ def default_budget_bytes(root: Path, held: int = 0) -> int:
 
 
 class KVDiskStore:
-    """See the module docstring. `probe`, `load`, `save` and `truncate` from any thread."""
+    """See the module docstring. `stored_blocks`, `read_async`, `save` and `truncate` from any thread."""
 
     name = "kv_disk"
 
@@ -196,22 +195,30 @@ class KVDiskStore:
             after = key
         return blocks, after
 
-    def read_async(self, token_ids, images, limit: int, capacity: int, beat: int) -> Future:
+    def read_async(self, token_ids, images, limit: int, capacity: int, beat: int, stored=None) -> Future:
         """`read` on the reader thread."""
         with self._threads_lock:
             if self._reader is None:
                 self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
-        return self._reader.submit(self.read, token_ids, images, limit, capacity, beat)
+        return self._reader.submit(self.read, token_ids, images, limit, capacity, beat, stored)
 
     def read(
-        self, token_ids: torch.Tensor, images: list[VisionSpan], limit: int, capacity: int, beat: int = 0
+        self,
+        token_ids: torch.Tensor,
+        images: list[VisionSpan],
+        limit: int,
+        capacity: int,
+        beat: int = 0,
+        stored: tuple[list[Block], bytes] | None = None,
     ) -> KVReuse | None:
         """The keys and values of the longest prefix of `token_ids` the disk holds (at most `limit`
         tokens, no image split), in a cache with room for `capacity` positions — the stored full
-        blocks, then as much of a block stored after them as matches (a re-tokenized answer, a tail) —
-        or None when that is under `min_tokens` or not more than `beat` tokens (the memory tier's)."""
+        blocks (`stored`: what `stored_blocks` found already), then as much of a block stored after
+        them as matches (a re-tokenized answer, a tail) — or None when that is under `min_tokens` or
+        not more than `beat` tokens (the memory tier's)."""
         started = time.perf_counter()
-        blocks, after = self.stored_blocks(token_ids, images, limit)
+        blocks, after = stored or self.stored_blocks(token_ids, images, limit)
+        blocks = list(blocks)
         start = blocks[-1].end if blocks else 0
         continuation = self._continuation(after, token_ids, images, start, limit)
         if continuation is not None:

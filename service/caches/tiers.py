@@ -37,9 +37,10 @@ class ConversationTiers:
         in_memory = self.memory.reusable(token_ids, images, conversation_id)
         if self.disk is not None:
             limit = len(token_ids) - 1
-            blocks, _ = self.disk.stored_blocks(token_ids, images, limit)
+            stored = self.disk.stored_blocks(token_ids, images, limit)  # by name: hashes and stats, no read
+            blocks = stored[0]
             if not in_memory or (blocks and blocks[-1].end > in_memory):
-                reading = self.disk.read_async(token_ids, images, limit, capacity, beat=in_memory)
+                reading = self.disk.read_async(token_ids, images, limit, capacity, in_memory, stored)
                 while not reading.done():
                     yield reading
                 try:
