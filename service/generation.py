@@ -1,12 +1,13 @@
 """What goes into the engine and what comes out: sampling parameters (their bounds defined once,
-here, for the HTTP schemas too), a request, its events, its timings, the admitted generation."""
+here, for the HTTP schemas too), a request (read-only), its events, its timings, the admitted
+generation (the caller's handle: events, cancel, live state)."""
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Annotated, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
@@ -64,11 +65,12 @@ SHARED_SAMPLING = (
 )
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class GenerationRequest:
+    """A chat request as the HTTP layer or the CLI made it; the engine never writes into it."""
+
     messages: list[ChatMessage]
     params: SamplingParams = field(default_factory=SamplingParams)
-    cancel: threading.Event = field(default_factory=threading.Event)
     received_at: float = field(default_factory=time.perf_counter)
     request_id: str = ""
     conversation_id: str | None = None
@@ -132,28 +134,50 @@ class Completion:
     boxes: list[Box] = field(default_factory=list)  # boxes and points the answer names (answer/grounding.py)
 
 
-class TokenIds(Protocol):
-    token_ids: list[int]  # the tokens generated so far (the engine's stream of them)
+class Tracked(Protocol):
+    """What a Generation reads of its request inside the engine (service/engine/sequence.py)."""
+
+    deadline: float
+
+    @property
+    def answer_ids(self) -> list[int]: ...
+
+    @property
+    def status(self) -> Enum: ...
+
+    def cancel(self) -> None: ...
 
 
 class Generation:
-    """An admitted generation: iterate for events; close() (or exhaustion) frees the model. It
-    owns the request's live state: its deadline and the tokens generated so far."""
+    """An admitted generation: iterate for events; cancel() ends it at the engine's next step;
+    close() (or exhaustion) cancels it if still running and frees the model. It shows the request's
+    live state: its status, its deadline and the tokens generated so far."""
 
-    def __init__(self, events: Iterator[TextDelta | Completion], release, stream: TokenIds, deadline: float):
+    def __init__(self, events: Iterator[TextDelta | Completion], tracked: Tracked, release: Callable[[], None]):
         self._events = events
+        self._tracked = tracked
         self._release = release
-        self._stream = stream
-        self.deadline = deadline  # perf_counter time at which it is ended (REQUEST_DEADLINE)
+        self.deadline = tracked.deadline  # perf_counter time at which it is ended (REQUEST_DEADLINE)
+
+    @property
+    def status(self) -> str:
+        """waiting, reading, prefilling, running, paused; once ended its finish reason (stop, length,
+        deadline, cancelled) or error."""
+        return self._tracked.status.value
 
     @property
     def token_ids(self) -> list[int]:
         """The tokens generated so far (all of them once the stream has ended)."""
-        return self._stream.token_ids
+        return self._tracked.answer_ids
 
     @property
     def generated_tokens(self) -> int:
-        return len(self._stream.token_ids)
+        return len(self._tracked.answer_ids)
+
+    def cancel(self) -> None:
+        """End the generation at the engine's next step (from any thread); the stream then ends with
+        a Completion whose finish_reason is `cancelled` (unless it had ended already)."""
+        self._tracked.cancel()
 
     def __iter__(self):
         return self
@@ -166,7 +190,8 @@ class Generation:
             raise
 
     def close(self) -> None:
-        """Cancel (if running) and free the model slot; safe to call more than once."""
+        """Cancel (if running) and free the model slot once the engine has let go; safe to call more
+        than once."""
         self._events.close()
         release, self._release = self._release, None
         if release:

@@ -55,6 +55,18 @@ INT8_KERNEL_MS = Gauge(
     multiprocess_mode="livemax",
 )
 
+
+def record_int8_kernels(choice: dict | None) -> None:
+    """The INT8 kernel choice (a KernelChoice as a dict; None without INT8 weights) as gauges."""
+    if choice is None:
+        return
+    for part in ("decoder", "vision"):
+        INT8_KERNEL.labels(part=part, kernel=choice[part]).set(1)
+    for kernel, figures in choice["measured"].items():
+        INT8_KERNEL_MS.labels(kernel=kernel, rows="1").set(figures["decode_ms"])
+        INT8_KERNEL_MS.labels(kernel=kernel, rows=str(figures["rows"])).set(figures["prefill_ms"])
+
+
 # Exact speculative decoding: guessed tokens by where they came from (grammar, lookup) and verdict
 DRAFT_TOKENS = Counter("qwen3vl_draft_tokens_total", "guessed tokens verified", ["source", "result"])
 

@@ -162,7 +162,7 @@ def test_a_sequence_cancelled_mid_way_leaves_at_once_and_the_others_stay_exact(e
     for s in [quitter, *streams]:
         s.start()
     quitter.join()
-    assert quitter.request.cancel.is_set()
+    assert quitter.generation.status == "cancelled"
     # It left within a step of the close (one more token may have been in flight as it was read).
     assert len(quitter.token_ids()) <= quitter.tokens_at_close + 2
     assert [s.join().token_ids() for s in streams] == expected
@@ -242,7 +242,7 @@ def test_prefill_of_a_newcomer_is_interleaved_with_the_batchs_decoding(engines):
     # each, but for a token held back as an incomplete UTF-8 character).
     pieces = -(-newcomer.done.prompt_tokens // engine.settings.prefill_chunk_tokens)
     assert len(during) >= pieces - 2
-    runner.request.cancel.set()
+    runner.generation.cancel()
     runner.join()
 
 
@@ -259,10 +259,10 @@ def test_beyond_the_batch_requests_wait_in_the_queue_and_beyond_the_queue_get_42
         time.sleep(0.01)
     with pytest.raises(QueueFull):
         engine.submit(request([TextPart("And me.")]))
-    running[0].request.cancel.set()
+    running[0].generation.cancel()
     waiter.join()
     assert waiter.done.completion_tokens == 3 and waiter.done.timings.queue_wait > 0
-    running[1].request.cancel.set()
+    running[1].generation.cancel()
     running[1].join()
 
 

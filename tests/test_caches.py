@@ -287,8 +287,8 @@ def test_cached_vision_features_equal_the_encoders(engines):
     e = engines.cached
     prompt = prompt_of(e, [user(image(e), "hi")])
     turn(e, [user(image(e), "hi")], max_tokens=1)
-    [key] = e.vision_cache.entries.keys()
-    kept = e.vision_cache.get(key)
+    assert len(e.caches.vision.entries) == 1
+    kept = e.caches.vision.get(prompt.spans["image"][0].key)
     fresh = e.vision_encoder(prompt.pixel_values[0], prompt.image_grid_thw)[0]
     assert kept.pooler.equal(fresh.pooler)
     assert all(k.equal(f) for k, f in zip(kept.deepstack, fresh.deepstack, strict=True))
@@ -314,8 +314,8 @@ def two_conversations(engine):
     a = [user(image(engine), "What is in this picture?")]
     _, done = turn(engine, a, "A", max_tokens=4)
     turn(engine, [user(image(engine, 192, 192, seed=9), "And here?")], "B", max_tokens=4)
-    if engine.conversations.disk is not None:
-        assert engine.conversations.disk.flush(30)  # what memory evicts is on disk by now
+    if engine.caches.kv.disk is not None:
+        assert engine.caches.kv.disk.flush(30)  # what memory evicts is on disk by now
     _, again = turn(engine, a + [assistant(done.text), user("More.")], "A", max_tokens=4)
     return a, again
 
@@ -335,12 +335,12 @@ def test_entry_cap_evicts_the_least_recently_used_conversation(engine, cache_dir
 def test_byte_budget_evicts_the_least_recently_used_conversation(engine, cache_dir):
     probe = engine_with(engine, cache_dir)
     turn(probe, [user(image(probe), "What is in this picture?")], "A", max_tokens=4)
-    one = probe.conversation_cache.entries.nbytes
+    one = probe.caches.kv.memory.entries.nbytes
     assert one > 0
     small = engine_with(engine, cache_dir, conversation_cache_max_bytes=int(one * 1.5), kv_disk_mb=0)
     a, again = two_conversations(small)
     assert again.cached_tokens < image_end(small, a)
-    assert 0 < small.conversation_cache.entries.nbytes <= int(one * 1.5)
+    assert 0 < small.caches.kv.memory.entries.nbytes <= int(one * 1.5)
     tiered = engine_with(engine, cache_dir, conversation_cache_max_bytes=int(one * 1.5))
     a, again = two_conversations(tiered)
     assert again.cached_tokens > image_end(tiered, a) and again.cached_from == "disk"
@@ -352,15 +352,15 @@ def test_idle_entries_expire_without_further_requests(engine, cache_dir):
     history = [user(image(quick), "What is in this picture?")]
     _, done = turn(quick, history, "A", max_tokens=4)
     time.sleep(1.0)
-    assert quick.conversation_cache.entries.nbytes == 0 and quick.vision_cache.entries.nbytes == 0
+    assert quick.caches.kv.memory.entries.nbytes == 0 and quick.caches.vision.entries.nbytes == 0
     assert [metric("qwen3vl_cache_evictions_total", cache=c, reason="ttl") for c in ("conversation", "vision")] == [
         n + 1 for n in expired
     ]
     history += [assistant(done.text), user("More.")]
     _, again = turn(quick, history, "A", max_tokens=4)
     assert again.cached_tokens == 0 and again.vision_cache_hits == 0
-    quick.conversation_cache.entries.clear()  # no expiry left to happen during later tests
-    quick.vision_cache.entries.clear()
+    quick.caches.kv.memory.entries.clear()  # no expiry left to happen during later tests
+    quick.caches.vision.entries.clear()
 
 
 def test_caching_disabled_reuses_and_keeps_nothing(engine, cache_dir):
@@ -369,7 +369,7 @@ def test_caching_disabled_reuses_and_keeps_nothing(engine, cache_dir):
     _, done = turn(off, history, "A", max_tokens=4)
     _, again = turn(off, history + [assistant(done.text), user("More.")], "A", max_tokens=4)
     assert again.cached_tokens == 0 and again.vision_cache_hits == 0
-    assert len(off.conversation_cache.entries) == 0 and len(off.vision_cache.entries) == 0
+    assert len(off.caches.kv.memory.entries) == 0 and len(off.caches.vision.entries) == 0
 
 
 def test_eviction_during_a_generation_does_not_change_its_answer(engines):
@@ -380,8 +380,8 @@ def test_eviction_during_a_generation_does_not_change_its_answer(engines):
     request = GenerationRequest(history, SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0), conversation_id="A")
     events = e.generate(request)
     assert isinstance(next(events), TextDelta)
-    e.conversation_cache.entries.clear()  # everything evicted while the answer streams
-    e.vision_cache.entries.clear()
+    e.caches.kv.memory.entries.clear()  # everything evicted while the answer streams
+    e.caches.vision.entries.clear()
     done = [ev for ev in events if isinstance(ev, Completion)][0]
     assert done.cached_tokens > 0
     assert list(done.token_ids) == turn(engines.plain, history)[0]
@@ -427,4 +427,4 @@ def test_metrics_count_hits_misses_reused_tokens_evictions_and_bytes(engine, cac
     after = [metric(n, **labels) for n, labels in names]
     delta = [x - y for x, y in zip(after, before)]
     assert delta[:5] == [1, 2, 1, second.cached_tokens, 1]
-    assert delta[5] == e.conversation_cache.entries.nbytes > 0
+    assert delta[5] == e.caches.kv.memory.entries.nbytes > 0

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
-from service.caches.kv import GrowingCache
 from service.engine.engine import Completion, GenerationRequest, SamplingParams, TextDelta
+from service.engine.sampling import Sampling
 from service.errors import PromptTooLong
 from service.media.images import decode_image
+from service.model.kv import GrowingCache
 from service.model.prompts import ChatMessage, ImagePart, TextPart
 
 from conftest import prepared
@@ -53,6 +55,8 @@ def test_streamed_text_equals_plain_generate_for_same_seed(fp32_engine):
     _, done = ask(engine, parts, max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
     prompt = prepared(engine, GenerationRequest([ChatMessage("user", parts)]))
     model = engine.model
+    # the service's resolution of these parameters over the checkpoint's defaults, given to generate
+    sampling = Sampling.resolve(SamplingParams(temperature=0.9, top_p=0.9, top_k=50), model.generation_config)
     model.model.rope_deltas = None
     torch.manual_seed(1234)
     with torch.inference_mode():
@@ -62,8 +66,17 @@ def test_streamed_text_equals_plain_generate_for_same_seed(fp32_engine):
             mm_token_type_ids=prompt.mm_token_type_ids,
             image_grid_thw=prompt.image_grid_thw,
             pixel_values=torch.cat(prompt.pixel_values),
-            generation_config=engine._generation_config(SamplingParams(temperature=0.9, top_p=0.9, top_k=50), 20),
-            cache=GrowingCache(config=model.config, dtype=engine.kv_dtype),  # keys and values as KV_DTYPE
+            generation_config=GenerationConfig(
+                max_new_tokens=20,
+                do_sample=True,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                repetition_penalty=sampling.repetition_penalty,
+                eos_token_id=engine.loaded.eos_token_ids,
+                pad_token_id=engine.loaded.eos_token_ids[0],
+            ),
+            cache=GrowingCache(config=model.config, dtype=getattr(torch, engine.settings.kv_dtype)),  # as KV_DTYPE
         )
     new = out[0, prompt.num_tokens :]
     assert done.text == engine.processor.tokenizer.decode(new, skip_special_tokens=True)
@@ -106,7 +119,7 @@ def test_cancel_stops_within_one_token_and_leaves_the_batch(engine):
     for event in generation:
         seen += 1
         if seen == 3:
-            request.cancel.set()
+            generation.cancel()
             at_cancel = generation.generated_tokens  # read after setting: counts all tokens made before it
         if isinstance(event, Completion):
             done = event
@@ -119,12 +132,17 @@ def test_closing_the_stream_early_cancels_and_leaves_the_batch(engine):
     request = GenerationRequest(
         [ChatMessage("user", [TextPart("Talk forever.")])], SamplingParams(max_tokens=400, temperature=0)
     )
-    stream = engine.generate(request)
-    next(stream), next(stream)
-    stream.close()  # what a WSGI server does when the client goes away
-    assert request.cancel.is_set()
+    generation = engine.submit(request)
+    next(generation), next(generation)
+    assert generation.status == "running"
+    generation.close()  # what a WSGI server does when the client goes away
+    assert generation.status == "cancelled"
     assert engine.scheduler.batch_size == 0
     assert not engine.admission.busy  # the model is free for the next request at once
+    stream = engine.generate(request)  # the same through the plain generator (CLI)
+    next(stream), next(stream)
+    stream.close()
+    assert engine.scheduler.batch_size == 0 and not engine.admission.busy
 
 
 def test_prompt_beyond_context_limit_is_refused(engine):

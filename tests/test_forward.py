@@ -20,11 +20,11 @@ import pytest
 import torch
 from test_caches import image
 
-from service.caches.kv import GrowingCache
 from service.engine.engine import Engine, GenerationRequest
 from service.engine.prefill import PromptRows
 from service.model.attention import ExactAttention, TorchAttention
 from service.model.forward import Rows, TextForward
+from service.model.kv import GrowingCache
 from service.model.loading import load_model
 from service.model.prompts import ChatMessage, ImagePart, TextPart
 from service.vision.features import VisionFeatures

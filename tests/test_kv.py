@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from service.caches.conversation import kv_bytes
-from service.caches.kv import HEADROOM, GrowingCache, GrowingLayer, compacted
+from service.model.kv import HEADROOM, GrowingCache, GrowingLayer, compacted
 
 
 def _append_both(growing, plain, layers, tokens):

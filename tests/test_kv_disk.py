@@ -20,10 +20,10 @@ import pytest
 import requests
 import torch
 from prometheus_client import REGISTRY
-from test_caches import assistant, image, image_end, turn, user
+from test_caches import ANSWER_TOKENS, assistant, image, image_end, turn, user
 
-from service.caches.kv_disk import BLOCK_TOKENS, MAGIC, held_bytes
-from service.engine.engine import Engine
+from service.caches.kv_disk import BLOCK_TOKENS, MAGIC, KVDiskStore, held_bytes
+from service.engine.engine import Engine, GenerationRequest, SamplingParams
 
 from conftest import prepared, weights_settings
 from servers import metric, openai_client
@@ -42,7 +42,7 @@ def first_turn(e: Engine, seed=0):
     """A one-picture conversation's first turn, written to disk: (its history, the second turn's messages)."""
     history = [user(image(e, seed=seed), QUESTION)]
     _, done = turn(e, history, "A")
-    assert e.conversations.disk.flush(30)
+    assert e.caches.kv.disk.flush(30)
     return history, history + [assistant(done.text), user("Tell me more.")]
 
 
@@ -63,20 +63,51 @@ def test_a_turn_from_disk_has_the_bits_of_a_turn_from_memory_and_of_a_recompute(
         assert from_disk.logprobs == plain.logprobs  # and a recompute's bits (fp32 GEMMs round by row count)
 
 
+@pytest.mark.parametrize("engine", ["int8"], indirect=True)
+def test_a_prefill_waiting_for_its_disk_read_holds_up_no_newcomer(engine, cache_dir, tmp_path, monkeypatch):
+    """A turn whose prefix is read from disk is parked while the read lasts — here held until a
+    newcomer sent after it has answered — and then continues with the bits of a turn from memory."""
+    first = tiered(engine, cache_dir, tmp_path / "kv")
+    _, follow = first_turn(first)
+    shutil.copytree(tmp_path / "kv", tmp_path / "copy")  # the store as a restart finds it
+    _, from_memory = turn(first, follow, "A")
+    restarted = tiered(engine, cache_dir, tmp_path / "copy")
+    release, real_read = threading.Event(), KVDiskStore.read
+
+    def held_read(*args, **kwargs):  # a slow device: the read waits for the test's word
+        release.wait(60)
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(KVDiskStore, "read", held_read)
+    params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0, logprobs=3)
+    parked = restarted.submit(GenerationRequest(follow, params, conversation_id="A"))
+    deadline = time.monotonic() + 30
+    while parked.status != "reading":
+        assert time.monotonic() < deadline and parked.status in ("waiting", "prefilling")
+        time.sleep(0.005)
+    _, newcomer = turn(restarted, [user("Something else entirely.")], max_tokens=4)
+    assert newcomer.completion_tokens > 0 and parked.status == "reading"
+    release.set()
+    *_, done = parked
+    parked.close()
+    assert done.cached_from == "disk" and done.cached_tokens == from_memory.cached_tokens
+    assert done.token_ids == from_memory.token_ids and done.logprobs == from_memory.logprobs
+
+
 def test_keys_and_values_read_from_disk_are_the_bits_kept_in_memory(engine, cache_dir, tmp_path):
     e = tiered(engine, cache_dir, tmp_path)
     first_turn(e)
-    entry = e.conversation_cache.entries.peek("id:A")
+    entry = e.caches.kv.memory.entries.peek("id:A")
     length = len(entry.token_ids)
     assert length > 2 * BLOCK_TOKENS  # full blocks and a tail
-    reuse = e.conversations.disk.read(entry.token_ids, entry.images, length, capacity=length)
+    reuse = e.caches.kv.disk.read(entry.token_ids, entry.images, length, capacity=length)
     assert reuse.tokens == length and reuse.source == "disk"
     for read, kept in zip(reuse.cache.layers, entry.cache.layers, strict=True):
         assert torch.equal(read.keys, kept.keys) and torch.equal(read.values, kept.values)
     # A prompt that differs inside a block (a re-tokenized answer) gets the block's matching part.
     changed = entry.token_ids.clone()
     changed[BLOCK_TOKENS + 10] = (changed[BLOCK_TOKENS + 10] + 1) % 100
-    reuse = e.conversations.disk.read(changed, entry.images, length, capacity=length)
+    reuse = e.caches.kv.disk.read(changed, entry.images, length, capacity=length)
     assert reuse.tokens == BLOCK_TOKENS + 10
     for read, kept in zip(reuse.cache.layers, entry.cache.layers, strict=True):
         assert torch.equal(read.keys, kept.keys[:, :, : reuse.tokens])
@@ -85,12 +116,12 @@ def test_keys_and_values_read_from_disk_are_the_bits_kept_in_memory(engine, cach
 def test_the_writer_lets_go_of_what_it_wrote(engine, cache_dir, tmp_path):
     e = tiered(engine, cache_dir, tmp_path)
     _, follow = first_turn(e)
-    first_keys = weakref.ref(e.conversation_cache.entries.peek("id:A").cache.layers[0].keys)
+    first_keys = weakref.ref(e.caches.kv.memory.entries.peek("id:A").cache.layers[0].keys)
     _, done = turn(e, follow, "A")  # the same cache taken over, extended, kept and written again
-    assert done.cached_from == "memory" and e.conversations.disk.flush(30)
+    assert done.cached_from == "memory" and e.caches.kv.disk.flush(30)
     gc.collect()
     assert first_keys() is None  # the first turn's tensors: neither queued nor held once written
-    assert e.conversation_cache.entries.peek("id:A") is not None
+    assert e.caches.kv.memory.entries.peek("id:A") is not None
 
 
 def test_another_picture_behind_the_same_tokens_is_not_taken_from_disk(engine, cache_dir, tmp_path):
@@ -103,8 +134,6 @@ def test_another_picture_behind_the_same_tokens_is_not_taken_from_disk(engine, c
 
 
 def _request(messages):
-    from service.engine.engine import GenerationRequest
-
     return GenerationRequest(messages)
 
 
@@ -186,7 +215,7 @@ def test_the_disk_budget_holds_and_the_least_recently_used_go_first(engine, cach
         history = [user(image(e, seed=seed), f"Picture {seed}: what is in it?")]
         turn(e, history, f"c{seed}", max_tokens=2)
         conversations.append(history)
-        assert e.conversations.disk.flush(30)
+        assert e.caches.kv.disk.flush(30)
         assert held_bytes(tmp_path) <= 1024**2
     restarted = tiered(engine, cache_dir, tmp_path, kv_disk_mb=1)
     assert turn(restarted, conversations[-1] + [user("More.")], max_tokens=2)[1].cached_from == "disk"

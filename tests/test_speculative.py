@@ -8,6 +8,7 @@ them: always right (the answer itself, computed before: every guess accepted) or
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -135,16 +136,16 @@ def test_the_cache_a_speculative_answer_leaves_is_the_bits_of_one_without(engine
     parts = picture_question(on, seed=2)
 
     def kept():
-        req = GenerationRequest([ChatMessage("user", parts)], SamplingParams(max_tokens=ANSWER, temperature=0))
-        req.conversation_id = "kept"
-        return req
+        return GenerationRequest(
+            [ChatMessage("user", parts)], SamplingParams(max_tokens=ANSWER, temperature=0), conversation_id="kept"
+        )
 
     expected = run(off, kept())
     forced_guesses(answer_oracle(expected, right=2, wrong=2))  # every step: two made, then two not
     got = run(on, kept())
     assert got.token_ids == expected.token_ids
     assert 0 < got.accepted_tokens < got.drafted_tokens  # rows verified and cut back, step after step
-    a, b = (e.conversation_cache.entries.peek("id:kept") for e in (on, off))
+    a, b = (e.caches.kv.memory.entries.peek("id:kept") for e in (on, off))
     assert torch.equal(a.token_ids, b.token_ids)
     assert len(a.cache.layers) == len(b.cache.layers) > 0
     assert all(
@@ -181,8 +182,7 @@ def test_a_grammar_guesses_its_forced_tokens_and_the_json_is_the_same_bits(engin
 
     def constrained():
         req = request([TextPart("Read the receipt in this message.")], max_tokens=200)
-        req.grammar = json_grammar(RECEIPT, "response_format")
-        return req
+        return replace(req, grammar=json_grammar(RECEIPT, "response_format"))
 
     expected, got = run(off, constrained()), run(on, constrained())
     assert same_bits(got, expected)
@@ -242,8 +242,7 @@ def test_prompt_lookup_guesses_what_followed_the_latest_ngram():
 def test_speculation_off_guesses_nothing_and_a_request_can_turn_it_off(engines):
     parts = [TextPart("Repeat after me: red square, blue circle, red square, blue circle.")]
     assert run(engines["off", "bfloat16"], request(parts)).drafted_tokens == 0
-    req = request(parts)
-    req.speculative = False
+    req = replace(request(parts), speculative=False)
     assert run(engines["on", "bfloat16"], req).drafted_tokens == 0
 
     def counted():

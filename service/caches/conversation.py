@@ -18,7 +18,8 @@ import torch
 from transformers import DynamicCache
 
 from .. import metrics
-from .kv import GrowingCache, compacted
+from ..model.kv import GrowingCache, compacted
+from ..model.prompts import VisionSpan
 from .lru import BudgetedLRU, tensor_bytes
 
 
@@ -27,17 +28,6 @@ def kv_bytes(cache: DynamicCache) -> int:
 
 
 # -- conversation KV cache ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VisionSpan:
-    """An image or a video inside a token sequence: [start, end) from its first <|vision_start|> to
-    its last <|vision_end|>, and an identity of its pixels and grid (the same tokens with another
-    picture behind them differ here)."""
-
-    start: int
-    end: int
-    key: str
 
 
 @dataclass

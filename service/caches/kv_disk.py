@@ -42,9 +42,10 @@ import torch
 
 from .. import metrics
 from ..memory import kv_shape
+from ..model.kv import GrowingCache
+from ..model.prompts import VisionSpan
 from ..native import huge_pages
-from .conversation import KVReuse, VisionSpan
-from .kv import GrowingCache
+from .conversation import KVReuse
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ from concurrent.futures import Future
 import torch
 
 from .. import metrics
-from .conversation import ConversationCache, KVReuse, VisionSpan
+from ..model.prompts import VisionSpan
+from .conversation import ConversationCache, KVReuse
 from .kv_disk import KVDiskStore
 
 log = logging.getLogger(__name__)
@@ -32,14 +33,17 @@ class ConversationTiers:
         if it comes from disk; while the disk tier reads (on a thread of its own) this yields the read
         in progress, and the scheduler decodes its other sequences meanwhile.
 
-        The disk is read only when memory misses or holds less than the disk's full blocks (found by
-        name, without reading): memory holds the latest turn of the conversations it has."""
+        The disk is read only when it holds full blocks of the prompt (found by name, without
+        reading: with none it holds nothing usable) beyond what memory holds — memory holds the
+        latest turn of the conversations it has — so a new prompt never waits for the reader."""
         in_memory = self.memory.reusable(token_ids, images, conversation_id)
         if self.disk is not None:
             limit = len(token_ids) - 1
             stored = self.disk.stored_blocks(token_ids, images, limit)  # by name: hashes and stats, no read
             blocks = stored[0]
-            if not in_memory or (blocks and blocks[-1].end > in_memory):
+            if not blocks and not in_memory:
+                metrics.CACHE_MISSES.labels(cache=self.disk.name).inc()
+            elif blocks and blocks[-1].end > in_memory:
                 reading = self.disk.read_async(token_ids, images, limit, capacity, in_memory, stored)
                 while not reading.done():
                     yield reading

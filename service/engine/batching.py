@@ -10,7 +10,11 @@ work — a vision-encoder block, a chunk of prompt tokens — or, while the disk
 prefix on a thread of its own, the read in progress. The scheduler interleaves: one unit of
 the oldest waiting prefill, then one decode step of the batch, and again. A running stream so
 waits at most one unit per token while a neighbour prefills; with nothing to decode, prefill runs
-back to back.
+back to back. A prefill waiting for its disk read is parked (READING) until the read is done: the
+prefills behind it go on meanwhile, so a slow read holds up no one else.
+
+Every transition of a sequence's status (service/engine/sequence.py) is made here, on this thread,
+where it happens — but one: a stop string, which the request's thread finds in the text.
 
 Each sequence keeps what makes it independent of its neighbours: its sampling (`Sampler`, with
 its own torch.Generator), its M-RoPE offset (`rope_delta`: its decode positions are exactly those
@@ -21,132 +25,37 @@ sequence's tokens are the ones it gets alone (INT8 included: its Linears quantiz
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from .. import metrics
-from ..answer.structured import Constraint
 from ..model.forward import Rows, TextForward
 from ..threads import compute_on
-from .drafts import DraftBudget
-from .sampling import Sampler
-from .streaming import TokenStream
+from .sequence import Prefilled, Sequence, Status
 
 log = logging.getLogger(__name__)
 
 # Guessed tokens verified in one decode step, all sequences together: a step's rows stay few enough
 # that reading each weight once still bounds its time (measured: bench_speculative).
 VERIFY_ROWS = 12
-# Seconds an idle scheduler waits at a time for a prefill's read from the disk tier (new requests
-# are looked at between waits).
+# Seconds an idle scheduler waits at a time while prefills wait for disk reads (a finished read
+# wakes it at once; new requests and cancellations are looked at between waits).
 READ_WAIT = 0.05
 
 
-@dataclass
-class Prefilled:
-    """What a finished prefill hands the scheduler."""
-
-    cache: DynamicCache  # the whole prompt's keys and values
-    logits: torch.Tensor  # 1 × vocab, after the prompt's last token
-    rope_delta: int  # M-RoPE position minus token index, for every token after the prompt
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request inside the scheduler. The engine fills the first fields; the scheduler the rest
-    and calls `on_leave(sequence)` on its thread when the sequence leaves (the KV cache is then
-    in `cache`, or None if it never finished prefill), then sets `done`."""
-
-    prompt_ids: list[int]
-    prefill: Generator[object, None, Prefilled]  # yields None, or a Future it waits for
-    sampler: Sampler
-    streamer: TokenStream
-    cancel: threading.Event
-    max_new_tokens: int
-    eos_token_ids: frozenset[int]
-    on_leave: Callable[[Sequence], None]
-    constraint: Constraint | None = None  # its grammar's state (structured output), if any
-    drafts: DraftBudget | None = None  # its guesses for speculative decoding (service/engine/drafts.py), if on
-    deadline: float | None = None  # perf_counter time at which it is ended like a cancelled one
-    submitted_at: float = field(default_factory=time.perf_counter)
-    prefill_started_at: float | None = None
-    token_ids: list[int] = field(default_factory=list)  # prompt and answer, once prefilled
-    rope_delta: int = 0
-    cache: DynamicCache | None = None  # its KV cache once prefilled (the decode step extends it)
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def finished(self) -> bool:
-        generated = len(self.token_ids) - len(self.prompt_ids)
-        return generated >= self.max_new_tokens or (generated > 0 and self.token_ids[-1] in self.eos_token_ids)
-
-    def stopped(self, now: float) -> bool:
-        """Cancelled (client gone, stop string, shutdown) or past its deadline (which cancels it)."""
-        if self.deadline is not None and now >= self.deadline:
-            self.cancel.set()
-        return self.cancel.is_set()
-
-    def accept(self, logits: torch.Tensor) -> int:
-        """Choose the next token from its logits (within its grammar) and stream it."""
-        if self.constraint is None:
-            token = self.sampler(self.token_ids, logits)
-        else:
-            token = self.sampler(self.token_ids, logits, self.constraint.allowed())
-            self.constraint.advance(token)
-        self.token_ids.append(token)
-        self.streamer.put_token(token)
-        return token
-
-    def guesses(self, room: int) -> tuple[list[int], bool]:
-        """This step's guessed tokens (at most `room`, and never past its token limit), and
-        whether they came from prompt lookup."""
-        if self.drafts is None:
-            return [], False
-        left = self.max_new_tokens - (len(self.token_ids) - len(self.prompt_ids)) - 1
-        return self.drafts.drafts(self.token_ids, self.constraint, min(room, left))
-
-    def verify(self, logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
-        """Choose a token from each row of `logits` (the rows fed: the last token, then `drafts`)
-        while the model makes the guessed one: the guesses it made and its own next token are the
-        step's tokens; the rows of the others leave the KV cache. Returns how many guesses were
-        compared with the model's token (not those after the end of the answer) and how many it made."""
-        compared = accepted = 0
-        for i, row in enumerate(logits):
-            token = self.accept(row[None])
-            if i == len(drafts):
-                break
-            compared += 1
-            if token != drafts[i]:
-                break
-            accepted += 1
-            if self.finished:
-                break
-        # The cache holds every token but the last made (the next step feeds it), as without guesses.
-        surplus = self.cache.get_seq_length() - (len(self.token_ids) - 1)
-        if surplus > 0:
-            self.cache.crop(-surplus)
-        return compared, accepted
-
-
 class Scheduler:
-    """Runs sequences on one model; see the module docstring. `submit` from any thread."""
+    """Runs sequences on one model; see the module docstring. `submit` and `cancel_all` from any thread."""
 
     def __init__(self, forward: TextForward, threads: int):
         self.forward = forward
         self.threads = threads
         self._wake = threading.Condition()
         self._inbox: list[Sequence] = []
-        self._waiting: deque[Sequence] = deque()  # prefilling, oldest first
+        self._waiting: list[Sequence] = []  # WAITING, READING or PREFILLING, oldest first
         self._running: list[Sequence] = []
         self._thread: threading.Thread | None = None
 
@@ -163,6 +72,21 @@ class Scheduler:
                 self._thread.start()
             self._wake.notify()
 
+    def cancel_all(self) -> None:
+        """End every sequence at the next step (graceful shutdown)."""
+        with self._wake:
+            for sequence in [*self._inbox, *self._waiting, *self._running]:
+                sequence.cancel()
+            self._wake.notify()
+
+    def _wake_up(self, _=None) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def _next_prefill(self) -> Sequence | None:
+        """The oldest prefill that is not parked on a disk read."""
+        return next((s for s in self._waiting if s.reading is None or s.reading.done()), None)
+
     def _loop(self) -> None:
         # This thread's own OpenMP setting (each thread has one) and torch's: the model may have been
         # loaded on one thread, to fork safely after it (gunicorn.conf.py's preload).
@@ -170,15 +94,19 @@ class Scheduler:
         with torch.inference_mode():
             while True:
                 with self._wake:
-                    while not (self._inbox or self._waiting or self._running):
-                        self._wake.wait()
+                    while not (self._inbox or self._running or self._next_prefill()):
+                        # Only parked reads left (a finished read wakes us), or nothing at all.
+                        self._wake.wait(READ_WAIT if self._waiting else None)
+                        if self._waiting:
+                            break  # look at cancellations and deadlines
                     self._waiting.extend(self._inbox)
                     self._inbox.clear()
                 in_hand = [*self._running, *self._waiting]
                 try:
-                    self._drop_cancelled()
-                    if self._waiting:
-                        self._prefill_step(self._waiting[0])
+                    self._drop_ended()
+                    ready = self._next_prefill()
+                    if ready is not None:
+                        self._prefill_step(ready)
                     if self._running:
                         self._decode_step()
                 except Exception as exc:  # a bug here must not leave requests waiting forever
@@ -186,46 +114,53 @@ class Scheduler:
                     self._fail([*in_hand, *self._running, *self._waiting], exc)
                 metrics.BATCH_SIZE.set(len(self._running))
 
-    def _drop_cancelled(self) -> None:
+    def _drop_ended(self) -> None:
+        """Sequences asked to end (client gone, stop string, shutdown) or past their deadline leave."""
         now = time.perf_counter()
-        for sequence in [s for s in self._waiting if s.stopped(now)]:
-            self._waiting.remove(sequence)
-            try:
-                sequence.prefill.close()  # lets the engine hand back a reused KV prefix
-            except Exception as exc:
-                sequence.error = exc
-            self._leave_alone(sequence)
-        self._leave([s for s in self._running if s.stopped(now)])
+        for sequence in list(self._waiting):
+            status = sequence.ending(now)
+            if status is not None:
+                self._waiting.remove(sequence)
+                sequence.finish(status)
+                try:
+                    sequence.prefill.close()  # lets the engine hand back a reused KV prefix
+                except Exception as exc:
+                    sequence.error = exc
+                self._leave_alone(sequence)
+        for sequence in list(self._running):
+            status = sequence.ending(now)
+            if status is not None:
+                sequence.finish(status)
+                self._leave(sequence)
 
     def _prefill_step(self, sequence: Sequence) -> None:
-        if sequence.prefill_started_at is None:
+        if sequence.status is Status.WAITING:
             sequence.prefill_started_at = time.perf_counter()
             metrics.PREFILL_WAIT.observe(sequence.prefill_started_at - sequence.submitted_at)
+        sequence.status, sequence.reading = Status.PREFILLING, None
         try:
             reading = next(sequence.prefill)
-            if reading is not None and not self._running:  # a read from disk: wait a moment, no other work
-                concurrent.futures.wait([reading], timeout=READ_WAIT)
+            if reading is not None:  # a read from disk: parked until it is done
+                sequence.status, sequence.reading = Status.READING, reading
+                reading.add_done_callback(self._wake_up)
             return
         except StopIteration as end:
             prefilled: Prefilled = end.value
         except Exception as exc:  # this request's failure only; re-raised in its own thread
             self._waiting.remove(sequence)
-            sequence.error = exc
-            self._leave_alone(sequence)
+            self._end_with_error(sequence, exc)
             return
         self._waiting.remove(sequence)
-        sequence.token_ids = list(sequence.prompt_ids)
-        sequence.rope_delta = prefilled.rope_delta
-        sequence.cache = prefilled.cache
         try:
-            sequence.accept(prefilled.logits)
+            sequence.start_decoding(prefilled)
         except Exception as exc:
             log.exception("sampling the first token failed")
-            sequence.error = exc
-            self._leave_alone(sequence)
+            self._end_with_error(sequence, exc)
             return
         metrics.FIRST_TOKEN_WAIT.observe(time.perf_counter() - sequence.submitted_at)
-        if sequence.finished:
+        end = sequence.reached_end()
+        if end is not None:
+            sequence.finish(end)
             self._leave_alone(sequence)
         else:
             self._running.append(sequence)
@@ -253,7 +188,7 @@ class Scheduler:
             self._fail(list(running), exc)
             return
         at = 0
-        for sequence, row, (drafts, looked_up) in zip(running, rows, plans):
+        for sequence, row, (drafts, looked_up) in zip(list(running), rows, plans):
             try:
                 compared, accepted = sequence.verify(logits[at : at + row.count], drafts)
                 rejected = compared - accepted
@@ -262,11 +197,20 @@ class Scheduler:
                     source = "lookup" if looked_up else "grammar"
                     metrics.DRAFT_TOKENS.labels(source=source, result="accepted").inc(accepted)
                     metrics.DRAFT_TOKENS.labels(source=source, result="rejected").inc(rejected)
+                end = sequence.reached_end()
+                if end is not None:
+                    sequence.finish(end)
+                    self._leave(sequence)
             except Exception as exc:  # this sequence's sampling only: it leaves, its neighbours go on
                 log.exception("sampling a token failed")
-                sequence.error = exc
+                self._running.remove(sequence)
+                self._end_with_error(sequence, exc)
             at += row.count
-        self._leave([s for s in running if s.finished or s.error is not None])
+
+    def _end_with_error(self, sequence: Sequence, exc: Exception) -> None:
+        sequence.finish(Status.FINISHED_ERROR, exc)
+        sequence.error = exc
+        self._leave_alone(sequence)
 
     def _fail(self, sequences: list[Sequence], exc: Exception) -> None:
         """End `sequences` with `exc` (re-raised in their request threads); their caches are not kept."""
@@ -277,17 +221,13 @@ class Scheduler:
                 self._waiting.remove(sequence)
                 with contextlib.suppress(Exception):
                     sequence.prefill.close()
-            sequence.error = exc
             if sequence in self._running:
                 self._running.remove(sequence)
-            self._leave_alone(sequence)
+            self._end_with_error(sequence, exc)
 
-    def _leave(self, sequences: list[Sequence]) -> None:
-        if not sequences:
-            return
-        for sequence in sequences:
-            self._running.remove(sequence)
-            self._leave_alone(sequence)
+    def _leave(self, sequence: Sequence) -> None:
+        self._running.remove(sequence)
+        self._leave_alone(sequence)
 
     @staticmethod
     def _leave_alone(sequence: Sequence) -> None:
@@ -297,5 +237,5 @@ class Scheduler:
             log.exception("storing a finished sequence failed")
             sequence.error = sequence.error or exc
         finally:
-            sequence.streamer.end()
+            sequence.stream.end()
             sequence.done.set()

@@ -5,34 +5,19 @@ KV cache through the text decoder's forward (service/model/forward.py)."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Generator
-from dataclasses import dataclass
 
 import torch
 
-from ..caches.kv import HEADROOM
 from ..caches.tiers import ConversationTiers
 from ..caches.vision_features import VisionFeatureCache
 from ..model.forward import Rows, TextForward, VisionRows
+from ..model.kv import HEADROOM
 from ..model.prompts import PreparedPrompt
 from ..vision.features import VisionFeatures
 from ..vision.steps import image_steps, video_steps
-from .batching import Prefilled
-
-
-@dataclass
-class PrefillMarks:
-    """What a prefill did and when, for the request's Completion."""
-
-    reused: int = 0  # prompt tokens taken from the conversation cache
-    reused_from: str | None = None  # its tier: memory or disk
-    vision_hits: int = 0  # images and videos whose features came from the vision cache
-    cache_lookup: float = 0.0  # seconds
-    vision_encode: float = 0.0  # seconds
-    prefill_start: float | None = None  # perf_counter time the prompt's first piece began
-
+from .sequence import Prefilled, PrefillMarks
 
 _TYPE_IDS = {"image": 1, "video": 2}  # the processor's mm_token_type_ids
 
@@ -71,13 +56,6 @@ class PromptRows:
         return self.ids[start:end], self.positions[:, start:end], [Rows(cache, end - start, vision)]
 
 
-def vision_settings(ip) -> str:
-    """A digest of everything besides the pixels that shapes the vision encoder's input (part of every
-    key of a cache of what the encoder made)."""
-    settings = (ip.patch_size, ip.merge_size, ip.temporal_patch_size, list(ip.image_mean), list(ip.image_std))
-    return hashlib.blake2b(repr((*settings, dict(ip.size))).encode(), digest_size=8).hexdigest()
-
-
 class Prefiller:
     """Makes each request's prefill generator (`steps`) on one model, its caches and its encoder."""
 
@@ -86,16 +64,14 @@ class Prefiller:
         model,
         forward: TextForward,
         vision_encoder,
-        conversations: ConversationTiers,
+        kv_cache: ConversationTiers,
         vision_cache: VisionFeatureCache,
         chunk_tokens: int,
         kv_dtype: torch.dtype,
-        image_processor,
     ):
         self.model, self.forward, self.vision_encoder = model, forward, vision_encoder
-        self.conversations, self.vision_cache = conversations, vision_cache
+        self.kv_cache, self.vision_cache = kv_cache, vision_cache
         self.chunk_tokens, self.kv_dtype = chunk_tokens, kv_dtype
-        self._vision_settings = vision_settings(image_processor)
 
     def piece_ends(self, length: int, reused: int) -> list[int]:
         """Where the prefill pieces after a cache of `reused` tokens end: every PREFILL_CHUNK_TOKENS,
@@ -120,11 +96,10 @@ class Prefiller:
             for i, span in enumerate(prompt.spans[modality]):
                 if span.start < reused:
                     continue
-                key = f"{self.vision_encoder.name}:{self._vision_settings}:{span.key}"
-                cached = self.vision_cache.get(key)
+                cached = self.vision_cache.get(span.key)
                 if cached is None:
                     cached = yield from encode(i)
-                    self.vision_cache.put(key, cached)
+                    self.vision_cache.put(span.key, cached)
                 else:
                     hits += 1
                 features[modality][i] = cached
@@ -138,7 +113,7 @@ class Prefiller:
         t0 = time.perf_counter()
         media = prompt.spans["image"] + prompt.spans["video"]  # what the KV cache matches: the same for both
         capacity = prompt.num_tokens + HEADROOM
-        reuse = yield from self.conversations.lookup(prompt.input_ids[0], media, conversation_id, capacity)
+        reuse = yield from self.kv_cache.lookup(prompt.input_ids[0], media, conversation_id, capacity)
         marks.reused = reuse.tokens if reuse else 0
         marks.reused_from = reuse.source if reuse else None
         # The request owns the cache: each piece extends it in place.
@@ -160,8 +135,6 @@ class Prefiller:
         except GeneratorExit:  # cancelled while prefilling: hand the reused prefix back for the client's retry
             if reuse is not None:
                 cache.crop(marks.reused - cache.get_seq_length())
-                self.conversations.keep(
-                    conversation_id, prompt.input_ids[0, : marks.reused], media, marks.reused, cache
-                )
+                self.kv_cache.keep(conversation_id, prompt.input_ids[0, : marks.reused], media, marks.reused, cache)
             raise
         return Prefilled(cache=cache, logits=logits.float(), rope_delta=rows.rope_delta)

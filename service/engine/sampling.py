@@ -3,8 +3,11 @@ logit_bias, a grammar's mask, then the argmax or a draw from the sequence's own 
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass, field
+
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -13,10 +16,52 @@ from transformers.generation.logits_process import (
 )
 
 from ..answer.logprobs import TokenLogprob, token_logprob
+from ..generation import SamplingParams
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A request's sampling, resolved: its parameters where it set them, else the checkpoint's
+    generation_config defaults. `temperature` 0 is greedy (top_p and top_k then play no part)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    top_logprobs: int | None = None  # record each token's log-probability and this many alternatives
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    @classmethod
+    def resolve(cls, params: SamplingParams, defaults) -> Sampling:
+        """`params` over `defaults` (a transformers GenerationConfig: the checkpoint's); an unset seed
+        is drawn at random."""
+        d = defaults
+        temperature = params.temperature
+        if temperature is None:
+            temperature = (d.temperature if d.do_sample else 0.0) or 0.0
+        sampled = temperature > 0
+        return cls(
+            temperature=temperature,
+            top_p=(params.top_p if params.top_p is not None else (d.top_p or 1.0)) if sampled else 1.0,
+            top_k=(params.top_k if params.top_k is not None else (d.top_k or 0)) if sampled else 0,
+            repetition_penalty=params.repetition_penalty or d.repetition_penalty or 1.0,
+            seed=params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1,
+            top_logprobs=params.logprobs,
+            presence_penalty=params.presence_penalty or 0.0,
+            frequency_penalty=params.frequency_penalty or 0.0,
+            logit_bias=dict(params.logit_bias or {}),
+        )
 
 
 class Sampler:
-    """One sequence's next token: generate's logits processors for its config, then the argmax
+    """One sequence's next token: generate's logits processors for its `Sampling`, then the argmax
     (greedy) or a draw from the sequence's own generator (the same draws `generate` makes after
     `torch.manual_seed(seed)`). OpenAI's penalties and logit_bias (`adjustments`), then a grammar's
     mask, apply after the repetition penalty.
@@ -30,29 +75,28 @@ class Sampler:
     alternatives') in `logprobs`, from the distribution it drew from: penalties, bias, mask and temperature
     applied (greedy: temperature 1), top-k/top-p truncation not (so no alternative shows -inf)."""
 
-    def __init__(
-        self,
-        config: GenerationConfig,
-        seed: int,
-        top_logprobs: int | None = None,
-        adjustments: ScoreAdjustments | None = None,
-    ):
-        self.do_sample = bool(config.do_sample)
-        penalty = config.repetition_penalty
-        self.penalty = RepetitionPenaltyLogitsProcessor(penalty) if penalty is not None and penalty != 1.0 else None
+    def __init__(self, sampling: Sampling, vocab_size: int):
+        self.do_sample = not sampling.greedy
+        penalty = sampling.repetition_penalty
+        self.penalty = RepetitionPenaltyLogitsProcessor(penalty) if penalty != 1.0 else None
         self.warpers = LogitsProcessorList()
         if self.do_sample:
-            if config.temperature is not None and config.temperature != 1.0:
-                self.warpers.append(TemperatureLogitsWarper(config.temperature))
-            if config.top_k:
-                self.warpers.append(TopKLogitsWarper(config.top_k))
-            if config.top_p is not None and config.top_p < 1.0:
-                self.warpers.append(TopPLogitsWarper(config.top_p))
-        self.generator = torch.Generator().manual_seed(seed)
-        self.temperature = config.temperature if self.do_sample and config.temperature else 1.0
-        self.top_logprobs = top_logprobs
-        self.logprobs: list[TokenLogprob] | None = [] if top_logprobs is not None else None
-        self.adjustments = adjustments
+            if sampling.temperature != 1.0:
+                self.warpers.append(TemperatureLogitsWarper(sampling.temperature))
+            if sampling.top_k:
+                self.warpers.append(TopKLogitsWarper(sampling.top_k))
+            if sampling.top_p < 1.0:
+                self.warpers.append(TopPLogitsWarper(sampling.top_p))
+        self.generator = torch.Generator().manual_seed(sampling.seed)
+        self.temperature = sampling.temperature if self.do_sample else 1.0
+        self.top_logprobs = sampling.top_logprobs
+        self.logprobs: list[TokenLogprob] | None = [] if sampling.top_logprobs is not None else None
+        adjusted = sampling.presence_penalty or sampling.frequency_penalty or sampling.logit_bias
+        self.adjustments = (
+            ScoreAdjustments(vocab_size, sampling.presence_penalty, sampling.frequency_penalty, sampling.logit_bias)
+            if adjusted
+            else None
+        )
 
     def __call__(self, token_ids: list[int], logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
         """The next token after `token_ids` (prompt and answer so far) given its logits (1 × vocab);

@@ -13,7 +13,7 @@ whose rounding changes with the number of rows: that mode is exact only for equa
 The layer math is transformers' Qwen3-VL text decoder, read from the loaded model: the same
 weights and config, without its per-layer Python machinery (no masks: each sequence attends to
 exactly its own cache; rotary cos/sin once per call for every layer; q and k heads normed in one
-call; keys and values appended in place, service/caches/kv.py; four Linear calls per layer,
+call; keys and values appended in place, service/model/kv.py; four Linear calls per layer,
 service/quant/fusion.py). tests/test_forward.py checks it against transformers' forward.
 """
 
@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..caches.kv import GrowingCache
 from ..vision.features import VisionFeatures
 from .attention import TorchAttention
+from .kv import GrowingCache
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class VisionRows:
 class Rows:
     """One sequence's part of a call: `count` consecutive rows, its KV cache, its vision rows."""
 
-    cache: object  # a GrowingCache (service/caches/kv.py): extended in place by these rows
+    cache: object  # a GrowingCache (service/model/kv.py): extended in place by these rows
     count: int
     vision: list[VisionRows] = field(default_factory=list)
 

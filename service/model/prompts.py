@@ -8,7 +8,6 @@ from functools import cached_property
 import torch
 
 from ..answer.tools import ToolCall
-from ..caches.conversation import VisionSpan
 from ..errors import BadRequest, PromptTooLong
 from ..media.images import DecodedImage
 from ..media.video import DecodedVideo, video_patches, video_prompt_text
@@ -86,6 +85,17 @@ class PromptLimits:
             settings.max_images_per_request,
             settings.max_videos_per_request,
         )
+
+
+@dataclass(frozen=True)
+class VisionSpan:
+    """An image or a video inside a token sequence: [start, end) from its first <|vision_start|> to
+    its last <|vision_end|>, and an identity of its pixels and grid (the same tokens with another
+    picture behind them differ here)."""
+
+    start: int
+    end: int
+    key: str
 
 
 @dataclass

@@ -1,0 +1,67 @@
+"""The input side: a request checked and prepared before it queues for the model — its prompt
+tokenized and patchified, its token limit, its grammar compiled, its memory checked — so every 4xx
+and 503 is raised before a byte of the answer is sent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..answer.structured import Constraint, GrammarCompiler
+from ..errors import BadRequest, PromptTooLong
+from ..generation import GenerationRequest
+from ..limits import RequestLimits
+from ..memory import MemoryGuard, kv_cache_bytes
+from ..model.kv import HEADROOM
+from ..model.prompts import PreparedPrompt, prepare_prompt, renders_tools
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the input side worked out for one request."""
+
+    prompt: PreparedPrompt
+    max_new_tokens: int
+    constraint: Constraint | None  # the grammar's state, fresh, if the request has one
+
+
+class InputProcessor:
+    """Checks and prepares requests for one loaded model (`loaded`: a LoadedModel)."""
+
+    def __init__(self, loaded, limits: RequestLimits, memory: MemoryGuard, kv_itemsize: int):
+        self.processor = loaded.processor
+        self.config = loaded.model.config
+        self.limits = limits
+        self.memory = memory
+        self.kv_itemsize = kv_itemsize
+        self.vocab_size = getattr(self.config, "text_config", self.config).vocab_size
+        self.grammars = GrammarCompiler(self.processor.tokenizer, self.vocab_size, loaded.eos_token_ids)
+        self.renders_tools = renders_tools(self.processor)
+
+    def prepare(self, request: GenerationRequest) -> Prepared:
+        """Check the request and prepare it; raises the 4xx (or the 503) a client should get."""
+        params = request.params
+        if len(params.stop) > self.limits.max_stop_strings:
+            raise BadRequest(f"stop may hold at most {self.limits.max_stop_strings} strings", param="stop")
+        if any(not 0 <= token < self.vocab_size for token in params.logit_bias or {}):
+            raise BadRequest(f"logit_bias keys must be token ids from 0 to {self.vocab_size - 1}", param="logit_bias")
+        if request.tools and not self.renders_tools:
+            raise BadRequest("this checkpoint's chat template does not render tools", param="tools")
+        prompt = prepare_prompt(self.processor, request.messages, self.limits.prompt, request.tools)
+        max_new_tokens = self._max_new_tokens(prompt, params.max_tokens)
+        constraint = self.grammars.constraint(request.grammar) if request.grammar else None
+        self._check_memory(prompt, max_new_tokens)
+        return Prepared(prompt, max_new_tokens, constraint)
+
+    def _max_new_tokens(self, prompt: PreparedPrompt, wanted: int | None) -> int:
+        room = self.limits.prompt.context_limit - prompt.num_tokens
+        if room < 1:
+            raise PromptTooLong(
+                f"the prompt is {prompt.num_tokens} tokens; the context limit is {self.limits.prompt.context_limit}",
+                param="messages",
+            )
+        return max(1, min(wanted or self.limits.default_max_tokens, self.limits.max_new_tokens, room))
+
+    def _check_memory(self, prompt: PreparedPrompt, max_new_tokens: int) -> None:
+        """Unavailable (503) if this request's KV cache would not fit the memory budget, caches evicted first."""
+        tokens = prompt.num_tokens + max_new_tokens + HEADROOM  # GrowingCache's room
+        self.memory.check(kv_cache_bytes(self.config, tokens, self.kv_itemsize))
