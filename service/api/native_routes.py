@@ -17,6 +17,8 @@ from ..generation import Completion, TextDelta
 from ..limits import RequestLimits
 from ..model.prompts import ChatMessage, TextPart
 from . import protocol, responses
+from .answer_shapes import answer_shape
+from .engine_requests import conversation_header, generation_request, json_body
 from .inputs import (
     decode_file,
     decode_inline_image,
@@ -26,8 +28,6 @@ from .inputs import (
     to_chat_messages,
     user_message,
 )
-from .outputs import answer_shape
-from .requests import conversation_header, generation_request, json_body
 from .serving import EventStream, collect
 from .state import state
 

@@ -12,9 +12,9 @@ from ..answer.tools import ToolCallDelta, ToolCallParser, split_tool_calls
 from ..errors import ServiceError
 from ..generation import Completion, TextDelta
 from . import protocol, responses
+from .answer_shapes import answer_shape
+from .engine_requests import conversation_header, generation_request, json_body
 from .inputs import to_chat_messages
-from .outputs import answer_shape
-from .requests import conversation_header, generation_request, json_body
 from .serving import EventStream, collect
 from .state import state
 
