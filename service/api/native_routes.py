@@ -115,8 +115,8 @@ def chat():
         )
     shape = answer_shape(body.response_format)
     given_id = _conversation_id(body)
-    conversation_id = given_id or app_state.conversations.new_id()
-    history = app_state.conversations.history(conversation_id) if given_id else []
+    conversation_id = given_id or app_state.histories.new_id()
+    history = app_state.histories.history(conversation_id) if given_id else []
     if history and new_messages[0].role == "system":
         raise BadRequest("a system message can only open a conversation", param="messages")
     messages = history + new_messages
@@ -135,7 +135,7 @@ def chat():
 
     def remember(done: Completion) -> None:
         answer = ChatMessage("assistant", [TextPart(done.text)], token_ids=done.answer_token_ids)
-        app_state.conversations.save(conversation_id, messages + [answer])
+        app_state.histories.save(conversation_id, messages + [answer])
 
     def done_line(done: Completion) -> responses.NativeDone:
         return responses.native_done(done, head, responses.logprob_entries(done.logprobs))
