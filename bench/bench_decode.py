@@ -9,7 +9,7 @@ batch of 4 sequences of different lengths (the context, ¾, ½ and ¼ of it), th
 alternating (A B B A):
 - `transformers`: the model's forward (what the service ran before): one sequence, or the batch
   left-padded into one cache with an attention mask;
-- `lean`: service/forward.TextForward, each sequence attending to its own cache (service/native/attention.c).
+- `lean`: service/model/forward.TextForward, each sequence attending to its own cache (service/native/attention.c).
 For the lean single stream also: the share of the step in the INT8 kernels and in attention
 (torch.profiler), the KV bytes read per step, and tokens/s as a share of the bandwidth ceiling
 (bytes read per token ÷ a streaming-read measurement with the same threads, same run).
@@ -120,7 +120,7 @@ class LabelledAttention:
 
 
 def lean_forward(model):
-    """service/forward.TextForward as the engine builds it, its attention labelled for the profiler."""
+    """service/model/forward.TextForward as the engine builds it, its attention labelled for the profiler."""
     from service.model.attention import ExactAttention
     from service.model.forward import TextForward
 
@@ -128,7 +128,7 @@ def lean_forward(model):
 
 
 class LeanStep:
-    """service/forward.TextForward over the sequences' own caches, one row each."""
+    """service/model/forward.TextForward over the sequences' own caches, one row each."""
 
     def __init__(self, model):
         self.step = lean_forward(model)

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     import torch
 
     from service.answer.structured import json_grammar
-    from service.api.outputs import answer_shape
+    from service.api.answer_shapes import answer_shape
     from service.api.protocol import Tool
     from service.engine import drafts as drafts_module
     from service.engine.engine import Engine

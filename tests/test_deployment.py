@@ -18,7 +18,15 @@ import pytest
 import requests
 from safetensors import safe_open
 
-from service.deploy.planning import checkpoint_parameters, instance_bytes, plan_instances
+from service.deploy import planning
+from service.deploy.planning import (
+    BYTES_PER_PARAMETER,
+    INT4_BYTES_PER_WEIGHT,
+    checkpoint_parameters,
+    checkpoint_quantization,
+    instance_bytes,
+    plan_instances,
+)
 from service.settings import SettingsError, load_settings
 
 from imaging import encode, pattern
@@ -128,6 +136,45 @@ def test_memory_estimate_counts_the_checkpoint_parameters(tiny_dir):
     with safe_open(str(tiny_dir / "model.safetensors"), "pt") as f:
         expected = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
     assert checkpoint_parameters(tiny_dir) == expected > 100_000
+
+
+def test_a_4bit_weight_costs_half_a_byte_and_its_groups_scale_and_zero_point(tmp_path):
+    from torch import nn
+
+    from service.quant.int4_linear import Int4Linear
+
+    layer = Int4Linear.from_float(nn.Linear(256, 128), group=128)  # 128 rows: whole packed channel groups
+    assert layer.nbytes() / (128 * 256) == INT4_BYTES_PER_WEIGHT == 0.5 + (2 + 1) / 128
+    steady, peak = BYTES_PER_PARAMETER["int4"]
+    assert steady == pytest.approx(BYTES_PER_PARAMETER["int8"][0] - 1 + INT4_BYTES_PER_WEIGHT) and peak == steady
+    settings = load_settings(cache_dir=tmp_path)
+    assert instance_bytes(settings, 2 * 10**9, "int4") < instance_bytes(settings, 2 * 10**9, "int8")
+
+
+def test_a_4bit_checkpoint_is_planned_with_its_own_bytes(tiny_dir, int4_dir, tmp_path):
+    assert checkpoint_quantization(int4_dir, "int8") == "int4"
+    assert checkpoint_quantization(tiny_dir, "int8") == "int8" and checkpoint_quantization(tiny_dir, "fp32") == "fp32"
+    published = tmp_path / "awq"
+    published.mkdir()
+    (published / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq", "bits": 4}}))
+    assert checkpoint_quantization(published, "int8") == "int4"
+    # Packed 4-bit weights count as the weights they hold (packing pads rows; a tied lm_head is stored twice).
+    parameters = checkpoint_parameters(int4_dir)
+    assert 1 <= parameters / checkpoint_parameters(tiny_dir) < 1.1
+    # Memory for two instances at 4-bit bytes: two are planned, where int8's bytes would allow one.
+    settings = load_settings(instances=0, cores_per_instance=1, model_path=int4_dir, cache_dir=tmp_path)
+    need = instance_bytes(settings, parameters, "int4")
+    assert 2 * need // instance_bytes(settings, parameters, "int8") == 1
+    assert len(plan_instances(settings, cores=[0, 1, 2, 3], memory=2 * need, nodes=[[0, 1, 2, 3]])) == 2
+
+
+def test_the_planners_checkpoint_markers_are_the_quantizers():
+    """The planner repeats them (it does not import torch): they must stay the same strings."""
+    from service.quant import packing, published
+
+    assert planning.QUANTIZED_MARKER == packing.QUANTIZED_MARKER
+    assert planning.FORMAT_INT4 == packing.FORMAT_INT4
+    assert planning.PUBLISHED_METHODS == published.METHODS
 
 
 def test_more_instances_than_cores_is_refused(tmp_path):

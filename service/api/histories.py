@@ -1,6 +1,7 @@
 """Server-side chat histories for the native endpoint, where a client sends only its new message
-and a `conversation_id`. Bounded in count, bytes (decoded images dominate) and idle time, with
-evictions counted like the caches' (cache="history"); the KV cache is separate (caches.py)."""
+and a `conversation_id`: the messages, not their keys and values (those are the engine's
+conversation cache, service/caches/). Bounded in count, bytes (decoded images dominate) and idle
+time, with evictions counted like the caches' (cache="history")."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ def _nbytes(messages: list[ChatMessage]) -> int:
     )
 
 
-class ConversationStore:
+class HistoryStore:
     """conversation_id → messages so far (images kept decoded, so an evicted KV cache can be rebuilt)."""
 
-    def __init__(self, max_conversations: int, ttl_seconds: float, max_bytes: int):
-        self.entries: BudgetedLRU[list[ChatMessage]] = BudgetedLRU("history", max_bytes, max_conversations, ttl_seconds)
+    def __init__(self, max_histories: int, ttl_seconds: float, max_bytes: int):
+        self.entries: BudgetedLRU[list[ChatMessage]] = BudgetedLRU("history", max_bytes, max_histories, ttl_seconds)
 
     @staticmethod
     def new_id() -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
 
 from flask import Blueprint, Response, g, jsonify, request
 
@@ -17,6 +18,8 @@ from ..generation import Completion, TextDelta
 from ..limits import RequestLimits
 from ..model.prompts import ChatMessage, TextPart
 from . import protocol, responses
+from .answer_shapes import answer_shape
+from .engine_requests import conversation_header, generation_request, json_body
 from .inputs import (
     decode_file,
     decode_inline_image,
@@ -26,8 +29,6 @@ from .inputs import (
     to_chat_messages,
     user_message,
 )
-from .outputs import answer_shape
-from .requests import conversation_header, generation_request, json_body
 from .serving import EventStream, collect
 from .state import state
 
@@ -37,6 +38,37 @@ ENDPOINT = "/v1/chat"
 
 def _line(obj: dict) -> bytes:
     return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+
+
+def _done_line(done: Completion, head: responses.NativeHead) -> responses.NativeDone:
+    return responses.native_done(done, head, responses.logprob_entries(done.logprobs))
+
+
+class NativeLines:
+    """The native stream's JSON lines (serving.StreamEncoder): the head with the ids, one line per
+    text delta, the done line (usage, timings; the answer remembered first), or an error line that
+    ends the stream."""
+
+    def __init__(self, head: responses.NativeHead, logprobs: bool, remember: Callable[[Completion], None]):
+        self._head = head
+        self._logprobs = logprobs
+        self._remember = remember
+
+    def head(self) -> Iterator[bytes]:
+        yield _line(responses.dump(self._head))
+
+    def delta(self, event: TextDelta) -> Iterator[bytes]:
+        line = responses.NativeDelta(delta=event.text)
+        if self._logprobs:
+            line.logprobs = responses.logprob_entries(event.logprobs)
+        yield _line(responses.dump(line))
+
+    def done(self, event: Completion) -> Iterator[bytes]:
+        self._remember(event)
+        yield _line(responses.dump(_done_line(event, self._head)))
+
+    def error(self, exc: ServiceError) -> Iterator[bytes]:
+        yield _line({**exc.to_dict(), "done": True})
 
 
 def _from_form(limits: RequestLimits) -> tuple[protocol.NativeChatRequest, list[ChatMessage]]:
@@ -115,8 +147,8 @@ def chat():
         )
     shape = answer_shape(body.response_format)
     given_id = _conversation_id(body)
-    conversation_id = given_id or app_state.conversations.new_id()
-    history = app_state.conversations.history(conversation_id) if given_id else []
+    conversation_id = given_id or app_state.histories.new_id()
+    history = app_state.histories.history(conversation_id) if given_id else []
     if history and new_messages[0].role == "system":
         raise BadRequest("a system message can only open a conversation", param="messages")
     messages = history + new_messages
@@ -135,32 +167,16 @@ def chat():
 
     def remember(done: Completion) -> None:
         answer = ChatMessage("assistant", [TextPart(done.text)], token_ids=done.answer_token_ids)
-        app_state.conversations.save(conversation_id, messages + [answer])
-
-    def done_line(done: Completion) -> responses.NativeDone:
-        return responses.native_done(done, head, responses.logprob_entries(done.logprobs))
+        app_state.histories.save(conversation_id, messages + [answer])
 
     if not body.stream:
         done = collect(generation, gen_request, ENDPOINT)
         remember(done)
-        answer = responses.NativeAnswer(**{**responses.dump(head), **responses.dump(done_line(done))})
+        answer = responses.NativeAnswer(**{**responses.dump(head), **responses.dump(_done_line(done, head))})
         return jsonify(responses.dump(answer))
 
-    def encode(event):
-        if event is None:
-            yield _line(responses.dump(head))
-        elif isinstance(event, TextDelta):
-            line = responses.NativeDelta(delta=event.text)
-            if params.logprobs is not None:
-                line.logprobs = responses.logprob_entries(event.logprobs)
-            yield _line(responses.dump(line))
-        elif isinstance(event, Completion):
-            remember(event)
-            yield _line(responses.dump(done_line(event)))
-        elif isinstance(event, ServiceError):
-            yield _line({**event.to_dict(), "done": True})
-
-    stream = EventStream(generation, gen_request, request.environ, ENDPOINT, encode)
+    lines = NativeLines(head, params.logprobs is not None, remember)
+    stream = EventStream(generation, gen_request, request.environ, ENDPOINT, lines)
     return Response(
         stream, mimetype="application/x-ndjson", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )

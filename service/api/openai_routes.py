@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 
 from flask import Blueprint, Response, g, jsonify, request
 
@@ -12,9 +13,9 @@ from ..answer.tools import ToolCallDelta, ToolCallParser, split_tool_calls
 from ..errors import ServiceError
 from ..generation import Completion, TextDelta
 from . import protocol, responses
+from .answer_shapes import answer_shape
+from .engine_requests import conversation_header, generation_request, json_body
 from .inputs import to_chat_messages
-from .outputs import answer_shape
-from .requests import conversation_header, generation_request, json_body
 from .serving import EventStream, collect
 from .state import state
 
@@ -24,6 +25,66 @@ ENDPOINT = "/v1/chat/completions"
 
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+_END = b"data: [DONE]\n\n"
+
+
+class OpenAIChunks:
+    """The OpenAI stream's server-sent events (serving.StreamEncoder): a role chunk first, content and
+    tool-call chunks per text delta, the finishing chunk (and the usage chunk when asked) then
+    `[DONE]`, or an error event then `[DONE]`."""
+
+    def __init__(self, request_id: str, model: str, include_usage: bool, logprobs: bool, parser: ToolCallParser | None):
+        self.request_id, self.model, self.created = request_id, model, int(time.time())
+        self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.parser = parser
+        self.pending: list = []  # logprob records of text the tool-call parser still holds
+
+    def head(self) -> Iterator[bytes]:
+        yield self._chunk(responses.Delta(role="assistant", content=""))
+
+    def delta(self, event: TextDelta) -> Iterator[bytes]:
+        yield from self._pieces(event)
+
+    def done(self, event: Completion) -> Iterator[bytes]:
+        yield from self._pieces(event)
+        finish = responses.openai_finish_reason(event, self.parser.calls if self.parser else None)
+        last = responses.Delta()
+        if event.boxes:
+            last.boxes = [responses.box_out(b) for b in event.boxes]
+        yield self._chunk(last, finish_reason=finish, logprobs=self._held_logprobs())  # e.g. a call's closing tag
+        if self.include_usage:
+            yield self._chunk(None, usage_=responses.usage(event))
+        yield _END
+
+    def error(self, exc: ServiceError) -> Iterator[bytes]:
+        yield _sse(exc.to_dict())
+        yield _END
+
+    def _chunk(self, delta: responses.Delta | None, **kwargs) -> bytes:
+        return _sse(responses.chat_chunk(self.request_id, self.model, self.created, delta, **kwargs))
+
+    def _pieces(self, event: TextDelta | Completion) -> Iterator[bytes]:
+        """Content and tool-call chunks, each with the logprobs of the tokens behind it (so the
+        chunks' logprobs add up to the non-streamed answer's)."""
+        if isinstance(event, Completion):
+            out = self.parser.flush() if self.parser else []
+        else:
+            out = self.parser.feed(event.text) if self.parser else [event.text]
+            self.pending.extend(event.logprobs)
+        for piece in out:
+            if isinstance(piece, ToolCallDelta):
+                delta = responses.Delta(tool_calls=[responses.tool_call_delta(piece)])
+            else:
+                delta = responses.Delta(content=piece)
+            yield self._chunk(delta, logprobs=self._held_logprobs())
+
+    def _held_logprobs(self) -> list[responses.LogprobEntry] | None:
+        records = list(self.pending) if self.logprobs else None
+        self.pending.clear()
+        return responses.logprob_entries(records)
 
 
 @openai_api.post(ENDPOINT)
@@ -46,53 +107,14 @@ def chat_completions():
         logprobs = responses.logprob_entries(done.logprobs)
         return jsonify(responses.chat_completion(g.request_id, model, done, content, calls, logprobs))
 
-    request_id, created = g.request_id, int(time.time())
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    parser = ToolCallParser(shape.max_calls) if shape.parse_tool_calls else None
-    pending: list = []  # logprob records of text the tool-call parser still holds
-
-    def chunk(delta: responses.Delta | None, **kwargs) -> bytes:
-        return _sse(responses.chat_chunk(request_id, model, created, delta, **kwargs))
-
-    def pieces(event: TextDelta | Completion):
-        """Content and tool-call chunks, each with the logprobs of the tokens behind it (so the
-        chunks' logprobs add up to the non-streamed answer's)."""
-        if isinstance(event, Completion):
-            out = parser.flush() if parser else []
-        else:
-            out = parser.feed(event.text) if parser else [event.text]
-            pending.extend(event.logprobs)
-        for piece in out:
-            if isinstance(piece, ToolCallDelta):
-                yield chunk(responses.Delta(tool_calls=[responses.tool_call_delta(piece)]), logprobs=held_logprobs())
-            else:
-                yield chunk(responses.Delta(content=piece), logprobs=held_logprobs())
-
-    def held_logprobs() -> list[responses.LogprobEntry] | None:
-        records = list(pending) if params.logprobs is not None else None
-        pending.clear()
-        return responses.logprob_entries(records)
-
-    def encode(event):
-        if event is None:
-            yield chunk(responses.Delta(role="assistant", content=""))
-        elif isinstance(event, TextDelta):
-            yield from pieces(event)
-        elif isinstance(event, Completion):
-            yield from pieces(event)
-            finish = responses.openai_finish_reason(event, parser.calls if parser else None)
-            last = responses.Delta()
-            if event.boxes:
-                last.boxes = [responses.box_out(b) for b in event.boxes]
-            yield chunk(last, finish_reason=finish, logprobs=held_logprobs())  # e.g. a call's closing tag
-            if include_usage:
-                yield chunk(None, usage_=responses.usage(event))
-            yield b"data: [DONE]\n\n"
-        elif isinstance(event, ServiceError):
-            yield _sse(event.to_dict())
-            yield b"data: [DONE]\n\n"
-
-    stream = EventStream(generation, gen_request, request.environ, ENDPOINT, encode)
+    chunks = OpenAIChunks(
+        g.request_id,
+        model,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        logprobs=params.logprobs is not None,
+        parser=ToolCallParser(shape.max_calls) if shape.parse_tool_calls else None,
+    )
+    stream = EventStream(generation, gen_request, request.environ, ENDPOINT, chunks)
     return Response(
         stream, mimetype="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import select
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Protocol
 
 from .. import metrics
 from ..errors import InternalError, ServiceError
@@ -97,9 +98,22 @@ def error_code_of(exc: Exception) -> str:
     return (exc.code or "error") if isinstance(exc, ServiceError) else InternalError.code
 
 
+class StreamEncoder(Protocol):
+    """One API's wire format for a stream: what goes out first, for each text delta, for the
+    finished answer, and for an error that ends the stream (each zero or more chunks of bytes)."""
+
+    def head(self) -> Iterator[bytes]: ...
+
+    def delta(self, event: TextDelta) -> Iterator[bytes]: ...
+
+    def done(self, event: Completion) -> Iterator[bytes]: ...
+
+    def error(self, exc: ServiceError) -> Iterator[bytes]: ...
+
+
 class EventStream:
-    """A WSGI response body: encodes engine events with `encode`, stops generating as soon as the
-    client is gone, and frees the model on close() even if never iterated."""
+    """A WSGI response body: engine events encoded by `encoder`, generating stopped as soon as the
+    client is gone, and the model freed on close() even if never iterated."""
 
     def __init__(
         self,
@@ -107,13 +121,13 @@ class EventStream:
         request: GenerationRequest,
         environ,
         endpoint: str,
-        encode: Callable[[TextDelta | Completion | ServiceError | None], Iterator[bytes]],
+        encoder: StreamEncoder,
     ):
         self.generation = generation
         self.request = request
         self.environ = environ
         self.endpoint = endpoint
-        self.encode = encode
+        self.encoder = encoder
         self.done: Completion | None = None
         self.error_code: str | None = None  # of the error event that ended the stream
         self._body = self._chunks()
@@ -128,20 +142,22 @@ class EventStream:
 
     def _chunks(self) -> Iterator[bytes]:
         try:
-            yield from self.encode(None)  # the opening line / role chunk
+            yield from self.encoder.head()
             for event in self.generation:
                 if client_gone(self.environ):
                     return
                 if isinstance(event, Completion):
                     self.done = event
-                yield from self.encode(event)
+                    yield from self.encoder.done(event)
+                else:
+                    yield from self.encoder.delta(event)
         except Exception as exc:
             if not isinstance(exc, ServiceError):
                 log.exception("%s %s failed mid-stream", self.request.request_id, self.endpoint)
                 exc = InternalError(self.request.request_id)
             self.error_code = error_code_of(exc)
             metrics.STREAM_ERRORS.labels(self.error_code).inc()  # its 200 went out before: count it here
-            yield from self.encode(exc)
+            yield from self.encoder.error(exc)
 
     def close(self) -> None:
         if self._closed:

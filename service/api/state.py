@@ -1,5 +1,5 @@
-"""What the routes share: the app's state (settings, the engine once loaded, conversation
-histories) and the one way a ServiceError becomes a JSON response."""
+"""What the routes share: the app's state (settings, the engine once loaded, the native endpoint's
+chat histories) and the one way a ServiceError becomes a JSON response."""
 
 from __future__ import annotations
 
@@ -16,15 +16,16 @@ log = logging.getLogger("service.api")
 
 
 class AppState:
-    """What the routes share: settings, the engine once loaded, the conversation histories."""
+    """What the routes share: settings, the engine once loaded, the native endpoint's chat histories
+    (`histories`; the engine holds their keys and values in its conversation cache)."""
 
     def __init__(self, settings: Settings):
-        from .histories import ConversationStore
+        from .histories import HistoryStore
 
         self.settings = settings
         self.engine: Engine | None = None
         self.load_error: str | None = None
-        self.conversations = ConversationStore(
+        self.histories = HistoryStore(
             settings.conversation_history_max,
             settings.conversation_history_ttl,
             settings.conversation_history_max_bytes,

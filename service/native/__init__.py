@@ -1,4 +1,4 @@
-"""The service's C kernels (service/*.c), compiled once per machine with its own instruction set.
+"""The service's C kernels (service/native/*.c), compiled once per machine with its own instruction set.
 
 `library(kernel)` compiles the kernel's source with gcc into CACHE_DIR/kernels (named by a digest of
 the source, the flags, the compiler and the CPU, so another CPU or a changed source builds anew;

@@ -9,9 +9,10 @@
  * attention — SDPA's flash kernel, BLAS — picks blockings and GEMV/GEMM paths by the number of
  * query rows, so the same token's keys differ in the last bits between decode and prefill.)
  *
- * Built by service/attention.py with the machine's own flags (-march=native): the same binary
- * computes every path of one server. All loops run on whole vectors (padded blocks, zeroed tails),
- * so one instruction sequence — one choice of fused multiply-adds — computes every element.
+ * Built by service/native/__init__.py for service/model/attention.py with the machine's own flags
+ * (-march=native): the same binary computes every path of one server. All loops run on whole
+ * vectors (padded blocks, zeroed tails), so one instruction sequence — one choice of fused
+ * multiply-adds — computes every element.
  */
 #include <stdint.h>
 #include <stdlib.h>

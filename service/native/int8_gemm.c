@@ -1,5 +1,5 @@
 /* INT8 Linear with activations quantized per row: the service's own kernel beside FBGEMM's and
- * oneDNN's, computing the same bits as they do (service/int8_linear.py).
+ * oneDNN's, computing the same bits as they do (service/quant/int8_linear.py).
  *
  * Each input row x is divided by its absolute maximum and quantized with the fixed scale 2^-6 and
  * zero point 64 (uint8 values 0..128, so the u8×s8 pair sums of CPUs without VNNI never saturate

@@ -2,7 +2,7 @@
 
 A weight is s·(w − z): w an unsigned 4-bit value, and per group of `group` inputs along a row a zero
 point z (0..15) and an fp16 scale s — the form GPTQ and AWQ checkpoints store, so theirs convert
-exactly (service/quant/gptq.py), and symmetric quantization is z = 8. Activations are quantized per
+exactly (service/quant/published.py), and symmetric quantization is z = 8. Activations are quantized per
 row exactly as the INT8 layers quantize them (int8_linear.py), so a row's result never depends on the
 other rows of a call: the same bits alone, in a prefill piece of any length or in a decode batch.
 `service/native/int4_gemm.c` computes it: integer sums per group, the groups added in float in one

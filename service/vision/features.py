@@ -1,6 +1,8 @@
 """Vision encoders: pixel patches → per-image features (`pooler_output` and deepstack features).
 
-`VisionFeatures` is what the caches store and what the model's forward takes via `mm_encoder_outputs`.
+`VisionFeatures` is what the caches store and what the decoder's forward takes in
+(service/model/forward.VisionRows: the pooled features replace the placeholders' embeddings, deepstack
+feature k is added after decoder layer k).
 Backends share one call: `encoder(pixel_values, image_grid_thw) -> list[VisionFeatures]`
 (service/vision/encoders.py picks one).
 """
@@ -10,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 
 @dataclass
@@ -47,14 +48,3 @@ class TorchVisionEncoder:
         return [
             VisionFeatures(pooler=p, deepstack=[layer[i] for layer in layers]) for i, p in enumerate(out.pooler_output)
         ]
-
-
-def as_mm_encoder_outputs(features: list[VisionFeatures], modality: str = "image") -> dict:
-    """Per-image (or per-video) features in the container `model(..., mm_encoder_outputs=...)` expects."""
-    depth = len(features[0].deepstack)
-    return {
-        modality: BaseModelOutputWithDeepstackFeatures(
-            pooler_output=[f.pooler for f in features],
-            deepstack_features=[[f.deepstack[k] for f in features] for k in range(depth)],
-        )
-    }

@@ -1,4 +1,5 @@
-"""Reading request bodies: JSON with a clear 400/415, and the engine request every endpoint builds."""
+"""HTTP request in, engine request out: the JSON body (a clear 400/415), the X-Conversation-Id header,
+and the `GenerationRequest` every chat endpoint builds from them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from flask import g, request
 from ..errors import BadRequest, UnsupportedMediaType
 from ..generation import GenerationRequest, SamplingParams
 from ..model.prompts import ChatMessage
-from .outputs import AnswerShape
+from .answer_shapes import AnswerShape
 from .protocol import CONVERSATION_ID_PATTERN
 
 

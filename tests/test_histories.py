@@ -1,4 +1,4 @@
-"""The native endpoint's conversation memory: bounded by count, bytes and idle time."""
+"""The native endpoint's chat histories (service/api/histories.py): bounded by count, bytes and idle time."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from service.api.histories import ConversationStore
+from service.api.histories import HistoryStore
 from service.media.images import DecodedImage
 from service.model.prompts import ChatMessage, ImagePart, TextPart
 
@@ -17,7 +17,7 @@ def with_image(nbytes: int) -> list[ChatMessage]:
 
 
 def test_remembers_and_returns_a_copy():
-    store = ConversationStore(10, 60, 10**6)
+    store = HistoryStore(10, 60, 10**6)
     store.save("a", with_image(300))
     history = store.history("a")
     history.append(ChatMessage("user", [TextPart("not stored")]))
@@ -25,7 +25,7 @@ def test_remembers_and_returns_a_copy():
 
 
 def test_oldest_conversations_go_first_beyond_count_or_bytes():
-    store = ConversationStore(2, 60, 1000)
+    store = HistoryStore(2, 60, 1000)
     for name in "abc":
         store.save(name, with_image(300))
     assert store.history("a") == [] and store.history("c")
@@ -36,7 +36,7 @@ def test_oldest_conversations_go_first_beyond_count_or_bytes():
 
 
 def test_idle_conversations_expire():
-    store = ConversationStore(10, 0.05, 10**6)
+    store = HistoryStore(10, 0.05, 10**6)
     store.save("a", with_image(30))
     time.sleep(0.1)
     assert store.history("a") == [] and store.bytes == 0
