@@ -363,15 +363,16 @@ class AcceptTimer:
     measured where it is paid — inside the batch's shared decode step."""
 
     def __init__(self):
-        from service import batching
+        from service.engine import batching
 
         self.seconds = {True: [], False: []}
         original = batching.Sequence.accept
 
         def timed(sequence, logits):
             t0 = time.perf_counter()
-            original(sequence, logits)
+            token = original(sequence, logits)
             self.seconds[sequence.constraint is not None].append(time.perf_counter() - t0)
+            return token
 
         batching.Sequence.accept = timed
 
