@@ -68,8 +68,10 @@ def main(argv=None) -> int:
     real_drafts, real_lookup = drafts_module.DraftBudget.drafts, drafts_module.prompt_lookup
     oracle = {}
 
+    first_wrong = min(4000, on.engine.vocab_size // 2)  # (the embedded model's vocabulary is small)
+
     def wrong(k: int) -> list[int]:
-        return [t for t in range(4000, 4000 + 2 * k) if t not in oracle["answer"]][:k]
+        return [t for t in range(first_wrong, first_wrong + 2 * k) if t not in oracle["answer"]][:k]
 
     def with_guesses(kind: str, k: int):
         """Patch every sequence's guesses: the earlier answer's next k tokens every step (right), tokens
