@@ -1,6 +1,6 @@
 """How far a sequence's logits in a decode batch are from its logits alone, fp32 and INT8.
 
-    flock /tmp/heavy.lock python -m bench.batch_exactness [--model-path DIR] [--steps 32]
+    flock /tmp/heavy.lock python -m bench.batch_exactness [--tiny | --model-path DIR] [--steps 32]
 
 Each of 4 prompts (different lengths) is prefilled alone and decoded greedily alone; then the same
 tokens are fed again as a batch of 1, 2 and 4 through the engine's forward (service/model/forward.py:
@@ -13,14 +13,12 @@ whole batch, torch's dynamic quantization, what the service did before), on the 
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from bench.results import append_section, markdown_table
+from bench.core.harness import parse, parser
+from bench.core.results import markdown_table, report
 
 PROMPTS = [
     "Hi.",
@@ -91,12 +89,10 @@ VARIANTS = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", type=Path, default=None, help="default: the embedded tiny model")
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    p = parser(__doc__, quantization=False)
+    p.add_argument("--steps", type=int, default=32)
+    args = parse(p, argv, source=True)
     from service.model.loading import load_model
     from service.quant.int8_linear import set_activations
     from service.settings import load_settings
@@ -119,12 +115,12 @@ def main() -> None:
     body = markdown_table(
         ["weights", "batch size", "largest abs Δlogit vs alone", "greedy tokens that differ"], table_rows
     )
-    name = args.model_path.name if args.model_path else "embedded tiny"
-    append_section(
+    name = "embedded tiny" if args.tiny else args.model_path.name
+    report(
+        args,
         f"Batching: logits in a decode batch vs alone, {name} (bench/batch_exactness.py)",
         {"model": name, "steps": args.steps, "prompts": len(PROMPTS)},
         body,
-        threads=args.threads,
     )
 
 

@@ -4,7 +4,7 @@ picture is encoded and prefilled.
 
     flock /tmp/heavy.lock python -m bench.bench_batching [--model-path DIR] [--threads 2]
 
-One Gunicorn instance (tests/servers.py), INT8, caches off (every prompt computed in full), greedy
+One Gunicorn instance (bench/core/servers.py), INT8, caches off (every prompt computed in full), greedy
 decoding, each stream its own question. Token counts, times to first token and the longest gap
 between two tokens are the server's (the stream's done line): a random checkpoint's tokens mostly
 have no text, so streamed deltas would not time tokens. How batched logits differ from alone ones
@@ -13,101 +13,58 @@ is measured by `python -m bench.batch_exactness`.
 
 from __future__ import annotations
 
-import argparse
 import base64
-import json
 import os
 import statistics
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import requests
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from bench.harness import add_checkpoint_args, checkpoint_of, encoded_photo  # noqa: E402
-from bench.results import append_section, markdown_table  # noqa: E402
-
-from servers import gunicorn_server  # noqa: E402
+from bench.core.client import chat
+from bench.core.harness import concurrently, parse, parser
+from bench.core.inputs import DECODE_PROMPT, encoded_photo
+from bench.core.results import markdown_table, report
+from bench.core.servers import gunicorn_server
 
 QUESTIONS = [
-    "Tell me a long story about a red square that travels across a blue sky to find a yellow circle.",
+    DECODE_PROMPT,
     "Explain in detail how a bicycle works, from the pedals to the wheels, for a curious child.",
     "Describe a busy market in the morning: the sounds, the colors, the people and what they sell.",
     "Write a letter to a friend about a long train journey through mountains, rivers and old towns.",
 ]
 
 
-class Stream:
-    """One streaming /v1/chat request on its own thread, and its final line."""
-
-    def __init__(self, base: str, body: dict):
-        self.base, self.body = base, {"stream": True, "temperature": 0, **body}
-        self.done: dict = {}
-        self.thread = threading.Thread(target=self._run)
-
-    def start(self) -> Stream:
-        self.thread.start()
-        return self
-
-    def _run(self) -> None:
-        with requests.post(self.base + "/v1/chat", json=self.body, stream=True, timeout=600) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line:
-                    continue
-                obj = json.loads(line)
-                if obj.get("done"):
-                    self.done = obj
-
-    def join(self) -> Stream:
-        self.thread.join()
-        return self
-
-    @property
-    def ttft(self) -> float:
-        """The server's time to first token (a token without text streams no delta to time)."""
-        return self.done["timings"]["time_to_first_token"]
-
-    @property
-    def tokens(self) -> int:
-        return self.done["usage"]["completion_tokens"]
+def ask(base: str, prompt: str, tokens: int, **body):
+    """One streamed greedy request; its Reply (the done line: the server's counts and times)."""
+    return chat(base, {"prompt": prompt, "max_tokens": tokens, "temperature": 0, **body}, timeout=600)
 
 
-def concurrent(base: str, questions: list[str], tokens: int) -> tuple[list[Stream], float]:
-    streams = [Stream(base, {"prompt": q, "max_tokens": tokens}) for q in questions]
-    t0 = time.perf_counter()
-    for s in streams:
-        s.start()
-    for s in streams:
-        s.join()
-    return streams, time.perf_counter() - t0
+def concurrent(base: str, questions: list[str], tokens: int) -> tuple[list, float]:
+    return concurrently([lambda q=q: ask(base, q, tokens) for q in questions])
 
 
-def neighbour_run(base: str, tokens: int, picture: bytes) -> tuple[Stream, Stream]:
+def neighbour_run(base: str, tokens: int, picture: bytes) -> list:
     """A text stream; 3 s after it was sent a neighbour sends a new picture (448², vision encoder and
-    prefill) with a short question."""
-    runner = Stream(base, {"prompt": QUESTIONS[0], "max_tokens": tokens}).start()
-    time.sleep(3.0)  # well into its decoding (its first token comes after ~0.3 s)
+    prefill) with a short question. Their Replies."""
     image = "data:image/png;base64," + base64.b64encode(picture).decode()
-    neighbour = Stream(base, {"prompt": "What is in this picture?", "images": [image], "max_tokens": 4}).start()
-    return runner.join(), neighbour.join()
+
+    def neighbour():
+        time.sleep(3.0)  # well into the runner's decoding (its first token comes after ~0.3 s)
+        return ask(base, "What is in this picture?", 4, images=[image])
+
+    return concurrently([lambda: ask(base, QUESTIONS[0], tokens), neighbour])[0]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_checkpoint_args(parser)
-    parser.add_argument("--tokens", type=int, default=64, help="new tokens per text stream")
-    parser.add_argument(
+def main(argv=None) -> None:
+    p = parser(__doc__)
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per text stream")
+    p.add_argument(
         "--prefill-chunk-tokens", type=int, default=None, help="PREFILL_CHUNK_TOKENS (default: the setting's)"
     )
-    args = parser.parse_args()
-    model_path = checkpoint_of(args)
+    args = parse(p, argv)
+    model_path = args.model_path
     from service.settings import load_settings
 
     chunk = args.prefill_chunk_tokens or load_settings(model_path=model_path).prefill_chunk_tokens
@@ -200,7 +157,8 @@ def main() -> None:
         f"request to the last answer's end (prefill included); TTFT per stream as the server measured it.\n\n{gaps}\n\n"
         f"{verdict}"
     )
-    append_section(
+    report(
+        args,
         "Batching: concurrent streams through the HTTP API (python -m bench.bench_batching)",
         {
             "model": model_path.name,
@@ -211,7 +169,6 @@ def main() -> None:
             "CACHE_ENABLED": "false",
         },
         body,
-        threads=args.threads,
     )
 
 

@@ -17,103 +17,26 @@ disk after an eviction and after a restart, and recomputed; a low-memory round r
 
 from __future__ import annotations
 
-import argparse
-import base64
-import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import cv2
-import numpy as np
 import requests
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from bench import cache_tiers  # noqa: E402
-from bench.harness import add_checkpoint_args, checkpoint_of  # noqa: E402
-from bench.results import append_section, markdown_table  # noqa: E402
-
-from servers import gunicorn_server  # noqa: E402
-
-SENTENCE = (
-    "The harbour was quiet in the early morning, boats resting on grey water while gulls "
-    "circled above the old stone pier and a few fishermen mended their nets. "
-)
+from bench import cache_tiers
+from bench.core.client import Reply, chat
+from bench.core.harness import parse, parser
+from bench.core.inputs import photo_url, text_of_tokens, user
+from bench.core.results import markdown_table, report
+from bench.core.servers import gunicorn_server
 
 
-def picture(seed: int, size: int = 448) -> str:
-    """A structured test picture (gradients, a block, noise) as a PNG data URL."""
-    rng = np.random.default_rng(seed)
-    img = np.zeros((size, size, 3), np.float32)
-    img[..., 0] = np.linspace(0, 1, size)[None, :]
-    img[..., 1] = np.linspace(0, 1, size)[:, None]
-    img[..., 2] = rng.random((size, size))
-    img[: size // 3, : size // 3] = rng.random(3)
-    ok, png = cv2.imencode(".png", (img * 255).astype(np.uint8))
-    assert ok
-    return "data:image/png;base64," + base64.b64encode(png.tobytes()).decode()
-
-
-def user(*parts) -> dict:
-    return {
-        "role": "user",
-        "content": [
-            {"type": "image_url", "image_url": {"url": p}} if p.startswith("data:") else {"type": "text", "text": p}
-            for p in parts
-        ],
-    }
-
-
-def text_of_tokens(model_path: Path, tokens: int) -> str:
-    """Repeated prose of about `tokens` tokens in this checkpoint's tokenizer."""
-    from service.model.loading import load_processor
-
-    tokenizer = load_processor(model_path).tokenizer
-    words = (SENTENCE * (tokens // 4 + 1)).split()
-    lo, hi = 1, len(words)
-    while lo < hi:  # the most words within the token count
-        mid = (lo + hi + 1) // 2
-        if len(tokenizer(" ".join(words[:mid]))["input_ids"]) <= tokens:
-            lo = mid
-        else:
-            hi = mid - 1
-    return " ".join(words[:lo])
-
-
-def chat(base: str, messages: list[dict], conversation_id: str, max_tokens: int) -> dict:
-    """One streamed native-endpoint request: the done line, plus the client's times to the first
-    text line (None if none came) and to the done line, and how many text lines came."""
-    body = {
-        "messages": messages,
-        "conversation_id": conversation_id,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
-    t0 = time.perf_counter()
-    first, done, lines = None, None, 0
-    with requests.post(base + "/v1/chat", json=body, stream=True, timeout=900) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line:
-                continue
-            event = json.loads(line)
-            if "delta" in event:
-                lines += 1
-                first = first if first is not None else time.perf_counter() - t0
-            if event.get("done"):
-                done = event
-    if done is None or "error" in done:
-        raise RuntimeError(f"request failed: {done}")
-    done["client_first_text"], done["client_done"] = first, time.perf_counter() - t0
-    done["text_lines"] = lines
-    return done
+def ask(base: str, messages: list[dict], conversation_id: str, max_tokens: int) -> Reply:
+    """One streamed native-endpoint request of a conversation, greedy."""
+    body = {"messages": messages, "conversation_id": conversation_id, "max_tokens": max_tokens, "temperature": 0}
+    return chat(base, body)
 
 
 def run_servers(
@@ -130,19 +53,19 @@ def run_servers(
     ):
         bases = {"on": on, "off": off}
         for base in bases.values():
-            chat(base, [user(picture(999, 224), "Warm-up.")], "warm-up", 2)  # first-call costs, not measured
+            ask(base, [user(photo_url(999, 224), "Warm-up.")], "warm-up", 2)  # first-call costs, not measured
             bar.update()
         for name, messages, conversation_id, max_tokens, where in steps:
             for server in where:
-                results[server].setdefault(name, []).append(chat(bases[server], messages, conversation_id, max_tokens))
+                results[server].setdefault(name, []).append(ask(bases[server], messages, conversation_id, max_tokens))
                 bar.update()
         results["on"]["metrics"] = requests.get(on + "/metrics", timeout=30).text
     return results
 
 
-def median_run(runs: list[dict], key) -> dict:
-    """The run whose `key` is the median (an odd count: the middle one)."""
-    return sorted(runs, key=key)[len(runs) // 2]
+def median_run(runs: list[Reply]) -> Reply:
+    """The run whose time to first token is the median (an odd count: the middle one)."""
+    return sorted(runs, key=lambda r: r.ttft)[len(runs) // 2]
 
 
 def cache_counters(metrics_text: str) -> str:
@@ -172,7 +95,7 @@ def disk_tier(args) -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-cache-tiers-"))
     env = server_env(args)
     long_text = text_of_tokens(args.model_path, args.long_tokens)
-    rows, note = cache_tiers.second_turns(env, logs, long_text, picture(7), args.repeats)
+    rows, note = cache_tiers.second_turns(env, logs, long_text, photo_url(7), args.repeats)
     header = [
         "conversation",
         "second turn's cache",
@@ -192,15 +115,15 @@ def disk_tier(args) -> None:
         "KV_DTYPE": "bfloat16",
         "client": "requests, native endpoint, stateless (the whole history sent)",
     }
-    append_section(
+    report(
+        args,
         "Conversation cache on disk: second turns by tier (bench/bench_cache.py)",
         settings,
         markdown_table(header, rows) + "\n\n" + note,
-        threads=args.threads,
     )
     # The memory tier holding about three conversations of a picture and three short turns.
     keep = 3 * kv_cache_bytes(AutoConfig.from_pretrained(args.model_path), 300, 2)
-    pictures = [picture(500 + i) for i in range(args.conversations)]
+    pictures = [photo_url(500 + i) for i in range(args.conversations)]
     runs = {label: cache_tiers.low_memory(env, logs, pictures, keep, label == "on") for label in ("on", "off")}
     header = ["disk tier", "turn", "from memory", "from disk", "recomputed", "median TTFT (s)"]
     rows = [
@@ -208,20 +131,19 @@ def disk_tier(args) -> None:
         for label, run in runs.items()
         for turn in range(3)
     ]
-    append_section(
+    report(
+        args,
         "Conversation cache on disk: low memory, round-robin conversations (bench/bench_cache.py)",
         {**settings, "CONVERSATION_CACHE_MAX_BYTES": keep, "conversations": args.conversations, "max_tokens": 8},
         markdown_table(header, rows)
         + f"\n\n{args.conversations} conversations of a 448x448 picture, three turns each, visited round-robin; "
         f"the memory tier's budget ({keep / 2**20:.0f} MiB) holds about three of them. With the disk tier "
         "(KV_DISK_MB=4096) and without (KV_DISK_MB=0), one server each, the same requests.",
-        threads=args.threads,
     )
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_checkpoint_args(p)
+    p = parser(__doc__)
     p.add_argument("--prompt-tokens", type=int, default=500, help="size of the second turn's prompt")
     p.add_argument("--first-answer-tokens", type=int, default=24, help="max_tokens of the first turn")
     p.add_argument("--measured-tokens", type=int, default=4, help="max_tokens of the measured requests")
@@ -234,14 +156,13 @@ def main(argv=None) -> int:
     )
     p.add_argument("--long-tokens", type=int, default=3000, help="the long conversation's first prompt, in tokens")
     p.add_argument("--conversations", type=int, default=20, help="picture conversations of the low-memory run")
-    args = p.parse_args(argv)
-    args.model_path = checkpoint_of(args)
+    args = parse(p, argv)
     if args.disk_tier != "no":
         disk_tier(args)
     if args.disk_tier == "only":
         return 0
 
-    seen = picture(1)
+    seen = photo_url(1)
     follow_up = "Now tell me which part of the picture is the brightest, and why."
     # Turn 1 = picture + prose + question; turn 2 adds the answer and a follow-up: ~prompt_tokens in all.
     prose = text_of_tokens(args.model_path, args.prompt_tokens - 196 - args.first_answer_tokens - 40)
@@ -270,7 +191,7 @@ def main(argv=None) -> int:
             ),
             (
                 "new first",
-                [user(picture(100 + r), "Describe the colours you see.")],
+                [user(photo_url(100 + r), "Describe the colours you see.")],
                 f"bench-new-first-{r}",
                 args.measured_tokens,
                 ("on",),
@@ -284,7 +205,7 @@ def main(argv=None) -> int:
             ),
             (
                 "new after text",
-                [user(intro, picture(200 + r), "Describe the colours.")],
+                [user(intro, photo_url(200 + r), "Describe the colours.")],
                 f"bench-new-text-{r}",
                 args.measured_tokens,
                 ("on",),
@@ -292,14 +213,14 @@ def main(argv=None) -> int:
             # The very same prompt twice (a client retrying): all but its last token is cached.
             (
                 "original",
-                [user(picture(300 + r), f"{intro} Describe the colours.")],
+                [user(photo_url(300 + r), f"{intro} Describe the colours.")],
                 f"bench-original-{r}",
                 args.measured_tokens,
                 ("on",),
             ),
             (
                 "resent",
-                [user(picture(300 + r), f"{intro} Describe the colours.")],
+                [user(photo_url(300 + r), f"{intro} Describe the colours.")],
                 f"bench-resent-{r}",
                 args.measured_tokens,
                 ("on",),
@@ -313,13 +234,11 @@ def main(argv=None) -> int:
     bar.close()
     on, off = results["on"], results["off"]
 
-    def server_ttft(done):
-        return done["timings"]["time_to_first_token"]
-
     def row(label, runs, baseline_runs=None):
-        done = median_run(runs, server_ttft)
-        speed_up = server_ttft(median_run(baseline_runs, server_ttft)) / server_ttft(done) if baseline_runs else ""
-        texts = [d["client_first_text"] for d in runs if d["client_first_text"] is not None]
+        median = median_run(runs)
+        done = median.done
+        speed_up = median_run(baseline_runs).ttft / median.ttft if baseline_runs else ""
+        texts = [r.first_text for r in runs if r.first_text is not None]
         return [
             label,
             done["usage"]["prompt_tokens"],
@@ -327,12 +246,12 @@ def main(argv=None) -> int:
             done["vision_cache_hits"],
             done["timings"].get("vision_encode", 0.0),
             done["timings"]["prefill"],
-            server_ttft(done),
+            median.ttft,
             speed_up,
             done["timings"]["decode_tokens_per_s"],
             statistics.median(texts) if len(texts) == len(runs) else "no text",
-            statistics.median(d["client_done"] for d in runs),
-            f"{done['text_lines']}/{done['usage']['completion_tokens']}",
+            statistics.median(r.total for r in runs),
+            f"{median.text_events}/{median.tokens}",
         ]
 
     header = [
@@ -360,7 +279,7 @@ def main(argv=None) -> int:
         row("the identical prompt resent (another conversation)", on["resent"], on["original"]),
     ]
     second_turn, repeated, resent = rows[1][7], rows[3][7], rows[7][6]
-    same = all(a["text"] == b["text"] for step in ("turn 1", "turn 2") for a, b in zip(on[step], off[step]))
+    same = all(a.done["text"] == b.done["text"] for step in ("turn 1", "turn 2") for a, b in zip(on[step], off[step]))
     body = markdown_table(header, rows) + (
         f"\n\nMedians of {args.repeats} runs. TTFT = the server's `timings.time_to_first_token` (request "
         "arrival to first token), sent in the `done` line. The client's first text line comes with the first "
@@ -374,7 +293,7 @@ def main(argv=None) -> int:
         f"generated ids, so its KV is reused too), and a pass costs at least a decode step "
         f"(1/{rows[1][8]:.3g} s here). "
         "Turn 1 answered "
-        f"{on['turn 1'][0]['usage']['completion_tokens']} tokens; greedy answers with and without the caches "
+        f"{on['turn 1'][0].tokens} tokens; greedy answers with and without the caches "
         f"identical: {same}.\nCaching server's /metrics after the run: {cache_counters(on['metrics'])}."
     )
     settings = {
@@ -385,13 +304,12 @@ def main(argv=None) -> int:
         "measured max_tokens": args.measured_tokens,
         "client": "requests, streaming NDJSON, loopback, native endpoint",
     }
-    append_section(
+    return report(
+        args,
         "Conversation and vision caches: time to first token (bench/bench_cache.py)",
         settings,
         body,
-        threads=args.threads,
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -18,11 +18,9 @@ recovery, the memory-mapped mode.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,23 +29,28 @@ import psutil
 import requests
 from tqdm import tqdm
 
-from bench.harness import (
-    ROOT,
-    add_checkpoint_args,
-    checkpoint_of,
-    encoded_photo,
-    isolated,
-    short_rev,
-    tree_at,
-)
-from bench.results import append_section, markdown_table
-
-sys.path.insert(0, str(ROOT / "tests"))
-
-from servers import gunicorn_server, metric  # noqa: E402
+from bench.core import ROOT
+from bench.core.client import picture_conversations
+from bench.core.harness import isolated, parse, parser, short_rev, tree_at
+from bench.core.results import markdown_table, report
+from bench.core.servers import gunicorn_server, memory_cgroup, metric
+from bench.core.session import Session
 
 BASELINE = "6ed1729"  # the session's start: FBGEMM packing, the worker loads the model
 MIB = 1024**2
+
+
+def measure(model_path: str, threads: int, max_memory_mb: int | None = None, mapped_activations: str | None = None):
+    """W1 time to first token, decode tokens/s and the greedy tokens of one engine in this process;
+    `mapped_activations`: those of memory-mapped weights (a MAX_MEMORY_MB too small for packed ones)."""
+    session = Session(model_path, threads, max_memory_mb=max_memory_mb)
+    if mapped_activations is not None:
+        from service.quant.int8_linear import MappedInt8Linear
+
+        for module in session.model.modules():
+            if isinstance(module, MappedInt8Linear):
+                module.activations = mapped_activations
+    return session.first_token_and_decode(repeats=1, decode_tokens=32)
 
 
 def start_to_ready(env: dict, root: Path, log_path: Path) -> float:
@@ -56,54 +59,36 @@ def start_to_ready(env: dict, root: Path, log_path: Path) -> float:
         return time.monotonic() - t0
 
 
-def _rss_tree(pid: int) -> int:
-    """RSS minus file-backed pages of the Gunicorn worker (the process the budget counts)."""
+def _worker(pid: int) -> psutil.Process:
     children = psutil.Process(pid).children()
-    process = children[0] if children else psutil.Process(pid)
-    info = process.memory_info()
+    return children[0] if children else psutil.Process(pid)
+
+
+def _rss(pid: int) -> int:
+    """RSS minus file-backed pages of the Gunicorn worker (the process the budget counts)."""
+    info = _worker(pid).memory_info()
     return info.rss - info.shared
 
 
 def _peak_rss(pid: int) -> int:
-    children = psutil.Process(pid).children()
-    status = Path(f"/proc/{(children[0] if children else psutil.Process(pid)).pid}/status").read_text()
+    status = Path(f"/proc/{_worker(pid).pid}/status").read_text()
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) * 1024
 
 
-def conversations(env: dict, log_path: Path, cgroup=None, count: int = 10) -> dict:
-    """`count` three-turn picture conversations through one Gunicorn instance: memory and outcomes."""
+def conversations(env: dict, log_path: Path, cgroup=None) -> dict:
+    """10 three-turn picture conversations through one Gunicorn instance: memory and outcomes."""
     with gunicorn_server(env, log_path, timeout=900, preexec_fn=cgroup.enter if cgroup else None) as (base, proc):
-        loaded_rss = _rss_tree(proc.pid)
-        statuses = []
-        for i in range(count):
-            for turn in range(3):
-                files = (
-                    {"image": (f"p{i}.jpg", encoded_photo(".jpg", 448 + 32 * (i % 3), 448), "image/jpeg")}
-                    if turn == 0
-                    else None
-                )
-                reply = requests.post(
-                    base + "/v1/chat",
-                    data={
-                        "prompt": f"Turn {turn + 1}: describe it further.",
-                        "conversation_id": f"bench-{i}",
-                        "max_tokens": "16",
-                        "stream": "false",
-                        "temperature": "0",
-                    },
-                    files=files,
-                    timeout=900,
-                )
-                statuses.append(reply.status_code)
+        loaded_rss = _rss(proc.pid)
+        statuses = picture_conversations(base)
         return {
             "loaded_gib": loaded_rss / 1024**3,
-            "end_gib": _rss_tree(proc.pid) / 1024**3,
+            "end_gib": _rss(proc.pid) / 1024**3,
             "peak_gib": _peak_rss(proc.pid) / 1024**3,
             "budget_mib": metric(base, "qwen3vl_memory_budget_bytes") / MIB,
             "kv_budget_mib": metric(base, "qwen3vl_cache_budget_bytes", 'cache="conversation"') / MIB,
             "kv_hits": metric(base, "qwen3vl_cache_hits_total", 'cache="conversation"'),
             "ok": statuses.count(200),
-            "refused": sum(s == 503 for s in statuses),
+            "refused": statuses.count(503),
             "requests": len(statuses),
             "cgroup_peak_gib": cgroup.peak_bytes() / 1024**3 if cgroup else None,
             "oom_kills": cgroup.oom_kills() if cgroup else None,
@@ -133,14 +118,10 @@ def recovery(env: dict, log_path: Path) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_checkpoint_args(p)
-    p.add_argument("--baseline", default=BASELINE)
+    p = parser(__doc__, baseline=BASELINE)
     p.add_argument("--mapped-budget-mb", type=int, default=1500, help="MAX_MEMORY_MB that forces the mapped mode")
-    args = p.parse_args(argv)
-    from cgroups import memory_cgroup
-
-    model_path = checkpoint_of(args)
+    args = parse(p, argv)
+    model_path = args.model_path
     logs = Path(tempfile.mkdtemp(prefix="bench-deploy-"))
     bar = tqdm(total=17, desc="bench_deploy", unit="step")
     sections = []
@@ -148,9 +129,7 @@ def main(argv=None) -> int:
     # 1. threads
     threads = {}
     for n in (1, 2):
-        threads[n] = isolated(
-            "bench.bench_int8:measure", model_path=str(model_path), threads=n, repeats=1, decode_tokens=32
-        )
+        threads[n] = isolated("bench.bench_deploy:measure", model_path=str(model_path), threads=n)
         bar.update()
     sections.append(
         markdown_table(
@@ -243,17 +222,13 @@ def main(argv=None) -> int:
     )
 
     # 5. mapped mode
-    packed = isolated(
-        "bench.bench_int8:measure", model_path=str(model_path), threads=args.threads, repeats=1, decode_tokens=32
-    )
+    packed = isolated("bench.bench_deploy:measure", model_path=str(model_path), threads=args.threads)
     bar.update()
     mapped = {
         a: isolated(
-            "bench.bench_int8:measure",
+            "bench.bench_deploy:measure",
             model_path=str(model_path),
             threads=args.threads,
-            repeats=1,
-            decode_tokens=32,
             max_memory_mb=args.mapped_budget_mb,
             mapped_activations=a,
         )
@@ -284,13 +259,12 @@ def main(argv=None) -> int:
         )
     )
     bar.close()
-    append_section(
+    return report(
+        args,
         "Deployment: threads, start-up, memory budget, recovery, mapped weights (bench/bench_deploy.py)",
         {"MODEL_PATH": model_path.name, "THREADS": args.threads},
         "\n\n".join(sections),
-        threads=args.threads,
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -20,14 +20,17 @@ OOM kills.
 
 from __future__ import annotations
 
-import argparse
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from bench.harness import add_checkpoint_args, default_model_path, encoded_photo, tree_memory
-from bench.results import append_section, markdown_table
+from bench.core.client import picture_conversations
+from bench.core.harness import parse, parser, tree_memory
+from bench.core.results import markdown_table, report
+from bench.core.servers import gunicorn_server, memory_cgroup
 
 GROUPS = (32, 64, 128, 256)
 ROWS = (1, 4, 64, 218)
@@ -175,61 +178,29 @@ def kernel_times(threads: int) -> dict:
 def served_in_a_cgroup(model_path, limit_mib: int, threads: int) -> dict:
     """Gunicorn on `model_path` inside a memory cgroup: PSS once ready, 30 picture-conversation
     requests, the cgroup's peak and OOM kills (what a 2 GiB container would see)."""
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    import requests
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from cgroups import memory_cgroup
-    from servers import gunicorn_server
-
-    served, failures = 0, []
     with tempfile.TemporaryDirectory() as logs, memory_cgroup(limit_mib * 1024**2) as cgroup:
         env = {"MODEL_PATH": str(model_path), "THREADS": str(threads)}
         with gunicorn_server(env, Path(logs) / "gunicorn.log", timeout=900, preexec_fn=cgroup.enter) as (base, proc):
             ready_pss = tree_memory(proc)
-            for conversation in tqdm(range(10), desc=f"30 requests in {limit_mib} MiB", unit="conversation"):
-                for turn in range(3):
-                    files = None
-                    if turn == 0:
-                        photo = encoded_photo(".jpg", 448, 448, seed=conversation)
-                        files = {"image": ("p.jpg", photo, "image/jpeg")}
-                    reply = requests.post(
-                        base + "/v1/chat",
-                        data={
-                            "prompt": f"Turn {turn}: tell me more.",
-                            "conversation_id": f"c{conversation}",
-                            "max_tokens": "16",
-                            "stream": "false",
-                        },
-                        files=files,
-                        timeout=600,
-                    )
-                    served += reply.status_code == 200
-                    if reply.status_code != 200:
-                        failures.append(reply.status_code)
+            statuses = picture_conversations(base)
             after_pss = tree_memory(proc)
         return {
             "ready_pss_gib": ready_pss / 1024**3,
             "after_pss_gib": after_pss / 1024**3,
-            "served": served,
-            "failures": failures,
+            "served": statuses.count(200),
+            "failures": [s for s in statuses if s != 200],
             "peak_gib": cgroup.peak_bytes() / 1024**3,
             "oom_kills": cgroup.oom_kills(),
         }
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_int4", description=__doc__.splitlines()[0])
-    add_checkpoint_args(parser)
-    parser.add_argument("--no-save", action="store_true")
-    parser.add_argument("--memory", action="store_true", help="also serve the 4-bit and INT8 checkpoints in a cgroup")
-    parser.add_argument("--memory-only", action="store_true", help="only that")
-    parser.add_argument("--cgroup-mib", type=int, default=2048)
-    args = parser.parse_args(argv)
-    source = (args.model_path or default_model_path()).resolve()
+    p = parser(__doc__, quantization=False)
+    p.add_argument("--memory", action="store_true", help="also serve the 4-bit and INT8 checkpoints in a cgroup")
+    p.add_argument("--memory-only", action="store_true", help="only that")
+    p.add_argument("--cgroup-mib", type=int, default=2048)
+    args = parse(p, argv, source=True)
+    source = args.model_path
     sections = []
     if not args.memory_only:
         sections.append(("4-bit weights: group size, zero point and kernel", choice_tables(source, args.threads)))
@@ -238,14 +209,13 @@ def main(argv=None) -> int:
             (f"4-bit weights: memory, served in a {args.cgroup_mib} MiB cgroup", memory_table(source, args))
         )
     for title, body in sections:
-        print(body)
-        if not args.no_save:
-            append_section(
-                title,
-                {"weights": source.name, "threads": args.threads, "copies cycled": COPIES, "torch": torch.__version__},
-                body,
-                threads=args.threads,
-            )
+        settings = {
+            "weights": source.name,
+            "threads": args.threads,
+            "copies cycled": COPIES,
+            "torch": torch.__version__,
+        }
+        report(args, title, settings, body)
     return 0
 
 
@@ -276,7 +246,7 @@ def memory_table(source, args) -> str:
         rows,
     ) + (
         "\n\nGunicorn (master + one worker, preloaded) with the service's defaults and no MAX_MEMORY_MB: the budget "
-        "follows the cgroup's limit. 10 conversations × 3 turns, the first with a 448×448 JPEG, 16 tokens each."
+        "follows the cgroup's limit. 10 conversations × 3 turns, the first with a ~448×448 JPEG, 16 tokens each."
     )
 
 

@@ -11,68 +11,31 @@ measurement kept in CACHE_DIR (the first process measures it), as a restarted se
 
 from __future__ import annotations
 
-import argparse
-import statistics
-
-from tqdm import tqdm
-
-from bench.harness import add_checkpoint_args, checkpoint_of, encoded_photo, image_limits_of, isolated, timing
-from bench.results import append_section, markdown_table
+from bench.core.harness import interleaved, medians, parse, parser
+from bench.core.results import markdown_table, report
+from bench.core.session import Session
 
 KINDS = ("auto", "fbgemm", "onednn", "native")
-QUESTION = "What is in this picture? Describe the objects, their colours and where they are."
-DECODE_PROMPT = "Tell me a long story about a red square that travels across a blue sky to find a yellow circle."
 
 
-def measure(model_path: str, threads: int, kernel: str, repeats: int = 3) -> dict:
-    from service.engine.engine import Engine, GenerationRequest, SamplingParams
-    from service.media.images import decode_image
-    from service.model.loading import load_model
-    from service.model.prompts import ChatMessage, ImagePart, TextPart
-    from service.settings import load_settings
-
-    settings = load_settings(
-        model_path=model_path, quantization="int8", threads=threads, cache_enabled=False, int8_kernel=kernel
-    )
-    loaded = load_model(settings)
-    engine = Engine(loaded, settings)
-    tokenizer = engine.processor.tokenizer
-    no_end = {tokenizer.convert_tokens_to_ids(t): -100 for t in ("<|im_end|>", "<|endoftext|>")}
-
-    def ask(parts, max_tokens):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, logit_bias=no_end)
-        return list(engine.generate(GenerationRequest([ChatMessage("user", parts)], params)))[-1]
-
-    def picture(seed):
-        return decode_image(encoded_photo(".jpg", 448, 448, seed=seed), image_limits_of(engine))
-
-    ask([ImagePart(picture(999)), TextPart("Warm-up.")], 2)
-    first = [ask([ImagePart(picture(seed)), TextPart(QUESTION)], 1) for seed in range(repeats)]
-    decode = [ask([TextPart(DECODE_PROMPT)], 128) for _ in range(repeats)]
+def measure(model_path: str, threads: int, kernel: str) -> dict:
+    session = Session(model_path, threads, int8_kernel=kernel)
+    kernels = session.loaded.kernels
     return {
-        "decoder": loaded.kernels.decoder,
-        "vision": loaded.kernels.vision,
-        "ttft_s": statistics.median(timing(d, "time_to_first_token") for d in first),
-        "decode_tokens_per_s": statistics.median(timing(d, "decode_tokens_per_s") for d in decode),
+        "decoder": kernels.decoder,
+        "vision": kernels.vision,
+        **session.first_token_and_decode(decode_tokens=128, new_pictures=True),
     }
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_checkpoint_args(p)
+    p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=2, help="of A B C D D C B A")
-    args = p.parse_args(argv)
-    model_path = checkpoint_of(args)
-    order = [*KINDS, *reversed(KINDS)] * args.rounds
-    results: dict[str, list[dict]] = {k: [] for k in KINDS}
-    for kind in tqdm(order, desc="engines", unit="process"):
-        results[kind].append(
-            isolated("bench.bench_kernels:measure", model_path=str(model_path), threads=args.threads, kernel=kind)
-        )
-    med = {
-        k: {key: statistics.median(r[key] for r in runs) for key in ("ttft_s", "decode_tokens_per_s")}
-        for k, runs in results.items()
-    }
+    args = parse(p, argv)
+    model_path = args.model_path
+    kwargs = {kind: {"model_path": str(model_path), "threads": args.threads, "kernel": kind} for kind in KINDS}
+    results = interleaved("bench.bench_kernels:measure", kwargs, args.rounds)
+    med = medians(results, ("ttft_s", "decode_tokens_per_s"))
     forced = [k for k in KINDS if k != "auto"]
     fastest = max(forced, key=lambda k: med[k]["decode_tokens_per_s"])
     quickest = min(forced, key=lambda k: med[k]["ttft_s"])
@@ -104,13 +67,12 @@ def main(argv=None) -> int:
         f"Target: auto decode >= 0.97x the fastest forced kernel ({fastest}): {ratio:.2f} "
         f"({'met' if ratio >= 0.97 else 'missed'})."
     )
-    append_section(
+    return report(
+        args,
         "INT8 kernels: the measured choice against each forced (bench/bench_kernels.py)",
-        {"MODEL_PATH": model_path.name, "THREADS": args.threads, "caches": "off", "W1": "448x448 JPEG + question"},
+        {"MODEL_PATH": model_path.name, "THREADS": args.threads, "caches": "off", **Session.described(128)},
         body,
-        threads=args.threads,
     )
-    return 0
 
 
 if __name__ == "__main__":

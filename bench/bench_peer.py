@@ -33,36 +33,27 @@ It writes its section in bench/RESULTS.md and bench/peer.png (each figure agains
 
 from __future__ import annotations
 
-import argparse
-import base64
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import requests
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from bench.bench_cache import text_of_tokens  # noqa: E402
-from bench.harness import add_checkpoint_args, encoded_photo, require_checkpoint, tree_memory  # noqa: E402
-from bench.results import append_section, cpu_model, markdown_table  # noqa: E402
-
-from servers import free_port, gunicorn_server, wait_ready  # noqa: E402
+from bench.core.client import chat, openai_chat
+from bench.core.harness import concurrently, parse, parser, tree_memory
+from bench.core.inputs import DECODE_PROMPT, QUESTION, message, photo_url, text_of_tokens
+from bench.core.results import cpu_model, markdown_table, report
+from bench.core.servers import gunicorn_server, llama_server
 
 LLAMA_CPP_PYTHON = "0.3.36"
 PLOT = Path(__file__).resolve().parent / "peer.png"
-QUESTION = "What is in this picture? Describe the objects, their colours and where they are."
-SHORT_PROMPT = "Tell me a long story about a red square that travels across a blue sky to find a yellow circle."
 OURS_4BIT = "this service 4-bit"
 KINDS = ("this service", OURS_4BIT, "llama.cpp Q8_0", "llama.cpp Q4_0")
 
@@ -139,30 +130,6 @@ def gguf_weights(source: Path, llama: Path, out_dir: Path, log: Path, q4: bool) 
 
 
 @contextmanager
-def llama_server(llama: Path, text: Path, mmproj: Path, threads: int, log: Path):
-    """(base URL, process, seconds from start to ready) of a llama-server on loopback."""
-    port = free_port()
-    command = [
-        str(llama / "build" / "bin" / "llama-server"), "-m", str(text), "--mmproj", str(mmproj),
-        "-t", str(threads), "-tb", str(threads), "-np", "4", "-c", str(4 * 4096), "--jinja",
-        "--host", "127.0.0.1", "--port", str(port), "--no-webui",
-    ]  # fmt: skip
-    started = time.perf_counter()
-    with open(log, "a") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base, process, 900, "/health", poll=0.05)
-        yield base, process, time.perf_counter() - started
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
-@contextmanager
 def our_server(model_path: Path, threads: int, log: Path):
     started = time.perf_counter()
     env = {"MODEL_PATH": str(model_path), "THREADS": str(threads), "MAX_BATCH_SIZE": "4", "QUEUE_TIMEOUT": "600"}
@@ -170,12 +137,14 @@ def our_server(model_path: Path, threads: int, log: Path):
         yield base, process, time.perf_counter() - started
 
 
+@contextmanager
+def peer_server(llama: Path, text: Path, mmproj: Path, threads: int, log: Path):
+    started = time.perf_counter()
+    with llama_server(llama, text, mmproj, threads, log) as (base, process):
+        yield base, process, time.perf_counter() - started
+
+
 # -- the requests --------------------------------------------------------------------------------
-
-
-def picture(seed: int) -> dict:
-    data = base64.b64encode(encoded_photo(".jpg", 448, 448, seed=seed)).decode()
-    return {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{data}"}}
 
 
 class Client:
@@ -185,54 +154,34 @@ class Client:
         self.base, self.ours = base, ours
         self.no_end = {str(t): -100 for t in end_of_turn}
 
-    def chat(self, messages: list[dict], max_tokens: int) -> tuple[dict, float]:
-        body = {"model": "qwen3-vl", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-        body["logit_bias"] = self.no_end
-        began = time.perf_counter()
-        reply = requests.post(self.base + "/v1/chat/completions", json=body, timeout=900)
-        reply.raise_for_status()
-        return reply.json(), time.perf_counter() - began
+    def chat(self, messages: list[dict], max_tokens: int):
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "logit_bias": self.no_end}
+        return openai_chat(self.base, body)
 
     def decode_rate(self, prompt: str, tokens: int) -> float:
         """Decode tokens/s as the server counts it."""
-        messages = [{"role": "user", "content": prompt}]
+        messages = [message("user", prompt)]
         if not self.ours:
-            reply, _ = self.chat(messages, tokens)
-            return float(reply["timings"]["predicted_per_second"])
+            return float(self.chat(messages, tokens).done["timings"]["predicted_per_second"])
         body = {"messages": messages, "max_tokens": tokens, "temperature": 0, "stream": False}
-        reply = requests.post(self.base + "/v1/chat", json={**body, "logit_bias": self.no_end}, timeout=900)
-        reply.raise_for_status()
-        return float(reply.json()["timings"]["decode_tokens_per_s"])
-
-
-def user(*parts) -> dict:
-    return {"role": "user", "content": [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]}
+        return float(chat(self.base, {**body, "logit_bias": self.no_end}).done["timings"]["decode_tokens_per_s"])
 
 
 def measure(client: Client, long_prompt: str, round_: int) -> dict:
-    first = []
-    for i in range(3):  # a new picture each time: nothing cached can help
-        first.append(client.chat([user(picture(100 * round_ + i), QUESTION)], 1)[1])
-    turn1 = [user(picture(1000 + round_), "Describe the picture.")]
-    answer, _ = client.chat(turn1, 32)
-    said = {"role": "assistant", "content": answer["choices"][0]["message"]["content"] or ""}
-    _, second_turn = client.chat([*turn1, said, user("And what colour is it?")], 1)
-    streams, results = 4, []
-    began = time.perf_counter()
-    threads = [
-        threading.Thread(target=lambda i=i: results.append(client.chat([user(f"{SHORT_PROMPT} ({i})")], 64)))
-        for i in range(streams)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    aggregate = sum(r[0]["usage"]["completion_tokens"] for r in results) / (time.perf_counter() - began)
+    # a new picture each time: nothing cached can help
+    first = [client.chat([message("user", photo_url(100 * round_ + i), QUESTION)], 1).total for i in range(3)]
+    turn1 = [message("user", photo_url(1000 + round_), "Describe the picture.")]
+    said = client.chat(turn1, 32).done["choices"][0]["message"]["content"] or ""
+    second_turn = client.chat([*turn1, message("assistant", said), message("user", "And what colour is it?")], 1)
+    streams, wall = concurrently(
+        [lambda i=i: client.chat([message("user", f"{DECODE_PROMPT} ({i})")], 64) for i in range(4)]
+    )
+    aggregate = sum(r.done["usage"]["completion_tokens"] for r in streams) / wall
     return {
         "first_token_s": statistics.median(first),
-        "decode_short": client.decode_rate(SHORT_PROMPT, 128),
+        "decode_short": client.decode_rate(DECODE_PROMPT, 128),
         "decode_long": client.decode_rate(long_prompt, 128),
-        "second_turn_s": second_turn,
+        "second_turn_s": second_turn.total,
         "streams_tok_s": aggregate,
     }
 
@@ -241,18 +190,16 @@ def measure(client: Client, long_prompt: str, round_: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_checkpoint_args(p)
+    p = parser(__doc__, quantization=False)
     p.add_argument("--rounds", type=int, default=3, help="server starts per kind, in the order of KINDS, then reversed")
     p.add_argument("--no-q4", action="store_true", help="leave llama.cpp Q4_0 out")
     p.add_argument("--no-int4", action="store_true", help="leave this service's 4-bit checkpoint out")
-    p.add_argument("--no-save", action="store_true", help="print the table, leave bench/RESULTS.md alone")
-    args = p.parse_args(argv)
+    args = parse(p, argv, source=True)
     from service.model.loading import load_processor
     from service.settings import load_settings
 
     cache_dir = load_settings().cache_dir
-    source = require_checkpoint(args.model_path or cache_dir / "qwen3vl-2b-random")
+    source = args.model_path
     int8 = source.with_name(source.name + "-int8")
     ours_path = int8 if (int8 / "config.json").exists() else source
     int4 = source.with_name(source.name + "-int4")
@@ -286,33 +233,29 @@ def main(argv=None) -> int:
                     server = our_server(path, args.threads, peer_dir / "ours.log")
                 else:
                     text = weights["q8_0" if "Q8" in kind else "q4_0"]
-                    server = llama_server(llama, text, weights["mmproj"], args.threads, peer_dir / "llama.log")
+                    server = peer_server(llama, text, weights["mmproj"], args.threads, peer_dir / "llama.log")
                 with server as (base, process, ready_s):
                     bar.update()
                     client = Client(base, kind.startswith("this service"), end_of_turn)
-                    client.chat([user(picture(99999), "Hi.")], 2)  # first-call costs, not measured
+                    client.chat([message("user", photo_url(99999), "Hi.")], 2)  # first-call costs, not measured
                     run = measure(client, long_prompt, round_)
                     run["ready_s"], run["memory_gib"] = ready_s, tree_memory(process) / 1024**3
                     results[kind].append(run)
                 bar.update()
     med = {k: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for k, runs in results.items()}
-    body = report(med, results, kinds, args.rounds, ours_path, weights, int4)
-    if args.no_save:
-        print(body)
-    else:
+    if not args.no_save:
         plot(med, kinds)
-        append_section(
-            "This service side by side with llama.cpp (bench/bench_peer.py)",
-            {
-                "ours": f"{ours_path.name}" + ("" if args.no_int4 else f" and {int4.name}") + ", INT8_KERNEL=auto",
-                "llama.cpp": f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, llama-server -t {args.threads} -np 4",
-                "GGUF": ", ".join(p.name for p in weights.values()),
-                "CPU": cpu_model(),
-            },
-            body,
-            threads=args.threads,
-        )
-    return 0
+    return report(
+        args,
+        "This service side by side with llama.cpp (bench/bench_peer.py)",
+        {
+            "ours": f"{ours_path.name}" + ("" if args.no_int4 else f" and {int4.name}") + ", INT8_KERNEL=auto",
+            "llama.cpp": f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, llama-server -t {args.threads} -np 4",
+            "GGUF": ", ".join(p.name for p in weights.values()),
+            "CPU": cpu_model(),
+        },
+        table(med, results, kinds, args.rounds, ours_path, weights, int4),
+    )
 
 
 ROWS = [  # (label, key, unit, better, side)
@@ -326,7 +269,7 @@ ROWS = [  # (label, key, unit, better, side)
 ]
 
 
-def report(med: dict, results: dict, kinds: list[str], rounds: int, ours_path: Path, weights: dict, int4: Path) -> str:
+def table(med: dict, results: dict, kinds: list[str], rounds: int, ours_path: Path, weights: dict, int4: Path) -> str:
     reference = "llama.cpp Q8_0"
     ratios = [("ours / Q8_0", "this service", reference)]
     if OURS_4BIT in kinds:

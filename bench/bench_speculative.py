@@ -18,20 +18,18 @@ Every pair of answers is compared: the same token ids with speculation on and of
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import threading
-import time
 
 from tqdm import tqdm
 
 from bench.bench_structured import RECEIPT
-from bench.harness import add_checkpoint_args, checkpoint_of
-from bench.results import append_section, markdown_table
+from bench.core.harness import parse, parser
+from bench.core.inputs import DECODE_PROMPT as PROSE
+from bench.core.results import markdown_table, report
+from bench.core.session import Session
 
 TOKENS = 128
 FLOOR = "floor: wrong guesses, the budget adapting"
-PROSE = "Tell me a long story about a red square that travels across a blue sky to find a yellow circle."
 WEATHER = {
     "type": "function",
     "function": {
@@ -47,11 +45,10 @@ WEATHER = {
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_checkpoint_args(p)
+    p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=1, help="of A B B A (each: 2 requests per mode)")
-    args = p.parse_args(argv)
-    model_path = checkpoint_of(args)
+    args = parse(p, argv)
+    model_path = args.model_path
 
     import torch
 
@@ -59,36 +56,22 @@ def main(argv=None) -> int:
     from service.api.answer_shapes import answer_shape
     from service.api.protocol import Tool
     from service.engine import drafts as drafts_module
-    from service.engine.engine import Engine
-    from service.generation import Completion, GenerationRequest, SamplingParams
-    from service.model.loading import load_model
-    from service.model.prompts import ChatMessage, TextPart
-    from service.settings import load_settings
 
-    def settings(**extra):
-        return load_settings(
-            model_path=model_path, quantization="int8", threads=args.threads, cache_enabled=False, **extra
-        )
-
-    loaded = load_model(settings())
-    engines = {
-        "on": Engine(loaded, settings(speculative="on", speculative_tokens=8)),
-        "off": Engine(loaded, settings(speculative="off")),
-    }
-    tokenizer = engines["on"].processor.tokenizer
-    no_end = {tokenizer.convert_tokens_to_ids(t): -100 for t in ("<|im_end|>", "<|endoftext|>")}
+    on = Session(model_path, args.threads, speculative="on", speculative_tokens=8)
+    engines = {"on": on, "off": on.variant(speculative="off")}
+    no_end = on.no_end_of_turn()
     torch.set_num_threads(args.threads)
 
-    def ask(engine, text, grammar=None, tools=None, bias=True) -> Completion:
-        params = SamplingParams(max_tokens=TOKENS, temperature=0, logit_bias=no_end if bias else None)
-        request = GenerationRequest([ChatMessage("user", [TextPart(text)])], params, grammar=grammar, tools=tools)
-        return [e for e in engine.generate(request) if isinstance(e, Completion)][0]
+    def ask(session, text, grammar=None, tools=None):
+        return session.ask(text, max_tokens=TOKENS, logit_bias=no_end, grammar=grammar, tools=tools)
 
     real_drafts, real_lookup = drafts_module.DraftBudget.drafts, drafts_module.prompt_lookup
     oracle = {}
 
+    first_wrong = min(4000, on.engine.vocab_size // 2)  # (the embedded model's vocabulary is small)
+
     def wrong(k: int) -> list[int]:
-        return [t for t in range(4000, 4000 + 2 * k) if t not in oracle["answer"]][:k]
+        return [t for t in range(first_wrong, first_wrong + 2 * k) if t not in oracle["answer"]][:k]
 
     def with_guesses(kind: str, k: int):
         """Patch every sequence's guesses: the earlier answer's next k tokens every step (right), tokens
@@ -157,20 +140,10 @@ def main(argv=None) -> int:
         )
 
     # a batch of 4 streams, their own guesses
-    def streams(engine) -> float:
-        done = []
-
-        def one(text):
-            done.append(ask(engine, text))
-
+    def streams(session) -> float:
         texts = [f"Repeat after me, twice: red square, blue circle, yellow triangle ({i})." for i in range(4)]
-        threads = [threading.Thread(target=one, args=(text,)) for text in texts]
-        began = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return sum(d.completion_tokens for d in done) / (time.perf_counter() - began)
+        done, wall = session.together([{"parts": [t], "max_tokens": TOKENS, "logit_bias": no_end} for t in texts])
+        return sum(d.completion_tokens for d in done) / wall
 
     batch = {"on": [], "off": []}
     for mode in ("on", "off", "off", "on"):
@@ -191,7 +164,8 @@ def main(argv=None) -> int:
         "every guess wrong, each sequence's own budget shrinking and pausing its guesses; the row after it "
         "forces 4 wrong guesses into every step, the cost of verifying them without that budget."
     )
-    append_section(
+    return report(
+        args,
         "Exact speculative decoding: on against off (bench/bench_speculative.py)",
         {
             "MODEL_PATH": model_path.name,
@@ -201,9 +175,7 @@ def main(argv=None) -> int:
             "SPECULATIVE_TOKENS": 8,
         },
         body,
-        threads=args.threads,
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -11,12 +11,10 @@ service uses llguidance.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,11 +22,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.harness import add_checkpoint_args, checkpoint_of  # noqa: E402
-from bench.results import append_section, markdown_table  # noqa: E402
+from bench.core.harness import parse, parser
+from bench.core.results import markdown_table, report
+from bench.core.session import Session
 
 # An extraction schema of the kind users send: nested objects, arrays, enums, numbers, a pattern.
 RECEIPT = {
@@ -367,15 +363,16 @@ class AcceptTimer:
     measured where it is paid — inside the batch's shared decode step."""
 
     def __init__(self):
-        from service import batching
+        from service.engine import batching
 
         self.seconds = {True: [], False: []}
         original = batching.Sequence.accept
 
         def timed(sequence, logits):
             t0 = time.perf_counter()
-            original(sequence, logits)
+            token = original(sequence, logits)
             self.seconds[sequence.constraint is not None].append(time.perf_counter() - t0)
+            return token
 
         batching.Sequence.accept = timed
 
@@ -383,44 +380,37 @@ class AcceptTimer:
         return statistics.median(self.seconds[constrained]) * 1000
 
 
-def _streams(engine, grammars: list, tokens: int) -> tuple[float, list[float]]:
+def _streams(session: Session, grammars: list, tokens: int) -> tuple[float, list[float]]:
     """One request per entry of `grammars` (None = unconstrained), together: the run's wall time and
     each stream's decode tok/s. End of turn is biased away (-100), so each decodes all its tokens."""
-    from service.generation import GenerationRequest, SamplingParams
-    from service.model.prompts import ChatMessage, TextPart
-
-    rates: list[float] = [0.0] * len(grammars)
-    no_end = {token: -100.0 for token in engine.grammars.eos_ids}
-
-    def run(i, grammar):
-        request = GenerationRequest(
-            [ChatMessage("user", [TextPart(f"Write a long text about topic {i}.")])],
-            SamplingParams(max_tokens=tokens, temperature=1.0, seed=i, logit_bias=no_end),
-            grammar=grammar,
-        )
-        *_, done = engine.generate(request)
-        assert done.completion_tokens == tokens, (done.completion_tokens, done.finish_reason)
-        rates[i] = done.timings.decode_tokens_per_s
-
-    threads = [threading.Thread(target=run, args=(i, g)) for i, g in enumerate(grammars)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0, rates
+    no_end = {token: -100.0 for token in session.engine.grammars.eos_ids}
+    requests = [
+        {
+            "parts": [f"Write a long text about topic {i}."],
+            "max_tokens": tokens,
+            "temperature": 1.0,
+            "seed": i,
+            "logit_bias": no_end,
+            "grammar": grammar,
+        }
+        for i, grammar in enumerate(grammars)
+    ]
+    done, wall = session.together(requests)
+    for d in done:
+        assert d.completion_tokens == tokens, (d.completion_tokens, d.finish_reason)
+    return wall, [d.timings.decode_tokens_per_s for d in done]
 
 
 def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
 
 
-def measure_service(engine, tokens: int, repeats: int) -> str:
+def measure_service(session: Session, tokens: int, repeats: int) -> str:
     from service.answer.structured import json_grammar
 
     constrained = json_grammar(LONG_TEXT, "response_format")
-    _streams(engine, [None], 8)  # warm-up
-    _streams(engine, [constrained], 8)
+    _streams(session, [None], 8)  # warm-up
+    _streams(session, [constrained], 8)
     timer = AcceptTimer()
     single = {"plain": [], "json": []}  # one stream's decode tok/s
     batch = {"plain": [], "json": []}  # a batch of 4's run, seconds (4 prefills, then the shared steps)
@@ -428,9 +418,9 @@ def measure_service(engine, tokens: int, repeats: int) -> str:
         for _ in range(repeats):
             for kind in ("plain", "json", "json", "plain"):  # ABBA: drift falls on both alike
                 grammar = constrained if kind == "json" else None
-                single[kind] += _streams(engine, [grammar], tokens)[1]
+                single[kind] += _streams(session, [grammar], tokens)[1]
                 bar.update()
-                batch[kind].append(_streams(engine, [grammar, None, None, None], tokens)[0])
+                batch[kind].append(_streams(session, [grammar, None, None, None], tokens)[0])
                 bar.update()
     one_plain, one_json = (statistics.median(single[k]) for k in ("plain", "json"))
     four_plain, four_json = (statistics.median(batch[k]) for k in ("plain", "json"))
@@ -509,36 +499,22 @@ def _version(distribution: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_checkpoint_args(p)
-    p.add_argument("--tiny", action="store_true", help="the embedded tiny model (a quick check, not a figure)")
+    p = parser(__doc__)
     p.add_argument("--tokens", type=int, default=64, help="decode tokens per stream")
     p.add_argument("--repeats", type=int, default=2, help="ABBA rounds")
-    p.add_argument("--no-save", action="store_true")
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     torch.set_num_threads(args.threads)
-    from service.engine.engine import Engine
-    from service.model.checkpoints import embedded_model_dir
-    from service.model.loading import load_model
-    from service.settings import load_settings
-
-    if args.tiny:
-        model_path = embedded_model_dir(load_settings().cache_dir)
-    else:
-        model_path = checkpoint_of(args)
-    settings = load_settings(
-        model_path=model_path,
+    session = Session(
+        args.model_path,
+        args.threads,
         quantization=args.quantization,
-        threads=args.threads,
-        cache_enabled=False,
         max_batch_size=4,
         max_new_tokens=max(args.tokens, 64),
     )
-    engine = Engine(load_model(settings), settings)
     logging.getLogger("service.answer.structured").setLevel(logging.CRITICAL)  # the probes' refused tokens are expected
-    engines_table = compare_engines(engine, settings.cache_dir, 400)
-    compile_table = compile_times(engine)
-    service_table = measure_service(engine, args.tokens, args.repeats)
+    engines_table = compare_engines(session.engine, session.settings.cache_dir, 400)
+    compile_table = compile_times(session.engine)
+    service_table = measure_service(session, args.tokens, args.repeats)
     body = (
         "Grammar engines, on one thread (the scheduler's), masks computed while writing valid receipt JSON from "
         "random logits (400 tokens); llguidance through the service's own GrammarCompiler and Constraint:\n\n"
@@ -546,22 +522,20 @@ def main(argv=None) -> int:
         f"Decoding with and without a schema, temperature 1; the constrained stream writes a JSON string of at "
         f"least 2000 characters:\n\n{service_table}"
     )
-    print(body)
-    if not args.no_save and not args.tiny:
-        append_section(
-            "Structured outputs: the cost of a JSON-Schema constraint (bench/bench_structured.py)",
-            {
-                "MODEL_PATH": model_path.name,
-                "QUANTIZATION": args.quantization,
-                "THREADS": args.threads,
-                "MAX_BATCH_SIZE": 4,
-                "llguidance": _version("llguidance"),
-                "xgrammar": _version("xgrammar"),
-            },
-            body,
-            threads=args.threads,
-        )
-    return 0
+    return report(
+        args,
+        "Structured outputs: the cost of a JSON-Schema constraint (bench/bench_structured.py)",
+        {
+            "MODEL_PATH": args.model_path.name,
+            "QUANTIZATION": args.quantization,
+            "THREADS": args.threads,
+            "MAX_BATCH_SIZE": 4,
+            "llguidance": _version("llguidance"),
+            "xgrammar": _version("xgrammar"),
+        },
+        body,
+        save=not (args.no_save or args.tiny),  # a --tiny run is a check, not a figure
+    )
 
 
 if __name__ == "__main__":

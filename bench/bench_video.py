@@ -16,7 +16,6 @@ from before the clip is decoded. Prints and appends both tables to bench/RESULTS
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -25,11 +24,10 @@ from pathlib import Path
 import cv2
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.harness import add_checkpoint_args, checkpoint_of, photo  # noqa: E402
-from bench.results import append_section, markdown_table  # noqa: E402
+from bench.core.harness import parse, parser
+from bench.core.inputs import photo
+from bench.core.results import markdown_table, report
+from bench.core.session import Session
 
 CODECS = {"mp4": ("mp4v", "MPEG-4 Part 2"), "avi": ("MJPG", "MJPEG"), "webm": ("VP90", "VP9")}
 CLIPS = [
@@ -101,18 +99,6 @@ def decoding_table(clips: dict[str, bytes], limits) -> str:
     return markdown_table(header, rows)
 
 
-def ask(engine, messages, conversation_id: str, max_tokens: int, received_at: float):
-    from service.engine.engine import Completion, GenerationRequest, SamplingParams
-
-    request = GenerationRequest(
-        messages,
-        SamplingParams(max_tokens=max_tokens, temperature=0),
-        received_at=received_at,
-        conversation_id=conversation_id,
-    )
-    return [e for e in engine.generate(request) if isinstance(e, Completion)][0]
-
-
 def encoder_calls(engine, video) -> tuple[float, float]:
     """Seconds to encode `video` one frame pair per call (the service) and in one call (get_video_features)."""
     import torch
@@ -129,29 +115,19 @@ def encoder_calls(engine, video) -> tuple[float, float]:
         return t1 - t0, time.perf_counter() - t1
 
 
-def model_rows(loaded, settings, clip: bytes, budgets: list[int], max_tokens: int, bar: tqdm) -> tuple[list, tuple]:
-    from service.engine.engine import Engine
-    from service.media.images import decode_image
+def model_rows(session: Session, clip: bytes, budgets: list[int], max_tokens: int, bar: tqdm) -> tuple[list, tuple]:
     from service.media.video import decode_video, video_patches
-    from service.model.prompts import ChatMessage, ImagePart, TextPart, VideoPart
-    from service.settings import load_settings
 
+    image_processor = session.processor.image_processor
     rows = []
     for budget in budgets:
-        engine = Engine(loaded, load_settings(**{**settings, "video_max_visual_tokens": budget}))
-        warm_up = ChatMessage(
-            "user",
-            [
-                ImagePart(decode_image(cv2.imencode(".png", photo(224, 224))[1].tobytes(), engine.limits.image)),
-                TextPart("Warm-up."),
-            ],
-        )
-        ask(engine, [warm_up], "warm-up", 2, time.perf_counter())  # first-call costs, not measured
+        engine = session.variant(video_max_visual_tokens=budget)
+        engine.ask(engine.picture(0, 224), "Warm-up.", max_tokens=2, conversation_id="warm-up")  # first-call costs
 
         def row(label, done, video, budget=budget):
-            _, grid = video_patches(video, loaded.processor.image_processor)
+            _, grid = video_patches(video, image_processor)
             t = done.timings
-            tokens = int(grid[0].prod()) // loaded.processor.image_processor.merge_size**2
+            tokens = int(grid[0].prod()) // image_processor.merge_size**2
             return [
                 label,
                 budget,
@@ -168,54 +144,46 @@ def model_rows(loaded, settings, clip: bytes, budgets: list[int], max_tokens: in
                 t.decode_tokens_per_s,
             ]
 
+        def ask(video, *messages, question=QUESTION, conversation=f"clip-{budget}", start=None, engine=engine):
+            """The clip (decoded from `start` on: the request's arrival) after `messages`, or `messages` alone."""
+            history = [*messages, engine.message(video, question)] if question else list(messages)
+            kwargs = {"received_at": start or time.perf_counter(), "conversation_id": conversation}
+            return engine.ask(messages=history, max_tokens=max_tokens, **kwargs), history
+
         start = time.perf_counter()
-        video = decode_video(clip, engine.limits.video)
-        history = [ChatMessage("user", [VideoPart(video), TextPart(QUESTION)])]
-        first = ask(engine, history, f"clip-{budget}", max_tokens, start)
+        video = decode_video(clip, engine.engine.limits.video)
+        first, history = ask(video, start=start)
         rows.append(row("new clip", first, video))
         bar.update()
         if budget != budgets[0]:
             continue
-        history += [
-            ChatMessage("assistant", [TextPart(first.text)]),
-            ChatMessage("user", [TextPart("And what happens at the end?")]),
-        ]
-        follow = ask(engine, history, f"clip-{budget}", max_tokens, time.perf_counter())
+        said = [engine.message(first.text, role="assistant"), engine.message("And what happens at the end?")]
+        follow, _ = ask(video, *history, *said, question=None)
         rows.append(row("follow-up question, same conversation", follow, video))
         bar.update()
         start = time.perf_counter()
-        again = decode_video(clip, engine.limits.video)
-        reopened = ask(
-            engine, [ChatMessage("user", [VideoPart(again), TextPart("Who is in it?")])], "another", max_tokens, start
-        )
+        again = decode_video(clip, engine.engine.limits.video)
+        reopened, _ = ask(again, question="Who is in it?", conversation="another", start=start)
         rows.append(row("same clip, new conversation", reopened, again))
         bar.update()
-        calls = encoder_calls(engine, video)
+        calls = encoder_calls(engine.engine, video)
         bar.update()
     return rows, calls
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_checkpoint_args(p)
+    p = parser(__doc__)
     p.add_argument("--budgets", default="1024,512,256", help="VIDEO_MAX_VISUAL_TOKENS values, the default first")
     p.add_argument("--max-tokens", type=int, default=16, help="answer length of each request")
     p.add_argument(
         "--clip-dir", type=Path, default=None, help="where the test clips are kept (default: CACHE_DIR/bench-clips)"
     )
-    p.add_argument("--no-save", action="store_true", help="print the tables, do not append them to RESULTS.md")
-    args = p.parse_args(argv)
-    report = (
-        (lambda title, settings, body, threads: print(f"\n## {title}\n\n{settings}\n\n{body}"))
-        if args.no_save
-        else append_section
-    )
-    args.model_path = checkpoint_of(args)
+    args = parse(p, argv)
     budgets = [int(b) for b in args.budgets.split(",")]
 
     from service.limits import RequestLimits
     from service.media.images import fit_processor
-    from service.model.loading import load_model, load_processor
+    from service.model.loading import load_processor
     from service.settings import load_settings
 
     settings = {"model_path": args.model_path, "quantization": args.quantization, "threads": args.threads}
@@ -236,14 +204,15 @@ def main(argv=None) -> int:
         "decoder threads": 1,
         "OpenCV": cv2.__version__,
     }
-    report("Video decoding and sampling with OpenCV (bench/bench_video.py)", decode_settings, decode_body, 1)
+    title = "Video decoding and sampling with OpenCV (bench/bench_video.py)"
+    report(args, title, decode_settings, decode_body, threads=1)
 
     bar = tqdm(total=len(budgets) + 3, desc="requests", unit="req")
     t0 = time.perf_counter()
-    loaded = load_model(base)
+    session = Session(args.model_path, args.threads, quantization=args.quantization, cache_enabled=True)
     load_seconds = time.perf_counter() - t0
     rows, (per_pair, whole) = model_rows(
-        loaded, settings, clips[f"720p {CODECS['mp4'][1]} (MP4)"], budgets, args.max_tokens, bar
+        session, clips[f"720p {CODECS['mp4'][1]} (MP4)"], budgets, args.max_tokens, bar
     )
     bar.close()
     header = [
@@ -279,7 +248,8 @@ def main(argv=None) -> int:
         "max_tokens": args.max_tokens,
         "clip": "10 s, 1280x720, 30 fps, MPEG-4 Part 2 in MP4",
     }
-    report("A 10-second clip through the engine (bench/bench_video.py)", model_settings, body, args.threads)
+    title = "A 10-second clip through the engine (bench/bench_video.py)"
+    return report(args, title, model_settings, body)
     return 0
 
 

@@ -14,9 +14,6 @@ none. Prints and appends the table to bench/RESULTS.md.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import resource
 import subprocess
 import sys
@@ -28,11 +25,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.harness import GIB, default_model_path, peak_rss_bytes, require_checkpoint, rss_bytes  # noqa: E402
-from bench.results import append_section, markdown_table  # noqa: E402
+from bench.core import ROOT
+from bench.core.harness import GIB, isolated, parse, parser, peak_rss_bytes, rss_bytes
+from bench.core.inputs import photo
+from bench.core.results import markdown_table, report
 
 BACKENDS = [("torch", "fp32"), ("torch", "int8"), ("onnxruntime", "fp32"), ("onnxruntime", "int8")]
 
@@ -61,27 +57,24 @@ class PeakRss:
 
 def image_inputs(processor, side: int):
     """Patches and grid of a side × side test picture, through the checkpoint's own processor."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from imaging import pattern
-
-    batch = processor.image_processor(images=[pattern(side, side)], return_tensors="pt")
+    batch = processor.image_processor(images=[photo(side, side)], return_tensors="pt")
     return batch["pixel_values"], batch["image_grid_thw"]
 
 
-def load_backend(args, backend: str, precision: str):
+def load_backend(config: dict, backend: str, precision: str):
     """The checkpoint and the encoder `backend` names, loaded as the service loads them."""
     from service.model.loading import load_model
     from service.settings import load_settings
     from service.vision.encoders import make_vision_encoder
 
     settings = load_settings(
-        model_path=args.model_path,
+        model_path=config["model_path"],
         quantization=precision,
-        threads=args.threads,
+        threads=config["threads"],
         vision_backend=backend,
-        vision_onnx_dir=args.export_dir,
-        image_max_pixels=max(args.sizes) ** 2,
-        cache_dir=args.cache_dir,
+        vision_onnx_dir=config["export_dir"],
+        image_max_pixels=max(config["sizes"]) ** 2,
+        cache_dir=config["cache_dir"],
     )
     loaded = load_model(settings)
     encoder = make_vision_encoder(loaded, settings)
@@ -90,45 +83,45 @@ def load_backend(args, backend: str, precision: str):
     return loaded, encoder
 
 
-def memory_worker(args, backend: str, precision: str) -> dict:
+def memory_worker(config: dict, backend: str, precision: str, features_out: str) -> dict:
     """One backend alone in this fresh process: load time, RSS, peak RSS while encoding, features."""
     t0 = time.perf_counter()
-    loaded, encoder = load_backend(args, backend, precision)
+    loaded, encoder = load_backend(config, backend, precision)
     result = {"load_seconds": time.perf_counter() - t0, "rss_after_load": rss_bytes()}
     peak = 0
-    for side in sorted(args.sizes):
+    for side in sorted(config["sizes"]):
         pixels, grid = image_inputs(loaded.processor, side)
         with PeakRss() as rss:
             features = encoder(pixels, grid)
         peak = max(peak, rss.peak)
-        if side == min(args.sizes):
-            np.savez(args.features_out, *[t.numpy() for t in (features[0].pooler, *features[0].deepstack)])
+        if side == min(config["sizes"]):
+            np.savez(features_out, *[t.numpy() for t in (features[0].pooler, *features[0].deepstack)])
     result["peak_rss_encoding"] = peak
     result["ru_maxrss"] = peak_rss_bytes()
     return result
 
 
-def speed_worker(args, precision: str) -> dict:
+def speed_worker(config: dict, precision: str) -> dict:
     """torch and ONNX Runtime in one process at one precision, timed alternately, so that load
     from other processes on the machine falls on both alike."""
     from service.vision.features import TorchVisionEncoder
 
-    loaded, onnx_encoder = load_backend(args, "onnxruntime", precision)
+    loaded, onnx_encoder = load_backend(config, "onnxruntime", precision)
     encoders = {"torch": TorchVisionEncoder(loaded.model), "onnxruntime": onnx_encoder}
     times = {name: {} for name in encoders}
-    for side in args.sizes:
+    for side in config["sizes"]:
         pixels, grid = image_inputs(loaded.processor, side)
         for name, encoder in encoders.items():
             encoder(pixels, grid)  # warm-up: first-call allocations and kernel choices
             times[name][side] = []
-        for _ in range(args.repeats):
+        for _ in range(config["repeats"]):
             for name, encoder in encoders.items():
                 t = time.perf_counter()
                 encoder(pixels, grid)
                 times[name][side].append(time.perf_counter() - t)
     return {
         "times": times,
-        "tokens": {side: int(image_inputs(loaded.processor, side)[1].prod()) // 4 for side in args.sizes},
+        "tokens": {side: int(image_inputs(loaded.processor, side)[1].prod()) // 4 for side in config["sizes"]},
     }
 
 
@@ -161,71 +154,38 @@ def ensure_export(model_path: Path, export_dir: Path, fresh: bool = False) -> st
     return f"built in {time.perf_counter() - t0:.0f} s, peak RSS {peak_gib:.1f} GiB"
 
 
-def run_worker(args, name: str, *worker_args: str, features: Path | None = None) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.bench_vision",
-        "--worker",
-        *worker_args,
-        "--model-path",
-        str(args.model_path),
-        "--threads",
-        str(args.threads),
-        "--repeats",
-        str(args.repeats),
-        "--cache-dir",
-        str(args.cache_dir),
-        "--export-dir",
-        str(args.export_dir),
-        "--sizes",
-        *map(str, args.sizes),
-    ] + (["--features-out", str(features)] if features else [])
-    out = subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"}, capture_output=True, text=True
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode or not lines:
-        print(out.stderr[-3000:], file=sys.stderr)
-        raise SystemExit(f"{name} failed (exit {out.returncode})")
-    return json.loads(lines[-1][len("RESULT ") :])
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", type=Path, default=None, help="default: CACHE_DIR/qwen3vl-2b-random")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[448, 896])
-    parser.add_argument("--repeats", type=int, default=3, help="timed encodes per size and backend, after a warm-up")
-    parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "bench-vision-cache")
-    parser.add_argument("--export-dir", type=Path, help="default: the cache directory the service looks in")
-    parser.add_argument("--fresh-export", action="store_true", help="rebuild the export (measures its time and peak)")
-    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
-    parser.add_argument("--features-out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    args.model_path = require_checkpoint(args.model_path or default_model_path())
-    if args.worker:
-        kind, *rest = args.worker
-        result = memory_worker(args, *rest) if kind == "memory" else speed_worker(args, *rest)
-        print("RESULT " + json.dumps(result), flush=True)
-        return 0
-
+def main(argv=None) -> int:
+    p = parser(__doc__, quantization=False)
+    p.add_argument("--sizes", type=int, nargs="+", default=[448, 896])
+    p.add_argument("--repeats", type=int, default=3, help="timed encodes per size and backend, after a warm-up")
+    p.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "bench-vision-cache")
+    p.add_argument("--export-dir", type=Path, help="default: the cache directory the service looks in")
+    p.add_argument("--fresh-export", action="store_true", help="rebuild the export (measures its time and peak)")
+    args = parse(p, argv, source=True)
     from service.vision.onnx import default_export_dir
 
     args.export_dir = args.export_dir or default_export_dir(args.model_path, args.cache_dir)
     export_note = ensure_export(args.model_path, args.export_dir, args.fresh_export)
+    config = {
+        "model_path": str(args.model_path),
+        "threads": args.threads,
+        "sizes": args.sizes,
+        "repeats": args.repeats,
+        "cache_dir": str(args.cache_dir),
+        "export_dir": str(args.export_dir),
+    }
     memory, speed = {}, {}
     jobs = [("memory", b, p) for b, p in BACKENDS] + [("speed", p) for p in ("fp32", "int8")]
     with tempfile.TemporaryDirectory() as tmp, tqdm(jobs, desc="fresh processes", unit="process") as bar:
         for job in bar:
-            name = " ".join(job)
-            bar.set_postfix_str(name)
+            bar.set_postfix_str(" ".join(job))
             if job[0] == "memory":
-                features = Path(tmp) / f"{job[1]}-{job[2]}.npz"
-                memory[job[1:]] = run_worker(args, name, *job, features=features)
-                memory[job[1:]]["cosine"] = cosines(Path(tmp) / "torch-fp32.npz", features)
+                features = str(Path(tmp) / f"{job[1]}-{job[2]}.npz")
+                memory[job[1:]] = isolated("bench.bench_vision:memory_worker", config=config, backend=job[1],
+                                           precision=job[2], features_out=features)  # fmt: skip
+                memory[job[1:]]["cosine"] = cosines(Path(tmp) / "torch-fp32.npz", Path(features))
             else:
-                speed[job[1]] = run_worker(args, name, *job)
+                speed[job[1]] = isolated("bench.bench_vision:speed_worker", config=config, precision=job[1])
 
     best = {(b, p): {s: min(speed[p]["times"][b][str(s)]) for s in args.sizes} for b, p in BACKENDS}
     tokens = speed["int8"]["tokens"]
@@ -268,7 +228,8 @@ def main() -> int:
     )
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
-    append_section(
+    return report(
+        args,
         "Vision encoder: torch vs ONNX Runtime (bench/bench_vision.py)",
         {
             "checkpoint": args.model_path.name,
@@ -277,9 +238,7 @@ def main() -> int:
             "load average at the end": load,
         },
         body,
-        threads=args.threads,
     )
-    return 0
 
 
 if __name__ == "__main__":

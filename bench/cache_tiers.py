@@ -19,31 +19,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import requests
 from tqdm import tqdm
 
-from servers import gunicorn_server
+from bench.core.client import Reply, chat
+from bench.core.inputs import message
+from bench.core.servers import gunicorn_server, metric
 
 
-def chat(base: str, messages: list[dict], max_tokens: int) -> dict:
-    """One stateless native request (no conversation_id): its done line and the client's total time."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": False}
-    t0 = time.perf_counter()
-    r = requests.post(base + "/v1/chat", json=body, timeout=1800)
-    r.raise_for_status()
-    done = r.json()
-    done["client_done"] = time.perf_counter() - t0
-    return done
-
-
-def message(role: str, *parts: str) -> dict:
-    return {
-        "role": role,
-        "content": [
-            {"type": "image_url", "image_url": {"url": p}} if p.startswith("data:") else {"type": "text", "text": p}
-            for p in parts
-        ],
-    }
+def ask(base: str, messages: list[dict], max_tokens: int) -> Reply:
+    """One stateless native request (no conversation_id, the whole history sent), greedy."""
+    return chat(base, {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": False}, timeout=1800)
 
 
 def drop_from_page_cache(folder: Path) -> int:
@@ -68,15 +53,9 @@ def device_read_rate(folder: Path) -> float:
     return total / (time.perf_counter() - t0)
 
 
-def load_seconds(base: str) -> tuple[float, float]:
+def disk_loads(base: str) -> tuple[float, float]:
     """The server's disk-tier loads so far: (seconds in all, bytes read)."""
-    text = requests.get(base + "/metrics", timeout=30).text
-    values = {}
-    for line in text.splitlines():
-        if line.startswith(("qwen3vl_kv_disk_load_seconds_sum", "qwen3vl_kv_disk_read_bytes_total")):
-            name, _, value = line.rpartition(" ")
-            values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
-    return values.get("qwen3vl_kv_disk_load_seconds_sum", 0.0), values.get("qwen3vl_kv_disk_read_bytes_total", 0.0)
+    return metric(base, "qwen3vl_kv_disk_load_seconds_sum"), metric(base, "qwen3vl_kv_disk_read_bytes_total")
 
 
 FOLLOW_UPS = [
@@ -89,11 +68,11 @@ FOLLOW_UPS = [
 TIERS = ("memory", "disk, after eviction", "disk, after a restart (read from the device)", "recomputed")
 
 
-def disk_chat(base: str, messages: list[dict], max_tokens: int) -> dict:
-    """`chat`, with the server's disk-tier load time and bytes read for it."""
-    seconds, read = load_seconds(base)
-    done = chat(base, messages, max_tokens)
-    after_seconds, after_read = load_seconds(base)
+def disk_ask(base: str, messages: list[dict], max_tokens: int) -> dict:
+    """`ask`'s done line, with the server's disk-tier load time and bytes read for it."""
+    seconds, read = disk_loads(base)
+    done = ask(base, messages, max_tokens).done
+    after_seconds, after_read = disk_loads(base)
     done["disk_load"], done["disk_read"] = after_seconds - seconds, after_read - read
     return done
 
@@ -121,33 +100,33 @@ def second_turns(env: dict, logs: Path, long_text: str, picture: str, repeats: i
     with gunicorn_server(env, logs / "tiers-1.log", timeout=1800) as (base, _):
         firsts = {}
         for name in conversations:
-            firsts[name] = chat(base, conversations[name], 16)
+            firsts[name] = ask(base, conversations[name], 16).done
             bar.update()
         for name in conversations:
             for i in range(repeats):
-                chat(base, filler, 1)  # memory now holds the filler only
-                chat(base, follow(name, firsts[name], i, "Go on."), 1)  # and now this conversation
+                ask(base, filler, 1)  # memory now holds the filler only
+                ask(base, follow(name, firsts[name], i, "Go on."), 1)  # and now this conversation
                 # (a) from memory: right after a turn of its own conversation
-                results.setdefault((name, TIERS[0]), []).append(chat(base, follow(name, firsts[name], i), 4))
-                chat(base, filler, 1)
+                results.setdefault((name, TIERS[0]), []).append(ask(base, follow(name, firsts[name], i), 4).done)
+                ask(base, filler, 1)
                 # (b) from disk: another conversation came in between, memory evicted it
-                results.setdefault((name, TIERS[1]), []).append(disk_chat(base, follow(name, firsts[name], i + 1), 4))
+                results.setdefault((name, TIERS[1]), []).append(disk_ask(base, follow(name, firsts[name], i + 1), 4))
                 bar.update(5)
     rate = device_read_rate(store)
     bar.update()
     with gunicorn_server(env, logs / "tiers-2.log", timeout=1800) as (base, _):
-        chat(base, filler, 1)  # first-call costs, not measured
+        ask(base, filler, 1)  # first-call costs, not measured
         for name in conversations:
             for i in range(repeats):
-                chat(base, filler, 1)  # from the second repeat on, the conversation is in memory: evicted
+                ask(base, filler, 1)  # from the second repeat on, the conversation is in memory: evicted
                 drop_from_page_cache(store)
                 # (c) after a restart, the store's files on the device
-                results.setdefault((name, TIERS[2]), []).append(disk_chat(base, follow(name, firsts[name], i + 2), 4))
+                results.setdefault((name, TIERS[2]), []).append(disk_ask(base, follow(name, firsts[name], i + 2), 4))
                 bar.update()
             # (d) recomputed: the same prompt with another first token, nothing to reuse
             changed = follow(name, firsts[name], 0)  # (its own question too)
             changed[0] = {**changed[0], "content": [{"type": "text", "text": "Note."}, *changed[0]["content"]]}
-            results[(name, TIERS[3])] = [chat(base, changed, 4)]
+            results[(name, TIERS[3])] = [ask(base, changed, 4).done]
             bar.update()
     bar.close()
 
@@ -205,7 +184,7 @@ def low_memory(env: dict, logs: Path, pictures: list[str], keep_bytes: int, with
         bar = tqdm(total=3 * len(histories), desc=f"low memory, {label} the disk tier", unit="req")
         for turn in range(3):
             for history in histories:
-                done = chat(base, history, 8)
+                done = ask(base, history, 8).done
                 history += [message("assistant", done["text"]), message("user", FOLLOW_UPS[turn])]
                 tier = done["usage"]["cached_from"] or "recomputed"
                 counts[(turn, tier)] = counts.get((turn, tier), 0) + 1

@@ -13,7 +13,10 @@ carry such massive activations on the first token and on delimiters; random weig
 
 from __future__ import annotations
 
-from bench.harness import encoded_photo
+from bench.core.harness import isolated
+from bench.core.inputs import encoded_photo
+from bench.core.results import markdown_table
+from bench.core.session import Session, growing_cache
 
 TEXT_PROMPTS = [
     "What is the capital of France? Answer in one word.",
@@ -99,9 +102,7 @@ def _cache(model, kv_dtype: str):
     """The KV cache the engine would use: keys and values stored (and attended to) in `kv_dtype`."""
     import torch
 
-    from service.caches.kv import GrowingCache
-
-    return GrowingCache(config=model.config, dtype=getattr(torch, kv_dtype))
+    return growing_cache(model.config, getattr(torch, kv_dtype))
 
 
 def _answer_logits(model, kwargs: dict, sequence, prompt_len: int, kv_dtype: str = "float32"):
@@ -129,24 +130,17 @@ def _greedy(model, kwargs: dict, tokens: int, kv_dtype: str = "float32"):
 
 
 def _engine(model_path: str, threads: int, quantization: str, activations: str | None, spikes: bool):
-    from service.engine.engine import Engine
-    from service.model.loading import load_model
-    from service.quant.int8_linear import set_activations
-    from service.settings import load_settings
-
-    settings = load_settings(
-        model_path=model_path,
-        threads=threads,
-        quantization=quantization,
-        cache_enabled=False,
-        **({"int8_kernel": "fbgemm"} if activations else {}),  # per-tensor activations: torch's kernels only
+    # per-tensor activations: torch's kernels only
+    session = Session(
+        model_path, threads, quantization=quantization, **({"int8_kernel": "fbgemm"} if activations else {})
     )
-    loaded = load_model(settings)
     if activations:
-        set_activations(loaded.model, activations)
+        from service.quant.int8_linear import set_activations
+
+        set_activations(session.model, activations)
     if spikes:
-        spike_first_token(loaded.model)
-    return Engine(loaded, settings)
+        spike_first_token(session.model)
+    return session.engine
 
 
 def reference(model_path: str, threads: int, tokens: int, out_file: str, spikes: bool) -> dict:
@@ -213,9 +207,6 @@ def run(source, checkpoints: dict, threads: int, tokens: int, variants: dict = V
     from pathlib import Path
 
     from tqdm import tqdm
-
-    from bench.harness import isolated
-    from bench.results import markdown_table
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

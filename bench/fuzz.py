@@ -16,9 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.results import append_section, markdown_table
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench.core import ROOT
+from bench.core.results import markdown_table, report
 
 
 def main(argv=None) -> int:
@@ -68,10 +67,7 @@ def main(argv=None) -> int:
         "weights": "embedded tiny random",
         "command": "python -m bench.fuzz",
     }
-    if args.no_save:
-        print(table)
-    else:
-        append_section("Fuzz: schemathesis and hostile inputs", settings, table, threads=2)
+    report(args, "Fuzz: schemathesis and hostile inputs", settings, table, threads=2)
     return result.returncode
 
 

@@ -11,68 +11,58 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
+import requests
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from bench.results import append_section, markdown_table  # noqa: E402
-
-from servers import gunicorn_server  # noqa: E402
+from bench.core.client import chat
+from bench.core.results import markdown_table, report
+from bench.core.servers import gunicorn_server
 
 PROMPTS = ["What is in this picture?", "Describe the colours.", "Count the shapes.", "Tell me a story."]
 
 
-async def one_request(client: httpx.AsyncClient, base: str, i: int, max_tokens: int, timeout: float) -> dict:
+def one_request(base: str, i: int, max_tokens: int, timeout: float) -> dict:
     body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0}
     t0 = time.perf_counter()
-    first = None
     try:
-        async with client.stream("POST", base + "/v1/chat", json=body, timeout=timeout) as r:
-            status = r.status_code
-            async for line in r.aiter_lines():
-                if first is None and line and '"delta"' in line:
-                    first = time.perf_counter() - t0
-                if line.startswith('{"id"') and '"done": true' in line:
-                    tokens = json.loads(line)["usage"]["completion_tokens"]
-                    return {"status": status, "ttft": first, "total": time.perf_counter() - t0, "tokens": tokens}
-            # A 200 whose stream ended without its done line (an error event after the status) failed.
-            return {"status": "incomplete" if status == 200 else status, "total": time.perf_counter() - t0, "tokens": 0}
-    except httpx.TimeoutException:
+        r = chat(base, body, timeout=timeout, check=False)
+    except requests.RequestException:  # timed out (or the connection failed): a hung request
         return {"status": "timeout", "total": time.perf_counter() - t0, "tokens": 0}
+    if r.status == 200 and not r.ok:  # a 200 whose stream ended without its done line (an error event after it)
+        return {"status": "incomplete", "total": r.total, "tokens": 0}
+    return {"status": r.status, "ttft": r.first_text, "total": r.total, "tokens": r.tokens if r.ok else 0}
 
 
 async def run_load(
     base: str, clients: int, requests: int, max_tokens: int, timeout: float, time_cap: float, backoff: float = 0.5
 ) -> tuple[list[dict], float]:
-    """`clients` workers share `requests` requests, each pausing `backoff` s after a refusal;
-    stops starting new ones after `time_cap` s."""
+    """`clients` workers (each a thread of its own) share `requests` requests, each pausing `backoff` s
+    after a refusal; stops starting new ones after `time_cap` s."""
     results: list[dict] = []
     todo = iter(range(requests))
     start = time.perf_counter()
     bar = tqdm(total=requests, desc="load", unit="req")
+    loop = asyncio.get_running_loop()
 
-    async def worker(client):
+    async def worker(pool):
         for i in todo:
             if time.perf_counter() - start > time_cap:
                 return
-            result = await one_request(client, base, i, max_tokens, timeout)
+            result = await loop.run_in_executor(pool, one_request, base, i, max_tokens, timeout)
             results.append(result)
             bar.update()
             if result["status"] in (429, 503):
                 await asyncio.sleep(backoff)  # a polite client backs off before its next request
 
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(limits=limits) as client:
-        await asyncio.gather(*(worker(client) for _ in range(clients)))
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        await asyncio.gather(*(worker(pool) for _ in range(clients)))
     bar.close()
     return results, time.perf_counter() - start
 
@@ -158,10 +148,7 @@ def main(argv=None) -> int:
         "weights": args.model_path or "embedded tiny random",
         "command": "python -m bench.load",
     }
-    if args.no_save:
-        print(table)
-    else:
-        append_section("Load: more clients than the queue holds", settings, table)
+    report(args, "Load: more clients than the queue holds", settings, table)
     return 1 if s["unexpected"] else 0
 
 

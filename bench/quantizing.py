@@ -9,7 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import GIB, ROOT
+from bench.core import ROOT
+from bench.core.harness import GIB
+from bench.core.results import markdown_table
 
 
 def measure(source: Path, destination: Path) -> dict:
@@ -39,8 +41,6 @@ def measure(source: Path, destination: Path) -> dict:
 
 
 def table(r: dict) -> str:
-    from bench.results import markdown_table
-
     return markdown_table(
         ["", "value"],
         [

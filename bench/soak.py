@@ -25,13 +25,10 @@ import psutil
 import requests
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from bench.results import append_section, markdown_table  # noqa: E402
-from service.memory import unreclaimable_bytes  # noqa: E402
-
-from servers import gunicorn_server, metric  # noqa: E402
+from bench.core.client import chat, openai_chat
+from bench.core.results import markdown_table, report
+from bench.core.servers import gunicorn_server, metric
+from service.memory import unreclaimable_bytes
 
 # Small cache budgets, so the caches are full (and evicting) before warm-up ends: growth after
 # that is a leak, not a cache filling up.
@@ -67,25 +64,18 @@ class Soak:
         return self.rng.choice(self.pool)
 
     def native_image(self) -> int:
-        r = requests.post(
-            self.base + "/v1/chat",
-            files=[("image", ("i.png", self._image(), "image/png"))],
-            data={"prompt": "What is it?", "max_tokens": str(self.rng.randint(4, 24)), "stream": "false"},
-            timeout=60,
-        )
+        form = {"prompt": "What is it?", "max_tokens": str(self.rng.randint(4, 24)), "stream": "false"}
+        files = [("image", ("i.png", self._image(), "image/png"))]
+        r = chat(self.base, form=form, files=files, timeout=60, check=False)
         if r.ok:
-            self.conversations = (self.conversations + [r.json()["conversation_id"]])[-8:]
-        return r.status_code
+            self.conversations = (self.conversations + [r.done["conversation_id"]])[-8:]
+        return r.status
 
     def follow_up(self) -> int:
         if not self.conversations:
             return self.native_image()
-        r = requests.post(
-            self.base + "/v1/chat",
-            data={"prompt": "And then?", "max_tokens": "8", "conversation_id": self.rng.choice(self.conversations)},
-            timeout=60,
-        )
-        return r.status_code
+        form = {"prompt": "And then?", "max_tokens": "8", "conversation_id": self.rng.choice(self.conversations)}
+        return chat(self.base, form=form, timeout=60, check=False).status
 
     def openai_stream(self) -> int:
         url = "data:image/png;base64," + base64.b64encode(self._image()).decode()
@@ -97,15 +87,8 @@ class Soak:
             {"role": "assistant", "content": "It is noise."},
             {"role": "user", "content": "Again?"},
         ]
-        with requests.post(
-            self.base + "/v1/chat/completions",
-            json={"messages": history, "max_tokens": 12, "stream": True},
-            stream=True,
-            timeout=60,
-        ) as r:
-            for _ in r.iter_lines():
-                pass
-            return r.status_code
+        body = {"messages": history, "max_tokens": 12, "stream": True}
+        return openai_chat(self.base, body, timeout=60, check=False).status
 
     def disconnect(self) -> int:
         body = json.dumps({"prompt": "Go on and on.", "max_tokens": 48}).encode()
@@ -220,10 +203,7 @@ def main(argv=None) -> int:
         "command": "python -m bench.soak",
         **{k.lower(): v for k, v in SOAK_ENV.items()},
     }
-    if args.no_save:
-        print(table)
-    else:
-        append_section("Soak: images, conversations, disconnects", settings, table, threads=2)
+    report(args, "Soak: images, conversations, disconnects", settings, table, threads=2)
     return 0 if ok else 1
 
 

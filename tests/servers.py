@@ -1,11 +1,11 @@
 """Start real Gunicorn instances of the service for tests, on free loopback ports, alone or as the
-whole deployment (`python -m service.deploy`: Nginx in front of pinned instances)."""
+whole deployment (`python -m service.deploy`: Nginx in front of pinned instances). One instance,
+readiness and metrics: bench/core/servers.py's, which the benchmarks use too."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -18,13 +18,10 @@ from pathlib import Path
 import psutil
 import requests
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.core import ROOT
+from bench.core.servers import free_port, gunicorn_server, metric, stop_process_group, wait_ready
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["deployment", "free_port", "gunicorn_server", "metric", "nginx_proxy", "openai_client", "ROOT", "Stack"]
 
 
 def free_ports(count: int) -> int:
@@ -38,76 +35,6 @@ def free_ports(count: int) -> int:
             return first
         except OSError:
             continue
-
-
-def wait_ready(
-    base: str,
-    proc: subprocess.Popen | None = None,
-    timeout: float = 120.0,
-    path: str = "/ready",
-    headers: dict[str, str] | None = None,
-    poll: float = 0.2,
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if requests.get(base + path, timeout=2, headers=headers).status_code == 200:
-                return
-        except requests.RequestException:  # refused, or busy loading the model
-            pass
-        time.sleep(poll)
-    raise TimeoutError(f"{base}{path} not ready after {timeout} s")
-
-
-@contextmanager
-def gunicorn_server(
-    env: dict[str, str],
-    log_path: Path,
-    ready_path: str = "/ready",
-    timeout: float = 120.0,
-    headers: dict[str, str] | None = None,
-    preexec_fn=None,
-    root: Path = ROOT,
-    poll: float = 0.2,
-):
-    """Yield (base_url, process) of `gunicorn -c gunicorn.conf.py wsgi:app` run in `root` (another
-    checkout, for a benchmark's baseline) with `env` added, once `ready_path` answers 200 (`headers`:
-    e.g. the API key a server with API_KEYS wants), asking every `poll` seconds."""
-    port = free_port()
-    full_env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "PROMETHEUS_MULTIPROC_DIR")}
-    full_env.update({"THREADS": "2", **env})
-    log = open(log_path, "ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app", "--bind", f"127.0.0.1:{port}"],
-        cwd=root,
-        env=full_env,
-        stdout=log,
-        stderr=log,
-        start_new_session=True,
-        preexec_fn=preexec_fn,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base, proc, timeout, ready_path, headers, poll)
-        yield base, proc
-    finally:
-        stop_process_group(proc)
-        log.close()
-
-
-def metric(base: str, name: str, labels: str = "") -> float:
-    """The value of one Prometheus sample (0 if absent), e.g. metric(b, 'x_total', 'status="200"')."""
-    text = requests.get(base + "/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        key, _, value = line.rpartition(" ")
-        if key == name or (key.startswith(name + "{") and all(label in key for label in labels.split(",") if label)):
-            total += float(value)
-    return total
 
 
 @dataclass
@@ -130,16 +57,6 @@ class Stack:
 
     def workers(self, index: int) -> list[psutil.Process]:
         return self.master(index).children()
-
-
-def stop_process_group(proc: subprocess.Popen, timeout: float = 40) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @contextmanager

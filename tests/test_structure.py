@@ -144,7 +144,7 @@ def test_every_results_section_names_the_bench_command_that_wrote_it():
     titles = [s.splitlines()[0] for s in sections]
     assert len(titles) == len(set(titles)), "a scenario has more than one section"
     for section in sections:
-        match = re.search(r"^Command: `python -m (bench(?:\.\w+)?)\b[^`]*` · commit \w+", section, re.M)
+        match = re.search(r"^Command: `python -m (bench(?:\.\w+)*)\b[^`]*` · commit \w+", section, re.M)
         assert match, f"no command line in: {section.splitlines()[0]}"
         module = match.group(1).replace(".", "/")
         assert (ROOT / f"{module}.py").exists() or (ROOT / module / "__main__.py").exists(), match.group(0)

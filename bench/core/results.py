@@ -15,8 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-ROOT = RESULTS.parent.parent
+from bench.core import ROOT
+
+RESULTS = ROOT / "bench" / "RESULTS.md"
 PREAMBLE = (
     "# Benchmark results\n\nEvery section below was written by the command named in it (rerunning the "
     "command replaces its section); timings are from one run on the machine named. Do not edit by hand.\n"
@@ -79,6 +80,10 @@ def sections(text: str) -> list[tuple[str, str]]:
     return [(part.splitlines()[0][3:].strip(), part) for part in parts if part.startswith("## ")]
 
 
+def _write(kept: list[tuple[str, str]]) -> None:
+    RESULTS.write_text(PREAMBLE + "\n" + "".join(s if s.endswith("\n\n") else s.rstrip("\n") + "\n\n" for _, s in kept))
+
+
 def append_section(title: str, settings: dict, body: str, threads: int | None = None) -> str:
     """Write `## title` with the command, commit, date, machine and settings lines, then `body`,
     replacing the section of that title if there is one; returns the section."""
@@ -93,16 +98,51 @@ def append_section(title: str, settings: dict, body: str, threads: int | None = 
     kept = [(t, s) for t, s in old if t != title]
     at = titles.index(title) if title in titles else len(kept)
     kept.insert(min(at, len(kept)), (title, section))
-    RESULTS.write_text(PREAMBLE + "\n" + "".join(s if s.endswith("\n\n") else s.rstrip("\n") + "\n\n" for _, s in kept))
+    _write(kept)
     print("\n" + section)
     return section
+
+
+def report(args, title: str, settings: dict, body: str, threads: int | None = None, save: bool | None = None) -> int:
+    """`append_section` with the benchmark's `args.threads` (unless `threads`), or with its --no-save
+    (unless `save`) only print the section. 0: the benchmark's exit status."""
+    if save if save is not None else not args.no_save:
+        append_section(title, settings, body, threads if threads is not None else getattr(args, "threads", None))
+    else:
+        print(f"\n## {title}\n\nSettings: {settings}\n\n{body.strip()}\n")
+    return 0
+
+
+def line_plot(path: Path, title: str, xlabel: str, ylabel: str, lines: list, xscale: str = "linear", notes=()) -> Path:
+    """A small PNG of `lines` [(xs, ys, matplotlib format, label)], `notes` [(text, x, y)] written
+    beside their points; returns `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for xs, ys, fmt, label in lines:
+        ax.plot(xs, ys, fmt, label=label)
+    for text, x, y in notes:
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 6), fontsize=7)
+    ax.set_xscale(xscale)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def drop_sections(titles: list[str]) -> list[str]:
     """Remove the sections of these titles (scenarios a bench no longer has); the titles dropped."""
     old = sections(RESULTS.read_text())
     kept = [(t, s) for t, s in old if t not in titles]
-    RESULTS.write_text(PREAMBLE + "\n" + "".join(s if s.endswith("\n\n") else s.rstrip("\n") + "\n\n" for _, s in kept))
+    _write(kept)
     return [t for t, _ in old if t in titles]
 
 

@@ -1,13 +1,23 @@
 """OpenCV versus PIL decoding of a 1920×1080 photo as JPEG, PNG and WebP (to an RGB numpy array),
-plus OpenCV's reduced JPEG decode and the service's whole `decode_image` (decode + resize to the budget)."""
+plus OpenCV's reduced JPEG decode and the service's whole `decode_image` (decode + resize to the budget).
+
+Decision record, frozen at commit 1c7f47a (bench/RESULTS.md § "Image decoding: OpenCV versus PIL"):
+the service decodes pictures with OpenCV since. It was the `images` scenario of the INT8 suite;
+rerun it as it was there:
+
+    git worktree add /tmp/images-record 1c7f47a && cd /tmp/images-record && python -m bench images
+"""
 
 from __future__ import annotations
 
+import argparse
 import io
 import statistics
 import time
 
-from bench.harness import encoded_photo
+from bench.core.harness import isolated
+from bench.core.inputs import encoded_photo
+from bench.core.results import markdown_table, report
 
 FORMATS = [".jpg", ".png", ".webp"]
 
@@ -61,8 +71,6 @@ def measure(threads: int, repeats: int, image_max_pixels: int) -> list[dict]:
 
 
 def table(rows: list[dict], image_max_pixels: int) -> str:
-    from bench.results import markdown_table
-
     return markdown_table(
         [
             "1920×1080 photo",
@@ -86,3 +94,25 @@ def table(rows: list[dict], image_max_pixels: int) -> str:
             for r in rows
         ],
     )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--image-max-pixels", type=int, help="IMAGE_MAX_PIXELS (default: the service's)")
+    p.add_argument("--no-save", action="store_true", help="print the table, leave bench/RESULTS.md alone")
+    args = p.parse_args(argv)
+    from service.settings import load_settings
+
+    pixels = args.image_max_pixels or load_settings().image_max_pixels
+    target = "bench.records.image_decoding:measure"
+    rows = isolated(target, threads=args.threads, repeats=args.repeats, image_max_pixels=pixels)
+    settings = {"THREADS": args.threads, "repeats": f"median of {args.repeats}"}
+    title = "Image decoding: OpenCV versus PIL (1920×1080)"
+    return report(args, title, settings, table(rows, pixels))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

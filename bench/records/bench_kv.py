@@ -1,26 +1,23 @@
 """Decode time per token vs context length: transformers' DynamicCache (torch.cat at every step)
 against service.caches.kv.GrowingCache (writes into spare room), same model, same process, alternating.
 
-    flock /tmp/heavy.lock python -m bench.bench_kv            # 2B-shaped INT8 checkpoint
-    python -m bench.bench_kv --contexts 64 1024 --no-save
+Decision record, frozen at commit 1c7f47a (bench/RESULTS.md § "KV cache: appending in place vs
+torch.cat"): the engine's KV cache grows in place since. Rerun it as it was there:
+
+    git worktree add /tmp/kv-record 1c7f47a && cd /tmp/kv-record
+    flock /tmp/heavy.lock python -m bench.bench_kv [--contexts 64 1024 3072] [--no-save]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.harness import add_checkpoint_args, checkpoint_of  # noqa: E402
-from bench.results import append_section, markdown_table  # noqa: E402
+from bench.core.harness import parse, parser
+from bench.core.results import markdown_table, report
 
 
 def decode_ms(model, cache, context: int, steps: int) -> float:
@@ -47,19 +44,17 @@ def decode_ms(model, cache, context: int, steps: int) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_checkpoint_args(p)
+    p = parser(__doc__)
     p.add_argument("--contexts", type=int, nargs="+", default=[64, 1024, 3072])
     p.add_argument("--steps", type=int, default=12, help="timed decode steps per measurement")
-    p.add_argument("--no-save", action="store_true")
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     from transformers import DynamicCache
 
     from service.caches.kv import HEADROOM, GrowingCache
     from service.model.loading import load_model
     from service.settings import load_settings
 
-    model_path = checkpoint_of(args)
+    model_path = args.model_path
     settings = load_settings(
         model_path=model_path, quantization=args.quantization, threads=args.threads, cache_enabled=False
     )
@@ -81,16 +76,13 @@ def main(argv=None) -> int:
         f"512); each cache measured twice per context in ABBA order in one process, the better of the two "
         f"shown; HEADROOM={HEADROOM}."
     )
-    print(table + "\n\n" + note)
-    if not args.no_save:
-        append_section(
-            "KV cache: appending in place vs torch.cat (bench/bench_kv.py)",
-            {"MODEL_PATH": model_path.name, "QUANTIZATION": args.quantization, "THREADS": args.threads},
-            table + "\n\n" + note,
-            threads=args.threads,
-        )
-    return 0
+    return report(
+        args,
+        "KV cache: appending in place vs torch.cat (bench/bench_kv.py)",
+        {"MODEL_PATH": model_path.name, "QUANTIZATION": args.quantization, "THREADS": args.threads},
+        table + "\n\n" + note,
+    )
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,5 +1,9 @@
 """Decode: the engine's decode step (service/model/forward.py) against transformers' forward, by context length.
 
+Decision record, frozen at commit fbd07c3 (bench/RESULTS.md § "Decode step: lean vs transformers'
+forward"): the engine decodes with its lean step since. Rerun it as it was there:
+
+    git worktree add /tmp/decode-record fbd07c3 && cd /tmp/decode-record
     flock /tmp/heavy.lock python -m bench.bench_decode                 # 2B-shaped INT8 checkpoint, 2 threads
     python -m bench.bench_decode --contexts 64 1024 --no-engines --no-save
 
@@ -21,17 +25,16 @@ The plot (decode tokens/s against context) is bench/decode_context.png.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import threading
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from bench.harness import add_checkpoint_args, checkpoint_of, isolated, read_bandwidth_gbps, short_rev, timing, tree_at
-from bench.results import append_section, markdown_table
+from bench.core.harness import interleaved, isolated, medians, parse, parser, short_rev, tree_at
+from bench.core.results import line_plot, markdown_table, report
+from bench.core.session import Session
 
 PLOT = Path(__file__).resolve().parent / "decode_context.png"
 BASELINE = "6ed1729"  # the session's start: per-tensor INT8, transformers forward, left-padded batches
@@ -43,6 +46,39 @@ INT8_KERNELS = (
 )
 ATTENTION = ("aten::scaled_dot_product_attention", "exact_attention")  # transformers', the service's
 LONG_PROMPTS = (1000, 3000)  # prompt tokens whose time to first token part 2 measures
+SENTENCE = "The harbour was quiet in the early morning, boats resting on grey water. "
+
+
+def read_bandwidth_gbps(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+    """Memory read bandwidth (GB/s) with `threads` threads: summing a tensor far larger than the caches."""
+    torch.set_num_threads(threads)
+    data = torch.ones(int(gib * 1024**3) // 4)
+    data.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t0)
+    nbytes = data.numel() * 4
+    del data
+    return nbytes / best / 1e9
+
+
+def weight_bytes_read_per_token(model) -> int:
+    """Bytes of weights one decode step reads: every decoder and lm_head weight once; of the
+    embedding only one row, so none of it."""
+    from service.quant.int8_linear import Int8Linear, MappedInt8Linear
+
+    lm = model.model.language_model
+    embed = lm.get_input_embeddings()
+    total = 0
+    for module in [*lm.modules(), model.lm_head]:
+        if module is embed:
+            continue
+        if isinstance(module, (Int8Linear, MappedInt8Linear)):
+            total += module.in_features * module.out_features
+        total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total
 
 
 def synthetic_cache(config, tokens: int, seed: int, dtype=torch.float32):
@@ -235,7 +271,6 @@ def prefill_piece(forward, cache, tokens: int, repeats: int = 3) -> dict:
 
 def sweep(model_path: str, threads: int, contexts: list[int], steps: int, batch: int, piece: int) -> dict:
     """Part 1 (in this process)."""
-    from bench.serving import weight_bytes_read_per_token
     from service.memory import kv_cache_bytes
     from service.model.loading import load_model
     from service.settings import load_settings
@@ -303,104 +338,64 @@ def sweep(model_path: str, threads: int, contexts: list[int], steps: int, batch:
 
 def engine_throughput(model_path: str, threads: int, streams: int, tokens: int) -> dict:
     """Part 2 (in this process's `service`): decode tokens/s of one stream and of `streams` at once."""
-    from service.engine.engine import Engine, GenerationRequest, SamplingParams
-    from service.model.loading import load_model
-    from service.model.prompts import ChatMessage, TextPart
-    from service.settings import load_settings
-
-    settings = load_settings(
-        model_path=model_path, quantization="int8", threads=threads, cache_enabled=False, max_batch_size=max(streams, 1)
-    )
-    engine = Engine(load_model(settings), settings)
+    session = Session(model_path, threads, max_batch_size=max(streams, 1))
     prompts = [
         "Tell me a long story about a red square.",
         "Describe a harbour in the morning, in detail.",
         "List every colour you know, with a word about each.",
         "Explain how a bicycle works, step by step.",
     ]
-
-    def run(prompt, out, i):
-        request = GenerationRequest(
-            [ChatMessage("user", [TextPart(prompt)])], SamplingParams(max_tokens=tokens, temperature=0)
-        )
-        done = list(engine.generate(request))[-1]
-        start = request.received_at
-        out[i] = (done, start + timing(done, "time_to_first_token"), start + timing(done, "total"))
-
-    single = {}
-    run(prompts[0], single, 0)  # warm-up
-    results = []
-    for _ in range(3):
-        run(prompts[0], single, 0)
-        results.append(timing(single[0][0], "decode_tokens_per_s"))
-    together = {}
-    threads_ = [threading.Thread(target=run, args=(prompts[i % len(prompts)], together, i)) for i in range(streams)]
-    for t in threads_:
-        t.start()
-    for t in threads_:
-        t.join()
-    generated = sum(d.completion_tokens - 1 for d, _, _ in together.values())
-    span = max(end for _, _, end in together.values()) - min(first for _, first, _ in together.values())
+    session.ask(prompts[0], max_tokens=tokens)  # warm-up
+    single = [session.ask(prompts[0], max_tokens=tokens).timings.decode_tokens_per_s for _ in range(3)]
+    sent = time.perf_counter()  # every stream's timings counted from here
+    requests = [
+        {"parts": [prompts[i % len(prompts)]], "max_tokens": tokens, "received_at": sent} for i in range(streams)
+    ]
+    together, _ = session.together(requests)
+    generated = sum(d.completion_tokens - 1 for d in together)
+    # from the first stream's first token to the last stream's end
+    span = max(d.timings.total for d in together) - min(d.timings.time_to_first_token for d in together)
     long_prompts = {}
-    sentence = "The harbour was quiet in the early morning, boats resting on grey water. "
-    per_sentence = len(engine.processor.tokenizer(sentence)["input_ids"])  # this checkpoint's tokenizer
+    per_sentence = len(session.tokenizer(SENTENCE)["input_ids"])  # this checkpoint's tokenizer
     for length in LONG_PROMPTS:  # time to first token of a long text prompt (prefill at growing context)
-        text = sentence * max(1, length // per_sentence)  # about `length` tokens
-        out = {}
-        run(text + " Summarise it.", out, 0)
-        done = out[0][0]
+        done = session.ask(SENTENCE * max(1, length // per_sentence) + " Summarise it.", max_tokens=tokens)
         long_prompts[str(length)] = {
             "prompt_tokens": done.prompt_tokens,
-            "ttft_s": timing(done, "time_to_first_token"),
-            "prefill_s": timing(done, "prefill"),
+            "ttft_s": done.timings.time_to_first_token,
+            "prefill_s": done.timings.prefill,
         }
     return {
-        "single_tps": statistics.median(results),
+        "single_tps": statistics.median(single),
         "aggregate_tps": generated / span,
-        "streams_tokens": [d.completion_tokens for d, _, _ in together.values()],
+        "streams_tokens": [d.completion_tokens for d in together],
         "long_prompts": long_prompts,
     }
 
 
 def plot(rows: list[dict], title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     contexts = [r["context"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    ax.plot(contexts, [1000 / r["transformers_ms"] for r in rows], "s--", label="transformers forward (before)")
-    ax.plot(contexts, [1000 / r["lean_ms"] for r in rows], "o-", label="lean decode step")
-    ax.plot(contexts, [r["ceiling_tps"] for r in rows], ":", color="gray", label="bandwidth ceiling")
-    ax.set_xscale("log")
-    ax.set_xlabel("context tokens (KV cache length)")
-    ax.set_ylabel("decode tokens/s, one stream")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(PLOT)
-    plt.close(fig)
-    return PLOT
+    lines = [
+        (contexts, [1000 / r["transformers_ms"] for r in rows], "s--", "transformers forward (before)"),
+        (contexts, [1000 / r["lean_ms"] for r in rows], "o-", "lean decode step"),
+        (contexts, [r["ceiling_tps"] for r in rows], ":", "bandwidth ceiling"),
+    ]
+    xlabel, ylabel = "context tokens (KV cache length)", "decode tokens/s, one stream"
+    return line_plot(PLOT, title, xlabel, ylabel, lines, xscale="log")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_checkpoint_args(p)
+    p = parser(__doc__, baseline=BASELINE)
     p.add_argument("--contexts", type=int, nargs="+", default=[32, 64, 256, 1024, 3072])
     p.add_argument("--steps", type=int, default=12, help="timed decode steps per measurement")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument(
         "--piece", type=int, default=64, help="prefill piece measured at each context (PREFILL_CHUNK_TOKENS)"
     )
-    p.add_argument("--baseline", default=BASELINE, help="git revision for part 2's 'before'")
     p.add_argument("--no-engines", action="store_true", help="skip part 2")
-    p.add_argument("--no-save", action="store_true")
-    args = p.parse_args(argv)
-    model_path = checkpoint_of(args)
+    args = parse(p, argv)
+    model_path = args.model_path
     part1 = isolated(
-        "bench.bench_decode:sweep",
+        "bench.records.bench_decode:sweep",
         model_path=str(model_path),
         threads=args.threads,
         contexts=args.contexts,
@@ -509,23 +504,11 @@ def main(argv=None) -> int:
         )
     )
     if not args.no_engines:
-        kinds = ["before", "now", "now", "before"]
-        runs: dict[str, list[dict]] = {"before": [], "now": []}
+        kwargs = {"model_path": str(model_path), "threads": args.threads, "streams": args.batch, "tokens": 64}
         with tree_at(args.baseline) as tree:
-            for kind in tqdm(kinds, desc="engines", unit="process"):
-                runs[kind].append(
-                    isolated(
-                        "bench.bench_decode:engine_throughput",
-                        tree=tree if kind == "before" else None,
-                        model_path=str(model_path),
-                        threads=args.threads,
-                        streams=args.batch,
-                        tokens=64,
-                    )
-                )
-        med = {
-            k: {m: statistics.median(r[m] for r in v) for m in ("single_tps", "aggregate_tps")} for k, v in runs.items()
-        }
+            target = "bench.records.bench_decode:engine_throughput"
+            runs = interleaved(target, {"before": kwargs, "now": kwargs}, 1, {"before": tree})
+        med = medians(runs, ("single_tps", "aggregate_tps"))
         single, aggregate = (med["now"][m] / med["before"][m] for m in ("single_tps", "aggregate_tps"))
         body += (
             "\n\n"
@@ -581,16 +564,12 @@ def main(argv=None) -> int:
         )
     png = plot(rows, f"{model_path.name}, {args.threads} threads, INT8: decode tokens/s vs context")
     body += f"\n\n![decode tokens/s against context]({png.name})"
-    if args.no_save:
-        print(body)
-    else:
-        append_section(
-            "Decode step: lean vs transformers' forward, by context (bench/bench_decode.py)",
-            {"MODEL_PATH": model_path.name, "THREADS": args.threads, "QUANTIZATION": "int8"},
-            body,
-            threads=args.threads,
-        )
-    return 0
+    return report(
+        args,
+        "Decode step: lean vs transformers' forward, by context (bench/bench_decode.py)",
+        {"MODEL_PATH": model_path.name, "THREADS": args.threads, "QUANTIZATION": "int8"},
+        body,
+    )
 
 
 if __name__ == "__main__":

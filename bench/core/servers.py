@@ -1,0 +1,193 @@
+"""Servers on free loopback ports: a Gunicorn instance of the service, a llama.cpp `llama-server`,
+either inside a memory-limited cgroup; one Prometheus sample. tests/servers.py and tests/cgroups.py
+start the tests' servers with these too."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import requests
+
+from bench.core import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(
+    base: str,
+    proc: subprocess.Popen | None = None,
+    timeout: float = 120.0,
+    path: str = "/ready",
+    headers: dict[str, str] | None = None,
+    poll: float = 0.2,
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if requests.get(base + path, timeout=2, headers=headers).status_code == 200:
+                return
+        except requests.RequestException:  # refused, or busy loading the model
+            pass
+        time.sleep(poll)
+    raise TimeoutError(f"{base}{path} not ready after {timeout} s")
+
+
+def stop_process_group(proc: subprocess.Popen, timeout: float = 40) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextmanager
+def _serving(command: list[str], log_path: Path, ready_path: str, timeout: float, poll: float, headers=None, **popen):
+    """Yield (base_url, process) of `command` (its port: the `{port}` in it) once `ready_path` answers
+    200; the process group is stopped afterwards."""
+    port = free_port()
+    log = open(log_path, "ab")
+    proc = subprocess.Popen(
+        [part.format(port=port) for part in command], stdout=log, stderr=log, start_new_session=True, **popen
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc, timeout, ready_path, headers, poll)
+        yield base, proc
+    finally:
+        stop_process_group(proc)
+        log.close()
+
+
+@contextmanager
+def gunicorn_server(
+    env: dict[str, str],
+    log_path: Path,
+    ready_path: str = "/ready",
+    timeout: float = 120.0,
+    headers: dict[str, str] | None = None,
+    preexec_fn=None,
+    root: Path = ROOT,
+    poll: float = 0.2,
+):
+    """Yield (base_url, process) of `gunicorn -c gunicorn.conf.py wsgi:app` run in `root` (another
+    checkout, for a benchmark's baseline) with `env` added, once `ready_path` answers 200 (`headers`:
+    e.g. the API key a server with API_KEYS wants), asking every `poll` seconds."""
+    full_env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "PROMETHEUS_MULTIPROC_DIR")}
+    full_env.update({"THREADS": "2", **env})
+    command = [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app", "--bind", "127.0.0.1:{port}"]
+    popen = {"cwd": root, "env": full_env, "preexec_fn": preexec_fn}
+    with _serving(command, log_path, ready_path, timeout, poll, headers, **popen) as up:
+        yield up
+
+
+@contextmanager
+def llama_server(llama: Path, text: Path, mmproj: Path, threads: int, log_path: Path):
+    """Yield (base_url, process) of a llama.cpp `llama-server` built in `llama` (build/bin) on the GGUF
+    files `text` and `mmproj`, 4 slots, once its /health answers."""
+    command = [
+        str(llama / "build" / "bin" / "llama-server"), "-m", str(text), "--mmproj", str(mmproj),
+        "-t", str(threads), "-tb", str(threads), "-np", "4", "-c", str(4 * 4096), "--jinja",
+        "--host", "127.0.0.1", "--port", "{port}", "--no-webui",
+    ]  # fmt: skip
+    with _serving(command, log_path, "/health", 900, 0.05) as up:
+        yield up
+
+
+def metric(base: str, name: str, labels: str = "") -> float:
+    """The value of one Prometheus sample (0 if absent), e.g. metric(b, 'x_total', 'status="200"');
+    summed over the samples whose labels include `labels`."""
+    text = requests.get(base + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        key, _, value = line.rpartition(" ")
+        if key == name or (key.startswith(name + "{") and all(label in key for label in labels.split(",") if label)):
+            total += float(value)
+    return total
+
+
+# -- a memory-limited cgroup (v2 or v1, whichever this machine's own cgroup is in) --------------------
+
+
+class CgroupUnavailable(RuntimeError):
+    """No memory cgroup can be made here: it needs root and a writable memory controller."""
+
+
+def _own_memory_cgroup() -> tuple[Path, str] | None:
+    """(folder of this process's memory cgroup, "v1" | "v2"), or None."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and not controllers:  # v2: children get memory only if the parent delegates it
+            folder = Path("/sys/fs/cgroup") / path.lstrip("/")
+            delegated = folder / "cgroup.subtree_control"
+            if delegated.exists() and "memory" in delegated.read_text().split():
+                return folder, "v2"
+        elif "memory" in controllers.split(","):
+            return Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "v1"
+    return None
+
+
+class MemoryCgroup:
+    def __init__(self, folder: Path, version: str):
+        self.folder, self.version = folder, version
+
+    def enter(self) -> None:
+        """Move the calling process in (use as Popen's preexec_fn: it and its children are limited)."""
+        (self.folder / "cgroup.procs").write_text(str(os.getpid()))
+
+    def peak_bytes(self) -> int:
+        return int((self.folder / ("memory.peak" if self.version == "v2" else "memory.max_usage_in_bytes")).read_text())
+
+    def oom_kills(self) -> int:
+        events = self.folder / ("memory.events" if self.version == "v2" else "memory.oom_control")
+        return int(dict(line.split() for line in events.read_text().splitlines()).get("oom_kill", 0))
+
+
+def _unavailable(reason: str):
+    raise CgroupUnavailable(reason)
+
+
+@contextmanager
+def memory_cgroup(limit_bytes: int, unavailable=_unavailable):
+    """A new child cgroup of this process's own with `limit_bytes` of memory; removed afterwards.
+    Where none can be made, `unavailable(reason)` (raising CgroupUnavailable; the tests skip)."""
+    own = _own_memory_cgroup()
+    if own is None or os.geteuid() != 0:
+        unavailable("needs root and a writable memory cgroup (v1 or v2)")
+    parent, version = own
+    folder = parent / f"qwen3vl-test-{uuid.uuid4().hex[:8]}"
+    try:
+        folder.mkdir()
+    except OSError as exc:
+        unavailable(f"cannot create a memory cgroup under {parent}: {exc}")
+    try:
+        if version == "v2":
+            (folder / "memory.max").write_text(str(limit_bytes))
+            (folder / "memory.swap.max").write_text("0")
+        else:
+            (folder / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        yield MemoryCgroup(folder, version)
+    finally:
+        for _ in range(50):
+            try:
+                folder.rmdir()
+                break
+            except OSError:  # processes still leaving
+                time.sleep(0.1)
