@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     real_drafts, real_lookup = drafts_module.DraftBudget.drafts, drafts_module.prompt_lookup
     oracle = {}
 
-    first_wrong = min(4000, on.engine.vocab_size // 2)  # (the embedded model's vocabulary is small)
+    first_wrong = min(4000, on.engine.inputs.vocab_size // 2)  # (the embedded model's vocabulary is small)
 
     def wrong(k: int) -> list[int]:
         return [t for t in range(first_wrong, first_wrong + 2 * k) if t not in oracle["answer"]][:k]

@@ -321,7 +321,7 @@ def large_vocabulary_tokenizer(cache_dir: Path):
 
 def compare_engines(engine, cache_dir: Path, tokens: int) -> str:
     tokenizer = engine.processor.tokenizer
-    vocab, eos = engine.vocab_size, sorted(engine.grammars.eos_ids)
+    vocab, eos = engine.inputs.vocab_size, sorted(engine.inputs.grammars.eos_ids)
     rows, outcomes = engine_rows(
         f"this checkpoint's ({len(tokenizer)} tokens, logits over {vocab})", tokenizer, vocab, eos, tokens
     )
@@ -363,10 +363,10 @@ class AcceptTimer:
     measured where it is paid — inside the batch's shared decode step."""
 
     def __init__(self):
-        from service.engine import batching
+        from service.engine.sequence import Sequence
 
         self.seconds = {True: [], False: []}
-        original = batching.Sequence.accept
+        original = Sequence.accept
 
         def timed(sequence, logits):
             t0 = time.perf_counter()
@@ -374,7 +374,7 @@ class AcceptTimer:
             self.seconds[sequence.constraint is not None].append(time.perf_counter() - t0)
             return token
 
-        batching.Sequence.accept = timed
+        Sequence.accept = timed
 
     def ms(self, constrained: bool) -> float:
         return statistics.median(self.seconds[constrained]) * 1000
@@ -383,7 +383,7 @@ class AcceptTimer:
 def _streams(session: Session, grammars: list, tokens: int) -> tuple[float, list[float]]:
     """One request per entry of `grammars` (None = unconstrained), together: the run's wall time and
     each stream's decode tok/s. End of turn is biased away (-100), so each decodes all its tokens."""
-    no_end = {token: -100.0 for token in session.engine.grammars.eos_ids}
+    no_end = {token: -100.0 for token in session.engine.inputs.grammars.eos_ids}
     requests = [
         {
             "parts": [f"Write a long text about topic {i}."],
@@ -477,14 +477,14 @@ def compile_times(engine) -> str:
         ),
     ]
     t0 = time.perf_counter()
-    engine.grammars.tokenizer()  # once per process, before the first grammar
+    engine.inputs.grammars.tokenizer()  # once per process, before the first grammar
     rows = [["(llguidance's tokenizer, built once per process)", f"{(time.perf_counter() - t0) * 1000:.1f}", "0"]]
     for name, grammar in cases:
         t0 = time.perf_counter()
-        engine.grammars.constraint(grammar)
+        engine.inputs.grammars.constraint(grammar)
         cold = time.perf_counter() - t0
         t0 = time.perf_counter()
-        engine.grammars.constraint(grammar)
+        engine.inputs.grammars.constraint(grammar)
         rows.append([name, f"{cold * 1000:.1f}", f"{(time.perf_counter() - t0) * 1000:.2f}"])
     return markdown_table(["grammar", "first request: compile ms", "next requests (cached) ms"], rows)
 

@@ -72,7 +72,12 @@ def prose(path: Path) -> Iterator[str]:
 def prose_files() -> list[Path]:
     pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
     code = [p for room in ("service", "tests", "bench") for p in sorted((ROOT / room).rglob("*"))]
-    return pages + [p for p in code if p.suffix in (".py", ".c", ".h") and "__pycache__" not in p.parts]
+    records = ROOT / "bench" / "records"  # decision records: frozen to the tree of the commit they measured
+    return pages + [
+        p
+        for p in code
+        if p.suffix in (".py", ".c", ".h") and "__pycache__" not in p.parts and not p.is_relative_to(records)
+    ]
 
 
 def _defined(scope: list[ast.stmt]) -> dict[str, ast.AST]:

@@ -9,8 +9,8 @@ from bench.core.inputs import DECODE_PROMPT, QUESTION, encoded_photo
 
 
 def growing_cache(config, dtype=None):
-    """The engine's KV cache class, empty: bench's one import of it (`service.caches.kv` today)."""
-    from service.caches.kv import GrowingCache
+    """The engine's KV cache class, empty: bench's one import of it (`service.model.kv` today)."""
+    from service.model.kv import GrowingCache
 
     return GrowingCache(config=config, **({"dtype": dtype} if dtype is not None else {}))
 
