@@ -119,6 +119,24 @@ def make_settings(cache_dir, **overrides):
     return load_settings(cache_dir=cache_dir, threads=2, **overrides)
 
 
+def generate_config(engine, params, max_new_tokens: int):
+    """A transformers GenerationConfig for `model.generate` with the sampling the service resolves
+    for `params` (service/engine/sampling.Sampling): what the tests compare the engine's draws with."""
+    from transformers import GenerationConfig
+
+    from service.engine.sampling import Sampling
+
+    s = Sampling.resolve(params, engine.model.generation_config)
+    sampled = dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        repetition_penalty=s.repetition_penalty,
+        eos_token_id=engine.loaded.eos_token_ids,
+        pad_token_id=engine.loaded.eos_token_ids[0],
+        **(sampled if not s.greedy else dict(do_sample=False)),
+    )
+
+
 def prepared(engine, request):
     """The request's prompt as the engine prepares it (tokens, spans, patches), without running it."""
     return prepare_prompt(engine.processor, request.messages, engine.limits.prompt)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
 from service.engine.engine import Completion, GenerationRequest, SamplingParams, TextDelta
-from service.engine.sampling import Sampling
 from service.errors import PromptTooLong
 from service.media.images import decode_image
 from service.model.kv import GrowingCache
 from service.model.prompts import ChatMessage, ImagePart, TextPart
 
-from conftest import prepared
+from conftest import generate_config, prepared
 from imaging import encode, pattern
 
 
@@ -55,8 +53,6 @@ def test_streamed_text_equals_plain_generate_for_same_seed(fp32_engine):
     _, done = ask(engine, parts, max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
     prompt = prepared(engine, GenerationRequest([ChatMessage("user", parts)]))
     model = engine.model
-    # the service's resolution of these parameters over the checkpoint's defaults, given to generate
-    sampling = Sampling.resolve(SamplingParams(temperature=0.9, top_p=0.9, top_k=50), model.generation_config)
     model.model.rope_deltas = None
     torch.manual_seed(1234)
     with torch.inference_mode():
@@ -66,16 +62,7 @@ def test_streamed_text_equals_plain_generate_for_same_seed(fp32_engine):
             mm_token_type_ids=prompt.mm_token_type_ids,
             image_grid_thw=prompt.image_grid_thw,
             pixel_values=torch.cat(prompt.pixel_values),
-            generation_config=GenerationConfig(
-                max_new_tokens=20,
-                do_sample=True,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                repetition_penalty=sampling.repetition_penalty,
-                eos_token_id=engine.loaded.eos_token_ids,
-                pad_token_id=engine.loaded.eos_token_ids[0],
-            ),
+            generation_config=generate_config(engine, SamplingParams(temperature=0.9, top_p=0.9, top_k=50), 20),
             cache=GrowingCache(config=model.config, dtype=getattr(torch, engine.settings.kv_dtype)),  # as KV_DTYPE
         )
     new = out[0, prompt.num_tokens :]

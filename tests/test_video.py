@@ -35,7 +35,7 @@ from service.vision.features import TorchVisionEncoder
 from service.vision.steps import run_to_end, video_steps
 
 from clips import WRITABLE, noise, write_clip
-from conftest import prepared, weights_settings
+from conftest import generate_config, prepared, weights_settings
 from imaging import encode, pattern
 from servers import openai_client
 
@@ -384,7 +384,7 @@ def test_images_and_a_video_in_one_conversation_answer_as_the_models_own_pixel_p
             pixel_values=torch.cat(prompt.pixel_values),
             video_grid_thw=prompt.video_grid_thw,
             pixel_values_videos=torch.cat(prompt.pixel_values_videos),
-            generation_config=engine._generation_config(sampling, 30),
+            generation_config=generate_config(engine, sampling, 30),
         )
     model_text = engine.processor.tokenizer.decode(out[0, prompt.num_tokens :], skip_special_tokens=True)
     assert done.text == model_text and done.images == 1 and done.videos == 1
