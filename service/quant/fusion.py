@@ -70,6 +70,14 @@ class FusedTextAttention(Qwen3VLTextAttention):
         return out.transpose(1, 2).to(query.dtype)  # a bf16 cache (KV_DTYPE): attention in bf16
 
 
+def model_class(config):
+    """transformers' class for a Qwen3-VL config: the dense model or the mixture of experts."""
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
+
+    moe = getattr(config, "model_type", None) == "qwen3_vl_moe"
+    return Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+
+
 class FusedTextMLP(Qwen3VLTextMLP):
     """Qwen3VLTextMLP.forward with gate and up from one `gate_up_proj`."""
 

@@ -30,7 +30,7 @@ from torch import nn
 from ..memory import MIB, MemoryGuard, release_memory
 from ..threads import compute_on
 from . import packing, published
-from .fusion import fuse_projections
+from .fusion import fuse_projections, model_class
 from .int4_linear import GROUP_SIZES, group_for, pack, quantize_groups
 from .int8_linear import Int8Embedding, Int8Linear, MappedInt8Linear, quantize_rows
 from .packing import (
@@ -102,10 +102,9 @@ def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 def skeleton(config) -> nn.Module:
     """The model with every parameter on the meta device (no memory) and real rotary buffers."""
     from accelerate import init_empty_weights
-    from transformers import Qwen3VLForConditionalGeneration
 
     with init_empty_weights(include_buffers=False):
-        return Qwen3VLForConditionalGeneration(config)
+        return model_class(config)(config)
 
 
 def quantize_in_place(
@@ -272,6 +271,11 @@ def write_quantized(
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty")
     config = AutoConfig.from_pretrained(src)
+    if model_class(config).__name__.startswith("Qwen3VLMoe"):
+        raise ValueError(
+            f"{src} is a mixture of experts: its quantized checkpoint is not written yet; serve it with "
+            "QUANTIZATION=int8 (quantized at load)"
+        )
     if scheme is not None:  # transformers would try to set up GPTQ/AWQ kernels from it; the skeleton needs none
         for holder in (config, getattr(config, "text_config", None)):
             if holder is not None and hasattr(holder, "quantization_config"):
