@@ -79,8 +79,8 @@ def test_tiny_moe_stores_its_experts_as_the_releases_do(tiny_moe_dir):
     config = json.loads((tiny_moe_dir / "config.json").read_text())
     assert config["model_type"] == "qwen3_vl_moe" and config["tie_word_embeddings"] is False
     with safe_open(tiny_moe_dir / "model.safetensors", "pt") as f:
-        assert f.get_slice("model.language_model.layers.0.mlp.experts.gate_up_proj").get_shape() == [8, 64, 96]
-        assert f.get_slice("model.language_model.layers.2.mlp.experts.down_proj").get_shape() == [8, 48, 64]
+        assert f.get_slice("model.language_model.layers.0.mlp.experts.gate_up_proj").get_shape() == [8, 64, 192]
+        assert f.get_slice("model.language_model.layers.2.mlp.experts.down_proj").get_shape() == [8, 96, 64]
         assert "model.language_model.layers.1.mlp.gate_proj.weight" in f.keys()  # mlp_only_layers: dense
 
 

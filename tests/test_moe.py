@@ -2,11 +2,11 @@
 token, a dense layer among the sparse ones, an untied embedding, written as the releases store it.
 
 It computes what transformers' Qwen3-VL-MoE forward computes (fp32, within float rounding, the same
-greedy tokens), and with INT8 experts a token gets the same bits whichever path computes it — a
-prompt in one piece or in pieces, decoded or recomputed, alone or in a batch, beside another's
+greedy tokens), and with INT8 or 4-bit experts a token gets the same bits whichever path computes it —
+a prompt in one piece or in pieces, decoded or recomputed, alone or in a batch, beside another's
 prefill piece — and through the engine a greedy answer's every log-probability is the same alone, in
-a batch and after a cache hit. The router's own kernel gives a row the same bits in any call, built
-for this CPU or for AVX2.
+a batch and after a cache hit. Its INT8 checkpoint answers as quantizing at load, bit for bit. The
+router's own kernel gives a row the same bits in any call, built for this CPU or for AVX2.
 """
 
 from __future__ import annotations
@@ -28,25 +28,48 @@ from service.quant.int8_linear import Int8Embedding, Int8Linear
 
 from conftest import make_settings, prepared
 
-KERNELS = pytest.mark.parametrize("kernel", ["native", "fbgemm"])
+# the quick tier: the service's own INT8 kernel and the 4-bit one; the whole suite FBGEMM's too
+KERNELS = pytest.mark.parametrize(
+    "kernel",
+    ["native", pytest.param("fbgemm", marks=pytest.mark.slow), "int4"],
+    ids=["int8-native", "int8-fbgemm", "int4"],
+)
 
 
 @pytest.fixture(scope="module")
-def engines(cache_dir, tiny_moe_dir):
-    """Engines on tiny-moe by weights (fp32, int8) and INT8 kernel."""
+def quantized_dirs(cache_dir, tiny_moe_dir):
+    """tiny-moe written by `python -m service quantize` (INT8) and `--bits 4` (every expert 4-bit)."""
+    from service.quant.quantized import write_quantized
+
+    dirs = {"int8-checkpoint": cache_dir / "tiny-moe-int8", "int4": cache_dir / "tiny-moe-int4"}
+    for kind, path in dirs.items():
+        if not (path / "config.json").exists():
+            write_quantized(tiny_moe_dir, path, progress=False, bits=4 if kind == "int4" else 8)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def engines(cache_dir, tiny_moe_dir, quantized_dirs):
+    """Engines on tiny-moe by weights — fp32, int8 (quantized at load), "int8-checkpoint" and "int4"
+    (the quantized checkpoints) — and INT8 kernel."""
     made = {}
 
-    def get(quantization: str, kernel: str = "native", **settings) -> Engine:
-        key = (quantization, kernel, tuple(sorted(settings.items())))
+    def get(weights: str, kernel: str = "native", **settings) -> Engine:
+        key = (weights, kernel, tuple(sorted(settings.items())))
         if key not in made:
             loaded = next((e.loaded for k, e in made.items() if k[:2] == key[:2]), None)
-            s = make_settings(
-                cache_dir, model_path=tiny_moe_dir, quantization=quantization, int8_kernel=kernel, **settings
-            )
+            path = quantized_dirs.get(weights, tiny_moe_dir)
+            quantization = "fp32" if weights == "fp32" else "int8"
+            s = make_settings(cache_dir, model_path=path, quantization=quantization, int8_kernel=kernel, **settings)
             made[key] = Engine(loaded or load_model(s), s)
         return made[key]
 
     return get
+
+
+def exact_engine(engines, kernel: str) -> Engine:
+    """INT8 experts on `kernel`, or ("int4") the 4-bit checkpoint's."""
+    return engines("int4") if kernel == "int4" else engines("int8", kernel)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +85,7 @@ def test_loads_as_a_mixture_of_experts_with_int8_experts_and_its_own_embedding(e
     sparse, dense = layers[0].mlp, layers[1].mlp
     assert isinstance(sparse.experts, ExpertLinears) and len(sparse.experts.gate_up) == 8
     assert all(isinstance(m, Int8Linear) for m in [*sparse.experts.gate_up, *sparse.experts.down])
-    assert sparse.experts.gate_up[0].out_features == 2 * 48 and sparse.experts.down[0].in_features == 48
+    assert sparse.experts.gate_up[0].out_features == 2 * 96 and sparse.experts.down[0].in_features == 96
     assert sparse.gate.weight.dtype == torch.float32  # the router stays a float matrix
     assert isinstance(dense.gate_up_proj, Int8Linear)  # mlp_only_layers: a dense MLP beside the experts
     embedding = model.model.language_model.embed_tokens
@@ -142,12 +165,27 @@ def test_the_forward_computes_what_transformers_moe_forward_computes(engines, at
     assert float((got - reference).abs().max() / reference.abs().max()) < tolerance
 
 
-# -- INT8 experts: the same bits on every path --------------------------------------------------
+def test_quantized_checkpoints_hold_the_experts_and_answer_as_quantizing_at_load(engines, attention):
+    """The INT8 checkpoint's experts are the same Int8Linears quantizing at load makes (the same logits,
+    bit for bit); the 4-bit one's are Int4Linears, gate/up and down (groups of 64 and 32 inputs)."""
+    from service.quant.int4_linear import Int4Linear
+
+    experts = engines("int4").model.model.language_model.layers[2].mlp.experts
+    assert all(isinstance(m, Int4Linear) for m in [*experts.gate_up, *experts.down])
+    assert (experts.gate_up[0].group, experts.down[0].group) == (64, 32)
+    at_load, checkpoint = engines("int8"), engines("int8-checkpoint")
+    rows = prompt_rows(at_load, a_picture_and_a_question(at_load))
+    _, expected = prefill(TextForward(at_load.model, attention), rows, [len(rows.ids)], torch.float32, every_row=True)
+    _, got = prefill(TextForward(checkpoint.model, attention), rows, [len(rows.ids)], torch.float32, every_row=True)
+    assert torch.equal(got, expected)
+
+
+# -- INT8 and 4-bit experts: the same bits on every path -----------------------------------------
 
 
 @KERNELS
 def test_a_prompt_in_pieces_of_any_size_gives_the_same_bits(engines, attention, kernel):
-    engine = engines("int8", kernel)
+    engine = exact_engine(engines, kernel)
     forward = TextForward(engine.model, attention)
     rows = prompt_rows(engine, a_picture_and_a_question(engine))
     length = len(rows.ids)
@@ -161,7 +199,7 @@ def test_a_prompt_in_pieces_of_any_size_gives_the_same_bits(engines, attention, 
 
 @KERNELS
 def test_a_generated_token_gets_the_same_bits_a_later_prefill_computes_for_it(engines, attention, kernel):
-    engine = engines("int8", kernel)
+    engine = exact_engine(engines, kernel)
     forward = TextForward(engine.model, attention)
     parts = a_picture_and_a_question(engine)
     rows = prompt_rows(engine, parts)
@@ -179,7 +217,7 @@ def test_a_generated_token_gets_the_same_bits_a_later_prefill_computes_for_it(en
 
 @KERNELS
 def test_sequences_alone_and_in_a_batch_of_four_give_the_same_bits(engines, attention, kernel):
-    engine = engines("int8", kernel)
+    engine = exact_engine(engines, kernel)
     forward = TextForward(engine.model, attention)
     prompts = [
         prompt_rows(engine, a_picture_and_a_question(engine)),
@@ -202,7 +240,7 @@ def test_sequences_alone_and_in_a_batch_of_four_give_the_same_bits(engines, atte
 
 @KERNELS
 def test_a_prefill_piece_beside_decode_rows_gives_each_the_same_bits(engines, attention, kernel):
-    engine = engines("int8", kernel)
+    engine = exact_engine(engines, kernel)
     forward = TextForward(engine.model, attention)
     runners = [prompt_rows(engine, [TextPart(q)]) for q in ("Hi.", "Tell me about squares, please.")]
     newcomer = prompt_rows(engine, a_picture_and_a_question(engine))
@@ -258,8 +296,12 @@ def test_the_comparison_catches_a_float_gemm_router():
 # -- through the engine ------------------------------------------------------------------------
 
 
-def test_greedy_answers_alone_and_in_a_batch_are_the_same_bits(engines):
-    engine = engines("int8", max_batch_size=4, prefill_chunk_tokens=24, cache_enabled=False)
+WEIGHTS = pytest.mark.parametrize("weights", ["int8", "int4"])
+
+
+@WEIGHTS
+def test_greedy_answers_alone_and_in_a_batch_are_the_same_bits(engines, weights):
+    engine = engines(weights, max_batch_size=4, prefill_chunk_tokens=24, cache_enabled=False)
     requests = [
         lambda: request([TextPart("Hi.")], max_tokens=24, logprobs=3),
         lambda: request(
@@ -277,17 +319,11 @@ def test_greedy_answers_alone_and_in_a_batch_are_the_same_bits(engines):
         assert a.logprobs == b.logprobs  # every log-probability and its alternatives, as floats
 
 
-def test_a_cache_hit_answers_the_bits_of_a_fresh_computation(engines, cache_dir, tiny_moe_dir):
-    engine = engines("int8")
-    pair = Engines(
-        cached=engine,
-        plain=Engine(
-            engine.loaded,
-            make_settings(
-                cache_dir, model_path=tiny_moe_dir, quantization="int8", int8_kernel="native", cache_enabled=False
-            ),
-        ),
-    )
+@WEIGHTS
+def test_a_cache_hit_answers_the_bits_of_a_fresh_computation(engines, cache_dir, weights):
+    engine = engines(weights)
+    plain = make_settings(cache_dir, model_path=engine.loaded.path, int8_kernel="native", cache_enabled=False)
+    pair = Engines(cached=engine, plain=Engine(engine.loaded, plain))
     picture = image(engine, 224, 160, seed=4)
     first, second = converse(pair, [user(picture, "What is in this picture?"), user("Tell me more.")], "moe-1")
     assert second.cached_tokens >= first.prompt_tokens - 1

@@ -246,11 +246,13 @@ def model_config(preset: str, ids: dict[str, int] | None = None, vocab_size: int
             initializer_range=0.3,
         )
         if preset == "tiny-moe":
-            # 8 experts, the top 4 per token; layer 1 a dense MLP (mlp_only_layers), as a checkpoint may have
+            # 8 experts, the top 4 per token; layer 1 a dense MLP (mlp_only_layers), as a checkpoint may have.
+            # Expert width 96: no expert tensor is square (the layout on disk would be ambiguous), and it
+            # splits into 4-bit groups (of 32).
             text.update(
                 num_experts=8,
                 num_experts_per_tok=4,
-                moe_intermediate_size=48,
+                moe_intermediate_size=96,
                 decoder_sparse_step=1,
                 mlp_only_layers=[1],
             )
