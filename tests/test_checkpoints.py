@@ -192,3 +192,44 @@ def test_cli_chat_answers_in_json_valid_against_a_schema_file(cache_dir, tiny_di
     (tmp_path / "bad.json").write_text('{"type": "object", "properties": {"a": {"pattern": "(?<=x)"}}}')
     refused = chat("--json-schema", str(tmp_path / "bad.json"))
     assert refused.returncode == 2 and "cannot be enforced" in refused.stderr
+
+
+def test_an_untied_dense_checkpoint_gets_its_own_embedding_table(cache_dir, tiny_dir, tmp_path):
+    """As Qwen3-VL-8B: lm_head and the embedding are separate matrices. Quantized at load and as a
+    checkpoint, the embedding is its own INT8 table (not lm_head's rows), and both give the same logits."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from service.model.attention import ExactAttention
+    from service.model.forward import Rows, TextForward
+    from service.quant.int8_linear import Int8Embedding, quantize_rows
+    from service.quant.quantized import write_quantized
+
+    untied = tmp_path / "untied"
+    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32)
+    model.config.tie_word_embeddings = model.config.text_config.tie_word_embeddings = False
+    model.lm_head.weight = nn.Parameter(
+        torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(1))
+    )
+    model.save_pretrained(untied)
+    for file in tiny_dir.iterdir():
+        if file.suffix != ".safetensors" and not (untied / file.name).exists():
+            shutil.copy2(file, untied / file.name)
+    with safe_open(untied / "model.safetensors", "pt") as f:
+        table = f.get_tensor("model.language_model.embed_tokens.weight")
+        assert not torch.equal(table, f.get_tensor("lm_head.weight"))
+    again = Qwen3VLForConditionalGeneration.from_pretrained(untied, dtype=torch.float32)
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight)  # loads untied, as saved
+    logits = []
+    for path in (untied, write_quantized(untied, tmp_path / "untied-int8", progress=False)):
+        loaded = load_model(make_settings(cache_dir, model_path=path, quantization="int8", int8_kernel="native"))
+        embedding = loaded.model.model.language_model.embed_tokens
+        assert isinstance(embedding, Int8Embedding)
+        rows, scales = quantize_rows(table)
+        assert torch.equal(embedding.rows, rows) and torch.equal(embedding.scales, scales)
+        forward = TextForward(loaded.model, ExactAttention.load())
+        logits.append(forward(torch.arange(40, 60), torch.arange(20), [Rows(forward.new_cache(torch.float32), 20)]))
+    assert torch.equal(logits[0], logits[1])
