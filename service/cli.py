@@ -228,7 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     make = sub.add_parser("make-model", help="write a random-weight Qwen3-VL checkpoint (tests, benchmarks)")
-    make.add_argument("--preset", choices=["tiny", "2b"], default="tiny")
+    make.add_argument(
+        "--preset",
+        choices=["tiny", "tiny-moe", "2b", "4b", "8b"],
+        default="tiny",
+        help="the test models (tiny, tiny-moe: a mixture of experts) or a release's exact shapes, in bf16 "
+        "(2b ~4.3 GB, 4b ~8.9 GB, 8b ~17.5 GB): docs/models.md",
+    )
     make.add_argument("out_dir")
     make.set_defaults(func=cmd_make_model)
 

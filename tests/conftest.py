@@ -63,6 +63,22 @@ def tiny_dir(cache_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_dir(cache_dir) -> Path:
+    """The mixture-of-experts test model (`make-model --preset tiny-moe`), built once per cache."""
+    from service.model.checkpoints import make_checkpoint
+
+    path = cache_dir / "embedded-tiny-moe"
+    if not (path / "config.json").exists():
+        staging = Path(tempfile.mkdtemp(prefix=".building-", dir=cache_dir))
+        make_checkpoint("tiny-moe", staging)
+        try:
+            staging.rename(path)
+        except OSError:  # another session sharing TEST_CACHE_DIR finished first
+            shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+@pytest.fixture(scope="session")
 def no_end_of_turn(tiny_dir) -> dict[str, int]:
     """A logit_bias that keeps the embedded model from ending its answer: for tests that need an
     answer of exactly max_tokens (the random model's greedy text may end anywhere)."""

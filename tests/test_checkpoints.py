@@ -10,7 +10,7 @@ import sys
 import pytest
 from torch import nn
 
-from service.model.checkpoints import make_checkpoint
+from service.model.checkpoints import BUILT, PRESETS, make_checkpoint, model_config
 from service.model.loading import load_model
 from service.quant.int8_linear import Int8Linear
 
@@ -31,6 +31,57 @@ def test_checkpoint_creation_is_deterministic(tmp_path):
     } <= set(names)
     match, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
     assert mismatch == [] and errors == []
+
+
+# The releases' parameter counts (docs/models.md says where they come from); 2B's from the 2B release.
+PUBLISHED_PARAMETERS = {"2b": 2_127_532_032, "4b": 4_437_815_808, "8b": 8_767_123_696, "30b-a3b": 31_070_754_032}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMETERS))
+def test_presets_have_the_releases_shapes(preset):
+    """Each preset's config, built on the meta device (no memory): the release's parameter count to
+    the last digit, its class, its tied or untied embedding."""
+    import torch
+
+    from service.quant.fusion import model_class
+
+    config = model_config(preset)
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    assert sum(t.numel() for t in model.parameters()) == PUBLISHED_PARAMETERS[preset]
+    tied = model.lm_head.weight is model.model.language_model.embed_tokens.weight
+    assert tied == (preset in ("2b", "4b"))
+    assert (config.model_type == "qwen3_vl_moe") == (preset == "30b-a3b")
+    assert config.vision_config.out_hidden_size == config.text_config.hidden_size
+    if preset == "30b-a3b":
+        text = config.text_config
+        assert (text.num_experts, text.num_experts_per_tok, text.moe_intermediate_size) == (128, 8, 768)
+        assert (text.num_hidden_layers, text.num_key_value_heads, text.mlp_only_layers) == (48, 4, [])
+        experts = model.model.language_model.layers[0].mlp.experts
+        assert tuple(experts.gate_up_proj.shape) == (128, 1536, 2048) and tuple(experts.down_proj.shape) == (
+            128,
+            2048,
+            768,
+        )
+
+
+def test_the_30b_preset_is_a_config_only_for_now(tmp_path):
+    assert set(PRESETS) - set(BUILT) == {"30b-a3b"}
+    with pytest.raises(ValueError, match="4-bit"):
+        make_checkpoint("30b-a3b", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_tiny_moe_stores_its_experts_as_the_releases_do(tiny_moe_dir):
+    """[experts, hidden, 2·width] and [experts, width, hidden]: the layout transformers converts at load."""
+    from safetensors import safe_open
+
+    config = json.loads((tiny_moe_dir / "config.json").read_text())
+    assert config["model_type"] == "qwen3_vl_moe" and config["tie_word_embeddings"] is False
+    with safe_open(tiny_moe_dir / "model.safetensors", "pt") as f:
+        assert f.get_slice("model.language_model.layers.0.mlp.experts.gate_up_proj").get_shape() == [8, 64, 192]
+        assert f.get_slice("model.language_model.layers.2.mlp.experts.down_proj").get_shape() == [8, 96, 64]
+        assert "model.language_model.layers.1.mlp.gate_proj.weight" in f.keys()  # mlp_only_layers: dense
 
 
 def test_embedded_model_is_marked_random_and_uses_real_qwen_token_layout(tiny_dir):
@@ -141,3 +192,44 @@ def test_cli_chat_answers_in_json_valid_against_a_schema_file(cache_dir, tiny_di
     (tmp_path / "bad.json").write_text('{"type": "object", "properties": {"a": {"pattern": "(?<=x)"}}}')
     refused = chat("--json-schema", str(tmp_path / "bad.json"))
     assert refused.returncode == 2 and "cannot be enforced" in refused.stderr
+
+
+def test_an_untied_dense_checkpoint_gets_its_own_embedding_table(cache_dir, tiny_dir, tmp_path):
+    """As Qwen3-VL-8B: lm_head and the embedding are separate matrices. Quantized at load and as a
+    checkpoint, the embedding is its own INT8 table (not lm_head's rows), and both give the same logits."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from service.model.attention import ExactAttention
+    from service.model.forward import Rows, TextForward
+    from service.quant.int8_linear import Int8Embedding, quantize_rows
+    from service.quant.quantized import write_quantized
+
+    untied = tmp_path / "untied"
+    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32)
+    model.config.tie_word_embeddings = model.config.text_config.tie_word_embeddings = False
+    model.lm_head.weight = nn.Parameter(
+        torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(1))
+    )
+    model.save_pretrained(untied)
+    for file in tiny_dir.iterdir():
+        if file.suffix != ".safetensors" and not (untied / file.name).exists():
+            shutil.copy2(file, untied / file.name)
+    with safe_open(untied / "model.safetensors", "pt") as f:
+        table = f.get_tensor("model.language_model.embed_tokens.weight")
+        assert not torch.equal(table, f.get_tensor("lm_head.weight"))
+    again = Qwen3VLForConditionalGeneration.from_pretrained(untied, dtype=torch.float32)
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight)  # loads untied, as saved
+    logits = []
+    for path in (untied, write_quantized(untied, tmp_path / "untied-int8", progress=False)):
+        loaded = load_model(make_settings(cache_dir, model_path=path, quantization="int8", int8_kernel="native"))
+        embedding = loaded.model.model.language_model.embed_tokens
+        assert isinstance(embedding, Int8Embedding)
+        rows, scales = quantize_rows(table)
+        assert torch.equal(embedding.rows, rows) and torch.equal(embedding.scales, scales)
+        forward = TextForward(loaded.model, ExactAttention.load())
+        logits.append(forward(torch.arange(40, 60), torch.arange(20), [Rows(forward.new_cache(torch.float32), 20)]))
+    assert torch.equal(logits[0], logits[1])

@@ -26,6 +26,16 @@ RANDOM_MODEL_WARNING = (
     "Set MODEL_PATH to a Qwen3-VL checkpoint directory for real answers."
 )
 
+# The released checkpoints' ids of the special tokens the configs name.
+REAL_IDS = {
+    "<|endoftext|>": 151643,
+    "<|im_end|>": 151645,
+    "<|vision_start|>": 151652,
+    "<|vision_end|>": 151653,
+    "<|image_pad|>": 151655,
+    "<|video_pad|>": 151656,
+}
+
 # Qwen's special tokens, in the order (and so with the relative ids) of the real tokenizer.
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -178,10 +188,41 @@ def write_image_processor_config(out_dir: Path) -> None:
     (out_dir / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _model_config(preset: str, ids: dict[str, int], vocab_size: int):
-    from transformers import Qwen3VLConfig
+# The releases' shapes, as their published config.json files give them (docs/models.md names the
+# sources). `tiny` and `tiny-moe` are the test models: the same structure, a few units of each.
+PRESETS = ("tiny", "tiny-moe", "2b", "4b", "8b", "30b-a3b")
+TINY = ("tiny", "tiny-moe")
+MOE = ("tiny-moe", "30b-a3b")
+BUILT = ("tiny", "tiny-moe", "2b", "4b", "8b")  # make_checkpoint writes these (30b-a3b: its config only, for now)
 
-    if preset == "tiny":
+_ROPE = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20], "mrope_interleaved": True}
+_TEXT = {  # text decoder: hidden, MLP width, layers, query heads, KV heads (head_dim 128 for all releases)
+    "2b": (2048, 6144, 28, 16, 8),
+    "4b": (2560, 9728, 36, 32, 8),
+    "8b": (4096, 12288, 36, 32, 8),
+    "30b-a3b": (2048, 6144, 48, 32, 4),  # MLP width unused: every layer is a mixture of experts
+}
+_VISION = {  # vision tower: depth, hidden, MLP width, heads, DeepStack layers (out_hidden_size = the text hidden)
+    "2b": (24, 1024, 4096, 16, [5, 11, 17]),
+    "4b": (24, 1024, 4096, 16, [5, 11, 17]),
+    "8b": (27, 1152, 4304, 16, [8, 16, 24]),
+    "30b-a3b": (27, 1152, 4304, 16, [8, 16, 24]),
+}
+TIED = {"tiny": True, "tiny-moe": False, "2b": True, "4b": True, "8b": False, "30b-a3b": False}
+# 30B-A3B: 128 experts, the top 8 per token (their probabilities renormalised over the 8), expert MLP
+# 2048 → 768 → 2048, every layer sparse (decoder_sparse_step 1, mlp_only_layers []).
+_EXPERTS = {"30b-a3b": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)}
+
+
+def model_config(preset: str, ids: dict[str, int] | None = None, vocab_size: int = 151936):
+    """The preset's config (a Qwen3VLConfig, or a Qwen3VLMoeConfig for the mixtures of experts);
+    `ids`: the special tokens' ids (the real tokenizer's when None)."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: use one of {', '.join(PRESETS)}")
+    ids = ids or REAL_IDS
+    if preset in TINY:
         text = dict(
             vocab_size=vocab_size,
             hidden_size=64,
@@ -191,12 +232,7 @@ def _model_config(preset: str, ids: dict[str, int], vocab_size: int):
             num_key_value_heads=2,
             head_dim=16,
             max_position_embeddings=32768,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 5_000_000.0,
-                "mrope_section": [4, 2, 2],
-                "mrope_interleaved": True,
-            },
+            rope_parameters={**_ROPE, "mrope_section": [4, 2, 2]},
             # Large init so greedy tokens vary: at 0.02 a random model emits one constant token.
             initializer_range=0.3,
         )
@@ -209,35 +245,44 @@ def _model_config(preset: str, ids: dict[str, int], vocab_size: int):
             deepstack_visual_indexes=[0, 1],
             initializer_range=0.3,
         )
-    elif preset == "2b":
+        if preset == "tiny-moe":
+            # 8 experts, the top 4 per token; layer 1 a dense MLP (mlp_only_layers), as a checkpoint may have.
+            # Expert width 96: no expert tensor is square (the layout on disk would be ambiguous), and it
+            # splits into 4-bit groups (of 32).
+            text.update(
+                num_experts=8,
+                num_experts_per_tok=4,
+                moe_intermediate_size=96,
+                decoder_sparse_step=1,
+                mlp_only_layers=[1],
+            )
+    else:
+        hidden, width, layers, heads, kv_heads = _TEXT[preset]
         text = dict(
-            vocab_size=151936,
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=width,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
             head_dim=128,
             max_position_embeddings=262144,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 5_000_000.0,
-                "mrope_section": [24, 20, 20],
-                "mrope_interleaved": True,
-            },
+            rope_parameters=dict(_ROPE),
             initializer_range=0.02,
         )
+        text.update(_EXPERTS.get(preset, {}))
+        if preset in MOE:
+            text.update(decoder_sparse_step=1, mlp_only_layers=[])
+        depth, vision_hidden, vision_width, vision_heads, deepstack = _VISION[preset]
         vision = dict(
-            depth=24,
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_heads=16,
-            out_hidden_size=2048,
-            deepstack_visual_indexes=[5, 11, 17],
+            depth=depth,
+            hidden_size=vision_hidden,
+            intermediate_size=vision_width,
+            num_heads=vision_heads,
+            out_hidden_size=hidden,
+            deepstack_visual_indexes=deepstack,
             initializer_range=0.02,
         )
-    else:
-        raise ValueError(f"unknown preset {preset!r}: use 'tiny' or '2b'")
     vision.update(
         patch_size=16,
         spatial_merge_size=2,
@@ -250,47 +295,83 @@ def _model_config(preset: str, ids: dict[str, int], vocab_size: int):
         hidden_act="silu",
         rms_norm_eps=1e-6,
         attention_bias=False,
-        tie_word_embeddings=True,
+        tie_word_embeddings=TIED[preset],
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
     )
-    return Qwen3VLConfig(
+    return (Qwen3VLMoeConfig if preset in MOE else Qwen3VLConfig)(
         text_config=text,
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True,
+        tie_word_embeddings=TIED[preset],
     )
 
 
 def make_checkpoint(preset: str, out_dir: str | os.PathLike) -> Path:
     """Write a random-weight Qwen3-VL checkpoint to `out_dir`, deterministically (seeded).
 
-    `tiny` is the embedded test model (fp32, ~1 MB, ~1 s); `2b` has the exact shapes of
-    Qwen3-VL-2B, stored in bf16 like the real checkpoint (~4.3 GB).
+    `tiny` is the embedded test model (fp32, ~1 MB, ~1 s) and `tiny-moe` its mixture-of-experts
+    twin (8 experts, top 4, untied embedding); `2b`, `4b` and `8b` have the exact shapes of
+    Qwen3-VL-2B, -4B and -8B, stored in bf16 like the real checkpoints (~4.3, ~8.9 and ~17.5 GB).
     """
-    from transformers import Qwen3VLForConditionalGeneration
+    if preset not in BUILT:
+        raise ValueError(
+            f"preset {preset!r} cannot be written yet: use one of {', '.join(BUILT)}"
+            + (
+                " (30b-a3b: ~62 GB in bf16; it is to be written straight into the 4-bit format)"
+                if preset in PRESETS
+                else ""
+            )
+        )
+    from ..quant.fusion import model_class
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    vocab_size = 1024 if preset == "tiny" else 4096
-    ids = train_tokenizer(out_dir, vocab_size)
+    tiny = preset in TINY
+    ids = train_tokenizer(out_dir, 1024 if tiny else 4096)
     write_image_processor_config(out_dir)
-    # The tiny model's vocabulary is exactly its tokenizer's, so every sampled id decodes to text.
-    config = _model_config(preset, ids, max(ids.values()) + 1 if preset == "tiny" else 151936)
-    dtype = torch.float32 if preset == "tiny" else torch.bfloat16
+    # The tiny models' vocabulary is exactly their tokenizer's, so every sampled id decodes to text.
+    config = model_config(preset, ids, max(ids.values()) + 1 if tiny else 151936)
+    dtype = torch.float32 if tiny else torch.bfloat16
     config.dtype = dtype
     setattr(config, RANDOM_MODEL_MARKER, True)
     torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration._from_config(config, dtype=dtype)
+    model = model_class(config)._from_config(config, dtype=dtype)
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(out_dir, max_shard_size="2GB")
+    if preset in MOE:
+        store_experts_as_released(out_dir)
     log.info("wrote %s random Qwen3-VL checkpoint to %s", preset, out_dir)
     return out_dir
+
+
+# transformers 5 keeps a layer's experts as [experts, 2·width, hidden] (gate_up) and [experts, hidden,
+# width] (down) and saves them so; the released Qwen3-VL-MoE checkpoints store each transposed
+# (transformers' conversion mapping for qwen3_vl_moe turns them at load).
+RELEASED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def store_experts_as_released(out_dir: Path) -> None:
+    """Rewrite the checkpoint's expert tensors in the releases' layout, so that the tests load what a
+    downloaded checkpoint holds (not a shape transformers happens to save)."""
+    from safetensors.torch import load_file, save_file
+
+    for file in sorted(Path(out_dir).glob("*.safetensors")):
+        tensors = load_file(file)
+        if any(name.endswith(RELEASED_EXPERTS) for name in tensors):
+            turned = {
+                n: t.transpose(1, 2).contiguous() if n.endswith(RELEASED_EXPERTS) else t for n, t in tensors.items()
+            }
+            save_file(turned, file, metadata={"format": "pt"})
+
+
+def _released(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.transpose(1, 2).contiguous() if name.endswith(RELEASED_EXPERTS) else tensor
 
 
 def embedded_model_dir(cache_dir: Path) -> Path:

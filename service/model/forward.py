@@ -14,7 +14,9 @@ The layer math is transformers' Qwen3-VL text decoder, read from the loaded mode
 weights and config, without its per-layer Python machinery (no masks: each sequence attends to
 exactly its own cache; rotary cos/sin once per call for every layer; q and k heads normed in one
 call; keys and values appended in place, service/model/kv.py; four Linear calls per layer,
-service/quant/fusion.py). tests/test_forward.py checks it against transformers' forward.
+service/quant/fusion.py). tests/test_forward.py checks it against transformers' forward. A
+mixture-of-experts layer (Qwen3-VL-MoE) runs its router and experts in the same place as a dense
+layer's MLP, each row alone too (service/model/moe.py; tests/test_moe.py).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..quant.fusion import is_moe_block
 from ..vision.features import VisionFeatures
 from .attention import TorchAttention
 from .kv import GrowingCache
+from .moe import MixtureOfExperts
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +44,10 @@ class _Layer:
     qk_norm: torch.Tensor  # (heads + kv_heads) × head_dim: q_norm's weight per query head, then k_norm's
     o_proj: nn.Module
     post_norm: torch.Tensor
-    gate_up: nn.Module
-    down: nn.Module
-    act: nn.Module
+    gate_up: nn.Module | None  # a dense MLP's; None in a mixture-of-experts layer
+    down: nn.Module | None
+    act: nn.Module | None
+    experts: MixtureOfExperts | None = None  # a mixture-of-experts layer's router and experts
 
 
 @dataclass
@@ -96,9 +101,7 @@ class TextForward:
                 ),
                 o_proj=layer.self_attn.o_proj,
                 post_norm=layer.post_attention_layernorm.weight,
-                gate_up=layer.mlp.gate_up_proj,
-                down=layer.mlp.down_proj,
-                act=layer.mlp.act_fn,
+                **_mlp(layer.mlp),
             )
             for layer in lm.layers
         ]
@@ -162,14 +165,24 @@ class TextForward:
                 lo = hi
             x = x + layer.o_proj(attended.view(rows, -1))
             h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(layer.act(gate) * up)
+            if layer.experts is not None:
+                x = x + layer.experts(h)
+            else:
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)
+                x = x + layer.down(layer.act(gate) * up)
             for index, features in vision:
                 if i < len(features.deepstack):
                     x[index] = x[index] + features.deepstack[i].to(x.dtype)
         if logits_rows is not None:
             x = x[logits_rows]
         return self.lm_head(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps))
+
+
+def _mlp(mlp: nn.Module) -> dict:
+    """A layer's MLP as `_Layer` holds it: a dense one's fused Linears, or a mixture of experts."""
+    if is_moe_block(mlp):
+        return dict(gate_up=None, down=None, act=None, experts=MixtureOfExperts(mlp))
+    return dict(gate_up=mlp.gate_up_proj, down=mlp.down_proj, act=mlp.act_fn)
 
 
 def _offsets(sequences: list[Rows]) -> list[int]:

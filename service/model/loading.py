@@ -13,7 +13,7 @@ from torch import nn
 
 from ..media.images import fit_processor
 from ..memory import MemoryGuard
-from ..quant.fusion import fuse_projections
+from ..quant.fusion import fuse_projections, model_class
 from ..quant.packing import FORMAT_INT4, int8_kernels
 from ..quant.quantized import load_quantized, published_checkpoint, quantize_in_place, quantized_marker
 from ..settings import Settings
@@ -96,7 +96,7 @@ def load_model(settings: Settings, threads: int | None = None) -> LoadedModel:
 
 
 def _load(settings: Settings) -> LoadedModel:
-    from transformers import Qwen3VLForConditionalGeneration
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     start = time.perf_counter()
@@ -119,7 +119,8 @@ def _load(settings: Settings) -> LoadedModel:
         else:
             # The checkpoint's own dtype (bf16 for Qwen's releases): no whole fp32 copy before quantizing.
             dtype = "auto" if settings.quantization == "int8" else torch.float32
-            model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=dtype)
+            # Qwen3-VL or Qwen3-VL-MoE, as the config says
+            model = model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype)
             model.eval()
             fuse_projections(model)
             if settings.quantization == "int8":

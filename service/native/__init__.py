@@ -48,7 +48,9 @@ SIMD = HERE / "simd.h"
 INT8_GEMM = Kernel(HERE / "int8_gemm.c", ("-ffp-contract=off",), (SIMD,))
 # its float steps are its own (nothing to match), fused where it says so: none may fuse behind its back
 INT4_GEMM = Kernel(HERE / "int4_gemm.c", ("-ffp-contract=off",), (SIMD,))
-KERNELS = (ATTENTION, INT8_GEMM, INT4_GEMM)
+# a mixture of experts' router: float sums in one fixed order, so no fused multiply-adds it did not write
+ROUTER = Kernel(HERE / "router.c", ("-ffp-contract=off",))
+KERNELS = (ATTENTION, INT8_GEMM, INT4_GEMM, ROUTER)
 
 
 @functools.cache

@@ -4,6 +4,11 @@ A decode step then makes 4 Linear calls per decoder layer instead of 7 (each cal
 weights once and pays a fixed overhead). Every output row keeps its own weights and scale (INT8
 scales are per output channel, activations per token), so the math per output is unchanged.
 The modules keep transformers' forward signatures: the model's own forward runs them.
+
+A mixture-of-experts layer (Qwen3-VL-MoE) keeps its experts as two 3-D tensors; here each expert
+becomes two Linears (`ExpertLinears`: its gate/up, already one, and its down), which INT8 and
+4-bit quantize as any other, so an expert's rows are computed by the same per-row kernels. The
+router (`mlp.gate`) stays as it is: a float matrix (service/model/moe.py computes it).
 """
 
 from __future__ import annotations
@@ -70,6 +75,49 @@ class FusedTextAttention(Qwen3VLTextAttention):
         return out.transpose(1, 2).to(query.dtype)  # a bf16 cache (KV_DTYPE): attention in bf16
 
 
+class ExpertLinears(nn.Module):
+    """A layer's experts as Linears: `gate_up[e]` (hidden → 2·width, gate rows then up rows, as
+    transformers' `gate_up_proj[e]`) and `down[e]` (width → hidden). `forward` is transformers'
+    experts forward (each expert over its rows, weighted outputs added in expert order), for the
+    model's own forward; the service's forward groups and adds them its own way (service/model/moe.py)."""
+
+    def __init__(self, experts: nn.Module):
+        super().__init__()
+        self.num_experts = experts.num_experts
+        self.act_fn = experts.act_fn
+        self.gate_up = nn.ModuleList(_linear(w) for w in experts.gate_up_proj.detach())
+        self.down = nn.ModuleList(_linear(w) for w in experts.down_proj.detach())
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():
+            token, rank = torch.where(top_k_index == expert)
+            gate, up = self.gate_up[expert](hidden_states[token]).chunk(2, dim=-1)
+            y = self.down[expert](self.act_fn(gate) * up) * top_k_weights[token, rank, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free Linear whose weight is `weight` (out × in; a view, meta stays meta)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
+
+
+def is_moe_block(mlp: nn.Module) -> bool:
+    """Whether a decoder layer's MLP is a mixture of experts (a router `gate` and `experts`)."""
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
+
+
+def model_class(config):
+    """transformers' class for a Qwen3-VL config: the dense model or the mixture of experts."""
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
+
+    moe = getattr(config, "model_type", None) == "qwen3_vl_moe"
+    return Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+
+
 class FusedTextMLP(Qwen3VLTextMLP):
     """Qwen3VLTextMLP.forward with gate and up from one `gate_up_proj`."""
 
@@ -97,8 +145,9 @@ def _concatenated(linears: list[nn.Linear]) -> nn.Linear:
 
 
 def fuse_projections(model) -> None:
-    """Replace every text layer's q/k/v and gate/up Linears by fused ones, in place (one layer's
-    projections are copied at a time). Works on a meta-device skeleton too."""
+    """Replace every text layer's q/k/v and gate/up Linears by fused ones, and a mixture of experts'
+    3-D expert tensors by `ExpertLinears`, in place (one layer's projections are copied at a time).
+    Works on a meta-device skeleton too."""
     for _, layer in text_layers(model):
         attn, mlp = layer.self_attn, layer.mlp
         parts = [attn.q_proj, attn.k_proj, attn.v_proj]
@@ -106,6 +155,9 @@ def fuse_projections(model) -> None:
         attn.qkv_proj = _concatenated(parts)
         del attn.q_proj, attn.k_proj, attn.v_proj
         attn.__class__ = FusedTextAttention
+        if is_moe_block(mlp):
+            mlp.experts = ExpertLinears(mlp.experts)
+            continue
         mlp.gate_up_proj = _concatenated([mlp.gate_proj, mlp.up_proj])
         del mlp.gate_proj, mlp.up_proj
         mlp.__class__ = FusedTextMLP

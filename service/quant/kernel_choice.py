@@ -70,10 +70,12 @@ class KernelChoice:
 
 
 def checkpoint_shapes(model_path: Path) -> tuple[int, int]:
-    """(hidden size, MLP width) of the checkpoint's text decoder, from its config.json."""
+    """(hidden size, MLP width) of the checkpoint's text decoder, from its config.json: an expert's
+    MLP width for a mixture of experts (what a decode step mostly reads)."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     text = config.get("text_config", config)
-    return int(text["hidden_size"]), int(text["intermediate_size"])
+    experts = text.get("num_experts") or text.get("num_local_experts")
+    return int(text["hidden_size"]), int(text["moe_intermediate_size"] if experts else text["intermediate_size"])
 
 
 def choose(setting: str, model_path: Path, cache_dir: Path, threads: int, rows: int) -> KernelChoice:

@@ -9,7 +9,8 @@ own INT8 weight — and dequantized on lookup.
 A checkpoint written by `python -m service quantize SRC DST` holds:
   config.json             SRC's config plus QUANTIZED_MARKER (how it was made, and its files)
   int8-NNNNN.safetensors  every nn.Linear of SRC (unfused): `<name>.weight` int8 [out, in], `<name>.weight_scale`
-                          fp32 [out] (zero point 0), `<name>.bias` fp32
+                          fp32 [out] (zero point 0), `<name>.bias` fp32; a mixture of experts' experts as
+                          Linears `<layer>.mlp.experts.gate_up.<e>` and `.down.<e>` (service/quant/fusion.py)
   resident.safetensors    memory-mapped while serving: the embedding as int8 rows + `weight_scale`,
                           and every other (small) tensor in fp32
   every other file of SRC (tokenizer, chat template, preprocessor and generation configs), copied
@@ -30,7 +31,7 @@ from torch import nn
 from ..memory import MIB, MemoryGuard, release_memory
 from ..threads import compute_on
 from . import packing, published
-from .fusion import fuse_projections
+from .fusion import fuse_projections, is_moe_block, model_class
 from .int4_linear import GROUP_SIZES, group_for, pack, quantize_groups
 from .int8_linear import Int8Embedding, Int8Linear, MappedInt8Linear, quantize_rows
 from .packing import (
@@ -102,10 +103,9 @@ def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 def skeleton(config) -> nn.Module:
     """The model with every parameter on the meta device (no memory) and real rotary buffers."""
     from accelerate import init_empty_weights
-    from transformers import Qwen3VLForConditionalGeneration
 
     with init_empty_weights(include_buffers=False):
-        return Qwen3VLForConditionalGeneration(config)
+        return model_class(config)(config)
 
 
 def quantize_in_place(
@@ -236,6 +236,39 @@ def _four_bit(
     return out
 
 
+EXPERT_TENSORS = ("gate_up_proj", "down_proj")  # a mixture-of-experts layer's 3-D tensors
+
+
+def _expert_weights(source: _SourceTensors, prefix: str, experts: nn.Module):
+    """(model Linear name, weight out × in) of each expert of one layer — `prefix.gate_up.E` (gate rows,
+    then up rows) and `prefix.down.E`, service/quant/fusion.py's `ExpertLinears` — from the layer's
+    3-D tensors, in transformers 5's layout or transposed as the releases store them."""
+    for tensor, part in zip(EXPERT_TENSORS, ("gate_up", "down")):
+        expected = tuple(getattr(experts, tensor).shape)
+        key = f"{prefix}.{tensor}"
+        weight = source.read([key])[key]
+        if tuple(weight.shape) != expected:
+            weight = weight.transpose(1, 2)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"{key}: shape {tuple(weight.shape)}, {expected} expected")
+        for e in range(weight.shape[0]):
+            yield f"{prefix}.{part}.{e}", weight[e]
+        del weight
+
+
+def _four_bit_weight(weight: torch.Tensor, name: str, spec: dict) -> dict | None:
+    """The 4-bit tensors of one unquantized Linear weight, or None when it stays INT8 (as `_four_bit`)."""
+    if spec["bits"] != 4 or name.startswith(spec["keep_8bit"]):
+        return None
+    group = group_for(weight.shape[1], spec["group_size"])
+    if group is None:
+        return None
+    values, zeros, scales = quantize_groups(weight, group, spec["symmetric"])
+    out = {f"{name}.{part}": t for part, t in pack(values, zeros, scales).items()}
+    out[f"{name}{INT4_SHAPE}"] = torch.tensor([values.shape[0], values.shape[1], group], dtype=torch.int32)
+    return out
+
+
 def write_quantized(
     src: str | Path,
     dst: str | Path,
@@ -272,6 +305,8 @@ def write_quantized(
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty")
     config = AutoConfig.from_pretrained(src)
+    if scheme is not None and model_class(config).__name__.startswith("Qwen3VLMoe"):
+        raise published.UnsupportedCheckpoint(f"{src}: a {scheme['quant_method'].upper()} mixture of experts")
     if scheme is not None:  # transformers would try to set up GPTQ/AWQ kernels from it; the skeleton needs none
         for holder in (config, getattr(config, "text_config", None)):
             if holder is not None and hasattr(holder, "quantization_config"):
@@ -288,6 +323,7 @@ def write_quantized(
     embedding: dict[str, torch.Tensor] = {}
     four_bit: list[str] = []  # model Linears written 4-bit (fused where the model fuses)
     four_bit_parts = 0  # the checkpoint Linears they replace
+    expert_int8 = 0  # experts' Linears written INT8
     for name, block in tqdm(quantization_blocks(model), desc="quantizing", unit="block", disable=not progress):
         linears = {n: model.get_submodule(n) for n in _linear_names(name, block)}
         for fused, parts in linear_groups(list(linears)).items():
@@ -315,6 +351,19 @@ def write_quantized(
                         }
                     shards.add(tensors)
             linear_params.update(f"{p}.{t}" for p in parts for t in ("weight", "bias"))
+        mlp = getattr(block, "mlp", None)
+        if mlp is not None and is_moe_block(mlp):
+            for expert, weight in _expert_weights(source, f"{name}.mlp.experts", mlp.experts):
+                packed = _four_bit_weight(weight, expert, spec)
+                if packed is not None:
+                    four_bit.append(expert)
+                    four_bit_parts += 1
+                else:
+                    rows, scales = quantize_rows(weight)
+                    packed = {f"{expert}.weight": rows, f"{expert}{SCALE}": scales}
+                    expert_int8 += 1
+                shards.add(packed)
+            linear_params.update(f"{name}.mlp.experts.{t}" for t in EXPERT_TENSORS)
         release_memory()
     shards.flush()
     if not embedding:
@@ -338,7 +387,7 @@ def write_quantized(
     if bits == 4:
         config_dict[QUANTIZED_MARKER].update(
             int4_linears=len(four_bit),
-            int8_linears=sum(1 for n in linear_params if n.endswith(".weight")) - four_bit_parts,
+            int8_linears=sum(1 for n in linear_params if n.endswith(".weight")) + expert_int8 - four_bit_parts,
         )
     # config.json last: a half-written directory has none, so it cannot be mistaken for a checkpoint.
     (dst / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")

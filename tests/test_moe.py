@@ -1,0 +1,332 @@
+"""The mixture-of-experts forward (service/model/moe.py) on `tiny-moe`: 8 experts, the top 4 per
+token, a dense layer among the sparse ones, an untied embedding, written as the releases store it.
+
+It computes what transformers' Qwen3-VL-MoE forward computes (fp32, within float rounding, the same
+greedy tokens), and with INT8 or 4-bit experts a token gets the same bits whichever path computes it —
+a prompt in one piece or in pieces, decoded or recomputed, alone or in a batch, beside another's
+prefill piece — and through the engine a greedy answer's every log-probability is the same alone, in
+a batch and after a cache hit. Its INT8 checkpoint answers as quantizing at load, bit for bit. The
+router's own kernel gives a row the same bits in any call, built for this CPU or for AVX2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_batching import Stream, request
+from test_caches import Engines, assistant, converse, image, user
+from test_forward import a_picture_and_a_question, decode, pieces, prefill, prompt_rows, same_kv
+
+from service.engine.engine import Engine, GenerationRequest
+from service.model.attention import ExactAttention
+from service.model.forward import Rows, TextForward
+from service.model.loading import load_model
+from service.model.moe import MixtureOfExperts, router_logits
+from service.model.prompts import ChatMessage, ImagePart, TextPart
+from service.quant.fusion import ExpertLinears
+from service.quant.int8_linear import Int8Embedding, Int8Linear
+
+from conftest import make_settings, prepared
+
+# the quick tier: the service's own INT8 kernel and the 4-bit one; the whole suite FBGEMM's too
+KERNELS = pytest.mark.parametrize(
+    "kernel",
+    ["native", pytest.param("fbgemm", marks=pytest.mark.slow), "int4"],
+    ids=["int8-native", "int8-fbgemm", "int4"],
+)
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(cache_dir, tiny_moe_dir):
+    """tiny-moe written by `python -m service quantize` (INT8) and `--bits 4` (every expert 4-bit)."""
+    from service.quant.quantized import write_quantized
+
+    dirs = {"int8-checkpoint": cache_dir / "tiny-moe-int8", "int4": cache_dir / "tiny-moe-int4"}
+    for kind, path in dirs.items():
+        if not (path / "config.json").exists():
+            write_quantized(tiny_moe_dir, path, progress=False, bits=4 if kind == "int4" else 8)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def engines(cache_dir, tiny_moe_dir, quantized_dirs):
+    """Engines on tiny-moe by weights — fp32, int8 (quantized at load), "int8-checkpoint" and "int4"
+    (the quantized checkpoints) — and INT8 kernel."""
+    made = {}
+
+    def get(weights: str, kernel: str = "native", **settings) -> Engine:
+        key = (weights, kernel, tuple(sorted(settings.items())))
+        if key not in made:
+            loaded = next((e.loaded for k, e in made.items() if k[:2] == key[:2]), None)
+            path = quantized_dirs.get(weights, tiny_moe_dir)
+            quantization = "fp32" if weights == "fp32" else "int8"
+            s = make_settings(cache_dir, model_path=path, quantization=quantization, int8_kernel=kernel, **settings)
+            made[key] = Engine(loaded or load_model(s), s)
+        return made[key]
+
+    return get
+
+
+def exact_engine(engines, kernel: str) -> Engine:
+    """INT8 experts on `kernel`, or ("int4") the 4-bit checkpoint's."""
+    return engines("int4") if kernel == "int4" else engines("int8", kernel)
+
+
+@pytest.fixture(scope="module")
+def attention():
+    return ExactAttention.load()
+
+
+def test_loads_as_a_mixture_of_experts_with_int8_experts_and_its_own_embedding(engines, tiny_moe_dir):
+    from safetensors import safe_open
+
+    model = engines("int8").model
+    layers = model.model.language_model.layers
+    sparse, dense = layers[0].mlp, layers[1].mlp
+    assert isinstance(sparse.experts, ExpertLinears) and len(sparse.experts.gate_up) == 8
+    assert all(isinstance(m, Int8Linear) for m in [*sparse.experts.gate_up, *sparse.experts.down])
+    assert sparse.experts.gate_up[0].out_features == 2 * 96 and sparse.experts.down[0].in_features == 96
+    assert sparse.gate.weight.dtype == torch.float32  # the router stays a float matrix
+    assert isinstance(dense.gate_up_proj, Int8Linear)  # mlp_only_layers: a dense MLP beside the experts
+    embedding = model.model.language_model.embed_tokens
+    assert isinstance(embedding, Int8Embedding) and isinstance(model.lm_head, Int8Linear)
+    with safe_open(tiny_moe_dir / "model.safetensors", "pt") as f:
+        table, head = f.get_tensor("model.language_model.embed_tokens.weight"), f.get_tensor("lm_head.weight")
+    assert not torch.equal(table, head)  # untied: the embedding is its own table, not lm_head's int8 rows
+    ids = torch.arange(len(table))
+    step = table.abs().amax(-1, keepdim=True) / 127  # one INT8 step of each row
+    assert bool(((embedding(ids) - table).abs() <= step / 2 + 1e-6).all())
+
+
+def test_tokens_choose_different_experts(engines, attention, monkeypatch):
+    """Different tokens go to different experts: the grouping below is exercised, not one expert."""
+    engine = engines("int8")
+    chosen = []
+    route = MixtureOfExperts.route
+
+    def recording(self, h):
+        weights, experts = route(self, h)
+        chosen.append(experts)
+        return weights, experts
+
+    monkeypatch.setattr(MixtureOfExperts, "route", recording)
+    rows = prompt_rows(engine, a_picture_and_a_question(engine))
+    prefill(TextForward(engine.model, attention), rows, [len(rows.ids)], torch.float32)
+    experts = torch.cat(chosen)
+    assert len(chosen) == 2  # layers 0 and 2 (layer 1 is dense)
+    assert len(experts.unique()) == 8
+    assert len({tuple(sorted(row.tolist())) for row in experts}) > 10
+
+
+@pytest.mark.parametrize("quantization", ["fp32", "int8"])
+def test_the_forward_computes_what_transformers_moe_forward_computes(engines, attention, tiny_moe_dir, quantization):
+    """A picture prompt, then 16 greedy tokens, through the service's forward and transformers' —
+    fp32: the untouched `Qwen3VLMoeForConditionalGeneration` from the checkpoint (its own router and
+    experts forward); int8: the loaded model's own forward. The same tokens; logits within float
+    rounding (fp32) or a level of INT8's per-row quantization."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    engine = engines(quantization)
+    forward = TextForward(engine.model, attention)
+    if quantization == "fp32":
+        model = Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
+        assert type(model.model.language_model.layers[0].mlp.experts).__name__ == "Qwen3VLMoeTextExperts"
+    else:
+        model = engine.model
+    parts = a_picture_and_a_question(engine)
+    rows = prompt_rows(engine, parts)
+    prompt = prepared(engine, GenerationRequest([ChatMessage("user", parts)]))
+    ours, first = prefill(forward, rows, pieces(len(rows.ids), 24), torch.float32)
+    logits, (answer,) = decode(forward, [ours], first[-1:], [rows.rope_delta], steps=16)
+    theirs = forward.new_cache(torch.float32)
+    with torch.inference_mode():
+        out = model(
+            input_ids=prompt.input_ids,
+            position_ids=model.model.get_rope_index(
+                prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, None
+            )[0],
+            mm_token_type_ids=prompt.mm_token_type_ids,
+            pixel_values=torch.cat(prompt.pixel_values),
+            image_grid_thw=prompt.image_grid_thw,
+            cache=theirs,
+            logits_to_keep=1,
+        )
+        reference, token = [out.logits[0, -1]], int(out.logits[0, -1].argmax())
+        for _ in range(16):
+            position = torch.tensor([theirs.get_seq_length() + rows.rope_delta]).view(1, 1, 1).expand(3, 1, 1)
+            row = model(input_ids=torch.tensor([[token]]), position_ids=position, cache=theirs).logits[0, -1]
+            token = int(row.argmax())
+            reference.append(row)
+    reference = torch.stack(reference)
+    got = torch.cat([first[-1:], logits[0]])
+    assert len(set(answer)) > 8  # a varied answer
+    assert [int(r.argmax()) for r in got] == [int(r.argmax()) for r in reference]
+    tolerance = 1e-5 if quantization == "fp32" else 2e-2
+    assert float((got - reference).abs().max() / reference.abs().max()) < tolerance
+
+
+def test_quantized_checkpoints_hold_the_experts_and_answer_as_quantizing_at_load(engines, attention):
+    """The INT8 checkpoint's experts are the same Int8Linears quantizing at load makes (the same logits,
+    bit for bit); the 4-bit one's are Int4Linears, gate/up and down (groups of 64 and 32 inputs)."""
+    from service.quant.int4_linear import Int4Linear
+
+    experts = engines("int4").model.model.language_model.layers[2].mlp.experts
+    assert all(isinstance(m, Int4Linear) for m in [*experts.gate_up, *experts.down])
+    assert (experts.gate_up[0].group, experts.down[0].group) == (64, 32)
+    at_load, checkpoint = engines("int8"), engines("int8-checkpoint")
+    rows = prompt_rows(at_load, a_picture_and_a_question(at_load))
+    _, expected = prefill(TextForward(at_load.model, attention), rows, [len(rows.ids)], torch.float32, every_row=True)
+    _, got = prefill(TextForward(checkpoint.model, attention), rows, [len(rows.ids)], torch.float32, every_row=True)
+    assert torch.equal(got, expected)
+
+
+# -- INT8 and 4-bit experts: the same bits on every path -----------------------------------------
+
+
+@KERNELS
+def test_a_prompt_in_pieces_of_any_size_gives_the_same_bits(engines, attention, kernel):
+    engine = exact_engine(engines, kernel)
+    forward = TextForward(engine.model, attention)
+    rows = prompt_rows(engine, a_picture_and_a_question(engine))
+    length = len(rows.ids)
+    whole_cache, whole = prefill(forward, rows, [length], torch.float32, every_row=True)
+    picture = int((rows.types == 1).nonzero()[0])
+    for ends in (list(range(1, length + 1)), pieces(length, 5, 17, 3), pieces(length, picture + 7, 1, 30)):
+        cache, logits = prefill(forward, rows, ends, torch.float32, every_row=True)
+        assert torch.equal(logits, whole)
+        assert same_kv(cache, whole_cache)
+
+
+@KERNELS
+def test_a_generated_token_gets_the_same_bits_a_later_prefill_computes_for_it(engines, attention, kernel):
+    engine = exact_engine(engines, kernel)
+    forward = TextForward(engine.model, attention)
+    parts = a_picture_and_a_question(engine)
+    rows = prompt_rows(engine, parts)
+    cache, first = prefill(forward, rows, pieces(len(rows.ids), 24, 24), torch.float32)
+    first = first[-1:]
+    logits, (answer,) = decode(forward, [cache], first, [rows.rope_delta])
+    assert len(set(answer)) > 8
+    again = prompt_rows(engine, parts, extra_ids=answer)
+    recomputed_cache, recomputed = prefill(
+        forward, again, pieces(len(again.ids), 40, 7, 13), torch.float32, every_row=True
+    )
+    assert same_kv(recomputed_cache, cache)
+    assert torch.equal(recomputed[len(rows.ids) - 1 :], torch.cat([first, logits[0]]))
+
+
+@KERNELS
+def test_sequences_alone_and_in_a_batch_of_four_give_the_same_bits(engines, attention, kernel):
+    engine = exact_engine(engines, kernel)
+    forward = TextForward(engine.model, attention)
+    prompts = [
+        prompt_rows(engine, a_picture_and_a_question(engine)),
+        prompt_rows(engine, [TextPart("Hi.")]),
+        prompt_rows(engine, [ImagePart(image(engine, 128, 256, seed=7)), TextPart("And this one?")]),
+        prompt_rows(engine, [TextPart("Tell me a long story about a red square and a blue circle, please.")]),
+    ]
+    alone = []
+    for p in prompts:
+        cache, first = prefill(forward, p, pieces(len(p.ids), 16), torch.float32)
+        alone.append((decode(forward, [cache], first[-1:], [p.rope_delta])[0][0], cache))
+    batch = [prefill(forward, p, pieces(len(p.ids), 16), torch.float32) for p in prompts]
+    together, _ = decode(
+        forward, [cache for cache, _ in batch], [first[-1] for _, first in batch], [p.rope_delta for p in prompts]
+    )
+    for (logits, cache), batched, (batched_cache, _) in zip(alone, together, batch, strict=True):
+        assert torch.equal(batched, logits)
+        assert same_kv(batched_cache, cache)
+
+
+@KERNELS
+def test_a_prefill_piece_beside_decode_rows_gives_each_the_same_bits(engines, attention, kernel):
+    engine = exact_engine(engines, kernel)
+    forward = TextForward(engine.model, attention)
+    runners = [prompt_rows(engine, [TextPart(q)]) for q in ("Hi.", "Tell me about squares, please.")]
+    newcomer = prompt_rows(engine, a_picture_and_a_question(engine))
+    started = [prefill(forward, p, [len(p.ids)], torch.float32) for p in runners]
+    tokens = torch.tensor([int(first[-1].argmax()) for _, first in started])
+    positions = torch.tensor([len(p.ids) + p.rope_delta for p in runners])
+    alone_rows = [
+        forward(tokens[b : b + 1], positions[b : b + 1], [Rows(cache, 1)]) for b, (cache, _) in enumerate(started)
+    ]
+    alone_cache, alone_piece = prefill(forward, newcomer, [len(newcomer.ids)], torch.float32, every_row=True)
+    mixed = [prefill(forward, p, [len(p.ids)], torch.float32)[0] for p in runners]
+    cache = forward.new_cache(torch.float32)
+    ids, piece_positions, (piece,) = newcomer.piece(cache, 0, len(newcomer.ids))
+    logits = forward(
+        torch.cat([ids, tokens]),
+        torch.cat([piece_positions, positions.expand(3, -1)], 1),
+        [piece, *(Rows(c, 1) for c in mixed)],
+    )
+    assert torch.equal(logits[: len(ids)], alone_piece)
+    assert all(torch.equal(logits[len(ids) + b], alone_rows[b][0]) for b in range(2))
+    assert same_kv(cache, alone_cache)
+
+
+# -- the router's kernel --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hidden", [64, 2048, 2053])  # tiny-moe's, 30B-A3B's, one that leaves a tail
+def test_the_router_gives_a_row_the_same_bits_in_any_call_and_on_avx2(hidden):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(37, hidden, generator=generator) * 3
+    weight = torch.randn(128, hidden, generator=generator) * 0.02
+    together = router_logits(x, weight)
+    alone = torch.cat([router_logits(x[i : i + 1], weight) for i in range(len(x))])
+    assert torch.equal(together, alone)
+    assert torch.equal(router_logits(x[5:11], weight), together[5:11])
+    assert torch.equal(router_logits(x, weight, march="x86-64-v3"), together)  # AVX2: the same lanes
+    fallback = router_logits(x, weight, march="fallback")  # no compiler: exact too, in its own order
+    assert torch.equal(fallback[3:4], router_logits(x[3:4], weight, march="fallback"))
+    reference = x.double() @ weight.double().T
+    assert float((together - reference).abs().max() / reference.abs().max()) < 1e-5
+
+
+def test_the_comparison_catches_a_float_gemm_router():
+    """The control: the router as a float GEMM (what transformers runs) gives a row other bits in a
+    call of 300 rows than alone (measured here with MKL; a near tie would choose other experts)."""
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(300, 2048, generator=generator), torch.randn(128, 2048, generator=generator) * 0.02
+    together = torch.nn.functional.linear(x, weight)
+    alone = torch.cat([torch.nn.functional.linear(x[i : i + 1], weight) for i in range(len(x))])
+    assert not torch.equal(together, alone)
+
+
+# -- through the engine ------------------------------------------------------------------------
+
+
+WEIGHTS = pytest.mark.parametrize("weights", ["int8", "int4"])
+
+
+@WEIGHTS
+def test_greedy_answers_alone_and_in_a_batch_are_the_same_bits(engines, weights):
+    engine = engines(weights, max_batch_size=4, prefill_chunk_tokens=24, cache_enabled=False)
+    requests = [
+        lambda: request([TextPart("Hi.")], max_tokens=24, logprobs=3),
+        lambda: request(
+            [ImagePart(image(engine, 256, 256)), TextPart("What is in this picture, in detail?")], logprobs=3
+        ),
+        lambda: request([TextPart("Tell me a long story about a red square, please.")], max_tokens=20, logprobs=3),
+        lambda: request([ImagePart(image(engine, 128, 128, seed=2)), TextPart("And this one?")], logprobs=3),
+    ]
+    alone = [Stream(engine, make()).start().join().done for make in requests]
+    streams = [Stream(engine, make()).start() for make in requests]
+    together = [s.join().done for s in streams]
+    assert len({tuple(d.token_ids) for d in alone}) == 4
+    for a, b in zip(alone, together, strict=True):
+        assert list(a.token_ids) == list(b.token_ids)
+        assert a.logprobs == b.logprobs  # every log-probability and its alternatives, as floats
+
+
+@WEIGHTS
+def test_a_cache_hit_answers_the_bits_of_a_fresh_computation(engines, cache_dir, weights):
+    engine = engines(weights)
+    plain = make_settings(cache_dir, model_path=engine.loaded.path, int8_kernel="native", cache_enabled=False)
+    pair = Engines(cached=engine, plain=Engine(engine.loaded, plain))
+    picture = image(engine, 224, 160, seed=4)
+    first, second = converse(pair, [user(picture, "What is in this picture?"), user("Tell me more.")], "moe-1")
+    assert second.cached_tokens >= first.prompt_tokens - 1
+    # a stateless client resending the history (its answer re-rendered as text) hits by prefix
+    history = [user(picture, "What is in this picture?"), assistant(first.text), user("And the colours?")]
+    assert pair.ask(history).cached_tokens > 0
