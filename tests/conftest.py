@@ -90,6 +90,15 @@ def run_probe(script: str, cache_dir, env: dict[str, str]) -> dict:
     return json.loads(done.stdout)
 
 
+def run_cli(*args: str, timeout: float = 120):
+    """`python -m service *args` in the checkout, as a user types it: the finished process, its
+    output as text."""
+    import subprocess
+
+    command = [sys.executable, "-m", "service", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
 def own_kv_disk_dir() -> str:
     """A new empty folder for a disk tier (KV_DISK_DIR), removed when the session ends: an engine or a
     server of a test starts with its caches empty unless the test shares a folder on purpose."""

@@ -5,7 +5,6 @@ The app in-process on the embedded model (Flask's test client: the schemas, not 
 
 from __future__ import annotations
 
-import base64
 import json
 
 import jsonschema
@@ -15,9 +14,9 @@ from referencing import Registry, Resource
 from service.api.app import create_app
 
 from conftest import make_settings
-from imaging import encode, pattern
+from imaging import data_url, encode, pattern
 
-PICTURE = "data:image/png;base64," + base64.b64encode(encode(pattern(96, 96), ".png")).decode()
+PICTURE = data_url(encode(pattern(96, 96), ".png"))
 WEATHER = {
     "type": "function",
     "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},

@@ -12,15 +12,13 @@ its 5 alternatives — floats in JSON, which round-trip exactly — are compared
 
 from __future__ import annotations
 
-import base64
-
 import pytest
 
-from imaging import encode, pattern
+from imaging import data_url, encode, pattern
 from servers import openai_client
 
 JPEG = encode(pattern(448, 448, seed=11), ".jpg")
-PICTURE = {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(JPEG).decode()}}
+PICTURE = {"type": "image_url", "image_url": {"url": data_url(JPEG, "image/jpeg")}}
 
 
 @pytest.fixture(scope="module", params=[{}, {"KV_DTYPE": "float32"}], ids=["defaults", "kv-fp32"])

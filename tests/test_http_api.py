@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import socket
 import threading
@@ -17,7 +16,7 @@ from service.api.app import create_app
 from service.engine.sampling import Sampler
 
 from conftest import make_settings
-from imaging import encode, pattern
+from imaging import data_url, encode, pattern
 from servers import gunicorn_server, metric, openai_client
 
 SERVER_ENV = {
@@ -40,10 +39,6 @@ def server(serve):
 @pytest.fixture(scope="module")
 def client(server):
     return openai_client(server, timeout=60)
-
-
-def data_url(img_bytes: bytes, mime="image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(img_bytes).decode()
 
 
 PNG = encode(pattern(320, 256), ".png")

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ from service.quant.int8_linear import Int8Linear
 from service.quant.packing import quantized_marker
 from service.quant.quantized import FORMAT_INT4, load_quantized
 
-from conftest import HAS_AVX512, ONLY_AVX2, ROOT, make_settings, run_probe
+from conftest import HAS_AVX512, ONLY_AVX2, make_settings, run_cli, run_probe
 
 
 def float_layer(in_features=2048, out_features=320, seed=0, bias=True) -> nn.Linear:
@@ -147,34 +145,11 @@ def test_quantize_bits_4_writes_the_text_decoder_4_bit_and_keeps_the_vision_towe
 
 def test_the_command_line_writes_one_too_and_refuses_a_bad_group(tiny_dir, tmp_path):
     dst = tmp_path / "int4"
-    run = subprocess.run(
-        [sys.executable, "-m", "service", "quantize", "--bits", "4", "--group-size", "32", str(tiny_dir), str(dst)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = run_cli("quantize", "--bits", "4", "--group-size", "32", str(tiny_dir), str(dst), timeout=300)
     assert run.returncode == 0, run.stderr
     assert "4-bit checkpoint" in run.stdout and f"MODEL_PATH={dst}" in run.stdout
     assert quantized_marker(dst)["group_size"] == 32
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "service",
-            "quantize",
-            "--bits",
-            "4",
-            "--group-size",
-            "48",
-            str(tiny_dir),
-            str(tmp_path / "x"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = run_cli("quantize", "--bits", "4", "--group-size", "48", str(tiny_dir), str(tmp_path / "x"), timeout=60)
     assert bad.returncode != 0 and "--group-size" in bad.stderr
 
 

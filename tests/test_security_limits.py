@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import base64
-
 import openai
 import pytest
 import requests
 
-from imaging import encode, pattern
+from imaging import data_url, encode, pattern
 from servers import openai_client
 
 KEY = "sk-test-0123456789abcdef"
@@ -84,7 +82,7 @@ def test_each_configured_key_works_including_through_the_openai_client(server):
 
 
 def _png_url(seed):
-    return "data:image/png;base64," + base64.b64encode(encode(pattern(64, 64, seed=seed), ".png")).decode()
+    return data_url(encode(pattern(64, 64, seed=seed), ".png"))
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ from service.vision.steps import run_to_end, video_steps
 
 from clips import WRITABLE, noise, write_clip
 from conftest import prepared, weights_settings
-from imaging import encode, pattern
+from imaging import data_url, encode, pattern
 from servers import openai_client
 
 LIMITS = VideoLimits(
@@ -444,10 +444,6 @@ def server(serve, tmp_path_factory):
     env = {"TMPDIR": str(tmpdir), "VIDEO_MAX_SECONDS": "20", "CONTEXT_LIMIT": "2048", "MAX_NEW_TOKENS": "64"}
     with serve(env, "video") as (base, _):
         yield SimpleNamespace(base=base, tmpdir=tmpdir)
-
-
-def data_url(data: bytes, mime: str) -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
 def test_native_multipart_video_streams_and_a_follow_up_reuses_the_cache(server, clip):
