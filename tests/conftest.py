@@ -172,15 +172,38 @@ def weights_settings(cache_dir, weights: str, **overrides):
     return make_settings(cache_dir, quantization=weights, **overrides)
 
 
+@pytest.fixture(scope="session")
+def loaded_model(request, cache_dir, tiny_dir):
+    """loaded_model(weights): the embedded model as `weights_settings(cache_dir, weights)` loads it
+    (fp32, int8 or int4), loaded once a session. A test that wants those settings' model takes it:
+    an Engine over it with other settings (caches, batch, KV dtype...) costs little next to a load."""
+    made = {}
+
+    def get(weights: str):
+        if weights not in made:
+            if weights == "int4":
+                request.getfixturevalue("int4_dir")
+            made[weights] = load_model(weights_settings(cache_dir, weights))
+        return made[weights]
+
+    return get
+
+
 @pytest.fixture(scope="session", params=["fp32", "int8", "int4"])
-def engine(request, cache_dir, tiny_dir) -> Engine:
-    if request.param == "int4":
-        request.getfixturevalue("int4_dir")
-    settings = weights_settings(cache_dir, request.param)
-    return Engine(load_model(settings), settings)
+def engine(request, cache_dir, loaded_model) -> Engine:
+    return Engine(loaded_model(request.param), weights_settings(cache_dir, request.param))
 
 
 @pytest.fixture(scope="session")
-def fp32_engine(cache_dir, tiny_dir) -> Engine:
-    settings = make_settings(cache_dir, quantization="fp32")
-    return Engine(load_model(settings), settings)
+def fp32_engine(cache_dir, loaded_model) -> Engine:
+    return Engine(loaded_model("fp32"), make_settings(cache_dir, quantization="fp32"))
+
+
+def app_on(loaded, settings):
+    """The service's Flask app (create_app, load="now") on a model already loaded, e.g. one of
+    `loaded_model` with the same settings: its loader hands over `loaded` instead of loading again."""
+    from service.api.app import create_app
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("service.model.loading.load_model", lambda settings, threads=None: loaded)
+        return create_app(settings, load="now")

@@ -9,10 +9,9 @@ import pytest
 from torch import nn
 
 from service.model.checkpoints import make_checkpoint
-from service.model.loading import load_model
 from service.quant.int8_linear import Int8Linear
 
-from conftest import make_settings, run_cli
+from conftest import run_cli
 
 
 def test_checkpoint_creation_is_deterministic(tmp_path):
@@ -40,10 +39,8 @@ def test_embedded_model_is_marked_random_and_uses_real_qwen_token_layout(tiny_di
     assert config["vision_start_token_id"] == ids["<|vision_start|>"]
 
 
-@pytest.mark.slow  # loads both checkpoints again (the quick tier's engines load them too)
-def test_loads_fp32_and_int8_through_the_public_loader(cache_dir, tiny_dir):
-    fp32 = load_model(make_settings(cache_dir, quantization="fp32"))
-    int8 = load_model(make_settings(cache_dir, quantization="int8"))
+def test_loads_fp32_and_int8_through_the_public_loader(loaded_model):
+    fp32, int8 = loaded_model("fp32"), loaded_model("int8")  # the public loader's, as the engines have them
     assert fp32.is_random and int8.is_random
     assert isinstance(int8.model.model.language_model.layers[0].self_attn.qkv_proj, Int8Linear)
     assert isinstance(int8.model.lm_head, Int8Linear)

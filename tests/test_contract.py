@@ -11,9 +11,7 @@ import jsonschema
 import pytest
 from referencing import Registry, Resource
 
-from service.api.app import create_app
-
-from conftest import make_settings
+from conftest import app_on, make_settings
 from imaging import data_url, encode, pattern
 
 PICTURE = data_url(encode(pattern(96, 96), ".png"))
@@ -24,8 +22,8 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def client(cache_dir, tiny_dir):
-    return create_app(make_settings(cache_dir), load="now").test_client()
+def client(cache_dir, loaded_model):
+    return app_on(loaded_model("int8"), make_settings(cache_dir)).test_client()
 
 
 @pytest.fixture(scope="module")

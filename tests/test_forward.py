@@ -38,14 +38,16 @@ FORCED_AVX2 = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS") == "AVX2"
 
 
 @pytest.fixture(scope="module")
-def engines(cache_dir, tiny_dir, int4_dir):
-    """Engines (for their prompts and vision encoder) by weights (fp32, int8, int4) and INT8 kernel."""
+def engines(cache_dir, tiny_dir, int4_dir, loaded_model):
+    """Engines (for their prompts and vision encoder) by weights (fp32, int8, int4) and INT8 kernel
+    (fp32 on the session's model: no INT8 kernel in it)."""
     made = {}
 
     def get(quantization: str, kernel: str = "fbgemm") -> Engine:
         if (quantization, kernel) not in made:
             settings = weights_settings(cache_dir, quantization, int8_kernel=kernel, cache_enabled=False)
-            made[quantization, kernel] = Engine(load_model(settings), settings)
+            loaded = loaded_model("fp32") if quantization == "fp32" else load_model(settings)
+            made[quantization, kernel] = Engine(loaded, settings)
         return made[quantization, kernel]
 
     return get

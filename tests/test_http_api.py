@@ -12,10 +12,9 @@ import pytest
 import requests
 
 from service import metrics
-from service.api.app import create_app
 from service.engine.sampling import Sampler
 
-from conftest import make_settings
+from conftest import app_on, make_settings
 from imaging import data_url, encode, pattern
 from servers import gunicorn_server, metric, openai_client
 
@@ -441,10 +440,10 @@ def test_a_model_that_fails_to_load_is_reported_by_ready_and_requests(cache_dir,
 
 
 @pytest.mark.slow
-def test_a_bug_in_a_handler_is_a_json_500_with_the_request_id(cache_dir, tiny_dir, caplog):
+def test_a_bug_in_a_handler_is_a_json_500_with_the_request_id(cache_dir, loaded_model, caplog):
     """The last-resort handler (here for a route that raises) answers in the API's error shape."""
 
-    app = create_app(make_settings(cache_dir), load="now")
+    app = app_on(loaded_model("int8"), make_settings(cache_dir))
 
     @app.get("/bug")
     def bug():
@@ -458,7 +457,9 @@ def test_a_bug_in_a_handler_is_a_json_500_with_the_request_id(cache_dir, tiny_di
 
 
 @pytest.mark.slow
-def test_a_failure_after_the_200_ends_the_stream_with_an_error_event_and_is_counted(cache_dir, tiny_dir, monkeypatch):
+def test_a_failure_after_the_200_ends_the_stream_with_an_error_event_and_is_counted(
+    cache_dir, loaded_model, monkeypatch
+):
     """A stream's status goes out before its first token: a later failure (here injected into the
     sampler after two tokens) must end the body with an error line / SSE error event — never a
     silent cut — and show in qwen3vl_stream_errors_total."""
@@ -472,7 +473,7 @@ def test_a_failure_after_the_200_ends_the_stream_with_an_error_event_and_is_coun
         return real_call(self, token_ids, logits, allowed)
 
     monkeypatch.setattr(Sampler, "__call__", failing_after_two)
-    client = create_app(make_settings(cache_dir), load="now").test_client()
+    client = app_on(loaded_model("int8"), make_settings(cache_dir)).test_client()
     counted = metrics.STREAM_ERRORS.labels("internal_error")
     before = counted._value.get()
 

@@ -44,9 +44,8 @@ def prequantized_engine(cache_dir, int8_dir) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def load_time_engine(cache_dir, tiny_dir) -> Engine:
-    settings = make_settings(cache_dir, quantization="int8", cache_enabled=False)
-    return Engine(load_model(settings), settings)
+def load_time_engine(cache_dir, loaded_model) -> Engine:
+    return Engine(loaded_model("int8"), make_settings(cache_dir, quantization="int8", cache_enabled=False))
 
 
 def greedy(engine: Engine, text: str, with_image: bool) -> Completion:
