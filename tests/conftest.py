@@ -25,8 +25,9 @@ os.environ.pop("MODEL_PATH", None)
 
 
 def pytest_collection_modifyitems(items):
-    """Every test that runs on a real Gunicorn (through the `serve` fixture, or `gunicorn_server`
-    itself: those mark themselves) is a `server` test: the quick tier leaves them out."""
+    """Every test that runs on a real Gunicorn (through the `serve` fixture, itself or under a shared
+    server's fixture, or `gunicorn_server` itself: those mark themselves) is a `server` test: the
+    quick tier leaves them out."""
     for item in items:
         if "serve" in item.fixturenames:
             item.add_marker(pytest.mark.server)
@@ -207,3 +208,57 @@ def app_on(loaded, settings):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("service.model.loading.load_model", lambda settings, threads=None: loaded)
         return create_app(settings, load="now")
+
+
+# -- servers shared by the session's modules (one Gunicorn start each) ------------------------------
+
+# The shared server's settings: enough new tokens and context for every module on it (the web page
+# stops a 1,400-token answer), a 20 s video limit (tests/test_video.py sends a 25 s clip to be refused).
+SHARED_ENV = {"MAX_NEW_TOKENS": "1500", "CONTEXT_LIMIT": "4096", "QUEUE_TIMEOUT": "60", "VIDEO_MAX_SECONDS": "20"}
+KEY = "sk-test-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# The keyed server's settings: API keys, and per-request limits at their smallest (the most a log may hold).
+KEYED_ENV = {
+    "API_KEYS": f"other-key, {KEY}",
+    "MAX_IMAGES_PER_REQUEST": "2",
+    "MAX_MESSAGES": "3",
+    "MAX_PROMPT_TOKENS": "300",
+    "MAX_STOP_STRINGS": "2",
+    "REQUEST_DEADLINE": "1.0",
+    "MAX_NEW_TOKENS": "4000",
+    "CONTEXT_LIMIT": "8192",
+    "ACCESS_LOG": "1",
+    "LOG_LEVEL": "debug",
+}
+
+
+@pytest.fixture(scope="session")
+def shared_server_tmpdir(tmp_path_factory) -> Path:
+    """The shared server's TMPDIR, its own: tests see that no temporary file outlives a request."""
+    return tmp_path_factory.mktemp("shared-server-tmp")
+
+
+@pytest.fixture(scope="session")
+def shared_server(serve, shared_server_tmpdir) -> str:
+    """The base URL of one Gunicorn with SHARED_ENV for every module that needs no settings of its own
+    (the embedded model, INT8, bf16 keys and values, PRELOAD). Tests on it assume nothing about what
+    other modules asked before them: counters as deltas, pictures and prompts of their own."""
+    with serve({**SHARED_ENV, "TMPDIR": str(shared_server_tmpdir)}, "shared") as (base, _):
+        yield base
+
+
+@pytest.fixture(scope="session")
+def keyed_server(serve):
+    """(base URL, log file) of one Gunicorn with KEYED_ENV: API keys and small per-request limits."""
+    with serve(KEYED_ENV, "keyed", headers=AUTH) as (base, _):
+        yield base, serve.log("keyed")
+
+
+@pytest.fixture(scope="session")
+def unloadable_server(serve, tmp_path_factory) -> str:
+    """The base URL of a Gunicorn whose model cannot load (a config.json of garbage): /health answers,
+    /ready and every request 503 model_load_failed once the load has failed (model_loading before)."""
+    broken = tmp_path_factory.mktemp("broken-model")
+    (broken / "config.json").write_text('{"model_type": "qwen3_vl", "text_config": "garbage"}')
+    with serve({"MODEL_PATH": str(broken)}, "unloadable", ready_path="/health") as (base, _):
+        yield base

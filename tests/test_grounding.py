@@ -135,10 +135,9 @@ def test_the_grounding_format_makes_even_the_random_model_answer_boxes(fp32_engi
         assert box.pixels == (round(x1 * 0.64, 1), round(y1 * 0.36, 1), round(x2 * 0.64, 1), round(y2 * 0.36, 1))
 
 
-@pytest.fixture(scope="module")
-def server(serve):
-    with serve({}, "grounding") as (base, _):
-        yield base
+@pytest.fixture
+def server(shared_server):
+    return shared_server
 
 
 def picture_message(png: bytes, text="Locate every object.", detail=None) -> list[dict]:

@@ -16,7 +16,7 @@ from service.engine.sampling import Sampler
 
 from conftest import app_on, make_settings
 from imaging import data_url, encode, pattern
-from servers import gunicorn_server, metric, openai_client
+from servers import metric, openai_client
 
 SERVER_ENV = {
     "QUEUE_SIZE": "1",
@@ -422,21 +422,15 @@ def test_health_and_ready(server):
         assert f'qwen3vl_int8_kernel_probe_milliseconds{{kernel="{kernel}",rows="1"}}' in metrics
 
 
-@pytest.mark.server
-def test_a_model_that_fails_to_load_is_reported_by_ready_and_requests(cache_dir, tmp_path):
-    broken = tmp_path / "broken-model"
-    broken.mkdir()
-    (broken / "config.json").write_text('{"model_type": "qwen3_vl", "text_config": "garbage"}')
-    with gunicorn_server(
-        {"MODEL_PATH": str(broken), "CACHE_DIR": str(cache_dir)}, tmp_path / "log", ready_path="/health"
-    ) as (base, _):
-        deadline = time.monotonic() + 60
-        while (r := requests.get(base + "/ready")).json()["error"]["code"] == "model_loading":
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
-        chat = requests.post(base + "/v1/chat", json={"prompt": "hi"})
-        assert chat.status_code == 503 and requests.get(base + "/health").status_code == 200
+def test_a_model_that_fails_to_load_is_reported_by_ready_and_requests(unloadable_server):
+    base = unloadable_server
+    deadline = time.monotonic() + 60
+    while (r := requests.get(base + "/ready")).json()["error"]["code"] == "model_loading":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
+    chat = requests.post(base + "/v1/chat", json={"prompt": "hi"})
+    assert chat.status_code == 503 and requests.get(base + "/health").status_code == 200
 
 
 @pytest.mark.slow

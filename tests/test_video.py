@@ -437,13 +437,11 @@ def test_videos_beyond_the_per_request_limit_are_refused(fp32_engine, clip):
 # -- through the HTTP API ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(serve, tmp_path_factory):
-    """A Gunicorn with its own TMPDIR (to see that no temporary file outlives a request)."""
-    tmpdir = tmp_path_factory.mktemp("server-tmp")
-    env = {"TMPDIR": str(tmpdir), "VIDEO_MAX_SECONDS": "20", "CONTEXT_LIMIT": "2048", "MAX_NEW_TOKENS": "64"}
-    with serve(env, "video") as (base, _):
-        yield SimpleNamespace(base=base, tmpdir=tmpdir)
+@pytest.fixture
+def server(shared_server, shared_server_tmpdir):
+    """The session's shared Gunicorn (VIDEO_MAX_SECONDS 20) and its own TMPDIR (to see that no
+    temporary file outlives a request)."""
+    return SimpleNamespace(base=shared_server, tmpdir=shared_server_tmpdir)
 
 
 def test_native_multipart_video_streams_and_a_follow_up_reuses_the_cache(server, clip):
