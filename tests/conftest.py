@@ -25,8 +25,9 @@ os.environ.pop("MODEL_PATH", None)
 
 
 def pytest_collection_modifyitems(items):
-    """Every test that runs on a real Gunicorn (through the `serve` fixture, or `gunicorn_server`
-    itself: those mark themselves) is a `server` test: the quick tier leaves them out."""
+    """Every test that runs on a real Gunicorn (through the `serve` fixture, itself or under a shared
+    server's fixture, or `gunicorn_server` itself: those mark themselves) is a `server` test: the
+    quick tier leaves them out."""
     for item in items:
         if "serve" in item.fixturenames:
             item.add_marker(pytest.mark.server)
@@ -104,6 +105,15 @@ def run_probe(script: str, cache_dir, env: dict[str, str]) -> dict:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
+
+
+def run_cli(*args: str, timeout: float = 120):
+    """`python -m service *args` in the checkout, as a user types it: the finished process, its
+    output as text."""
+    import subprocess
+
+    command = [sys.executable, "-m", "service", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def own_kv_disk_dir() -> str:
@@ -197,15 +207,92 @@ def weights_settings(cache_dir, weights: str, **overrides):
     return make_settings(cache_dir, quantization=weights, **overrides)
 
 
+@pytest.fixture(scope="session")
+def loaded_model(request, cache_dir, tiny_dir):
+    """loaded_model(weights): the embedded model as `weights_settings(cache_dir, weights)` loads it
+    (fp32, int8 or int4), loaded once a session. A test that wants those settings' model takes it:
+    an Engine over it with other settings (caches, batch, KV dtype...) costs little next to a load."""
+    made = {}
+
+    def get(weights: str):
+        if weights not in made:
+            if weights == "int4":
+                request.getfixturevalue("int4_dir")
+            made[weights] = load_model(weights_settings(cache_dir, weights))
+        return made[weights]
+
+    return get
+
+
 @pytest.fixture(scope="session", params=["fp32", "int8", "int4"])
-def engine(request, cache_dir, tiny_dir) -> Engine:
-    if request.param == "int4":
-        request.getfixturevalue("int4_dir")
-    settings = weights_settings(cache_dir, request.param)
-    return Engine(load_model(settings), settings)
+def engine(request, cache_dir, loaded_model) -> Engine:
+    return Engine(loaded_model(request.param), weights_settings(cache_dir, request.param))
 
 
 @pytest.fixture(scope="session")
-def fp32_engine(cache_dir, tiny_dir) -> Engine:
-    settings = make_settings(cache_dir, quantization="fp32")
-    return Engine(load_model(settings), settings)
+def fp32_engine(cache_dir, loaded_model) -> Engine:
+    return Engine(loaded_model("fp32"), make_settings(cache_dir, quantization="fp32"))
+
+
+def app_on(loaded, settings):
+    """The service's Flask app (create_app, load="now") on a model already loaded, e.g. one of
+    `loaded_model` with the same settings: its loader hands over `loaded` instead of loading again."""
+    from service.api.app import create_app
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("service.model.loading.load_model", lambda settings, threads=None: loaded)
+        return create_app(settings, load="now")
+
+
+# -- servers shared by the session's modules (one Gunicorn start each) ------------------------------
+
+# The shared server's settings: enough new tokens and context for every module on it (the web page
+# stops a 1,400-token answer), a 20 s video limit (tests/test_video.py sends a 25 s clip to be refused).
+SHARED_ENV = {"MAX_NEW_TOKENS": "1500", "CONTEXT_LIMIT": "4096", "QUEUE_TIMEOUT": "60", "VIDEO_MAX_SECONDS": "20"}
+KEY = "sk-test-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# The keyed server's settings: API keys, and per-request limits at their smallest (the most a log may hold).
+KEYED_ENV = {
+    "API_KEYS": f"other-key, {KEY}",
+    "MAX_IMAGES_PER_REQUEST": "2",
+    "MAX_MESSAGES": "3",
+    "MAX_PROMPT_TOKENS": "300",
+    "MAX_STOP_STRINGS": "2",
+    "REQUEST_DEADLINE": "1.0",
+    "MAX_NEW_TOKENS": "4000",
+    "CONTEXT_LIMIT": "8192",
+    "ACCESS_LOG": "1",
+    "LOG_LEVEL": "debug",
+}
+
+
+@pytest.fixture(scope="session")
+def shared_server_tmpdir(tmp_path_factory) -> Path:
+    """The shared server's TMPDIR, its own: tests see that no temporary file outlives a request."""
+    return tmp_path_factory.mktemp("shared-server-tmp")
+
+
+@pytest.fixture(scope="session")
+def shared_server(serve, shared_server_tmpdir) -> str:
+    """The base URL of one Gunicorn with SHARED_ENV for every module that needs no settings of its own
+    (the embedded model, INT8, bf16 keys and values, PRELOAD). Tests on it assume nothing about what
+    other modules asked before them: counters as deltas, pictures and prompts of their own."""
+    with serve({**SHARED_ENV, "TMPDIR": str(shared_server_tmpdir)}, "shared") as (base, _):
+        yield base
+
+
+@pytest.fixture(scope="session")
+def keyed_server(serve):
+    """(base URL, log file) of one Gunicorn with KEYED_ENV: API keys and small per-request limits."""
+    with serve(KEYED_ENV, "keyed", headers=AUTH) as (base, _):
+        yield base, serve.log("keyed")
+
+
+@pytest.fixture(scope="session")
+def unloadable_server(serve, tmp_path_factory) -> str:
+    """The base URL of a Gunicorn whose model cannot load (a config.json of garbage): /health answers,
+    /ready and every request 503 model_load_failed once the load has failed (model_loading before)."""
+    broken = tmp_path_factory.mktemp("broken-model")
+    (broken / "config.json").write_text('{"model_type": "qwen3_vl", "text_config": "garbage"}')
+    with serve({"MODEL_PATH": str(broken)}, "unloadable", ready_path="/health") as (base, _):
+        yield base

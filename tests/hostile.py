@@ -9,7 +9,7 @@ import struct
 
 from hypothesis import strategies as st
 
-from imaging import encode, pattern
+from imaging import data_url, encode, pattern
 
 _PNG = encode(pattern(64, 48), ".png")
 _JPEG = encode(pattern(64, 48), ".jpg")
@@ -55,10 +55,6 @@ json_values = st.recursive(
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(unicode_text, inner, max_size=4)),
     max_leaves=20,
 )
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
 image_urls = st.one_of(

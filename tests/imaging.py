@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import struct
 
 import cv2
@@ -26,6 +27,11 @@ def encode(img: np.ndarray, ext: str, params=()) -> bytes:
     ok, buf = cv2.imencode(ext, img, list(params))
     assert ok
     return buf.tobytes()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    """`data` as a data: URL (base64), as clients send pictures and clips inline."""
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
 def with_exif_orientation(jpeg: bytes, orientation: int) -> bytes:

@@ -24,14 +24,16 @@ from imaging import encode, pattern
 
 
 @pytest.fixture(scope="module")
-def engines(cache_dir, tiny_dir):
-    """fp32 and int8 engines with small prefill chunks, so prompts prefill in several pieces."""
+def engines(cache_dir, loaded_model):
+    """fp32 and int8 engines with small prefill chunks, so prompts prefill in several pieces (INT8
+    loaded for them: the kernels measured at load are measured on pieces of that size)."""
     made = {}
     for quantization in ("fp32", "int8"):
         settings = make_settings(
             cache_dir, quantization=quantization, max_batch_size=4, prefill_chunk_tokens=24, cache_enabled=False
         )
-        made[quantization] = Engine(load_model(settings), settings)
+        loaded = loaded_model("fp32") if quantization == "fp32" else load_model(settings)
+        made[quantization] = Engine(loaded, settings)
     bf16_kv = make_settings(
         cache_dir,
         quantization="int8",
@@ -246,9 +248,9 @@ def test_prefill_of_a_newcomer_is_interleaved_with_the_batchs_decoding(engines):
     runner.join()
 
 
-def test_beyond_the_batch_requests_wait_in_the_queue_and_beyond_the_queue_get_429(cache_dir, tiny_dir):
+def test_beyond_the_batch_requests_wait_in_the_queue_and_beyond_the_queue_get_429(cache_dir, loaded_model):
     settings = make_settings(cache_dir, quantization="fp32", max_batch_size=2, queue_size=1)
-    engine = Engine(load_model(settings), settings)
+    engine = Engine(loaded_model("fp32"), settings)
     running = [Stream(engine, request([TextPart("Go on.")], max_tokens=300)).start() for _ in range(2)]
     for s in running:
         wait_for_tokens(s, 2)
@@ -266,9 +268,9 @@ def test_beyond_the_batch_requests_wait_in_the_queue_and_beyond_the_queue_get_42
     running[1].join()
 
 
-def test_batch_size_one_runs_one_generation_at_a_time(cache_dir, tiny_dir):
+def test_batch_size_one_runs_one_generation_at_a_time(cache_dir, loaded_model):
     settings = make_settings(cache_dir, quantization="fp32", max_batch_size=1)
-    engine = Engine(load_model(settings), settings)
+    engine = Engine(loaded_model("fp32"), settings)
     streams = [Stream(engine, request([TextPart("hello")], max_tokens=30)).start() for _ in range(2)]
     a, b = sorted((s.join().arrivals for s in streams), key=lambda arrivals: arrivals[0])
     assert a[-1] <= b[0]

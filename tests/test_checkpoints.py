@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import filecmp
 import json
-import subprocess
-import sys
 
 import pytest
 from torch import nn
@@ -14,7 +12,7 @@ from service.model.checkpoints import BUILT, PRESETS, make_checkpoint, model_con
 from service.model.loading import load_model
 from service.quant.int8_linear import Int8Linear
 
-from conftest import ROOT, make_settings
+from conftest import make_settings, run_cli
 
 
 def test_checkpoint_creation_is_deterministic(tmp_path):
@@ -93,10 +91,8 @@ def test_embedded_model_is_marked_random_and_uses_real_qwen_token_layout(tiny_di
     assert config["vision_start_token_id"] == ids["<|vision_start|>"]
 
 
-@pytest.mark.slow  # loads both checkpoints again (the quick tier's engines load them too)
-def test_loads_fp32_and_int8_through_the_public_loader(cache_dir, tiny_dir):
-    fp32 = load_model(make_settings(cache_dir, quantization="fp32"))
-    int8 = load_model(make_settings(cache_dir, quantization="int8"))
+def test_loads_fp32_and_int8_through_the_public_loader(loaded_model):
+    fp32, int8 = loaded_model("fp32"), loaded_model("int8")  # the public loader's, as the engines have them
     assert fp32.is_random and int8.is_random
     assert isinstance(int8.model.model.language_model.layers[0].self_attn.qkv_proj, Int8Linear)
     assert isinstance(int8.model.lm_head, Int8Linear)
@@ -112,29 +108,10 @@ def test_cli_chat_streams_an_answer_and_prints_timings(cache_dir, tiny_dir, tmp_
 
     photo = tmp_path / "photo.jpg"
     photo.write_bytes(encode(pattern(640, 480), ".jpg"))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "service",
-            "chat",
-            "--image",
-            str(photo),
-            "--image",
-            str(photo),
-            "What is in this picture?",
-            "--max-tokens",
-            "12",
-            "--temperature",
-            "0",
-            "--cache-dir",
-            str(cache_dir),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_cli(
+        "chat", "--image", str(photo), "--image", str(photo), "What is in this picture?",
+        "--max-tokens", "12", "--temperature", "0", "--cache-dir", str(cache_dir),
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "RANDOM-WEIGHT" in result.stderr  # says loudly that the answer is noise
     for label in ("load", "image decode", "vision encode", "time to first token", "tok/s", "peak RSS"):
@@ -145,13 +122,7 @@ def test_cli_chat_streams_an_answer_and_prints_timings(cache_dir, tiny_dir, tmp_
 
 @pytest.mark.slow
 def test_cli_reports_bad_settings_readably(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "service", "chat", "hi", "--model-path", str(tmp_path / "nope")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_cli("chat", "hi", "--model-path", str(tmp_path / "nope"), timeout=60)
     assert result.returncode != 0
     assert "MODEL_PATH" in result.stderr and "is not a directory" in result.stderr
     assert "Traceback" not in result.stderr
@@ -159,13 +130,7 @@ def test_cli_reports_bad_settings_readably(tmp_path):
 
 @pytest.mark.slow
 def test_cli_make_model_writes_a_checkpoint(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "service", "make-model", "--preset", "tiny", str(tmp_path / "m")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_cli("make-model", "--preset", "tiny", str(tmp_path / "m"))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "m" / "model.safetensors").exists()
 
@@ -183,8 +148,7 @@ def test_cli_chat_answers_in_json_valid_against_a_schema_file(cache_dir, tiny_di
     (tmp_path / "schema.json").write_text(json.dumps(schema))
 
     def chat(*flags):
-        command = [sys.executable, "-m", "service", "chat", "Which animal?", "--cache-dir", str(cache_dir), *flags]
-        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        return run_cli("chat", "Which animal?", "--cache-dir", str(cache_dir), *flags)
 
     result = chat("--json-schema", str(tmp_path / "schema.json"), "--temperature", "1", "--seed", "3")
     assert result.returncode == 0, result.stderr

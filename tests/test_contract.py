@@ -5,19 +5,16 @@ The app in-process on the embedded model (Flask's test client: the schemas, not 
 
 from __future__ import annotations
 
-import base64
 import json
 
 import jsonschema
 import pytest
 from referencing import Registry, Resource
 
-from service.api.app import create_app
+from conftest import app_on, make_settings
+from imaging import data_url, encode, pattern
 
-from conftest import make_settings
-from imaging import encode, pattern
-
-PICTURE = "data:image/png;base64," + base64.b64encode(encode(pattern(96, 96), ".png")).decode()
+PICTURE = data_url(encode(pattern(96, 96), ".png"))
 WEATHER = {
     "type": "function",
     "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
@@ -25,8 +22,8 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def client(cache_dir, tiny_dir):
-    return create_app(make_settings(cache_dir), load="now").test_client()
+def client(cache_dir, loaded_model):
+    return app_on(loaded_model("int8"), make_settings(cache_dir)).test_client()
 
 
 @pytest.fixture(scope="module")

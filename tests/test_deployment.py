@@ -30,7 +30,7 @@ from service.deploy.planning import (
 from service.settings import SettingsError, load_settings
 
 from imaging import encode, pattern
-from servers import deployment, free_port, gunicorn_server, metric, nginx_proxy, openai_client
+from servers import deployment, free_port, metric, nginx_proxy, openai_client
 
 pytestmark = [pytest.mark.server, pytest.mark.nginx]
 
@@ -336,21 +336,15 @@ def test_a_slow_prefill_passes_the_configured_read_timeout_and_a_shorter_one_wou
         assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
 
 
-def test_an_instance_that_cannot_serve_hands_its_requests_to_the_next(stack, cache_dir, tmp_path, logs):
-    broken = tmp_path / "broken-model"  # answers 503 like an instance still loading its model
-    broken.mkdir()
-    (broken / "config.json").write_text('{"model_type": "qwen3_vl", "text_config": "garbage"}')
-    with gunicorn_server(
-        {"MODEL_PATH": str(broken), "CACHE_DIR": str(cache_dir)}, logs / "broken.log", ready_path="/health"
-    ) as (unready, _):
-        with nginx_proxy(
-            [unready.removeprefix("http://"), f"127.0.0.1:{stack.ports[0]}"], logs / "retry-nginx.log"
-        ) as url:
-            before = served_by(stack, 0)
-            for k in range(8):
-                chat(url, f"retry-{k}-{uuid.uuid4().hex[:6]}", prompt="hi", max_tokens=1)
-            assert served_by(stack, 0) == before + 8
-        assert metric(unready, "qwen3vl_requests_total", 'endpoint="/v1/chat",status="503"') > 0  # it was tried
+def test_an_instance_that_cannot_serve_hands_its_requests_to_the_next(stack, unloadable_server, logs):
+    unready = unloadable_server  # answers 503 like an instance still loading its model
+    tried_before = metric(unready, "qwen3vl_requests_total", 'endpoint="/v1/chat",status="503"')
+    with nginx_proxy([unready.removeprefix("http://"), f"127.0.0.1:{stack.ports[0]}"], logs / "retry-nginx.log") as url:
+        before = served_by(stack, 0)
+        for k in range(8):
+            chat(url, f"retry-{k}-{uuid.uuid4().hex[:6]}", prompt="hi", max_tokens=1)
+        assert served_by(stack, 0) == before + 8
+    assert metric(unready, "qwen3vl_requests_total", 'endpoint="/v1/chat",status="503"') > tried_before  # it was tried
 
 
 def test_killing_an_instance_ends_its_streams_and_the_others_take_new_conversations(stack):

@@ -12,23 +12,28 @@ its 5 alternatives — floats in JSON, which round-trip exactly — are compared
 
 from __future__ import annotations
 
-import base64
-
 import pytest
 
-from imaging import encode, pattern
+from conftest import SHARED_ENV
+from imaging import data_url, encode, pattern
 from servers import openai_client
 
 JPEG = encode(pattern(448, 448, seed=11), ".jpg")
-PICTURE = {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(JPEG).decode()}}
+PICTURE = {"type": "image_url", "image_url": {"url": data_url(JPEG, "image/jpeg")}}
 
 
 @pytest.fixture(scope="module", params=[{}, {"KV_DTYPE": "float32"}], ids=["defaults", "kv-fp32"])
 def servers(serve, request):
-    """One server that keeps turn 1, and a fresh one (the client's turns spread over instances)."""
-    env = request.param
-    with serve(env, "exactness-kept") as (kept, _), serve(env, "exactness-fresh") as (fresh, _):
-        yield openai_client(kept), openai_client(fresh)
+    """One server that keeps turn 1, and a fresh one (the client's turns spread over instances). With
+    the defaults, the session's shared server keeps turn 1 (no other test sends this picture) and the
+    fresh one has its settings; with fp32 keys and values, two servers of their own."""
+    if request.param:
+        with serve(request.param, "exactness-kept") as (kept, _), serve(request.param, "exactness-fresh") as (fresh, _):
+            yield openai_client(kept), openai_client(fresh)
+    else:
+        kept = request.getfixturevalue("shared_server")
+        with serve(SHARED_ENV, "exactness-fresh") as (fresh, _):
+            yield openai_client(kept), openai_client(fresh)
 
 
 def ask(client, messages, **extra):

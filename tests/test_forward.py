@@ -38,14 +38,16 @@ FORCED_AVX2 = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS") == "AVX2"
 
 
 @pytest.fixture(scope="module")
-def engines(cache_dir, tiny_dir, int4_dir):
-    """Engines (for their prompts and vision encoder) by weights (fp32, int8, int4) and INT8 kernel."""
+def engines(cache_dir, tiny_dir, int4_dir, loaded_model):
+    """Engines (for their prompts and vision encoder) by weights (fp32, int8, int4) and INT8 kernel
+    (fp32 on the session's model: no INT8 kernel in it)."""
     made = {}
 
     def get(quantization: str, kernel: str = "fbgemm") -> Engine:
         if (quantization, kernel) not in made:
             settings = weights_settings(cache_dir, quantization, int8_kernel=kernel, cache_enabled=False)
-            made[quantization, kernel] = Engine(load_model(settings), settings)
+            loaded = loaded_model("fp32") if quantization == "fp32" else load_model(settings)
+            made[quantization, kernel] = Engine(loaded, settings)
         return made[quantization, kernel]
 
     return get
@@ -134,6 +136,20 @@ def pieces(length: int, *sizes: int) -> list[int]:
 
 def a_picture_and_a_question(engine):
     return [ImagePart(image(engine, 224, 160, seed=3)), TextPart("What is in this picture, in detail?")]
+
+
+def decoded_then_recomputed(engine, attention):
+    """The picture question prefilled whole (fp32 keys and values) and STEPS tokens decoded a token at
+    a time, then question and answer prefilled again as one piece: (the decode's cache, its logits,
+    the second prefill's cache, its logits of the answer's rows)."""
+    forward = forward_of(engine, attention)
+    parts = a_picture_and_a_question(engine)
+    rows = prompt_rows(engine, parts)
+    cache, first = prefill(forward, rows, [len(rows.ids)], torch.float32)
+    logits, (answer,) = decode(forward, [cache], first, [rows.rope_delta])
+    again = prompt_rows(engine, parts, extra_ids=answer)
+    recomputed_cache, recomputed = prefill(forward, again, [len(again.ids)], torch.float32, every_row=True)
+    return cache, logits[0], recomputed_cache, recomputed[len(rows.ids) :]
 
 
 # The quick tier checks two combinations (this service's own kernels, and the libraries'); the
@@ -263,15 +279,8 @@ class LibraryAttention:
 def test_the_comparison_catches_library_attention_whose_bits_follow_the_piece(engines):
     """The control for the tests above: with SDPA over whole pieces, a token decoded alone and the
     same token recomputed in a prefill piece differ in the last bits."""
-    engine = engines("int8")
-    forward = forward_of(engine, LibraryAttention())
-    parts = a_picture_and_a_question(engine)
-    rows = prompt_rows(engine, parts)
-    cache, first = prefill(forward, rows, [len(rows.ids)], torch.float32)
-    logits, (answer,) = decode(forward, [cache], first, [rows.rope_delta])
-    again = prompt_rows(engine, parts, extra_ids=answer)
-    recomputed_cache, recomputed = prefill(forward, again, [len(again.ids)], torch.float32, every_row=True)
-    assert not torch.equal(recomputed[len(rows.ids) :], logits[0])
+    cache, decoded, recomputed_cache, recomputed = decoded_then_recomputed(engines("int8"), LibraryAttention())
+    assert not torch.equal(recomputed, decoded)
     assert not same_kv(recomputed_cache, cache)
 
 
@@ -314,15 +323,8 @@ def test_the_forward_computes_what_transformers_forward_computes(engines, attent
 def test_fp32_weights_agree_across_paths_within_float_rounding(engines, attentions):
     """What fp32 weights guarantee (README): float GEMMs round differently with the number of rows,
     so a token decoded alone and recomputed in a prefill piece agree within 1e-5, not bit for bit."""
-    engine = engines("fp32")
-    forward = forward_of(engine, attentions["native"])
-    parts = a_picture_and_a_question(engine)
-    rows = prompt_rows(engine, parts)
-    cache, first = prefill(forward, rows, [len(rows.ids)], torch.float32)
-    logits, (answer,) = decode(forward, [cache], first, [rows.rope_delta])
-    again = prompt_rows(engine, parts, extra_ids=answer)
-    _, recomputed = prefill(forward, again, [len(again.ids)], torch.float32, every_row=True)
-    difference = (recomputed[len(rows.ids) :] - logits[0]).abs().max() / logits[0].abs().max()
+    _, decoded, _, recomputed = decoded_then_recomputed(engines("fp32"), attentions["native"])
+    difference = (recomputed - decoded).abs().max() / decoded.abs().max()
     assert float(difference) < 1e-5
 
 

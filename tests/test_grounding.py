@@ -6,10 +6,7 @@ orientation and the service's own resize, clipped and flagged outside 0-1000, ne
 
 from __future__ import annotations
 
-import base64
 import json
-import subprocess
-import sys
 
 import cv2
 import numpy as np
@@ -22,8 +19,8 @@ from service.engine.engine import Completion, GenerationRequest, SamplingParams
 from service.media.images import decode_image
 from service.model.prompts import ChatMessage, ImagePart, TextPart, pictures_of
 
-from conftest import ROOT
-from imaging import encode, pattern, with_exif_orientation
+from conftest import run_cli
+from imaging import data_url, encode, pattern, with_exif_orientation
 from servers import openai_client
 
 PICTURE = (640, 360)  # width, height: not square
@@ -138,14 +135,9 @@ def test_the_grounding_format_makes_even_the_random_model_answer_boxes(fp32_engi
         assert box.pixels == (round(x1 * 0.64, 1), round(y1 * 0.36, 1), round(x2 * 0.64, 1), round(y2 * 0.36, 1))
 
 
-def data_url(data: bytes, mime="image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
-@pytest.fixture(scope="module")
-def server(serve):
-    with serve({}, "grounding") as (base, _):
-        yield base
+@pytest.fixture
+def server(shared_server):
+    return shared_server
 
 
 def picture_message(png: bytes, text="Locate every object.", detail=None) -> list[dict]:
@@ -243,10 +235,9 @@ def test_cli_draws_the_boxes_over_the_picture(cache_dir, tmp_path):
     photo = tmp_path / "turned.jpg"
     photo.write_bytes(JPEG_TURNED)
     out = tmp_path / "boxes.png"
-    result = subprocess.run(
-        [sys.executable, "-m", "service", "chat", "--image", str(photo), "--boxes", str(out), "Locate every object.",
-         "--max-tokens", "160", "--temperature", "0", "--cache-dir", str(cache_dir)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    result = run_cli(
+        "chat", "--image", str(photo), "--boxes", str(out), "Locate every object.",
+        "--max-tokens", "160", "--temperature", "0", "--cache-dir", str(cache_dir), timeout=180,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     printed = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"label"')]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import socket
 import threading
@@ -13,12 +12,11 @@ import pytest
 import requests
 
 from service import metrics
-from service.api.app import create_app
 from service.engine.sampling import Sampler
 
-from conftest import make_settings
-from imaging import encode, pattern
-from servers import gunicorn_server, metric, openai_client
+from conftest import app_on, make_settings
+from imaging import data_url, encode, pattern
+from servers import metric, openai_client
 
 SERVER_ENV = {
     "QUEUE_SIZE": "1",
@@ -40,10 +38,6 @@ def server(serve):
 @pytest.fixture(scope="module")
 def client(server):
     return openai_client(server, timeout=60)
-
-
-def data_url(img_bytes: bytes, mime="image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(img_bytes).decode()
 
 
 PNG = encode(pattern(320, 256), ".png")
@@ -428,28 +422,22 @@ def test_health_and_ready(server):
         assert f'qwen3vl_int8_kernel_probe_milliseconds{{kernel="{kernel}",rows="1"}}' in metrics
 
 
-@pytest.mark.server
-def test_a_model_that_fails_to_load_is_reported_by_ready_and_requests(cache_dir, tmp_path):
-    broken = tmp_path / "broken-model"
-    broken.mkdir()
-    (broken / "config.json").write_text('{"model_type": "qwen3_vl", "text_config": "garbage"}')
-    with gunicorn_server(
-        {"MODEL_PATH": str(broken), "CACHE_DIR": str(cache_dir)}, tmp_path / "log", ready_path="/health"
-    ) as (base, _):
-        deadline = time.monotonic() + 60
-        while (r := requests.get(base + "/ready")).json()["error"]["code"] == "model_loading":
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
-        chat = requests.post(base + "/v1/chat", json={"prompt": "hi"})
-        assert chat.status_code == 503 and requests.get(base + "/health").status_code == 200
+def test_a_model_that_fails_to_load_is_reported_by_ready_and_requests(unloadable_server):
+    base = unloadable_server
+    deadline = time.monotonic() + 60
+    while (r := requests.get(base + "/ready")).json()["error"]["code"] == "model_loading":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
+    chat = requests.post(base + "/v1/chat", json={"prompt": "hi"})
+    assert chat.status_code == 503 and requests.get(base + "/health").status_code == 200
 
 
 @pytest.mark.slow
-def test_a_bug_in_a_handler_is_a_json_500_with_the_request_id(cache_dir, tiny_dir, caplog):
+def test_a_bug_in_a_handler_is_a_json_500_with_the_request_id(cache_dir, loaded_model, caplog):
     """The last-resort handler (here for a route that raises) answers in the API's error shape."""
 
-    app = create_app(make_settings(cache_dir), load="now")
+    app = app_on(loaded_model("int8"), make_settings(cache_dir))
 
     @app.get("/bug")
     def bug():
@@ -463,7 +451,9 @@ def test_a_bug_in_a_handler_is_a_json_500_with_the_request_id(cache_dir, tiny_di
 
 
 @pytest.mark.slow
-def test_a_failure_after_the_200_ends_the_stream_with_an_error_event_and_is_counted(cache_dir, tiny_dir, monkeypatch):
+def test_a_failure_after_the_200_ends_the_stream_with_an_error_event_and_is_counted(
+    cache_dir, loaded_model, monkeypatch
+):
     """A stream's status goes out before its first token: a later failure (here injected into the
     sampler after two tokens) must end the body with an error line / SSE error event — never a
     silent cut — and show in qwen3vl_stream_errors_total."""
@@ -477,7 +467,7 @@ def test_a_failure_after_the_200_ends_the_stream_with_an_error_event_and_is_coun
         return real_call(self, token_ids, logits, allowed)
 
     monkeypatch.setattr(Sampler, "__call__", failing_after_two)
-    client = create_app(make_settings(cache_dir), load="now").test_client()
+    client = app_on(loaded_model("int8"), make_settings(cache_dir)).test_client()
     counted = metrics.STREAM_ERRORS.labels("internal_error")
     before = counted._value.get()
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ from service.quant.int8_linear import Int8Linear
 from service.quant.packing import quantized_marker
 from service.quant.quantized import FORMAT_INT4, load_quantized
 
-from conftest import HAS_AVX512, ONLY_AVX2, ROOT, make_settings, run_probe
+from conftest import HAS_AVX512, ONLY_AVX2, make_settings, run_cli, run_probe, weights_settings
 
 
 def float_layer(in_features=2048, out_features=320, seed=0, bias=True) -> nn.Linear:
@@ -128,10 +126,10 @@ def test_a_row_of_zeros_stays_exactly_zero():
 # -- the checkpoint -----------------------------------------------------------------------------
 
 
-def test_quantize_bits_4_writes_the_text_decoder_4_bit_and_keeps_the_vision_tower_int8(cache_dir, int4_dir, tmp_path):
+def test_quantize_bits_4_writes_the_text_decoder_4_bit_and_keeps_the_vision_tower_int8(int4_dir, loaded_model):
     marker = quantized_marker(int4_dir)
     assert marker["format"] == FORMAT_INT4 and marker["keep_8bit"] == ["model.visual."]
-    loaded = load_model(make_settings(cache_dir, model_path=int4_dir))
+    loaded = loaded_model("int4")  # the public loader's, from `int4_dir`
     assert loaded.quantization == "int4"
     model = loaded.model
     text = [m for n, m in model.named_modules() if n.startswith("model.language_model.") and hasattr(m, "in_features")]
@@ -147,34 +145,11 @@ def test_quantize_bits_4_writes_the_text_decoder_4_bit_and_keeps_the_vision_towe
 
 def test_the_command_line_writes_one_too_and_refuses_a_bad_group(tiny_dir, tmp_path):
     dst = tmp_path / "int4"
-    run = subprocess.run(
-        [sys.executable, "-m", "service", "quantize", "--bits", "4", "--group-size", "32", str(tiny_dir), str(dst)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = run_cli("quantize", "--bits", "4", "--group-size", "32", str(tiny_dir), str(dst), timeout=300)
     assert run.returncode == 0, run.stderr
     assert "4-bit checkpoint" in run.stdout and f"MODEL_PATH={dst}" in run.stdout
     assert quantized_marker(dst)["group_size"] == 32
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "service",
-            "quantize",
-            "--bits",
-            "4",
-            "--group-size",
-            "48",
-            str(tiny_dir),
-            str(tmp_path / "x"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = run_cli("quantize", "--bits", "4", "--group-size", "48", str(tiny_dir), str(tmp_path / "x"), timeout=60)
     assert bad.returncode != 0 and "--group-size" in bad.stderr
 
 
@@ -186,9 +161,8 @@ def greedy(engine: Engine, text: str, tokens=16) -> Completion:
 
 
 @pytest.fixture(scope="module")
-def int4_engine(cache_dir, int4_dir) -> Engine:
-    settings = make_settings(cache_dir, model_path=int4_dir)
-    return Engine(load_model(settings), settings)
+def int4_engine(cache_dir, loaded_model) -> Engine:
+    return Engine(loaded_model("int4"), weights_settings(cache_dir, "int4"))
 
 
 def test_4_bit_logits_stay_close_to_fp32_and_differ_from_them(int4_engine, fp32_engine):

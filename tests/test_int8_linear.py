@@ -13,12 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from service.model.loading import load_model
 from service.quant.fusion import FusedTextAttention, FusedTextMLP
 from service.quant.int8_linear import Int8Linear, quantize_rows
 from service.quant.quantized import quantize_in_place
 
-from conftest import HAS_AVX512, make_settings, run_probe
+from conftest import HAS_AVX512, run_probe
 
 KERNEL_NAMES = ("fbgemm", "onednn", "native")
 KERNELS = pytest.mark.parametrize("kernel", KERNEL_NAMES)
@@ -179,9 +178,9 @@ def test_the_kernels_give_the_same_bits_with_and_without_vnni(cache_dir):
 
 
 @pytest.fixture(scope="module")
-def models(cache_dir, tiny_dir):
+def models(loaded_model):
     """The tiny checkpoint in fp32, and INT8 with per-token and with per-tensor activations."""
-    fp32 = load_model(make_settings(cache_dir, quantization="fp32"))
+    fp32 = loaded_model("fp32")
     made = {"fp32": fp32.model}
     for activations in ("per_token", "per_tensor"):
         made[activations] = copy.deepcopy(fp32.model)
@@ -189,9 +188,8 @@ def models(cache_dir, tiny_dir):
     return made, fp32.processor.tokenizer
 
 
-@pytest.mark.slow  # loads checkpoints of its own
-def test_every_int8_linear_quantizes_per_token_and_a_decoder_layer_makes_four_calls(cache_dir, tiny_dir):
-    model = load_model(make_settings(cache_dir, quantization="int8")).model
+def test_every_int8_linear_quantizes_per_token_and_a_decoder_layer_makes_four_calls(loaded_model):
+    model = loaded_model("int8").model
     assert not any(type(m) is nn.Linear for m in model.modules())
     int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert int8 and all(m.activations == "per_token" for m in int8)
@@ -227,7 +225,7 @@ def logits_with_spike(model, ids, kind: str | None) -> torch.Tensor:
     return logits[[i for i in range(ids.shape[1]) if i != SPIKED_TOKEN]]
 
 
-@pytest.mark.slow  # loads checkpoints of its own
+@pytest.mark.slow  # quantizes two copies of the model of its own
 @pytest.mark.parametrize("kind", ["row x1000", "one huge channel"])
 def test_a_spike_in_one_token_moves_the_other_tokens_no_more_than_int8_noise(models, kind):
     made, tokenizer = models

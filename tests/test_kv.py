@@ -17,6 +17,18 @@ def _append_both(growing, plain, layers, tokens):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def recorded_grows(monkeypatch) -> list[int]:
+    """The capacities GrowingLayer grows a buffer to from now on (each growth a copy), in order."""
+    grows = []
+    real_grow = GrowingLayer._grow
+    monkeypatch.setattr(
+        GrowingLayer,
+        "_grow",
+        lambda layer, capacity, like: (grows.append(capacity), real_grow(layer, capacity, like)),
+    )
+    return grows
+
+
 def test_appends_and_crops_give_exactly_what_dynamic_cache_gives(fp32_engine):
     config = fp32_engine.model.config
     layers = config.text_config.num_hidden_layers
@@ -36,13 +48,7 @@ def test_decode_steps_write_into_spare_room_instead_of_copying_the_cache(fp32_en
         ddp_cache_data=[(torch.randn(1, 2, 500, 8), torch.randn(1, 2, 500, 8))] * config.text_config.num_hidden_layers,
         config=config,
     )
-    grows = []
-    real_grow = GrowingLayer._grow
-    monkeypatch.setattr(
-        GrowingLayer,
-        "_grow",
-        lambda layer, capacity, like: (grows.append(capacity), real_grow(layer, capacity, like)),
-    )
+    grows = recorded_grows(monkeypatch)
     for _ in range(3 * HEADROOM):
         cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), 0)
     # One copy per HEADROOM steps (DynamicCache copies 500+ tokens at each one).
@@ -56,13 +62,7 @@ def test_a_reserved_prompt_fills_one_buffer_in_pieces(fp32_engine, monkeypatch):
     layers = config.text_config.num_hidden_layers
     growing, plain = GrowingCache(config=config), DynamicCache(config=config)
     growing.reserve(1000 + HEADROOM)
-    grows = []
-    real_grow = GrowingLayer._grow
-    monkeypatch.setattr(
-        GrowingLayer,
-        "_grow",
-        lambda layer, capacity, like: (grows.append(capacity), real_grow(layer, capacity, like)),
-    )
+    grows = recorded_grows(monkeypatch)
     for tokens in [128] * 7 + [104] + [1] * HEADROOM:  # 1,000 prompt tokens, then decode steps
         _append_both(growing, plain, layers, tokens)
     assert grows == [1000 + HEADROOM] * layers

@@ -242,9 +242,7 @@ def native_turn(base: str, messages: list[dict]) -> tuple[str, dict]:
 
 
 def picture_question() -> list[dict]:
-    from test_http_api import data_url
-
-    from imaging import encode, pattern
+    from imaging import data_url, encode, pattern
 
     png = encode(pattern(320, 256, seed=3), ".png")
     return [

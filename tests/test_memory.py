@@ -167,9 +167,9 @@ def test_under_a_cgroup_limit_the_default_budget_follows_it_and_holds(cache_dir,
 
 
 @pytest.mark.slow
-def test_engine_over_budget_answers_503_with_a_clear_message(cache_dir, tiny_dir):
+def test_engine_over_budget_answers_503_with_a_clear_message(cache_dir, loaded_model):
     settings = make_settings(cache_dir, quantization="int8", max_memory_mb=1)
-    engine = Engine(load_model(settings), settings)
+    engine = Engine(loaded_model("int8"), settings)  # (the budget bounds a pre-quantized checkpoint's load only)
     for attempt in (lambda: next(engine.generate(question())), lambda: engine.submit(question())):
         with pytest.raises(Unavailable) as exc:
             attempt()
@@ -179,9 +179,9 @@ def test_engine_over_budget_answers_503_with_a_clear_message(cache_dir, tiny_dir
 
 
 @pytest.mark.slow
-def test_engine_within_budget_answers(cache_dir, tiny_dir):
+def test_engine_within_budget_answers(cache_dir, loaded_model):
     settings = make_settings(cache_dir, quantization="int8", max_memory_mb=64 * 1024)
-    engine = Engine(load_model(settings), settings)
+    engine = Engine(loaded_model("int8"), settings)
     assert list(engine.generate(question()))[-1].completion_tokens == 8
 
 

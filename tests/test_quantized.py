@@ -4,8 +4,6 @@ that loading it answers exactly like quantizing at load time."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from service.model.prompts import ChatMessage, ImagePart, TextPart
 from service.quant.int8_linear import Int8Embedding, Int8Linear
 from service.quant.quantized import FORMAT, QUANTIZED_MARKER, write_quantized
 
-from conftest import ROOT, make_settings
+from conftest import make_settings, run_cli
 from imaging import encode, pattern
 
 # A checkpoint written and loaded per module (~15 s): the whole suite only.
@@ -32,13 +30,7 @@ PROMPTS = ["Describe the colors.", "What is in this picture?", "Tell me a story 
 def int8_dir(tiny_dir, tmp_path_factory):
     """The tiny checkpoint quantized by the command a user runs."""
     dst = tmp_path_factory.mktemp("int8") / "tiny-int8"
-    run = subprocess.run(
-        [sys.executable, "-m", "service", "quantize", str(tiny_dir), str(dst)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = run_cli("quantize", str(tiny_dir), str(dst), timeout=300)
     assert run.returncode == 0, run.stderr
     assert "quantizing" in run.stderr and "block" in run.stderr  # the tqdm progress bar
     assert f"MODEL_PATH={dst}" in run.stdout
@@ -52,9 +44,8 @@ def prequantized_engine(cache_dir, int8_dir) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def load_time_engine(cache_dir, tiny_dir) -> Engine:
-    settings = make_settings(cache_dir, quantization="int8", cache_enabled=False)
-    return Engine(load_model(settings), settings)
+def load_time_engine(cache_dir, loaded_model) -> Engine:
+    return Engine(loaded_model("int8"), make_settings(cache_dir, quantization="int8", cache_enabled=False))
 
 
 def greedy(engine: Engine, text: str, with_image: bool) -> Completion:

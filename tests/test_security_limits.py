@@ -2,35 +2,19 @@
 
 from __future__ import annotations
 
-import base64
-
 import openai
 import pytest
 import requests
 
-from imaging import encode, pattern
+from conftest import AUTH, KEY
+from imaging import data_url, encode, pattern
 from servers import openai_client
 
-KEY = "sk-test-0123456789abcdef"
-LIMITS_ENV = {
-    "API_KEYS": f"other-key, {KEY}",
-    "MAX_IMAGES_PER_REQUEST": "2",
-    "MAX_MESSAGES": "3",
-    "MAX_PROMPT_TOKENS": "300",
-    "MAX_STOP_STRINGS": "2",
-    "REQUEST_DEADLINE": "1.0",
-    "MAX_NEW_TOKENS": "4000",
-    "CONTEXT_LIMIT": "8192",
-    "ACCESS_LOG": "1",
-    "LOG_LEVEL": "debug",
-}  # the most a log may hold
-AUTH = {"Authorization": f"Bearer {KEY}"}
 
-
-@pytest.fixture(scope="module")
-def server(serve):
-    with serve(LIMITS_ENV, "security", headers=AUTH) as (base, _):
-        yield base, serve.log("security")
+@pytest.fixture
+def server(keyed_server):
+    """(base URL, log) of the session's server with API keys and small limits (conftest.KEYED_ENV)."""
+    return keyed_server
 
 
 def chat(base, body, headers=AUTH):
@@ -84,7 +68,7 @@ def test_each_configured_key_works_including_through_the_openai_client(server):
 
 
 def _png_url(seed):
-    return "data:image/png;base64," + base64.b64encode(encode(pattern(64, 64, seed=seed), ".png")).decode()
+    return data_url(encode(pattern(64, 64, seed=seed), ".png"))
 
 
 @pytest.mark.parametrize(

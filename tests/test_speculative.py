@@ -20,7 +20,6 @@ from service.answer.structured import json_grammar
 from service.engine.drafts import DraftBudget, prompt_lookup
 from service.engine.engine import Engine
 from service.generation import Completion, GenerationRequest, SamplingParams
-from service.model.loading import load_model
 from service.model.prompts import ChatMessage, ImagePart, TextPart
 
 from conftest import make_settings
@@ -29,9 +28,9 @@ ANSWER = 40
 
 
 @pytest.fixture(scope="module")
-def engines(cache_dir, tiny_dir):
+def engines(cache_dir, loaded_model):
     """INT8 engines sharing one model: speculation on and off, bf16 and fp32 keys and values."""
-    loaded = load_model(make_settings(cache_dir, quantization="int8"))
+    loaded = loaded_model("int8")
 
     def engine(**overrides):
         return Engine(loaded, make_settings(cache_dir, quantization="int8", **overrides))

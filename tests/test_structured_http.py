@@ -13,7 +13,6 @@ from test_structured import RECEIPT, YES_NO
 
 from servers import metric, openai_client
 
-SERVER_ENV = {"MAX_BATCH_SIZE": "4", "CONTEXT_LIMIT": "2048", "MAX_NEW_TOKENS": "400", "QUEUE_TIMEOUT": "60"}
 WEATHER = {
     "type": "function",
     "function": {
@@ -33,15 +32,14 @@ CLOCK = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(serve):
-    with serve(SERVER_ENV, "structured-http") as (base, _):
-        yield base
+@pytest.fixture
+def server(shared_server):
+    return shared_server
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
+def client(shared_server):
+    return openai_client(shared_server)
 
 
 def user(text="Read the receipt in this message."):

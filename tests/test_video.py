@@ -36,7 +36,7 @@ from service.vision.steps import run_to_end, video_steps
 
 from clips import WRITABLE, noise, write_clip
 from conftest import generate_config, prepared, weights_settings
-from imaging import encode, pattern
+from imaging import data_url, encode, pattern
 from servers import openai_client
 
 LIMITS = VideoLimits(
@@ -437,17 +437,11 @@ def test_videos_beyond_the_per_request_limit_are_refused(fp32_engine, clip):
 # -- through the HTTP API ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(serve, tmp_path_factory):
-    """A Gunicorn with its own TMPDIR (to see that no temporary file outlives a request)."""
-    tmpdir = tmp_path_factory.mktemp("server-tmp")
-    env = {"TMPDIR": str(tmpdir), "VIDEO_MAX_SECONDS": "20", "CONTEXT_LIMIT": "2048", "MAX_NEW_TOKENS": "64"}
-    with serve(env, "video") as (base, _):
-        yield SimpleNamespace(base=base, tmpdir=tmpdir)
-
-
-def data_url(data: bytes, mime: str) -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
+@pytest.fixture
+def server(shared_server, shared_server_tmpdir):
+    """The session's shared Gunicorn (VIDEO_MAX_SECONDS 20) and its own TMPDIR (to see that no
+    temporary file outlives a request)."""
+    return SimpleNamespace(base=shared_server, tmpdir=shared_server_tmpdir)
 
 
 def test_native_multipart_video_streams_and_a_follow_up_reuses_the_cache(server, clip):

@@ -17,6 +17,7 @@ import pytest
 import requests
 from playwright.sync_api import Page, expect, sync_playwright
 
+from conftest import KEY
 from imaging import encode, pattern
 from servers import ROOT, metric
 
@@ -36,22 +37,11 @@ CHROMIUM_ARGS = [
 ARTIFACTS = ROOT / "artifacts"
 README_SCREENSHOT = ROOT / "docs" / "screenshot.png"  # rewritten when UPDATE_SCREENSHOT=1
 DEMO_PNG = (ROOT / "tests" / "data" / "demo.png").read_bytes()
-SERVER_ENV = {"QUEUE_SIZE": "2", "MAX_NEW_TOKENS": "1500", "CONTEXT_LIMIT": "4096", "QUEUE_TIMEOUT": "60"}
 
 
-@pytest.fixture(scope="module")
-def server(serve):
-    with serve(SERVER_ENV, "web") as (base, _):
-        yield base
-
-
-@pytest.fixture(scope="module")
-def keyed_server(serve):
-    with serve({**SERVER_ENV, "API_KEYS": "sk-right"}, "web-keyed", headers={"Authorization": "Bearer sk-right"}) as (
-        base,
-        _,
-    ):
-        yield base
+@pytest.fixture
+def server(shared_server):
+    return shared_server
 
 
 @pytest.fixture(scope="module")
@@ -398,9 +388,10 @@ def test_the_page_reads_on_a_phone_and_every_control_has_a_label(page):
 
 
 def test_on_a_server_with_api_keys_the_page_asks_for_one_and_then_answers(browser, keyed_server):
+    base, _ = keyed_server
     context = browser.new_context()
     page = context.new_page()
-    page.goto(keyed_server + "/")
+    page.goto(base + "/")
     expect(page.locator("#model-info")).to_contain_text("needs an API key", timeout=60_000)
     key = page.get_by_label("API key")
     expect(key).to_be_visible()  # the options opened by themselves
@@ -409,7 +400,7 @@ def test_on_a_server_with_api_keys_the_page_asks_for_one_and_then_answers(browse
     ask(page, "Hello?")
     expect(page.get_by_role("alert")).to_contain_text("missing or invalid API key")
     assert "sk-wrong" not in page.get_by_role("alert").inner_text()
-    key.fill("sk-right")
+    key.fill(KEY)
     key.press("Tab")
     expect(page.locator("#random-banner")).to_be_visible(timeout=60_000)
     set_options(page, max_tokens=3)
