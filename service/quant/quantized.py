@@ -213,12 +213,23 @@ class _ShardWriter:
             release_memory()
 
 
+READ_ROWS = 16384  # rows of a Linear read at once (the 151936 × 2048 embedding: 64 MB of bf16 at a time)
+
+
+def _in_row_chunks(source, name: str, quantize):
+    """`quantize` (a per-row quantization: each row's result depends on that row alone) applied to
+    READ_ROWS rows of the tensor `name` at a time, its outputs concatenated: the same tensors as
+    quantizing the whole, with only a chunk of the source in memory."""
+    rows = source.shape(name)[0]
+    pieces = [quantize(source.read_rows(name, start, start + READ_ROWS)) for start in range(0, rows, READ_ROWS)]
+    return pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts) for parts in zip(*pieces))
+
+
 def _quantized_linear(source: _SourceTensors, name: str, weight_name: str, has_bias: bool) -> dict:
-    tensors = source.read([weight_name] + ([f"{name}.bias"] if has_bias else []))
-    rows, scales = quantize_rows(tensors[weight_name])
+    rows, scales = _in_row_chunks(source, weight_name, quantize_rows)
     out = {f"{name}.weight": rows, f"{name}{SCALE}": scales}
     if has_bias:
-        out[f"{name}.bias"] = tensors[f"{name}.bias"].to(torch.float32, copy=True)
+        out[f"{name}.bias"] = source.read([f"{name}.bias"])[f"{name}.bias"].to(torch.float32, copy=True)
     return out
 
 
@@ -238,8 +249,10 @@ def _four_bit(
         group = group_for(source.shape(weight_names[0])[1], spec["group_size"])
         if group is None:
             return None
-        weights = source.read(weight_names)
-        pieces = [quantize_groups(weights[w], group, spec["symmetric"]) for w in weight_names]
+        pieces = [
+            _in_row_chunks(source, w, lambda rows: quantize_groups(rows, group, spec["symmetric"]))
+            for w in weight_names
+        ]
     values, zeros, scales = (torch.cat([piece[i] for piece in pieces]) for i in range(3))
     group = values.shape[1] // zeros.shape[1]
     out = {f"{name}.{part}": t for part, t in pack(values, zeros, scales).items()}
@@ -471,7 +484,7 @@ def write_quantized_tensors(
         release_memory()
     shards.flush()
     if not embedding:
-        rows, scales = quantize_rows(source.read([f"{embed_name}.weight"])[f"{embed_name}.weight"])
+        rows, scales = _in_row_chunks(source, f"{embed_name}.weight", quantize_rows)
         embedding = {f"{embed_name}.weight": rows, f"{embed_name}{SCALE}": scales}
     rest = [n for n, _ in model.named_parameters() if n not in linear_params and not n.startswith(embed_name + ".")]
     resident = {n: t.to(torch.float32, copy=True) for n, t in source.read(rest).items()}
@@ -539,11 +552,10 @@ def estimated_bytes(
         dtype = getattr(config, "dtype", None) or torch.bfloat16
         size = (dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))).itemsize
         return sum(params.values()) * size
-    spec = {"bits": bits, "group_size": group_size, "keep_8bit": tuple(keep_8bit)}
 
     def four_bit(name: str, rows: int, inputs: int) -> int | None:
         group = group_for(inputs, group_size)
-        if bits != 4 or name.startswith(spec["keep_8bit"]) or group is None:
+        if bits != 4 or name.startswith(tuple(keep_8bit)) or group is None:
             return None
         padded = -(-rows // 64) * 64  # the kernel's channel groups (int4_gemm.c)
         return padded * inputs // 2 + padded * (inputs // group) * 3 + 12
