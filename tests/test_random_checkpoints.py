@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from service.model import random_weights
-from service.model.checkpoints import make_checkpoint
+from service.model.checkpoints import make_checkpoint, model_config
 from service.quant.packing import QUANTIZED_MARKER
 from service.quant.quantized import estimated_bytes, write_quantized
 
@@ -126,6 +126,21 @@ def test_a_4bit_random_checkpoint_loads_as_a_mixture_of_experts(cache_dir, tmp_p
     assert any(isinstance(m, Int4Linear) for m in experts.modules())
 
 
+def test_the_sizes_docs_models_md_gives_are_the_estimate_from_the_config():
+    from service.quant.fusion import model_class
+
+    rows = [line for line in (ROOT / "docs" / "models.md").read_text().splitlines() if " GB" in line]
+    for preset in ("30b-a3b", "30b-a3b-e32"):
+        config = model_config(preset)
+        with torch.device("meta"):
+            parameters = sum(t.numel() for t in model_class(config)(config).parameters())
+        row = next(line for line in rows if line.startswith(f"| `{preset}` |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == f"{parameters / 1e9:.2f} B"
+        for cell, bits in zip(cells[2:], (None, 8, 4)):
+            assert cell.startswith(f"{estimated_bytes(config, bits) / 1e9:.1f} GB"), (preset, bits, cell)
+
+
 def test_30b_a3b_is_refused_in_bf16_with_its_size_and_the_command(tmp_path):
     with pytest.raises(ValueError) as refused:
         make_checkpoint("30b-a3b", tmp_path / "x")
@@ -179,7 +194,7 @@ from pathlib import Path
 import psutil
 from service import native
 from transformers import AutoConfig
-from service.model.checkpoints import make_checkpoint
+from service.model.checkpoints import make_checkpoint, model_config
 from service.model.random_weights import checkpoint_shapes
 from service.quant.quantized import estimated_bytes
 
@@ -223,6 +238,6 @@ def test_writing_a_mixture_of_experts_4bit_takes_memory_for_a_tensor_not_the_mod
     assert 200e6 < m["written"] < 400e6 and m["bf16"] > 600e6
     # The output buffer and the largest tensor read whole (the experts' are read an expert at a time:
     # here a merger's 4608 × 4608 Linear) with its fp32 copies in quantization — not the model: measured
-    # 0.22 GB against 0.65 GB in bf16 (1.3 GB in fp32), and 30B-A3B's would be its embedding's.
+    # ~0.23 GB against 0.65 GB in bf16 (1.3 GB in fp32); 30B-A3B's is its embedding, read in row chunks.
     assert growth < SHARD + 3 * 2 * m["largest_bf16"]
     assert growth < m["bf16"] / 2.5
