@@ -133,8 +133,16 @@ def cmd_make_model(args) -> int:
     from .model.checkpoints import RANDOM_MODEL_WARNING, make_checkpoint
 
     t0 = time.perf_counter()
-    out = make_checkpoint(args.preset, args.out_dir)
-    print(f"wrote the {args.preset} random-weight Qwen3-VL checkpoint to {out} in {time.perf_counter() - t0:.1f} s")
+    try:
+        out = make_checkpoint(args.preset, args.out_dir, bits=args.bits, progress=True)
+    except (ValueError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    kind = {None: "", 8: " INT8", 4: " 4-bit"}[args.bits]
+    print(
+        f"wrote the {args.preset} random-weight Qwen3-VL{kind} checkpoint to {out} in {time.perf_counter() - t0:.1f} s "
+        f"(peak RSS {_peak_rss_gib():.2f} GiB)" + (f"; serve it with MODEL_PATH={out}" if args.bits else "")
+    )
     print(f"note: {RANDOM_MODEL_WARNING}")
     return 0
 
@@ -197,6 +205,8 @@ def cmd_export_onnx(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .model.checkpoints import PRESETS
+
     parser = argparse.ArgumentParser(prog="python -m service", description="Qwen3-VL CPU inference service")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -230,10 +240,17 @@ def build_parser() -> argparse.ArgumentParser:
     make = sub.add_parser("make-model", help="write a random-weight Qwen3-VL checkpoint (tests, benchmarks)")
     make.add_argument(
         "--preset",
-        choices=["tiny", "tiny-moe", "2b", "4b", "8b"],
+        choices=list(PRESETS),
         default="tiny",
         help="the test models (tiny, tiny-moe: a mixture of experts) or a release's exact shapes, in bf16 "
-        "(2b ~4.3 GB, 4b ~8.9 GB, 8b ~17.5 GB): docs/models.md",
+        "(2b ~4.3 GB, 4b ~8.9 GB, 8b ~17.5 GB, 30b-a3b-e32 ~18.6 GB; 30b-a3b only with --bits): docs/models.md",
+    )
+    make.add_argument(
+        "--bits",
+        type=int,
+        choices=[8, 4],
+        help="write the random weights straight into `quantize`'s INT8 (8) or 4-bit (4) format, tensor by "
+        "tensor in bounded memory: the same files as make-model then quantize (30b-a3b --bits 4: ~17 GB)",
     )
     make.add_argument("out_dir")
     make.set_defaults(func=cmd_make_model)

@@ -33,6 +33,9 @@ def test_checkpoint_creation_is_deterministic(tmp_path):
 
 # The releases' parameter counts (docs/models.md says where they come from); 2B's from the 2B release.
 PUBLISHED_PARAMETERS = {"2b": 2_127_532_032, "4b": 4_437_815_808, "8b": 8_767_123_696, "30b-a3b": 31_070_754_032}
+# 30b-a3b-e32: 30B-A3B without 96 of each layer's 128 experts — each 3 × 2048 × 768 weights and its
+# router row of 2048 — in its 48 layers.
+PUBLISHED_PARAMETERS["30b-a3b-e32"] = PUBLISHED_PARAMETERS["30b-a3b"] - 48 * 96 * (3 * 2048 * 768 + 2048)
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMETERS))
@@ -49,23 +52,21 @@ def test_presets_have_the_releases_shapes(preset):
     assert sum(t.numel() for t in model.parameters()) == PUBLISHED_PARAMETERS[preset]
     tied = model.lm_head.weight is model.model.language_model.embed_tokens.weight
     assert tied == (preset in ("2b", "4b"))
-    assert (config.model_type == "qwen3_vl_moe") == (preset == "30b-a3b")
+    assert (config.model_type == "qwen3_vl_moe") == preset.startswith("30b-a3b")
     assert config.vision_config.out_hidden_size == config.text_config.hidden_size
-    if preset == "30b-a3b":
+    if preset.startswith("30b-a3b"):
+        experts = 32 if preset == "30b-a3b-e32" else 128
         text = config.text_config
-        assert (text.num_experts, text.num_experts_per_tok, text.moe_intermediate_size) == (128, 8, 768)
+        assert (text.num_experts, text.num_experts_per_tok, text.moe_intermediate_size) == (experts, 8, 768)
         assert (text.num_hidden_layers, text.num_key_value_heads, text.mlp_only_layers) == (48, 4, [])
-        experts = model.model.language_model.layers[0].mlp.experts
-        assert tuple(experts.gate_up_proj.shape) == (128, 1536, 2048) and tuple(experts.down_proj.shape) == (
-            128,
-            2048,
-            768,
-        )
+        layer = model.model.language_model.layers[0].mlp.experts
+        assert tuple(layer.gate_up_proj.shape) == (experts, 1536, 2048)
+        assert tuple(layer.down_proj.shape) == (experts, 2048, 768)
 
 
-def test_the_30b_preset_is_a_config_only_for_now(tmp_path):
+def test_the_30b_preset_is_written_only_straight_into_the_quantized_formats(tmp_path):
     assert set(PRESETS) - set(BUILT) == {"30b-a3b"}
-    with pytest.raises(ValueError, match="4-bit"):
+    with pytest.raises(ValueError, match="--bits 4"):
         make_checkpoint("30b-a3b", tmp_path / "x")
     assert not (tmp_path / "x").exists()
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
+import struct
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -190,10 +193,13 @@ def write_image_processor_config(out_dir: Path) -> None:
 
 # The releases' shapes, as their published config.json files give them (docs/models.md names the
 # sources). `tiny` and `tiny-moe` are the test models: the same structure, a few units of each.
-PRESETS = ("tiny", "tiny-moe", "2b", "4b", "8b", "30b-a3b")
+# `30b-a3b-e32`: 30B-A3B's every per-token shape with 32 experts instead of 128 (the top 8 kept), for
+# the steps the full one does not fit (a bf16 checkpoint for llama.cpp's GGUF conversion: ~19 GB, not ~62).
+PRESETS = ("tiny", "tiny-moe", "2b", "4b", "8b", "30b-a3b", "30b-a3b-e32")
 TINY = ("tiny", "tiny-moe")
-MOE = ("tiny-moe", "30b-a3b")
-BUILT = ("tiny", "tiny-moe", "2b", "4b", "8b")  # make_checkpoint writes these (30b-a3b: its config only, for now)
+MOE = ("tiny-moe", "30b-a3b", "30b-a3b-e32")
+QUANTIZED_ONLY = ("30b-a3b",)  # make_checkpoint writes these only straight into the INT8 / 4-bit format
+BUILT = tuple(p for p in PRESETS if p not in QUANTIZED_ONLY)  # and these in bf16 (fp32: the tiny ones) too
 
 _ROPE = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20], "mrope_interleaved": True}
 _TEXT = {  # text decoder: hidden, MLP width, layers, query heads, KV heads (head_dim 128 for all releases)
@@ -201,22 +207,28 @@ _TEXT = {  # text decoder: hidden, MLP width, layers, query heads, KV heads (hea
     "4b": (2560, 9728, 36, 32, 8),
     "8b": (4096, 12288, 36, 32, 8),
     "30b-a3b": (2048, 6144, 48, 32, 4),  # MLP width unused: every layer is a mixture of experts
+    "30b-a3b-e32": (2048, 6144, 48, 32, 4),
 }
 _VISION = {  # vision tower: depth, hidden, MLP width, heads, DeepStack layers (out_hidden_size = the text hidden)
     "2b": (24, 1024, 4096, 16, [5, 11, 17]),
     "4b": (24, 1024, 4096, 16, [5, 11, 17]),
     "8b": (27, 1152, 4304, 16, [8, 16, 24]),
     "30b-a3b": (27, 1152, 4304, 16, [8, 16, 24]),
+    "30b-a3b-e32": (27, 1152, 4304, 16, [8, 16, 24]),
 }
-TIED = {"tiny": True, "tiny-moe": False, "2b": True, "4b": True, "8b": False, "30b-a3b": False}
+TIED = {"tiny": True, "tiny-moe": False, "2b": True, "4b": True, "8b": False, "30b-a3b": False, "30b-a3b-e32": False}
 # 30B-A3B: 128 experts, the top 8 per token (their probabilities renormalised over the 8), expert MLP
 # 2048 → 768 → 2048, every layer sparse (decoder_sparse_step 1, mlp_only_layers []).
-_EXPERTS = {"30b-a3b": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)}
+_EXPERTS = {
+    "30b-a3b": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    "30b-a3b-e32": dict(num_experts=32, num_experts_per_tok=8, moe_intermediate_size=768),
+}
 
 
-def model_config(preset: str, ids: dict[str, int] | None = None, vocab_size: int = 151936):
+def model_config(preset: str, ids: dict[str, int] | None = None, vocab_size: int = 151936, shapes: dict | None = None):
     """The preset's config (a Qwen3VLConfig, or a Qwen3VLMoeConfig for the mixtures of experts);
-    `ids`: the special tokens' ids (the real tokenizer's when None)."""
+    `ids`: the special tokens' ids (the real tokenizer's when None); `shapes`: {"text": {...},
+    "vision": {...}} values that replace the preset's (tests scale a preset down with it)."""
     from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     if preset not in PRESETS:
@@ -291,6 +303,8 @@ def model_config(preset: str, ids: dict[str, int] | None = None, vocab_size: int
         num_position_embeddings=2304,
         hidden_act="gelu_pytorch_tanh",
     )
+    text.update((shapes or {}).get("text", {}))
+    vision.update((shapes or {}).get("vision", {}))
     text.update(
         hidden_act="silu",
         rms_norm_eps=1e-6,
@@ -311,63 +325,171 @@ def model_config(preset: str, ids: dict[str, int] | None = None, vocab_size: int
     )
 
 
-def make_checkpoint(preset: str, out_dir: str | os.PathLike) -> Path:
+def make_checkpoint(
+    preset: str,
+    out_dir: str | os.PathLike,
+    bits: int | None = None,
+    progress: bool = False,
+    per_tensor_seeds: bool | None = None,
+    shapes: dict | None = None,
+    **quantization,
+) -> Path:
     """Write a random-weight Qwen3-VL checkpoint to `out_dir`, deterministically (seeded).
 
     `tiny` is the embedded test model (fp32, ~1 MB, ~1 s) and `tiny-moe` its mixture-of-experts
     twin (8 experts, top 4, untied embedding); `2b`, `4b` and `8b` have the exact shapes of
-    Qwen3-VL-2B, -4B and -8B, stored in bf16 like the real checkpoints (~4.3, ~8.9 and ~17.5 GB).
-    """
-    if preset not in BUILT:
-        raise ValueError(
-            f"preset {preset!r} cannot be written yet: use one of {', '.join(BUILT)}"
-            + (
-                " (30b-a3b: ~62 GB in bf16; it is to be written straight into the 4-bit format)"
-                if preset in PRESETS
-                else ""
-            )
-        )
-    from ..quant.fusion import model_class
+    Qwen3-VL-2B, -4B and -8B, stored in bf16 like the real checkpoints (~4.3, ~8.9 and ~17.5 GB),
+    and `30b-a3b-e32` 30B-A3B's with 32 experts (~18.6 GB).
 
+    bits=8 or 4: the same weights written straight into `python -m service quantize`'s INT8 or 4-bit
+    format (`quantization`: its group_size, symmetric, keep_8bit), each tensor generated, quantized and
+    written, then freed — the only way to write `30b-a3b` (~62 GB in bf16). Either way the weights come
+    from service/model/random_weights.py, seeded per tensor (`per_tensor_seeds`, by default every preset
+    but `tiny`, which keeps its whole-model initialisation), so `make-model --bits 4` writes the very
+    tensors `make-model` then `quantize --bits 4` would.
+    """
+    from ..quant import quantized
+    from . import random_weights
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: use one of {', '.join(PRESETS)}")
+    if bits is None and preset in QUANTIZED_ONLY:
+        config = model_config(preset, shapes=shapes)
+        raise ValueError(
+            f"preset {preset!r} would be ~{quantized.estimated_bytes(config, None) / 1e9:.0f} GB in bf16: write it "
+            f"straight into the 4-bit format (~{quantized.estimated_bytes(config, 4) / 1e9:.1f} GB), "
+            f"`python -m service make-model --preset {preset} --bits 4 DIR`, or take `30b-a3b-e32` "
+            "(its shapes with 32 experts) where a bf16 checkpoint is needed"
+        )
     out_dir = Path(out_dir)
+    if bits is not None:
+        spec = quantized.quantization_spec(
+            bits,
+            quantization.get("group_size", quantized.GROUP_SIZE),
+            quantization.get("symmetric", False),
+            quantization.get("keep_8bit", quantized.KEEP_8BIT),
+        )
+        quantized.check_empty(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
     tiny = preset in TINY
     ids = train_tokenizer(out_dir, 1024 if tiny else 4096)
     write_image_processor_config(out_dir)
     # The tiny models' vocabulary is exactly their tokenizer's, so every sampled id decodes to text.
-    config = model_config(preset, ids, max(ids.values()) + 1 if tiny else 151936)
+    config = model_config(preset, ids, max(ids.values()) + 1 if tiny else 151936, shapes)
     dtype = torch.float32 if tiny else torch.bfloat16
     config.dtype = dtype
     setattr(config, RANDOM_MODEL_MARKER, True)
-    torch.manual_seed(0)
-    model = model_class(config)._from_config(config, dtype=dtype)
-    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(out_dir, max_shard_size="2GB")
-    if preset in MOE:
-        store_experts_as_released(out_dir)
-    log.info("wrote %s random Qwen3-VL checkpoint to %s", preset, out_dir)
+    per_tensor = preset != "tiny" if per_tensor_seeds is None else per_tensor_seeds
+    if bits is None and not per_tensor:  # the embedded tiny model, as it has always been written
+        model = random_weights.legacy_model(config, dtype)
+        model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+        model.generation_config.pad_token_id = ids["<|endoftext|>"]
+        model.save_pretrained(out_dir, max_shard_size="2GB")
+        return out_dir
+    write_generation_config(config, ids, out_dir)
+    if per_tensor:
+        source, how = random_weights.RandomTensors(config, dtype), "seeded per tensor"
+    else:
+        source, how = random_weights.legacy_tensors(config, dtype), "torch.manual_seed(0), whole model"
+    config_dict = config_json(config)
+    if bits is None:
+        write_safetensors(source, out_dir, progress=progress)
+        (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    else:
+        marker = quantized.write_quantized_tensors(
+            source,
+            config,
+            out_dir,
+            spec,
+            made_by=f"python -m service make-model --preset {preset} --bits {bits}",
+            source_path=f"random weights ({how}: service/model/random_weights.py)",
+            source_dtype=str(dtype).removeprefix("torch."),
+            progress=progress,
+            **({"shard_bytes": quantization["shard_bytes"]} if "shard_bytes" in quantization else {}),
+        )
+        quantized.write_config(out_dir, config_dict, marker)
+    log.info("wrote %s random Qwen3-VL checkpoint to %s in %.1f s", preset, out_dir, time.perf_counter() - start)
     return out_dir
+
+
+def write_generation_config(config, ids: dict[str, int], out_dir: Path) -> None:
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig.from_model_config(config)
+    generation.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    generation.pad_token_id = ids["<|endoftext|>"]
+    generation.save_pretrained(out_dir)
+
+
+def config_json(config) -> dict:
+    """config.json's contents, as save_pretrained writes them for the model of `config`."""
+    from ..quant.fusion import model_class
+
+    config.architectures = [model_class(config).__name__]
+    return json.loads(config.to_json_string(use_diff=True))
+
+
+SHARD_BYTES = 2 * 1024**3
+
+
+def write_safetensors(source, out_dir: Path, shard_bytes: int = SHARD_BYTES, progress: bool = False) -> None:
+    """`source`'s tensors into Hugging Face safetensors shards (model.safetensors, or model-0000i-of-N
+    and their index), each tensor generated and written in pieces of at most ~64 MB: memory stays
+    that, whatever the model's size."""
+    from tqdm import tqdm
+
+    from ..quant.packing import _DTYPE_NAMES
+
+    names = sorted(source.shapes)
+    size = {n: math.prod(source.shape(n)) * source.dtype.itemsize for n in names}
+    shards, current = [], []
+    for n in names:
+        if current and sum(size[m] for m in current) + size[n] > shard_bytes:
+            shards.append(current)
+            current = []
+        current.append(n)
+    shards.append(current)
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    with tqdm(total=sum(size.values()), desc="writing", unit="B", unit_scale=True, disable=not progress) as bar:
+        for file, shard in zip(files, shards):
+            header, offset = {"__metadata__": {"format": "pt"}}, 0
+            for n in shard:
+                header[n] = {
+                    "dtype": _DTYPE_NAMES[source.dtype],
+                    "shape": list(source.shape(n)),
+                    "data_offsets": [offset, offset + size[n]],
+                }
+                offset += size[n]
+            text = json.dumps(header, separators=(",", ":")).encode()
+            text += b" " * (-len(text) % 8)
+            with open(out_dir / file, "wb") as f:
+                f.write(struct.pack("<Q", len(text)) + text)
+                for n in shard:
+                    shape = source.shape(n)
+                    rows = max(1, (64 << 20) // max(1, size[n] // shape[0]))
+                    for start in range(0, shape[0], rows):
+                        piece = source.read_rows(n, start, start + rows)
+                        f.write(piece.contiguous().reshape(-1).view(torch.uint8).numpy())
+                        bar.update(piece.numel() * piece.element_size())
+                        del piece
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(size.values())},
+            "weight_map": {n: file for file, shard in zip(files, shards) for n in shard},
+        }
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 # transformers 5 keeps a layer's experts as [experts, 2·width, hidden] (gate_up) and [experts, hidden,
 # width] (down) and saves them so; the released Qwen3-VL-MoE checkpoints store each transposed
-# (transformers' conversion mapping for qwen3_vl_moe turns them at load).
+# (transformers' conversion mapping for qwen3_vl_moe turns them at load). The random checkpoints are
+# generated in the releases' layout, so the tests load what a downloaded checkpoint holds.
 RELEASED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-
-
-def store_experts_as_released(out_dir: Path) -> None:
-    """Rewrite the checkpoint's expert tensors in the releases' layout, so that the tests load what a
-    downloaded checkpoint holds (not a shape transformers happens to save)."""
-    from safetensors.torch import load_file, save_file
-
-    for file in sorted(Path(out_dir).glob("*.safetensors")):
-        tensors = load_file(file)
-        if any(name.endswith(RELEASED_EXPERTS) for name in tensors):
-            turned = {
-                n: t.transpose(1, 2).contiguous() if n.endswith(RELEASED_EXPERTS) else t for n, t in tensors.items()
-            }
-            save_file(turned, file, metadata={"format": "pt"})
 
 
 def _released(name: str, tensor: torch.Tensor) -> torch.Tensor:

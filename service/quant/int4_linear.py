@@ -93,14 +93,18 @@ def quantize_groups(
     values, zeros, scales = [], [], []
     for start in range(0, out, QUANTIZE_ROWS):
         w = weight[start : start + QUANTIZE_ROWS].float().reshape(-1, k // group, group)
+        if symmetric:  # the ranges, once (each ratio below scales them: the same values as recomputing)
+            largest = w.abs().amax(-1, keepdim=True)
+        else:
+            smallest, largest = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
         best = None
         for ratio in CLIP_RATIOS:
             if symmetric:
-                peak = w.abs().amax(-1, keepdim=True) * ratio
+                peak = largest * ratio
                 scale = (peak / SYMMETRIC_ZERO).clamp_min(_FP16_TINY).half().float()
                 zero = torch.full_like(scale, SYMMETRIC_ZERO)
             else:
-                low, high = w.amin(-1, keepdim=True) * ratio, w.amax(-1, keepdim=True) * ratio
+                low, high = smallest * ratio, largest * ratio
                 low, high = low.clamp(max=0), high.clamp(min=0)  # zero stays representable (exact zeros stay zero)
                 scale = ((high - low) / 15).clamp_min(_FP16_TINY).half().float()
                 zero = (-low / scale).round().clamp(0, 15)

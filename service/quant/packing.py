@@ -91,7 +91,7 @@ def write_aligned_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> N
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
         for name in order:
-            f.write(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+            f.write(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy of the bytes
 
 
 class SafetensorsReader:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
 from datetime import UTC, datetime
@@ -167,6 +168,16 @@ class _SourceTensors:
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
 
+    def nbytes(self) -> int:
+        return sum((self.path / f).stat().st_size for f in set(self.file_of.values()))
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of one tensor (along its first dimension), read alone."""
+        from safetensors import safe_open
+
+        with safe_open(self.path / self.file_of[name], "pt") as f:
+            return f.get_slice(name)[start:stop]
+
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
 
@@ -202,12 +213,23 @@ class _ShardWriter:
             release_memory()
 
 
+READ_ROWS = 16384  # rows of a Linear read at once (the 151936 × 2048 embedding: 64 MB of bf16 at a time)
+
+
+def _in_row_chunks(source, name: str, quantize):
+    """`quantize` (a per-row quantization: each row's result depends on that row alone) applied to
+    READ_ROWS rows of the tensor `name` at a time, its outputs concatenated: the same tensors as
+    quantizing the whole, with only a chunk of the source in memory."""
+    rows = source.shape(name)[0]
+    pieces = [quantize(source.read_rows(name, start, start + READ_ROWS)) for start in range(0, rows, READ_ROWS)]
+    return pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts) for parts in zip(*pieces))
+
+
 def _quantized_linear(source: _SourceTensors, name: str, weight_name: str, has_bias: bool) -> dict:
-    tensors = source.read([weight_name] + ([f"{name}.bias"] if has_bias else []))
-    rows, scales = quantize_rows(tensors[weight_name])
+    rows, scales = _in_row_chunks(source, weight_name, quantize_rows)
     out = {f"{name}.weight": rows, f"{name}{SCALE}": scales}
     if has_bias:
-        out[f"{name}.bias"] = tensors[f"{name}.bias"].to(torch.float32, copy=True)
+        out[f"{name}.bias"] = source.read([f"{name}.bias"])[f"{name}.bias"].to(torch.float32, copy=True)
     return out
 
 
@@ -227,8 +249,10 @@ def _four_bit(
         group = group_for(source.shape(weight_names[0])[1], spec["group_size"])
         if group is None:
             return None
-        weights = source.read(weight_names)
-        pieces = [quantize_groups(weights[w], group, spec["symmetric"]) for w in weight_names]
+        pieces = [
+            _in_row_chunks(source, w, lambda rows: quantize_groups(rows, group, spec["symmetric"]))
+            for w in weight_names
+        ]
     values, zeros, scales = (torch.cat([piece[i] for piece in pieces]) for i in range(3))
     group = values.shape[1] // zeros.shape[1]
     out = {f"{name}.{part}": t for part, t in pack(values, zeros, scales).items()}
@@ -239,21 +263,23 @@ def _four_bit(
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")  # a mixture-of-experts layer's 3-D tensors
 
 
-def _expert_weights(source: _SourceTensors, prefix: str, experts: nn.Module):
+def _expert_weights(source, prefix: str, experts: nn.Module):
     """(model Linear name, weight out × in) of each expert of one layer — `prefix.gate_up.E` (gate rows,
     then up rows) and `prefix.down.E`, service/quant/fusion.py's `ExpertLinears` — from the layer's
-    3-D tensors, in transformers 5's layout or transposed as the releases store them."""
+    3-D tensors, in transformers 5's layout or transposed as the releases store them, read one expert
+    at a time (a 30B-A3B layer's gate_up tensor is 0.8 GB in bf16; one expert of it, 6 MB)."""
     for tensor, part in zip(EXPERT_TENSORS, ("gate_up", "down")):
         expected = tuple(getattr(experts, tensor).shape)
         key = f"{prefix}.{tensor}"
-        weight = source.read([key])[key]
-        if tuple(weight.shape) != expected:
-            weight = weight.transpose(1, 2)
-        if tuple(weight.shape) != expected:
-            raise ValueError(f"{key}: shape {tuple(weight.shape)}, {expected} expected")
-        for e in range(weight.shape[0]):
-            yield f"{prefix}.{part}.{e}", weight[e]
-        del weight
+        if key not in source:
+            raise KeyError(f"{key} is missing: is it a Qwen3-VL checkpoint?")
+        shape = tuple(source.shape(key))
+        turned = shape != expected
+        if turned and (shape[0], shape[2], shape[1]) != expected:
+            raise ValueError(f"{key}: shape {shape}, {expected} expected")
+        for e in range(shape[0]):
+            weight = source.read_rows(key, e, e + 1)[0]
+            yield f"{prefix}.{part}.{e}", weight.t() if turned else weight
 
 
 def _four_bit_weight(weight: torch.Tensor, name: str, spec: dict) -> dict | None:
@@ -285,25 +311,20 @@ def write_quantized(
     whose names start with one of `keep_8bit` (and any no group divides), which stay INT8. A GPTQ or
     AWQ `src` converts exactly: its 4-bit Linears keep their values, its unquantized ones (vision
     tower, lm_head) become INT8.
-    Each tensor is read on its own from SRC's safetensors and quantized in row chunks, and freed
-    memory goes back to the OS after every block, so the whole fp32 model never exists.
+    Each tensor is read on its own from SRC's safetensors (an expert at a time) and quantized in row
+    chunks, and freed memory goes back to the OS after every block, so the whole fp32 model never exists.
     """
-    from tqdm import tqdm
     from transformers import AutoConfig
 
     src, dst = Path(src), Path(dst)
-    if bits not in BITS:
-        raise ValueError(f"bits must be one of {BITS}")
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}")
+    spec = quantization_spec(bits, group_size, symmetric, keep_8bit)
     config_dict = json.loads((src / "config.json").read_text())
     if config_dict.get(QUANTIZED_MARKER):
         raise ValueError(f"{src} is already a checkpoint written by `python -m service quantize`")
     scheme = published.scheme(config_dict)
     if scheme is not None and bits != 4:
         raise ValueError(f"{src} is a {scheme['quant_method'].upper()} 4-bit checkpoint: convert it with --bits 4")
-    if dst.exists() and any(dst.iterdir()):
-        raise FileExistsError(f"{dst} exists and is not empty")
+    check_empty(dst)
     config = AutoConfig.from_pretrained(src)
     if scheme is not None and model_class(config).__name__.startswith("Qwen3VLMoe"):
         raise published.UnsupportedCheckpoint(f"{src}: a {scheme['quant_method'].upper()} mixture of experts")
@@ -313,18 +334,113 @@ def write_quantized(
                 delattr(holder, "quantization_config")
     dst.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    marker = write_quantized_tensors(
+        _SourceTensors(src),
+        config,
+        dst,
+        spec,
+        made_by="python -m service quantize" + (" --bits 4" if bits == 4 else ""),
+        source_path=str(src.resolve()),
+        source_dtype=str(config_dict.get("dtype") or config_dict.get("torch_dtype")),
+        scheme=scheme,
+        progress=progress,
+    )
+    for file in src.iterdir():
+        if (
+            file.is_file()
+            and file.suffix != ".safetensors"
+            and file.name not in ("config.json", "model.safetensors.index.json")
+        ):
+            shutil.copy2(file, dst / file.name)
+    config_dict.pop("quantization_config", None)
+    config_dict.get("text_config", {}).pop("quantization_config", None)
+    write_config(dst, config_dict, marker)
+    log.info("wrote %d-bit checkpoint %s from %s in %.1f s", bits, dst, src, time.perf_counter() - start)
+    return dst
+
+
+def quantization_spec(bits: int, group_size: int, symmetric: bool, keep_8bit: tuple[str, ...]) -> dict:
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}")
+    return {"bits": bits, "group_size": group_size, "symmetric": symmetric, "keep_8bit": tuple(keep_8bit)}
+
+
+def check_empty(dst: Path) -> None:
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} exists and is not empty")
+
+
+def write_config(dst: Path, config_dict: dict, marker: dict) -> None:
+    """config.json with the QUANTIZED_MARKER entry — written last: a half-written directory has none,
+    so it cannot be mistaken for a checkpoint."""
+    config_dict[QUANTIZED_MARKER] = marker
+    (dst / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+
+
+class _Counted:
+    """A tensor source whose reads advance a progress bar by their bytes."""
+
+    def __init__(self, source, bar):
+        self.source, self.bar = source, bar
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.source
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        out = self.source.read(names)
+        self.bar.update(sum(t.numel() * t.element_size() for t in out.values()))
+        return out
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        out = self.source.read_rows(name, start, stop)
+        self.bar.update(out.numel() * out.element_size())
+        return out
+
+
+def write_quantized_tensors(
+    source,
+    config,
+    dst: Path,
+    spec: dict,
+    made_by: str,
+    source_path: str,
+    source_dtype: str,
+    scheme: dict | None = None,
+    progress: bool = True,
+    shard_bytes: int = SHARD_BYTES,
+) -> dict:
+    """Quantize every tensor `source` gives (a checkpoint on disk, or random weights generated tensor
+    by tensor: service/model/random_weights.py) into `dst`'s int8-NNNNN and resident safetensors, one
+    block of the model at a time; returns the QUANTIZED_MARKER entry. What is in memory at once: one
+    source tensor (an expert at a time for a mixture of experts), its quantization's row chunk, and
+    at most about `shard_bytes` of output."""
+    from tqdm import tqdm
+
+    bits = spec["bits"]
     model = skeleton(config)
-    source = _SourceTensors(src)
-    spec = {"bits": bits, "group_size": group_size, "symmetric": symmetric, "keep_8bit": tuple(keep_8bit)}
     embed_name = _embedding_name(model)
     tied = f"{embed_name}.weight" if bool(getattr(config, "tie_word_embeddings", False)) else None
-    shards = _ShardWriter(dst, SHARD_BYTES)
+    shards = _ShardWriter(dst, shard_bytes)
     linear_params: set[str] = set()
     embedding: dict[str, torch.Tensor] = {}
     four_bit: list[str] = []  # model Linears written 4-bit (fused where the model fuses)
     four_bit_parts = 0  # the checkpoint Linears they replace
     expert_int8 = 0  # experts' Linears written INT8
-    for name, block in tqdm(quantization_blocks(model), desc="quantizing", unit="block", disable=not progress):
+    bar = tqdm(
+        total=source.nbytes(),
+        desc="quantizing",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not progress,
+    )
+    source = _Counted(source, bar)
+    for name, block in quantization_blocks(model):
         linears = {n: model.get_submodule(n) for n in _linear_names(name, block)}
         for fused, parts in linear_groups(list(linears)).items():
             weight_names = [
@@ -363,39 +479,31 @@ def write_quantized(
                     packed = {f"{expert}.weight": rows, f"{expert}{SCALE}": scales}
                     expert_int8 += 1
                 shards.add(packed)
+                del weight, packed
             linear_params.update(f"{name}.mlp.experts.{t}" for t in EXPERT_TENSORS)
         release_memory()
     shards.flush()
     if not embedding:
-        rows, scales = quantize_rows(source.read([f"{embed_name}.weight"])[f"{embed_name}.weight"])
+        rows, scales = _in_row_chunks(source, f"{embed_name}.weight", quantize_rows)
         embedding = {f"{embed_name}.weight": rows, f"{embed_name}{SCALE}": scales}
     rest = [n for n, _ in model.named_parameters() if n not in linear_params and not n.startswith(embed_name + ".")]
     resident = {n: t.to(torch.float32, copy=True) for n, t in source.read(rest).items()}
     packing.write_aligned_safetensors({**embedding, **resident}, dst / RESIDENT_FILE)
+    bar.close()
     del embedding, resident
     release_memory()
-    for file in src.iterdir():
-        if (
-            file.is_file()
-            and file.suffix != ".safetensors"
-            and file.name not in ("config.json", "model.safetensors.index.json")
-        ):
-            shutil.copy2(file, dst / file.name)
-    config_dict.pop("quantization_config", None)
-    config_dict.get("text_config", {}).pop("quantization_config", None)
-    config_dict[QUANTIZED_MARKER] = _marker(src, config_dict, spec, scheme, tied, shards.files)
+    marker = _marker(made_by, source_path, source_dtype, spec, scheme, tied, shards.files)
     if bits == 4:
-        config_dict[QUANTIZED_MARKER].update(
+        marker.update(
             int4_linears=len(four_bit),
             int8_linears=sum(1 for n in linear_params if n.endswith(".weight")) + expert_int8 - four_bit_parts,
         )
-    # config.json last: a half-written directory has none, so it cannot be mistaken for a checkpoint.
-    (dst / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
-    log.info("wrote %d-bit checkpoint %s from %s in %.1f s", bits, dst, src, time.perf_counter() - start)
-    return dst
+    return marker
 
 
-def _marker(src: Path, config_dict: dict, spec: dict, scheme: dict | None, tied, shards: list[str]) -> dict:
+def _marker(
+    made_by: str, source: str, source_dtype: str, spec: dict, scheme: dict | None, tied, shards: list[str]
+) -> dict:
     """The QUANTIZED_MARKER entry: how the checkpoint was made, from what, and its files."""
     bits = spec["bits"]
     marker = {
@@ -405,9 +513,9 @@ def _marker(src: Path, config_dict: dict, spec: dict, scheme: dict | None, tied,
         "activations": "quantized at run time, per token (service/quant/int8_linear.py)",
         "embedding": "int8 rows with per-row scales" + (" = the tied lm_head's INT8 weight" if tied else ""),
         "other_tensors": "float32",
-        "made_by": "python -m service quantize" + (" --bits 4" if bits == 4 else ""),
-        "source": str(src.resolve()),
-        "source_dtype": str(config_dict.get("dtype") or config_dict.get("torch_dtype")),
+        "made_by": made_by,
+        "source": source,
+        "source_dtype": source_dtype,
         "torch": torch.__version__,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "linear_shards": shards,
@@ -424,6 +532,59 @@ def _marker(src: Path, config_dict: dict, spec: dict, scheme: dict | None, tied,
             keep_8bit=list(spec["keep_8bit"]),
         )
     return marker
+
+
+def estimated_bytes(
+    config, bits: int | None, group_size: int = GROUP_SIZE, keep_8bit: tuple[str, ...] = KEEP_8BIT
+) -> int:
+    """The bytes of tensors a checkpoint of `config` holds, from its shapes alone (the model on the meta
+    device): bits=None the checkpoint itself in its dtype (bf16 unless the config says otherwise);
+    8 or 4 what `quantize` / `make-model --bits` write — per 4-bit weight half a byte plus a zero point
+    (1 byte) and an fp16 scale per group (0.52 bytes a weight at group 128), per INT8 weight a byte
+    plus a 4-byte scale per row, the embedding as int8 rows, every other tensor fp32. Files add
+    their headers (a few kB each) to this."""
+    model = skeleton(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    params = {n: math.prod(t.shape) for n, t in model.named_parameters(remove_duplicate=False)}
+    if tied:
+        params.pop("lm_head.weight", None)
+    if bits is None:
+        dtype = getattr(config, "dtype", None) or torch.bfloat16
+        size = (dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))).itemsize
+        return sum(params.values()) * size
+
+    def four_bit(name: str, rows: int, inputs: int) -> int | None:
+        group = group_for(inputs, group_size)
+        if bits != 4 or name.startswith(tuple(keep_8bit)) or group is None:
+            return None
+        padded = -(-rows // 64) * 64  # the kernel's channel groups (int4_gemm.c)
+        return padded * inputs // 2 + padded * (inputs // group) * 3 + 12
+
+    total, counted = 0, set()
+    embed_name = _embedding_name(model)
+    lm_head_int8 = False
+    for name, block in quantization_blocks(model):
+        linears = {n: model.get_submodule(n) for n in _linear_names(name, block)}
+        for fused, parts in linear_groups(list(linears)).items():
+            rows = sum(linears[p].weight.shape[0] for p in parts)
+            inputs = linears[parts[0]].weight.shape[1]
+            bias = 4 * rows if linears[parts[0]].bias is not None else 0
+            packed = four_bit(fused, rows, inputs)
+            total += bias + (packed if packed is not None else rows * inputs + 4 * rows)
+            lm_head_int8 |= fused == "lm_head" and packed is None
+            counted.update(f"{p}.{t}" for p in parts for t in ("weight", "bias"))
+        mlp = getattr(block, "mlp", None)
+        if mlp is not None and is_moe_block(mlp):
+            for tensor, part in zip(EXPERT_TENSORS, ("gate_up", "down")):
+                experts, rows, inputs = getattr(mlp.experts, tensor).shape
+                packed = four_bit(f"{name}.mlp.experts.{part}.0", rows, inputs)
+                total += experts * (packed if packed is not None else rows * inputs + 4 * rows)
+                counted.add(f"{name}.mlp.experts.{tensor}")
+    vocab, hidden = model.get_submodule(embed_name).weight.shape
+    if not (tied and lm_head_int8):  # else the lm_head's INT8 rows are the embedding
+        total += vocab * hidden + 4 * vocab
+    counted.add(f"{embed_name}.weight")
+    return total + 4 * sum(n for name, n in params.items() if name not in counted)
 
 
 def published_checkpoint(path: Path, settings) -> Path:
