@@ -284,6 +284,30 @@ def test_the_comparison_catches_library_attention_whose_bits_follow_the_piece(en
     assert not same_kv(recomputed_cache, cache)
 
 
+def transformers_greedy(model, prompt, rope_delta: int, cache, steps: int = 16) -> torch.Tensor:
+    """transformers' own forward on `prompt` (one picture), then `steps` greedy tokens: each step's
+    logits (steps + 1 rows), the reference the service's forward is compared with."""
+    with torch.inference_mode():
+        out = model(
+            input_ids=prompt.input_ids,
+            position_ids=model.model.get_rope_index(
+                prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, None
+            )[0],
+            mm_token_type_ids=prompt.mm_token_type_ids,
+            pixel_values=torch.cat(prompt.pixel_values),
+            image_grid_thw=prompt.image_grid_thw,
+            cache=cache,
+            logits_to_keep=1,
+        )
+        reference, token = [out.logits[0, -1]], int(out.logits[0, -1].argmax())
+        for _ in range(steps):
+            position = torch.tensor([cache.get_seq_length() + rope_delta]).view(1, 1, 1).expand(3, 1, 1)
+            row = model(input_ids=torch.tensor([[token]]), position_ids=position, cache=cache).logits[0, -1]
+            token = int(row.argmax())
+            reference.append(row)
+    return torch.stack(reference)
+
+
 @pytest.mark.parametrize("quantization", ["fp32", "int8"])
 def test_the_forward_computes_what_transformers_forward_computes(engines, attentions, quantization):
     """A picture prompt, then greedy decoding, through both: the same tokens, and logits within
@@ -295,25 +319,7 @@ def test_the_forward_computes_what_transformers_forward_computes(engines, attent
     ours, first = prefill(forward, rows, pieces(len(rows.ids), 24), torch.float32)
     logits, (answer,) = decode(forward, [ours], first[-1:], [rows.rope_delta], steps=16)
     theirs = GrowingCache(config=model.config)
-    with torch.inference_mode():
-        out = model(
-            input_ids=prompt.input_ids,
-            position_ids=model.model.get_rope_index(
-                prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, None
-            )[0],
-            mm_token_type_ids=prompt.mm_token_type_ids,
-            pixel_values=torch.cat(prompt.pixel_values),
-            image_grid_thw=prompt.image_grid_thw,
-            cache=theirs,
-            logits_to_keep=1,
-        )
-        reference, token = [out.logits[0, -1]], int(out.logits[0, -1].argmax())
-        for _ in range(16):
-            position = torch.tensor([theirs.get_seq_length() + rows.rope_delta]).view(1, 1, 1).expand(3, 1, 1)
-            row = model(input_ids=torch.tensor([[token]]), position_ids=position, cache=theirs).logits[0, -1]
-            token = int(row.argmax())
-            reference.append(row)
-    reference = torch.stack(reference)
+    reference = transformers_greedy(model, prompt, rows.rope_delta, theirs)
     got = torch.cat([first[-1:], logits[0]])
     tolerance = 1e-5 if quantization == "fp32" else 2e-2
     assert [int(r.argmax()) for r in got] == [int(r.argmax()) for r in reference]

@@ -15,7 +15,15 @@ import pytest
 import torch
 from test_batching import Stream, request
 from test_caches import Engines, assistant, converse, image, user
-from test_forward import a_picture_and_a_question, decode, pieces, prefill, prompt_rows, same_kv
+from test_forward import (
+    a_picture_and_a_question,
+    decode,
+    pieces,
+    prefill,
+    prompt_rows,
+    same_kv,
+    transformers_greedy,
+)
 
 from service.engine.engine import Engine, GenerationRequest
 from service.model.attention import ExactAttention
@@ -139,25 +147,7 @@ def test_the_forward_computes_what_transformers_moe_forward_computes(engines, at
     ours, first = prefill(forward, rows, pieces(len(rows.ids), 24), torch.float32)
     logits, (answer,) = decode(forward, [ours], first[-1:], [rows.rope_delta], steps=16)
     theirs = forward.new_cache(torch.float32)
-    with torch.inference_mode():
-        out = model(
-            input_ids=prompt.input_ids,
-            position_ids=model.model.get_rope_index(
-                prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, None
-            )[0],
-            mm_token_type_ids=prompt.mm_token_type_ids,
-            pixel_values=torch.cat(prompt.pixel_values),
-            image_grid_thw=prompt.image_grid_thw,
-            cache=theirs,
-            logits_to_keep=1,
-        )
-        reference, token = [out.logits[0, -1]], int(out.logits[0, -1].argmax())
-        for _ in range(16):
-            position = torch.tensor([theirs.get_seq_length() + rows.rope_delta]).view(1, 1, 1).expand(3, 1, 1)
-            row = model(input_ids=torch.tensor([[token]]), position_ids=position, cache=theirs).logits[0, -1]
-            token = int(row.argmax())
-            reference.append(row)
-    reference = torch.stack(reference)
+    reference = transformers_greedy(model, prompt, rows.rope_delta, theirs)
     got = torch.cat([first[-1:], logits[0]])
     assert len(set(answer)) > 8  # a varied answer
     assert [int(r.argmax()) for r in got] == [int(r.argmax()) for r in reference]
