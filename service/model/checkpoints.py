@@ -489,11 +489,6 @@ def write_safetensors(source, out_dir: Path, shard_bytes: int = SHARD_BYTES, pro
 # width] (down) and saves them so; the released Qwen3-VL-MoE checkpoints store each transposed
 # (transformers' conversion mapping for qwen3_vl_moe turns them at load). The random checkpoints are
 # generated in the releases' layout, so the tests load what a downloaded checkpoint holds.
-RELEASED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-
-
-def _released(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.transpose(1, 2).contiguous() if name.endswith(RELEASED_EXPERTS) else tensor
 
 
 def embedded_model_dir(cache_dir: Path) -> Path:

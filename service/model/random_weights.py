@@ -23,6 +23,12 @@ import torch
 
 SEED = 0
 BLOCK_ELEMENTS = 1 << 20
+# The releases store each layer's experts as [E, H, 2I] and [E, I, H]; transformers 5 holds them transposed.
+RELEASED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _released(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.transpose(1, 2).contiguous() if name.endswith(RELEASED_EXPERTS) else tensor
 
 
 def _block_seed(name: str, block: int) -> int:
@@ -58,7 +64,6 @@ def checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:
     """The tensors a checkpoint of `config` stores, as the releases store them: the model's state dict
     (built on the meta device) without a tied lm_head, experts' 3-D tensors transposed."""
     from ..quant.quantized import skeleton
-    from .checkpoints import RELEASED_EXPERTS
 
     shapes = {n: tuple(t.shape) for n, t in skeleton(config).state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
@@ -132,8 +137,6 @@ def legacy_model(config, dtype: torch.dtype):
 
 
 def legacy_tensors(config, dtype: torch.dtype) -> ModelTensors:
-    from .checkpoints import _released
-
     model = legacy_model(config, dtype)
     names = checkpoint_shapes(config)
     state = model.state_dict()
