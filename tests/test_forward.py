@@ -228,13 +228,9 @@ def test_sequences_alone_and_in_a_batch_of_four_give_the_same_bits(engines, atte
         assert same_kv(batched_cache, cache)
 
 
-@KV_DTYPES
-@pytest.mark.parametrize("kernel,attention", EXACT)
-def test_a_prefill_piece_beside_decode_rows_gives_each_the_same_bits(engines, attentions, kernel, attention, kv_dtype):
-    """One call holding one sequence's prompt piece and two others' decode rows (how a verify pass
-    of several guessed tokens runs beside its batch) computes each as alone."""
-    engine = exact_engine(engines, kernel)
-    forward = forward_of(engine, attentions[attention])
+def assert_a_piece_beside_decode_rows_is_exact(engine, forward, kv_dtype) -> None:
+    """One call holding a picture prompt's piece and two other sequences' decode rows computes each
+    row's logits, and the keys and values it writes, with the bits it gets alone."""
     runners = [prompt_rows(engine, [TextPart(q)]) for q in ("Hi.", "Tell me about squares, please.")]
     newcomer = prompt_rows(engine, a_picture_and_a_question(engine))
     started = [prefill(forward, p, [len(p.ids)], kv_dtype) for p in runners]
@@ -244,7 +240,6 @@ def test_a_prefill_piece_beside_decode_rows_gives_each_the_same_bits(engines, at
         forward(tokens[b : b + 1], positions[b : b + 1], [Rows(cache, 1)]) for b, (cache, _) in enumerate(started)
     ]
     alone_cache, alone_piece = prefill(forward, newcomer, [len(newcomer.ids)], kv_dtype, every_row=True)
-
     mixed = [prefill(forward, p, [len(p.ids)], kv_dtype)[0] for p in runners]
     cache = forward.new_cache(kv_dtype)
     ids, piece_positions, (piece,) = newcomer.piece(cache, 0, len(newcomer.ids))
@@ -257,6 +252,16 @@ def test_a_prefill_piece_beside_decode_rows_gives_each_the_same_bits(engines, at
     assert all(torch.equal(logits[len(ids) + b], alone_rows[b][0]) for b in range(2))
     assert same_kv(cache, alone_cache)
     assert all(same_kv(m, s) for m, (s, _) in zip(mixed, started))
+
+
+@KV_DTYPES
+@pytest.mark.parametrize("kernel,attention", EXACT)
+def test_a_prefill_piece_beside_decode_rows_gives_each_the_same_bits(engines, attentions, kernel, attention, kv_dtype):
+    """One call holding one sequence's prompt piece and two others' decode rows (how a verify pass
+    of several guessed tokens runs beside its batch) computes each as alone."""
+    engine = exact_engine(engines, kernel)
+    forward = forward_of(engine, attentions[attention])
+    assert_a_piece_beside_decode_rows_is_exact(engine, forward, kv_dtype)
 
 
 class LibraryAttention:

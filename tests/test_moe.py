@@ -17,6 +17,7 @@ from test_batching import Stream, request
 from test_caches import Engines, assistant, converse, image, user
 from test_forward import (
     a_picture_and_a_question,
+    assert_a_piece_beside_decode_rows_is_exact,
     decode,
     pieces,
     prefill,
@@ -27,7 +28,7 @@ from test_forward import (
 
 from service.engine.engine import Engine, GenerationRequest
 from service.model.attention import ExactAttention
-from service.model.forward import Rows, TextForward
+from service.model.forward import TextForward
 from service.model.loading import load_model
 from service.model.moe import MixtureOfExperts, router_logits
 from service.model.prompts import ChatMessage, ImagePart, TextPart
@@ -232,26 +233,7 @@ def test_sequences_alone_and_in_a_batch_of_four_give_the_same_bits(engines, atte
 def test_a_prefill_piece_beside_decode_rows_gives_each_the_same_bits(engines, attention, kernel):
     engine = exact_engine(engines, kernel)
     forward = TextForward(engine.model, attention)
-    runners = [prompt_rows(engine, [TextPart(q)]) for q in ("Hi.", "Tell me about squares, please.")]
-    newcomer = prompt_rows(engine, a_picture_and_a_question(engine))
-    started = [prefill(forward, p, [len(p.ids)], torch.float32) for p in runners]
-    tokens = torch.tensor([int(first[-1].argmax()) for _, first in started])
-    positions = torch.tensor([len(p.ids) + p.rope_delta for p in runners])
-    alone_rows = [
-        forward(tokens[b : b + 1], positions[b : b + 1], [Rows(cache, 1)]) for b, (cache, _) in enumerate(started)
-    ]
-    alone_cache, alone_piece = prefill(forward, newcomer, [len(newcomer.ids)], torch.float32, every_row=True)
-    mixed = [prefill(forward, p, [len(p.ids)], torch.float32)[0] for p in runners]
-    cache = forward.new_cache(torch.float32)
-    ids, piece_positions, (piece,) = newcomer.piece(cache, 0, len(newcomer.ids))
-    logits = forward(
-        torch.cat([ids, tokens]),
-        torch.cat([piece_positions, positions.expand(3, -1)], 1),
-        [piece, *(Rows(c, 1) for c in mixed)],
-    )
-    assert torch.equal(logits[: len(ids)], alone_piece)
-    assert all(torch.equal(logits[len(ids) + b], alone_rows[b][0]) for b in range(2))
-    assert same_kv(cache, alone_cache)
+    assert_a_piece_beside_decode_rows_is_exact(engine, forward, torch.float32)
 
 
 # -- the router's kernel --------------------------------------------------------------------------
