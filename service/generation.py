@@ -137,8 +137,6 @@ class Completion:
 class Tracked(Protocol):
     """What a Generation reads of its request inside the engine (service/engine/sequence.py)."""
 
-    deadline: float
-
     @property
     def answer_ids(self) -> list[int]: ...
 
@@ -151,13 +149,12 @@ class Tracked(Protocol):
 class Generation:
     """An admitted generation: iterate for events; cancel() ends it at the engine's next step;
     close() (or exhaustion) cancels it if still running and frees the model. It shows the request's
-    live state: its status, its deadline and the tokens generated so far."""
+    live state: its status and the tokens generated so far."""
 
     def __init__(self, events: Iterator[TextDelta | Completion], tracked: Tracked, release: Callable[[], None]):
         self._events = events
         self._tracked = tracked
         self._release = release
-        self.deadline = tracked.deadline  # perf_counter time at which it is ended (REQUEST_DEADLINE)
 
     @property
     def status(self) -> str:

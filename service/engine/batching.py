@@ -208,7 +208,7 @@ class Scheduler:
             at += row.count
 
     def _end_with_error(self, sequence: Sequence, exc: Exception) -> None:
-        sequence.finish(Status.FINISHED_ERROR, exc)
+        sequence.finish(Status.FINISHED_ERROR)
         sequence.error = exc
         self._leave_alone(sequence)
 

@@ -81,7 +81,7 @@ class PrefillMarks:
 @dataclass(eq=False)
 class Sequence:
     """One admitted request inside the engine; see the module docstring. The engine fills the
-    fields up to `queue_wait`; the scheduler the rest, and calls `on_leave(sequence)` on its thread
+    fields up to `marks`; the scheduler the rest, and calls `on_leave(sequence)` on its thread
     when the sequence leaves (its KV cache then in `cache`, or None if it never finished prefill),
     then sets `done`."""
 
@@ -102,7 +102,6 @@ class Sequence:
     reading: Future | None = None  # the disk read it is parked on (READING)
     submitted_at: float = field(default_factory=time.perf_counter)
     prefill_started_at: float | None = None
-    finished_at: float | None = None
     token_ids: list[int] = field(default_factory=list)  # prompt and answer, once prefilled
     rope_delta: int = 0
     cache: DynamicCache | None = None  # its KV cache once prefilled (the decode step extends it)
@@ -130,17 +129,11 @@ class Sequence:
         """Ask for it to end (from any thread): the scheduler ends it at its next step."""
         self._cancel.set()
 
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def finish(self, status: Status, error: BaseException | None = None) -> None:
+    def finish(self, status: Status) -> None:
         """End it with `status`, unless it has ended already (the first end wins)."""
         with self._lock:
-            if self.status.finished:
-                return
-            self.status, self.finished_at = status, time.perf_counter()
-            self.error = error
+            if not self.status.finished:
+                self.status = status
 
     def end_at_stop_string(self) -> None:
         """The answer's text reached a stop string: that is where it ended, whatever the scheduler
