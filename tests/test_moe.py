@@ -11,6 +11,8 @@ router's own kernel gives a row the same bits in any call, built for this CPU or
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_batching import Stream, request
@@ -33,6 +35,7 @@ from service.model.loading import load_model
 from service.model.moe import MixtureOfExperts, router_logits
 from service.model.prompts import ChatMessage, ImagePart, TextPart
 from service.quant.fusion import ExpertLinears
+from service.quant.int4_linear import Int4Linear
 from service.quant.int8_linear import Int8Embedding, Int8Linear
 
 from conftest import make_settings, prepared
@@ -263,6 +266,53 @@ def test_the_comparison_catches_a_float_gemm_router():
     together = torch.nn.functional.linear(x, weight)
     alone = torch.cat([torch.nn.functional.linear(x[i : i + 1], weight) for i in range(len(x))])
     assert not torch.equal(together, alone)
+
+
+# -- the 4-bit experts' one call per layer ----------------------------------------------------------
+
+
+def four_bit_moe(experts=16, hidden=256, width=192, top_k=4, seed=0) -> MixtureOfExperts:
+    """A layer of 4-bit experts (groups of 128 into gate/up, 64 into down) and a float router."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def linear(n, k, group):
+        weight = torch.nn.Linear(k, n, bias=False)
+        weight.weight.data = torch.randn(n, k, generator=generator) * 0.05
+        return Int4Linear.from_float(weight, group)
+
+    gate = SimpleNamespace(weight=torch.randn(experts, hidden, generator=generator), top_k=top_k, norm_topk_prob=True)
+    layer = SimpleNamespace(
+        gate_up=[linear(2 * width, hidden, 128) for _ in range(experts)],
+        down=[linear(hidden, width, 64) for _ in range(experts)],
+        act_fn=torch.nn.functional.silu,
+    )
+    return MixtureOfExperts(SimpleNamespace(gate=gate, experts=layer))
+
+
+def test_4bit_experts_run_in_one_call_that_computes_one_call_per_expert():
+    """`int4_experts` (one native call per layer) against the experts called one by one in Python:
+    the same sums within silu's rounding (its expf, not torch's); each row the same bits alone, in
+    the call, in another order, and when 300 rows share one expert (several row blocks of it)."""
+    moe = four_bit_moe()
+    assert moe.int4 is not None
+    h = torch.randn(300, 256, generator=torch.Generator().manual_seed(1))
+    one_call = moe(h)
+    kernel, moe.int4 = moe.int4, None
+    per_expert = moe(h)
+    moe.int4 = kernel
+    assert float((one_call - per_expert).abs().max() / per_expert.abs().max()) < 1e-5
+    assert torch.equal(torch.cat([moe(h[i : i + 1]) for i in range(0, 300, 7)]), one_call[::7])
+    order = torch.randperm(300, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(moe(h[order]), one_call[order])
+    weights, chosen = moe.route(h)
+    # every row's first choice expert 3 (a row that chose 3 later gets its own first choice there)
+    crowded = torch.where(chosen == 3, chosen[:, :1], chosen)
+    crowded[:, 0] = 3
+    together = kernel(h, weights, crowded)
+    assert torch.equal(torch.cat([kernel(h[i : i + 1], weights[i : i + 1], crowded[i : i + 1]) for i in (0, 150, 299)]),
+                       together[[0, 150, 299]])  # fmt: skip
+    with pytest.raises(ValueError, match="expert number"):
+        kernel(h[:1], weights[:1], torch.full_like(chosen[:1], 16))
 
 
 # -- through the engine ------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import native
+from ..quant.int4_linear import Int4Experts, Int4Linear
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, march: str | None = Non
     return y
 
 
+def all_int4(*linears: list[nn.Module]) -> bool:
+    return all(isinstance(linear, Int4Linear) for group in linears for linear in group)
+
+
 class MixtureOfExperts:
     """One decoder layer's sparse MLP as the forward runs it: `moe(h)` for rows h (rows × hidden)."""
 
@@ -81,6 +86,8 @@ class MixtureOfExperts:
         self.down = list(block.experts.down)
         self.act = block.experts.act_fn
         self.experts = len(self.gate_up)
+        # 4-bit experts: all of them in one native call per layer (int4_gemm.c's `int4_experts`)
+        self.int4 = Int4Experts(self.gate_up, self.down) if all_int4(self.gate_up, self.down) else None
         if getattr(block.gate, "norm_topk_prob", True) is False:
             raise ValueError("a router that does not renormalise its top-k probabilities: not a Qwen3-VL-MoE one")
 
@@ -93,6 +100,8 @@ class MixtureOfExperts:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         rows, hidden = h.shape
         weights, chosen = self.route(h)
+        if self.int4 is not None:
+            return self.int4(h, weights, chosen)
         slots = chosen.flatten()  # slot row·k + rank: the rank-th expert of the row
         order = torch.argsort(slots, stable=True)
         counts = torch.bincount(slots, minlength=self.experts).tolist()

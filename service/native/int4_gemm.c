@@ -54,6 +54,11 @@ static inline __m512i dot_at(__m512i acc, __m512i u, const void *p) {
 #define STEP_BYTES 256       /* CHANNELS × 4 bytes: 8 inputs of every channel of a group */
 #define SLICE 4              /* vectors of channels a micro-kernel computes: 64 channels (AVX-512) or 32 (AVX2) */
 #define SLICE_CHANNELS (SLICE * L)
+/* A slice reads SLICE_CHANNELS × 4 bytes of every STEP_BYTES: ask for them this many steps ahead
+ * (DRAM's latency is not hidden by the hardware's prefetch on such a stride) */
+#define PREFETCH_STEPS 16
+#define PREFETCH(p)                                                                                            \
+    for (int line = 0; line < SLICE_CHANNELS * 4; line += 64) _mm_prefetch((const char *)(p) + line, _MM_HINT_T0)
 
 /* Bytes of the packed weights of an n × k matrix (k a multiple of 8). */
 int64_t int4_packed_bytes(int n, int k) { return round_up(n, CHANNELS) * k / 2; }
@@ -98,6 +103,7 @@ void int4_pack(const uint8_t *values, const uint8_t *zeros, const uint16_t *scal
                 for (int v = 0; v < SLICE; v++) s[i][v] = ZERO();                                                   \
             for (int64_t step = (int64_t)g * group / 8; step < (int64_t)(g + 1) * group / 8; step++) {            \
                 const uint8_t *at = w + step * STEP_BYTES;                                                          \
+                PREFETCH(at + PREFETCH_STEPS * STEP_BYTES);                                                         \
                 const int8_t *inputs = a + step * 8;                                                                \
                 for (int v = 0; v < SLICE; v++) {                                                                   \
                     const vec raw = LOAD(at + v * L * 4);                                                           \
@@ -198,5 +204,155 @@ int int4_linear(const Int4Linear *c, int threads) {
         }
     }
     free(a), free(scratch), free(sums), free(peaks);
+    return 0;
+}
+
+/* A mixture-of-experts layer's experts, all in one call (service/model/moe.py): each row's top_k
+ * experts (gate/up → silu(gate)·up → down), weighted and added in the row's own rank order.
+ *
+ * The call's (row, rank) slots are sorted by expert (stable: row order within an expert), so each
+ * expert's rows sit together and one pass over its weights serves all of them; every expert's
+ * channel slices of every row block are work items of one parallel loop, so the threads share the
+ * call's work however few rows each expert has (a decode step: one row, 8 experts). Each step is
+ * the per-row computation `int4_linear` does — a row's input quantized once, its integer sums, the
+ * groups added in one fixed order — so a row's result depends on nothing else in the call. */
+typedef struct {
+    const float *x; /* m × hidden, rows one after the other */
+    int m, hidden, width, top_k, up_group, down_group;
+    const int64_t *chosen;  /* m × top_k expert numbers, each row's in rank order */
+    const float *weights;   /* m × top_k, the router's renormalised probabilities */
+    const uint8_t *const *up_packed; /* per expert: gate/up (hidden → 2·width, gate rows first) */
+    const uint8_t *const *up_zeros;
+    const uint16_t *const *up_scales;
+    const uint8_t *const *down_packed; /* per expert: down (width → hidden) */
+    const uint8_t *const *down_zeros;
+    const uint16_t *const *down_scales;
+    float *y; /* m × hidden */
+} Int4Experts;
+
+typedef struct {
+    int expert, slice, first, end; /* sorted slots [first, end) against one channel slice */
+} ExpertItem;
+
+/* The items of one projection over every expert's sorted slots: each expert's channel slices × its row blocks. */
+static int expert_items(const int *starts, int experts, int n, ExpertItem *items) {
+    const int slices = (int)(round_up(n, CHANNELS) / SLICE_CHANNELS);
+    int count = 0;
+    for (int e = 0; e < experts; e++)
+        for (int first = starts[e]; first < starts[e + 1]; first += BLOCK_ROWS) {
+            const int end = first + BLOCK_ROWS < starts[e + 1] ? first + BLOCK_ROWS : starts[e + 1];
+            for (int s = 0; s < slices; s++) items[count++] = (ExpertItem){e, s, first, end};
+        }
+    return count;
+}
+
+/* One item: sorted slots [first, end) (signed activations a, k each) against one slice of an
+ * expert's packed n × k weights, into out (a row of `n` floats per slot). */
+static void expert_item(const ExpertItem *it, const int8_t *a, const int32_t *sums, const float *peaks, int64_t k,
+                        int n, int group, const uint8_t *packed, const uint8_t *zeros, const uint16_t *scales,
+                        float *out) {
+    const int64_t groups = k / group, group_bytes = k / 8 * STEP_BYTES;
+    const int per_group = CHANNELS / SLICE_CHANNELS;
+    const int64_t cg = it->slice / per_group, within = (int64_t)(it->slice % per_group) * SLICE_CHANNELS;
+    const int col0 = it->slice * SLICE_CHANNELS, cols = n - col0 < SLICE_CHANNELS ? n - col0 : SLICE_CHANNELS;
+    const uint8_t *w = packed + cg * group_bytes + within * 4;
+    zeros += cg * groups * CHANNELS + within;
+    scales += cg * groups * CHANNELS + within;
+    float f[ROWS * SLICE_CHANNELS];
+    for (int m0 = it->first; m0 < it->end; m0 += ROWS) {
+        const int mb = it->end - m0 < ROWS ? it->end - m0 : ROWS;
+        MICRO_ROWS[mb](a + m0 * k, sums + m0 * groups, k, group, w, zeros, scales, f);
+        for (int i = 0; i < mb; i++) {
+            const float step = peaks[m0 + i] * SCALE;
+            float *y = out + (int64_t)(m0 + i) * n + col0;
+            for (int j = 0; j < cols; j++) y[j] = f[i * SLICE_CHANNELS + j] * step;
+        }
+    }
+}
+
+int int4_experts(const Int4Experts *c, int experts, int threads) {
+    const int m = c->m, slots = c->m * c->top_k, hidden = c->hidden, width = c->width;
+    const int up_slices = (int)(round_up(2 * width, CHANNELS) / SLICE_CHANNELS);
+    const int down_slices = (int)(round_up(hidden, CHANNELS) / SLICE_CHANNELS);
+    const int most_items = (slots + experts) * (up_slices > down_slices ? up_slices : down_slices);
+    int *starts = calloc(experts + 2, sizeof(int)), *slot_at = malloc(sizeof(int) * (slots + 1));
+    int8_t *a = aligned_alloc(64, round_up((int64_t)slots * (hidden > width ? hidden : width) + 1, 64));
+    uint8_t *scratch = aligned_alloc(64, round_up((int64_t)slots * (hidden > width ? hidden : width) + 1, 64));
+    int32_t *sums = malloc(sizeof(int32_t) * (slots + 1) * (hidden / c->up_group + width / c->down_group));
+    float *peaks = malloc(sizeof(float) * (slots + 1));
+    float *up = malloc(sizeof(float) * ((int64_t)slots * 2 * width + 1));
+    float *down = malloc(sizeof(float) * ((int64_t)slots * hidden + 1));
+    ExpertItem *items = malloc(sizeof(ExpertItem) * (most_items + 1));
+    if (!starts || !slot_at || !a || !scratch || !sums || !peaks || !up || !down || !items) {
+        free(starts), free(slot_at), free(a), free(scratch), free(sums), free(peaks), free(up), free(down), free(items);
+        return 2;
+    }
+    for (int s = 0; s < slots; s++) {
+        if (c->chosen[s] < 0 || c->chosen[s] >= experts) {
+            free(starts), free(slot_at), free(a), free(scratch), free(sums), free(peaks), free(up), free(down), free(items);
+            return 3;
+        }
+        starts[c->chosen[s] + 2]++;
+    }
+    for (int e = 0; e < experts; e++) starts[e + 2] += starts[e + 1];
+    int *sorted = malloc(sizeof(int) * (slots + 1)); /* position → slot (row·top_k + rank) */
+    if (!sorted) {
+        free(starts), free(slot_at), free(a), free(scratch), free(sums), free(peaks), free(up), free(down), free(items);
+        return 2;
+    }
+    for (int s = 0; s < slots; s++) { /* counting sort, stable: starts[e + 1] walks expert e's positions */
+        const int at = starts[c->chosen[s] + 1]++;
+        sorted[at] = s, slot_at[s] = at;
+    }
+    /* starts[e] is now where expert e's positions begin, starts[experts] the end */
+    const int64_t up_groups = hidden / c->up_group, down_groups = width / c->down_group;
+    if (threads < 1) threads = 1;
+    int n_items = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        /* each position's input: its row quantized (rows sharing an expert list are quantized anew: the same bits) */
+#pragma omp for schedule(static)
+        for (int p = 0; p < slots; p++)
+            peaks[p] = signed_row(c->x + (int64_t)(sorted[p] / c->top_k) * hidden, hidden, c->up_group,
+                                  scratch + (int64_t)p * hidden, a + (int64_t)p * hidden, sums + p * up_groups);
+#pragma omp single
+        n_items = expert_items(starts, experts, 2 * width, items);
+#pragma omp for schedule(static)
+        for (int i = 0; i < n_items; i++) {
+            const int e = items[i].expert;
+            expert_item(&items[i], a, sums, peaks, hidden, 2 * width, c->up_group, c->up_packed[e], c->up_zeros[e],
+                        c->up_scales[e], up);
+        }
+        /* silu(gate)·up, in place over the gate half, then quantized as the down projection's input */
+#pragma omp for schedule(static)
+        for (int p = 0; p < slots; p++) {
+            float *g = up + (int64_t)p * 2 * width;
+            for (int j = 0; j < width; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * g[width + j];
+            peaks[p] = signed_row(g, width, c->down_group, scratch + (int64_t)p * width, a + (int64_t)p * width,
+                                  sums + p * down_groups);
+        }
+#pragma omp single
+        n_items = expert_items(starts, experts, hidden, items);
+#pragma omp for schedule(static)
+        for (int i = 0; i < n_items; i++) {
+            const int e = items[i].expert;
+            expert_item(&items[i], a, sums, peaks, width, hidden, c->down_group, c->down_packed[e], c->down_zeros[e],
+                        c->down_scales[e], down);
+        }
+        /* each row's experts added in its own rank order: first choice, second, … */
+#pragma omp for schedule(static)
+        for (int r = 0; r < m; r++) {
+            float *y = c->y + (int64_t)r * hidden;
+            const float *w = c->weights + (int64_t)r * c->top_k;
+            const float *first = down + (int64_t)slot_at[r * c->top_k] * hidden;
+            for (int j = 0; j < hidden; j++) y[j] = first[j] * w[0];
+            for (int rank = 1; rank < c->top_k; rank++) {
+                const float *o = down + (int64_t)slot_at[r * c->top_k + rank] * hidden;
+                for (int j = 0; j < hidden; j++) y[j] = y[j] + o[j] * w[rank];
+            }
+        }
+    }
+    free(starts), free(slot_at), free(sorted), free(a), free(scratch), free(sums), free(peaks), free(up), free(down),
+        free(items);
     return 0;
 }

@@ -64,6 +64,7 @@ def native_library() -> ctypes.CDLL:
     lib.int4_group_entries.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.int4_pack.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
     lib.int4_linear.argtypes = [ctypes.POINTER(_NativeCall), ctypes.c_int]
+    lib.int4_experts.argtypes = [ctypes.POINTER(_NativeExperts), ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -211,3 +212,67 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, 4-bit (group {self.group})"
+
+
+class _NativeExperts(ctypes.Structure):
+    """int4_gemm.c's `Int4Experts`: one call's rows, their experts and every expert's weights."""
+
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("m", ctypes.c_int),
+        ("hidden", ctypes.c_int),
+        ("width", ctypes.c_int),
+        ("top_k", ctypes.c_int),
+        ("up_group", ctypes.c_int),
+        ("down_group", ctypes.c_int),
+        ("chosen", ctypes.c_void_p),
+        ("weights", ctypes.c_void_p),
+        *((name, ctypes.c_void_p) for name in ("up_packed", "up_zeros", "up_scales")),
+        *((name, ctypes.c_void_p) for name in ("down_packed", "down_zeros", "down_scales")),
+        ("y", ctypes.c_void_p),
+    ]
+
+
+class Int4Experts:
+    """A mixture-of-experts layer's 4-bit experts (each a gate/up and a down `Int4Linear`) run by one
+    native call per layer: `experts(h, weights, chosen)` is Σ over each row's ranks, in rank order, of
+    weight · down(silu(gate) · up) — int4_gemm.c's `int4_experts` (every expert's rows in one parallel
+    loop; each row's result its own). None of `gate_up`/`down` may be anything but Int4Linear."""
+
+    def __init__(self, gate_up: list[Int4Linear], down: list[Int4Linear]):
+        self.hidden, self.width = gate_up[0].in_features, down[0].in_features
+        self.experts = len(gate_up)
+        for up, dn in zip(gate_up, down, strict=True):
+            if (up.in_features, up.out_features, dn.out_features) != (self.hidden, 2 * self.width, self.hidden):
+                raise ValueError("experts of different shapes")
+            if up.bias is not None or dn.bias is not None or (up.group, dn.group) != (gate_up[0].group, down[0].group):
+                raise ValueError("experts with a bias or their own group sizes")
+        self._linears = (gate_up, down)  # keeps the weights the pointers below point into alive
+        pointers = ctypes.c_void_p * self.experts
+        self._arrays = {  # the per-expert pointer arrays the call structure points to
+            f"{side}_{part}": pointers(*(getattr(lin, name).data_ptr() for lin in linears))
+            for side, linears in (("up", gate_up), ("down", down))
+            for part, name in (("packed", "qweight"), ("zeros", "qzeros"), ("scales", "scales"))
+        }
+        self._call = _NativeExperts(
+            hidden=self.hidden,
+            width=self.width,
+            up_group=gate_up[0].group,
+            down_group=down[0].group,
+            **{name: ctypes.addressof(array) for name, array in self._arrays.items()},
+        )
+        self._native = native_library()
+
+    def __call__(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        h = h.float().contiguous()
+        weights, chosen = weights.float().contiguous(), chosen.to(torch.int64).contiguous()
+        y = torch.empty(h.shape[0], self.hidden)
+        call = _NativeExperts.from_buffer_copy(self._call)
+        call.x, call.m, call.top_k, call.chosen = h.data_ptr(), h.shape[0], chosen.shape[1], chosen.data_ptr()
+        call.weights, call.y = weights.data_ptr(), y.data_ptr()
+        status = self._native.int4_experts(ctypes.byref(call), self.experts, torch.get_num_threads())
+        if status == 3:
+            raise ValueError("an expert number out of range")
+        if status:
+            raise MemoryError("the 4-bit experts kernel could not allocate its scratch memory")
+        return y
