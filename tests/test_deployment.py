@@ -18,15 +18,9 @@ import pytest
 import requests
 from safetensors import safe_open
 
-from service.deploy import planning
-from service.deploy.planning import (
-    BYTES_PER_PARAMETER,
-    INT4_BYTES_PER_WEIGHT,
-    checkpoint_parameters,
-    checkpoint_quantization,
-    instance_bytes,
-    plan_instances,
-)
+from service import footprint
+from service.deploy.planning import instance_bytes, plan_instances
+from service.footprint import BYTES_PER_PARAMETER, INT4_BYTES_PER_WEIGHT, checkpoint_parameters, checkpoint_quantization
 from service.settings import SettingsError, load_settings
 
 from imaging import encode, pattern
@@ -169,12 +163,12 @@ def test_a_4bit_checkpoint_is_planned_with_its_own_bytes(tiny_dir, int4_dir, tmp
 
 
 def test_the_planners_checkpoint_markers_are_the_quantizers():
-    """The planner repeats them (it does not import torch): they must stay the same strings."""
+    """service/footprint.py repeats them (the planner uses it, without torch): they must stay the same."""
     from service.quant import packing, published
 
-    assert planning.QUANTIZED_MARKER == packing.QUANTIZED_MARKER
-    assert planning.FORMAT_INT4 == packing.FORMAT_INT4
-    assert planning.PUBLISHED_METHODS == published.METHODS
+    assert footprint.QUANTIZED_MARKER == packing.QUANTIZED_MARKER
+    assert footprint.FORMAT_INT4 == packing.FORMAT_INT4
+    assert footprint.PUBLISHED_METHODS == published.METHODS
 
 
 def test_more_instances_than_cores_is_refused(tmp_path):

@@ -15,6 +15,7 @@ from service import metrics
 from service.caches.lru import BudgetedLRU
 from service.engine.engine import Engine, GenerationRequest, SamplingParams
 from service.errors import Unavailable
+from service.footprint import ModelTooLarge
 from service.memory import (
     EVICT_AT,
     MIB,
@@ -203,9 +204,23 @@ def test_model_larger_than_the_budget_is_served_from_memory_mapped_weights(cache
     assert out.shape[1] == ids.shape[1] + 6
 
 
+def test_a_checkpoint_whose_weights_cannot_fit_the_budget_is_refused_with_the_4bit_command(cache_dir, tiny_dir):
+    """Quantizing at load the tiny model's ~0.7 M parameters peaks at ~2.7 MB of weights: a 1 MiB
+    budget refuses it before any weight is read, naming the bytes and the command whose checkpoint
+    would be served instead; 16 MiB lets the load go on (requests are then refused one by one)."""
+    with pytest.raises(ModelTooLarge) as refused:
+        load_model(make_settings(cache_dir, model_path=tiny_dir, quantization="int8", max_memory_mb=1))
+    message = str(refused.value)
+    assert "0.72 M parameters" in message and "more than the memory budget of 0.00 GiB" in message
+    assert f"python -m service quantize --bits 4 {tiny_dir} {tiny_dir}-int4" in message
+    with pytest.raises(ModelTooLarge, match="in fp32"):
+        load_model(make_settings(cache_dir, model_path=tiny_dir, quantization="fp32", max_memory_mb=1))
+    assert load_model(make_settings(cache_dir, model_path=tiny_dir, quantization="int8", max_memory_mb=16)).model
+
+
 @pytest.mark.server
 def test_http_request_over_budget_gets_503_json_error(cache_dir, tiny_dir, tmp_path):
-    env = {"CACHE_DIR": str(cache_dir), "MAX_MEMORY_MB": "1"}
+    env = {"CACHE_DIR": str(cache_dir), "MAX_MEMORY_MB": "16"}  # the weights fit; the running server does not
     with gunicorn_server(env, tmp_path / "gunicorn.log") as (base, _):
         reply = requests.post(
             base + "/v1/chat/completions",
@@ -214,7 +229,7 @@ def test_http_request_over_budget_gets_503_json_error(cache_dir, tiny_dir, tmp_p
         )
     assert reply.status_code == 503
     error = reply.json()["error"]
-    assert error["code"] == "memory_budget" and "of its 1 MiB (MAX_MEMORY_MB)" in error["message"]
+    assert error["code"] == "memory_budget" and "of its 16 MiB (MAX_MEMORY_MB)" in error["message"]
 
 
 def test_mapped_weights_compute_any_row_count_even_unaligned():

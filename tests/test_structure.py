@@ -74,7 +74,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 # The rooms, lowest first: a module may import its own room and the rooms before it, never one after
 # (each room's __init__ says what it owns). The entry points at the end import anything below them.
 LAYERS = [
-    ("basics", ["service.settings", "service.errors", "service.metrics", "service.memory", "service.threads"]),
+    (
+        "basics",
+        [
+            "service.settings",
+            "service.errors",
+            "service.metrics",
+            "service.memory",
+            "service.footprint",
+            "service.threads",
+        ],
+    ),
     ("native", ["service.native"]),
     ("media", ["service.media"]),
     ("quant", ["service.quant"]),

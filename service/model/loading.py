@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..footprint import check_fits
 from ..media.images import fit_processor
 from ..memory import MemoryGuard
 from ..quant.fusion import fuse_projections, model_class
@@ -117,6 +118,7 @@ def _load(settings: Settings) -> LoadedModel:
         if prequantized:
             model, mapped = load_quantized(path, settings.threads, MemoryGuard.from_settings(settings), kernels)
         else:
+            check_fits(path, settings.quantization, MemoryGuard.from_settings(settings).budget_bytes)
             # The checkpoint's own dtype (bf16 for Qwen's releases): no whole fp32 copy before quantizing.
             dtype = "auto" if settings.quantization == "int8" else torch.float32
             # Qwen3-VL or Qwen3-VL-MoE, as the config says
