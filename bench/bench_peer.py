@@ -2,6 +2,7 @@
 
     flock /tmp/heavy.lock python -m bench.bench_peer                # 2B-shaped checkpoint, 2 threads
     python -m bench.bench_peer --rounds 1 --no-q4 --no-save          # a quicker look
+    flock /tmp/heavy.lock python -m bench.bench_peer --model 30b-a3b-e32   # the MoE, 32 experts (docs/models.md)
 
 The peer is llama.cpp as llama-cpp-python ships it: its sdist (`pip download`, version
 LLAMA_CPP_PYTHON) is unpacked under CACHE_DIR/peer and its vendored llama.cpp built with cmake for
@@ -12,11 +13,15 @@ was trained by the service, so the converter does not know its pre-tokenizer's h
 Qwen2's (the same regex), and needs `sentencepiece` installed. Nothing of llama.cpp is kept in git,
 and this never runs in CI.
 
-Ours runs twice: the INT8 checkpoint (`-int8`, the default) and the 4-bit one (`-int4`, `python -m
-service quantize --bits 4`; written if missing). Each server runs alone on the machine, in the order
-ours, ours 4-bit, Q8_0, Q4_0, then reversed per round, all with 2 threads (`llama-server -t 2 -tb 2
--np 4`), and gets the same requests on the OpenAI endpoint, greedy, end of turn biased away so
-answers run to max_tokens:
+`--model PRESET` takes the random checkpoint of that `make-model` preset (CACHE_DIR/qwen3vl-PRESET-random,
+bf16: what the converter reads); 2B by default. The full 30B-A3B has no bf16 checkpoint here (61 GB), so
+its reduced-expert twin `30b-a3b-e32` (the same per-token shapes, 32 experts) is what both sides run.
+
+Ours runs twice: the INT8 checkpoint (`-int8`, `python -m service quantize`; 2B is quantized at load
+without it, any other model gets it written) and the 4-bit one (`-int4`, `--bits 4`; written if missing).
+Each server runs alone on the machine, in the order ours, ours 4-bit, Q8_0, Q4_0, then reversed per
+round, all with 2 threads (`llama-server -t 2 -tb 2 -np 4`), and gets the same requests on the OpenAI
+endpoint, greedy, end of turn biased away so answers run to max_tokens:
 - start → ready (client-side): process start to the first 200 of /ready (ours) or /health;
 - first token with a picture (client-side): a 448×448 JPEG and a question, max_tokens 1, a new
   picture each time (no cache may help), median of 3;
@@ -27,8 +32,13 @@ answers run to max_tokens:
   with a follow-up, max_tokens 1: what a chat client waits for its next answer to start;
 - 4 concurrent text streams of 64 tokens (client-side): all tokens over the wall time;
 - the server's resident memory after the runs (PSS of its processes: Gunicorn's master and worker
-  share the weights copy-on-write, which summed RSS would count twice).
-It writes its section in bench/RESULTS.md and bench/peer.png (each figure against llama.cpp Q8_0).
+  share the weights copy-on-write, which summed RSS would count twice);
+- decode's bandwidth ceiling (bench/core/ceiling.py): the weight bytes a token reads (its experts only,
+  in a mixture of experts) ÷ this machine's read bandwidth, probed before the servers start; each
+  decode rate as a share of its own weights' ceiling.
+A llama.cpp server that crashes is started again with `-nr` (no weight repacking, which segfaulted on a
+Xeon with AMX), and the table says so. It writes its section in bench/RESULTS.md and bench/peer.png
+(bench/peer-PRESET.png for another model; each figure against llama.cpp Q8_0).
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from bench.core.ceiling import checkpoint_active_bytes, gguf_active_bytes, model_experts, read_bandwidth
 from bench.core.client import chat, openai_chat
 from bench.core.harness import concurrently, parse, parser, tree_memory
 from bench.core.inputs import DECODE_PROMPT, QUESTION, message, photo_url, text_of_tokens
@@ -53,7 +64,8 @@ from bench.core.results import cpu_model, markdown_table, report
 from bench.core.servers import gunicorn_server, llama_server
 
 LLAMA_CPP_PYTHON = "0.3.36"
-PLOT = Path(__file__).resolve().parent / "peer.png"
+HERE = Path(__file__).resolve().parent
+MODELS = ("2b", "4b", "8b", "30b-a3b-e32")  # make-model presets with a bf16 checkpoint the converter reads
 OURS_4BIT = "this service 4-bit"
 KINDS = ("this service", OURS_4BIT, "llama.cpp Q8_0", "llama.cpp Q4_0")
 
@@ -138,9 +150,9 @@ def our_server(model_path: Path, threads: int, log: Path):
 
 
 @contextmanager
-def peer_server(llama: Path, text: Path, mmproj: Path, threads: int, log: Path):
+def peer_server(llama: Path, text: Path, mmproj: Path, threads: int, log: Path, no_repack: bool):
     started = time.perf_counter()
-    with llama_server(llama, text, mmproj, threads, log) as (base, process):
+    with llama_server(llama, text, mmproj, threads, log, no_repack) as (base, process):
         yield base, process, time.perf_counter() - started
 
 
@@ -191,35 +203,43 @@ def measure(client: Client, long_prompt: str, round_: int) -> dict:
 
 def main(argv=None) -> int:
     p = parser(__doc__, quantization=False)
+    p.add_argument("--model", choices=MODELS, default="2b", help="the make-model preset whose checkpoint both run")
     p.add_argument("--rounds", type=int, default=3, help="server starts per kind, in the order of KINDS, then reversed")
     p.add_argument("--no-q4", action="store_true", help="leave llama.cpp Q4_0 out")
     p.add_argument("--no-int4", action="store_true", help="leave this service's 4-bit checkpoint out")
     args = parse(p, argv, source=True)
     from service.model.loading import load_processor
+    from service.quant.quantized import write_quantized
     from service.settings import load_settings
 
     cache_dir = load_settings().cache_dir
     source = args.model_path
-    int8 = source.with_name(source.name + "-int8")
+    int8, int4 = source.with_name(source.name + "-int8"), source.with_name(source.name + "-int4")
+    for copy, bits, wanted in ((int8, 8, args.model != "2b"), (int4, 4, not args.no_int4)):
+        if wanted and not (copy / "config.json").exists():
+            write_quantized(source, copy, bits=bits)
     ours_path = int8 if (int8 / "config.json").exists() else source
-    int4 = source.with_name(source.name + "-int4")
-    if not args.no_int4 and not (int4 / "config.json").exists():
-        from service.quant.quantized import write_quantized
-
-        write_quantized(source, int4, bits=4)
     if shutil.which("cmake") is None:
         raise SystemExit("cmake is needed to build llama.cpp (apt-get install cmake)")
     peer_dir = cache_dir / "peer"
     peer_dir.mkdir(parents=True, exist_ok=True)
     log = peer_dir / "bench_peer.log"
     kinds = [k for k in KINDS if not (args.no_q4 and "Q4" in k) and not (args.no_int4 and k == OURS_4BIT)]
-    steps = 2 + 2 * len(kinds) * args.rounds
+    steps = 3 + 2 * len(kinds) * args.rounds
+    no_repack: set[str] = set()  # llama.cpp kinds that crashed with repacking: started with -nr since
     with tqdm(total=steps, desc="bench_peer", unit="step") as bar:
         bar.set_postfix_str("building llama.cpp (once: a few minutes)")
         llama = llama_cpp(peer_dir, log)
         bar.update()
         bar.set_postfix_str("converting the checkpoint to GGUF (once)")
         weights = gguf_weights(source, llama, peer_dir / f"gguf-{source.name}", log, q4=not args.no_q4)
+        bar.update()
+        bar.set_postfix_str("probing the read bandwidth")
+        bandwidth = read_bandwidth(args.threads)
+        experts = model_experts(source)
+        active = {"this service": checkpoint_active_bytes(ours_path), OURS_4BIT: checkpoint_active_bytes(int4)}
+        for kind in (k for k in kinds if k.startswith("llama.cpp")):
+            active[kind] = gguf_active_bytes(weights["q8_0" if "Q8" in kind else "q4_0"], llama, experts)
         bar.update()
         tokenizer = load_processor(source).tokenizer
         end_of_turn = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
@@ -228,34 +248,60 @@ def main(argv=None) -> int:
         for round_ in range(args.rounds):
             for kind in kinds if round_ % 2 == 0 else list(reversed(kinds)):
                 bar.set_postfix_str(f"{kind}, round {round_ + 1}")
-                if kind.startswith("this service"):
-                    path = int4 if kind == OURS_4BIT else ours_path
-                    server = our_server(path, args.threads, peer_dir / "ours.log")
-                else:
-                    text = weights["q8_0" if "Q8" in kind else "q4_0"]
-                    server = peer_server(llama, text, weights["mmproj"], args.threads, peer_dir / "llama.log")
-                with server as (base, process, ready_s):
-                    bar.update()
-                    client = Client(base, kind.startswith("this service"), end_of_turn)
-                    client.chat([message("user", photo_url(99999), "Hi.")], 2)  # first-call costs, not measured
-                    run = measure(client, long_prompt, round_)
-                    run["ready_s"], run["memory_gib"] = ready_s, tree_memory(process) / 1024**3
-                    results[kind].append(run)
-                bar.update()
+                results[kind].append(serve_and_measure(kind, args, ours_path, int4, llama, weights, peer_dir,
+                                                       end_of_turn, long_prompt, round_, no_repack))  # fmt: skip
+                bar.update(2)
     med = {k: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for k, runs in results.items()}
+    for kind in kinds:
+        med[kind]["ceiling"] = bandwidth / active[kind]
+        med[kind]["ceiling_share"] = med[kind]["decode_short"] / med[kind]["ceiling"]
+    plot_path = HERE / ("peer.png" if args.model == "2b" else f"peer-{args.model}.png")
     if not args.no_save:
-        plot(med, kinds)
+        plot(med, kinds, plot_path)
+    title = "This service side by side with llama.cpp (bench/bench_peer.py)"
+    if args.model != "2b":
+        title = f"This service side by side with llama.cpp: {args.model} (bench/bench_peer.py --model {args.model})"
     return report(
         args,
-        "This service side by side with llama.cpp (bench/bench_peer.py)",
+        title,
         {
+            "model": f"{args.model}, random weights ({source.name})"
+            + (f"; {experts[1]} of {experts[0]} experts a token" if experts[0] > 1 else ""),
             "ours": f"{ours_path.name}" + ("" if args.no_int4 else f" and {int4.name}") + ", INT8_KERNEL=auto",
-            "llama.cpp": f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, llama-server -t {args.threads} -np 4",
+            "llama.cpp": f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, llama-server -t {args.threads} -np 4"
+            + (f"; -nr (no repacking: the default crashed) for {', '.join(sorted(no_repack))}" if no_repack else ""),
             "GGUF": ", ".join(p.name for p in weights.values()),
+            "read bandwidth": f"{bandwidth / 1e9:.1f} GB/s ({args.threads} threads summing 2 GiB, best of 5)",
             "CPU": cpu_model(),
         },
-        table(med, results, kinds, args.rounds, ours_path, weights, int4),
+        table(med, results, kinds, args.rounds, ours_path, weights, int4, active, plot_path),
     )
+
+
+def serve_and_measure(kind, args, ours_path, int4, llama, weights, peer_dir, end_of_turn, long_prompt, round_,
+                      no_repack: set[str]) -> dict:  # fmt: skip
+    """One server of `kind` started, warmed and measured; a llama.cpp one that crashes is retried once
+    with -nr (and stays so for the run)."""
+    ours = kind.startswith("this service")
+    while True:
+        if ours:
+            server = our_server(int4 if kind == OURS_4BIT else ours_path, args.threads, peer_dir / "ours.log")
+        else:
+            text = weights["q8_0" if "Q8" in kind else "q4_0"]
+            log = peer_dir / "llama.log"
+            server = peer_server(llama, text, weights["mmproj"], args.threads, log, kind in no_repack)
+        try:
+            with server as (base, process, ready_s):
+                client = Client(base, ours, end_of_turn)
+                client.chat([message("user", photo_url(99999), "Hi.")], 2)  # first-call costs, not measured
+                run = measure(client, long_prompt, round_)
+                run["ready_s"], run["memory_gib"] = ready_s, tree_memory(process) / 1024**3
+                return run
+        except (RuntimeError, OSError) as exc:  # exited, or the connection dropped under a request
+            if ours or kind in no_repack:
+                raise
+            tqdm.write(f"{kind} crashed ({exc}): started again with -nr (no weight repacking)")
+            no_repack.add(kind)
 
 
 ROWS = [  # (label, key, unit, better, side)
@@ -266,10 +312,23 @@ ROWS = [  # (label, key, unit, better, side)
     ("second turn (history resent), first token", "second_turn_s", "s", "lower", "client"),
     ("4 concurrent streams, aggregate", "streams_tok_s", "tok/s", "higher", "client"),
     ("resident memory after the runs (PSS)", "memory_gib", "GiB", "lower", "—"),
+    ("decode ceiling: read bandwidth ÷ weight bytes a token reads", "ceiling", "tok/s", "higher", "—"),
+    ("decode after a short prompt, share of its ceiling", "ceiling_share", "", "higher", "—"),
 ]
+PLOTTED = ROWS[:7]  # the measured rows (the ceiling is a property of the weights, not a speed)
 
 
-def table(med: dict, results: dict, kinds: list[str], rounds: int, ours_path: Path, weights: dict, int4: Path) -> str:
+def table(
+    med: dict,
+    results: dict,
+    kinds: list[str],
+    rounds: int,
+    ours_path: Path,
+    weights: dict,
+    int4: Path,
+    active: dict,
+    plot_path: Path,
+) -> str:
     reference = "llama.cpp Q8_0"
     ratios = [("ours / Q8_0", "this service", reference)]
     if OURS_4BIT in kinds:
@@ -280,10 +339,15 @@ def table(med: dict, results: dict, kinds: list[str], rounds: int, ours_path: Pa
     for label, key, unit, _, side in ROWS:
         cells = [
             f"{med[k][key]:.3g}" + (f" ({min(r[key] for r in results[k]):.3g}–{max(r[key] for r in results[k]):.3g})"
-                                    if len(results[k]) > 1 else "")
+                                    if key in results[k][0] and len(results[k]) > 1 else "")
             for k in kinds
         ]  # fmt: skip
-        rows.append([f"{label} ({unit})", side, *cells, *[f"{med[a][key] / med[b][key]:.2f}x" for _, a, b in ratios]])
+        if key == "ceiling_share":
+            cells = [f"{med[k][key]:.0%}" for k in kinds]
+        name = f"{label} ({unit})" if unit else label
+        rows.append([name, side, *cells, *[f"{med[a][key] / med[b][key]:.2f}x" for _, a, b in ratios]])
+    rows.append(["weight bytes a decoded token reads (GB)", "files", *[f"{active[k] / 1e9:.2f}" for k in kinds],
+                 *["" for _ in ratios]])  # fmt: skip
     table = markdown_table(["", "measured", *kinds, *[name for name, _, _ in ratios]], rows)
     ours = ours_path.name + (f" and {int4.name}" if OURS_4BIT in kinds else "")
     return (
@@ -292,33 +356,33 @@ def table(med: dict, results: dict, kinds: list[str], rounds: int, ours_path: Pa
         "of the columns, then reversed); first token the median of 3 pictures. Client-side: the request's wall time at "
         "the client, on the same OpenAI-endpoint request for all; server-side: each server's own decode count. "
         f"Ours: {ours}; llama.cpp: {', '.join(p.name for p in weights.values())}. "
-        "[Plot: each figure against llama.cpp Q8_0](peer.png)."
+        f"[Plot: each figure against llama.cpp Q8_0]({plot_path.name})."
     )
 
 
-def plot(med: dict, kinds: list[str]) -> None:
+def plot(med: dict, kinds: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [label for label, *_ in ROWS]
+    labels = [label for label, *_ in PLOTTED]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(kinds)
     for i, kind in enumerate(kinds):
         # how many times better than llama.cpp Q8_0 (> 1: better), whatever the direction of the figure
         ratios = [
             (med[kind][key] / med["llama.cpp Q8_0"][key]) ** (1 if better == "higher" else -1)
-            for _, key, _, better, _ in ROWS
+            for _, key, _, better, _ in PLOTTED
         ]
-        ax.barh([y + i * width for y in range(len(ROWS))], ratios, height=width, label=kind)
+        ax.barh([y + i * width for y in range(len(PLOTTED))], ratios, height=width, label=kind)
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_yticks([y + width * (len(kinds) - 1) / 2 for y in range(len(ROWS))], labels)
+    ax.set_yticks([y + width * (len(kinds) - 1) / 2 for y in range(len(PLOTTED))], labels)
     ax.invert_yaxis()
     ax.set_xlabel("times better than llama.cpp Q8_0 (same machine, same run)")
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(PLOT, dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

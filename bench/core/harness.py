@@ -120,9 +120,14 @@ def tree_memory(process) -> int:
 
 def default_model_path() -> Path:
     """The 2B-shaped random checkpoint under CACHE_DIR (`python -m service make-model --preset 2b ...`)."""
+    return preset_model_path("2b")
+
+
+def preset_model_path(preset: str) -> Path:
+    """The random checkpoint of a `make-model` preset under CACHE_DIR: qwen3vl-PRESET-random."""
     from service.settings import load_settings
 
-    return load_settings().cache_dir / "qwen3vl-2b-random"
+    return load_settings().cache_dir / f"qwen3vl-{preset}-random"
 
 
 def tiny_model_path() -> Path:
@@ -165,12 +170,15 @@ def parser(doc: str, quantization: bool = True, baseline: str | None = None) -> 
 
 
 def parse(p: argparse.ArgumentParser, argv=None, source: bool = False) -> argparse.Namespace:
-    """`p`'s arguments, `model_path` the checkpoint they name: --tiny's, --model-path, or by default the
-    2B-shaped one (its INT8 copy for INT8, unless `source`: the checkpoint the copies are made from).
+    """`p`'s arguments, `model_path` the checkpoint they name: --tiny's, --model-path, a --model preset's
+    (where the parser has one: `preset_model_path`), or by default the 2B-shaped one (its INT8 copy for
+    INT8, unless `source`: the checkpoint the copies are made from).
     Exits with how to make it if it is missing."""
     args = p.parse_args(argv)
     if args.tiny:
         args.model_path = tiny_model_path()
+    elif args.model_path is None and getattr(args, "model", None):
+        args.model_path = preset_model_path(args.model)
     elif args.model_path is None:
         source = source or getattr(args, "quantization", "int8") != "int8"
         args.model_path = default_model_path() if source else default_int8_path()
@@ -180,9 +188,10 @@ def parse(p: argparse.ArgumentParser, argv=None, source: bool = False) -> argpar
 
 def require_checkpoint(path: Path) -> Path:
     if not (path / "config.json").exists():
+        preset = path.name.removeprefix("qwen3vl-").removesuffix("-random")
         raise SystemExit(
             f"no checkpoint at {path}: create it with\n"
-            f"  flock /tmp/heavy.lock python -m service make-model --preset 2b {path}\n"
+            f"  flock /tmp/heavy.lock python -m service make-model --preset {preset} {path}\n"
             "or pass --model-path (a Qwen3-VL checkpoint directory)"
         )
     return path

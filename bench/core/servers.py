@@ -97,13 +97,14 @@ def gunicorn_server(
 
 
 @contextmanager
-def llama_server(llama: Path, text: Path, mmproj: Path, threads: int, log_path: Path):
+def llama_server(llama: Path, text: Path, mmproj: Path, threads: int, log_path: Path, no_repack: bool = False):
     """Yield (base_url, process) of a llama.cpp `llama-server` built in `llama` (build/bin) on the GGUF
-    files `text` and `mmproj`, 4 slots, once its /health answers."""
+    files `text` and `mmproj`, 4 slots, once its /health answers; `no_repack`: with `-nr` (its weights
+    not repacked for this CPU: the default segfaulted on a Xeon with AMX)."""
     command = [
         str(llama / "build" / "bin" / "llama-server"), "-m", str(text), "--mmproj", str(mmproj),
         "-t", str(threads), "-tb", str(threads), "-np", "4", "-c", str(4 * 4096), "--jinja",
-        "--host", "127.0.0.1", "--port", "{port}", "--no-webui",
+        "--host", "127.0.0.1", "--port", "{port}", "--no-webui", *(["-nr"] if no_repack else []),
     ]  # fmt: skip
     with _serving(command, log_path, "/health", 900, 0.05) as up:
         yield up
