@@ -27,6 +27,7 @@ from test_forward import (
     same_kv,
     transformers_greedy,
 )
+from test_int4 import greedy, in_a_mapping_of
 
 from service.engine.engine import Engine, GenerationRequest
 from service.model.attention import ExactAttention
@@ -352,3 +353,17 @@ def test_a_cache_hit_answers_the_bits_of_a_fresh_computation(engines, cache_dir,
     # a stateless client resending the history (its answer re-rendered as text) hits by prefix
     history = [user(picture, "What is in this picture?"), assistant(first.text), user("And the colours?")]
     assert pair.ask(history).cached_tokens > 0
+
+
+def test_4bit_experts_over_the_budget_are_computed_from_the_mapped_file_with_the_same_bits(engines, cache_dir):
+    """A budget the 4-bit experts do not fit: they stay views of the checkpoint's file (the page cache
+    keeps the hot ones), and the one-call experts kernel reads them there — the same answer, bit for bit."""
+    path = engines("int4").loaded.path
+    mapped = load_model(make_settings(cache_dir, model_path=path, max_memory_mb=1))
+    assert mapped.weights_mapped
+    experts = [m for m in mapped.model.modules() if isinstance(m, ExpertLinears)]
+    assert experts and all(in_a_mapping_of(e.gate_up[0].qweight.data_ptr(), path) for e in experts)
+    settings = make_settings(cache_dir, model_path=path, int8_kernel="native")
+    a = greedy(Engine(mapped, settings), "Tell me about a red square.")
+    b = greedy(engines("int4"), "Tell me about a red square.")
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
