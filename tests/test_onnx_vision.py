@@ -191,3 +191,21 @@ def test_default_backend_is_torch_even_with_an_export(onnx_engine, cache_dir):
     settings = make_settings(cache_dir, model_path=onnx_engine.loaded.path)
     assert settings.vision_backend == "torch"
     assert isinstance(make_vision_encoder(onnx_engine.loaded, settings), TorchVisionEncoder)
+
+
+def test_a_mixture_of_experts_tower_exports_alone_and_gives_the_torch_towers_features(
+    tiny_moe_dir, cache_dir, tmp_path
+):
+    """tiny-moe's tower (Qwen3-VL-MoE's class) is exported from its own tensors — the decoder never
+    loaded — and its fp32 graph computes what the torch tower computes."""
+    checkpoint = tmp_path / "tiny-moe"
+    shutil.copytree(tiny_moe_dir, checkpoint)
+    assert main(["--log-level", "WARNING", "export-onnx", str(checkpoint), "--cache-dir", str(cache_dir)]) == 0
+    torch_engine = engine_for(checkpoint, cache_dir, vision_backend="torch")
+    onnx_engine = engine_for(checkpoint, cache_dir, vision_backend="onnxruntime")
+    assert isinstance(onnx_engine.vision_encoder, OnnxVisionEncoder)
+    p = prompt(torch_engine, [(640, 360)])
+    expected = outputs(torch_engine.vision_encoder(p.pixel_values[0], p.image_grid_thw))
+    got = outputs(onnx_engine.vision_encoder(p.pixel_values[0], p.image_grid_thw))
+    for reference, other in zip(expected, got, strict=True):
+        assert relative_error(reference, other) <= 1e-4

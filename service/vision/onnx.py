@@ -163,17 +163,27 @@ def grid_inputs(grid_thw: torch.Tensor, spatial_merge_size: int, num_grid_per_si
 
 
 def _load_visual(model_dir: Path) -> tuple[nn.Module, object]:
-    """The checkpoint's vision tower in fp32 (loaded in its stored dtype: bf16 → fp32 is exact)."""
-    from transformers import Qwen3VLForConditionalGeneration
-    from transformers.utils import logging as hf_logging
+    """The checkpoint's vision tower alone in fp32 (bf16 → fp32 is exact): built from its config (the
+    dense family's class or the mixture of experts') and given only the tower's tensors, read from the
+    safetensors files — not the decoder, which for 30B-A3B would be 61 GB in bf16."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
-    hf_logging.set_verbosity_error()
-    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype="auto")
-    visual = model.model.visual
-    model.model.language_model = None  # the decoder is not exported: free it now
-    model.lm_head = None
-    visual.float().eval().requires_grad_(False)
-    return visual, model.config.vision_config
+    config = AutoConfig.from_pretrained(model_dir)
+    tower = Qwen3VLMoeVisionModel if config.model_type == "qwen3_vl_moe" else Qwen3VLVisionModel
+    visual = tower._from_config(config.vision_config, dtype=torch.float32)
+    state = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                for prefix in ("model.visual.", "visual."):  # transformers 5's names, and the releases' older ones
+                    if name.startswith(prefix):
+                        state[name.removeprefix(prefix)] = f.get_tensor(name).float()
+    visual.load_state_dict(state, strict=True)
+    visual.eval().requires_grad_(False)
+    return visual, config.vision_config
 
 
 class _ErrorsOnly(logging.Filter):
