@@ -50,18 +50,11 @@ SENTENCE = "The harbour was quiet in the early morning, boats resting on grey wa
 
 
 def read_bandwidth_gbps(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
-    """Memory read bandwidth (GB/s) with `threads` threads: summing a tensor far larger than the caches."""
+    """Memory read bandwidth (GB/s) with `threads` threads (bench/core/ceiling.py), left set for the steps."""
+    from bench.core.ceiling import read_bandwidth
+
     torch.set_num_threads(threads)
-    data = torch.ones(int(gib * 1024**3) // 4)
-    data.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - t0)
-    nbytes = data.numel() * 4
-    del data
-    return nbytes / best / 1e9
+    return read_bandwidth(threads, int(gib * 1024**3), repeats) / 1e9
 
 
 def weight_bytes_read_per_token(model) -> int:
