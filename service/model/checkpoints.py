@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 
 RANDOM_MODEL_MARKER = "random_test_model"
 RANDOM_MODEL_WARNING = (
-    "This is the embedded RANDOM-WEIGHT test model: its answers are noise. "
-    "Set MODEL_PATH to a Qwen3-VL checkpoint directory for real answers."
+    "This is a RANDOM-WEIGHT test model: its answers are noise (the embedded one, or one `make-model` "
+    "wrote for tests and benchmarks). Set MODEL_PATH to a Qwen3-VL checkpoint directory for real answers."
 )
 
 # The released checkpoints' ids of the special tokens the configs name.

@@ -275,31 +275,30 @@ int int4_experts(const Int4Experts *c, int experts, int threads) {
     const int up_slices = (int)(round_up(2 * width, CHANNELS) / SLICE_CHANNELS);
     const int down_slices = (int)(round_up(hidden, CHANNELS) / SLICE_CHANNELS);
     const int most_items = (slots + experts) * (up_slices > down_slices ? up_slices : down_slices);
-    int *starts = calloc(experts + 2, sizeof(int)), *slot_at = malloc(sizeof(int) * (slots + 1));
-    int8_t *a = aligned_alloc(64, round_up((int64_t)slots * (hidden > width ? hidden : width) + 1, 64));
-    uint8_t *scratch = aligned_alloc(64, round_up((int64_t)slots * (hidden > width ? hidden : width) + 1, 64));
+    const int64_t widest = hidden > width ? hidden : width;
+    int *starts = calloc(experts + 2, sizeof(int));
+    int *sorted = malloc(sizeof(int) * (slots + 1));  /* position → slot (row·top_k + rank) */
+    int *slot_at = malloc(sizeof(int) * (slots + 1)); /* slot → position */
+    int8_t *a = aligned_alloc(64, round_up((int64_t)slots * widest + 1, 64));
+    uint8_t *scratch = aligned_alloc(64, round_up((int64_t)slots * widest + 1, 64));
     int32_t *sums = malloc(sizeof(int32_t) * (slots + 1) * (hidden / c->up_group + width / c->down_group));
     float *peaks = malloc(sizeof(float) * (slots + 1));
     float *up = malloc(sizeof(float) * ((int64_t)slots * 2 * width + 1));
     float *down = malloc(sizeof(float) * ((int64_t)slots * hidden + 1));
     ExpertItem *items = malloc(sizeof(ExpertItem) * (most_items + 1));
-    if (!starts || !slot_at || !a || !scratch || !sums || !peaks || !up || !down || !items) {
-        free(starts), free(slot_at), free(a), free(scratch), free(sums), free(peaks), free(up), free(down), free(items);
-        return 2;
+    int status = 0;
+    if (!starts || !sorted || !slot_at || !a || !scratch || !sums || !peaks || !up || !down || !items) {
+        status = 2;
+        goto done;
     }
     for (int s = 0; s < slots; s++) {
         if (c->chosen[s] < 0 || c->chosen[s] >= experts) {
-            free(starts), free(slot_at), free(a), free(scratch), free(sums), free(peaks), free(up), free(down), free(items);
-            return 3;
+            status = 3;
+            goto done;
         }
         starts[c->chosen[s] + 2]++;
     }
     for (int e = 0; e < experts; e++) starts[e + 2] += starts[e + 1];
-    int *sorted = malloc(sizeof(int) * (slots + 1)); /* position → slot (row·top_k + rank) */
-    if (!sorted) {
-        free(starts), free(slot_at), free(a), free(scratch), free(sums), free(peaks), free(up), free(down), free(items);
-        return 2;
-    }
     for (int s = 0; s < slots; s++) { /* counting sort, stable: starts[e + 1] walks expert e's positions */
         const int at = starts[c->chosen[s] + 1]++;
         sorted[at] = s, slot_at[s] = at;
@@ -352,7 +351,8 @@ int int4_experts(const Int4Experts *c, int experts, int threads) {
             }
         }
     }
-    free(starts), free(slot_at), free(sorted), free(a), free(scratch), free(sums), free(peaks), free(up), free(down),
-        free(items);
-    return 0;
+done:
+    free(starts), free(sorted), free(slot_at), free(a), free(scratch), free(sums), free(peaks), free(up), free(down);
+    free(items);
+    return status;
 }
