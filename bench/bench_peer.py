@@ -38,7 +38,7 @@ endpoint, greedy, end of turn biased away so answers run to max_tokens:
   decode rate as a share of its own weights' ceiling.
 A llama.cpp server that crashes is started again with `-nr` (no weight repacking, which segfaulted on a
 Xeon with AMX), and the table says so. It writes its section in bench/RESULTS.md and bench/peer.png
-(bench/peer-PRESET.png for another model; each figure against llama.cpp Q8_0).
+(bench/peer-30b-a3b-e32.png for `--model 30b-a3b-e32`, and so on; each figure against llama.cpp Q8_0).
 """
 
 from __future__ import annotations
