@@ -31,22 +31,27 @@ _QUANTIZATION_PARTS = (".qzeros", ".scales", ".g_idx", ".qshape", ".weight_scale
 RUNTIME_BYTES = 512 * 1024**2  # Python, torch, transformers, Gunicorn: resident before any weight
 
 
+def safetensors_entries(model_dir: Path):
+    """(name, header entry) of every tensor in a checkpoint's safetensors files, from their headers alone."""
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        yield from ((name, entry) for name, entry in header.items() if name != "__metadata__")
+
+
 def checkpoint_parameters(model_dir: Path) -> int:
     """Parameters in a checkpoint's safetensors files, counted from their headers (no weights read): a
     packed 4-bit `qweight` holds two per byte, whatever its dtype; zero points and scales are not counted."""
     total = 0
-    for path in Path(model_dir).glob("*.safetensors"):
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        for name, tensor in header.items():
-            if name == "__metadata__" or name.endswith(_QUANTIZATION_PARTS):
-                continue
-            if name.endswith(".qweight"):
-                begin, end = tensor["data_offsets"]
-                total += 2 * (end - begin)
-            else:
-                total += math.prod(tensor["shape"])
+    for name, tensor in safetensors_entries(model_dir):
+        if name.endswith(_QUANTIZATION_PARTS):
+            continue
+        if name.endswith(".qweight"):
+            begin, end = tensor["data_offsets"]
+            total += 2 * (end - begin)
+        else:
+            total += math.prod(tensor["shape"])
     return total
 
 

@@ -10,7 +10,6 @@ decode rate is compared with. Both sides are counted from their files: this serv
 from __future__ import annotations
 
 import json
-import struct
 import sys
 import time
 from pathlib import Path
@@ -46,16 +45,9 @@ def _experts(config: dict) -> tuple[int, int]:
 
 def _safetensors_sizes(directory: Path) -> dict[str, int]:
     """name → bytes of every tensor in a checkpoint directory's safetensors files (headers only)."""
-    sizes = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                start, end = entry["data_offsets"]
-                sizes[name] = end - start
-    return sizes
+    from service.footprint import safetensors_entries
+
+    return {name: entry["data_offsets"][1] - entry["data_offsets"][0] for name, entry in safetensors_entries(directory)}
 
 
 def _active(sizes: dict[str, int], experts: tuple[int, int], is_expert, is_skipped) -> int:
