@@ -46,15 +46,27 @@ def cmd_chat(args) -> int:
     from pydantic import ValidationError
 
     from .answer.grounding import GROUNDING_SCHEMA
-    from .answer.structured import json_grammar
-    from .engine.engine import Completion, Engine, GenerationRequest, SamplingParams
+    from .answer.structured import check_grammar, json_grammar
     from .errors import ServiceError
+
+    settings = _settings(args)
+    grammar = None
+    try:  # a bad schema is refused before the model loads
+        if args.json_schema is not None:
+            schema = json.loads(Path(args.json_schema).read_text()) if args.json_schema else {"type": "object"}
+            grammar = json_grammar(schema, "--json-schema")
+            check_grammar(grammar)
+        elif args.boxes:
+            grammar = json_grammar(GROUNDING_SCHEMA, "--boxes")  # a list of labelled boxes, always well formed
+    except (ServiceError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from .engine.engine import Completion, Engine, GenerationRequest, SamplingParams
     from .media.images import decode_image
     from .model.checkpoints import RANDOM_MODEL_WARNING
     from .model.loading import load_model
     from .model.prompts import ChatMessage, ImagePart, TextPart
 
-    settings = _settings(args)
     loaded = load_model(settings)
     if loaded.is_random:
         print(f"\n*** {RANDOM_MODEL_WARNING} ***\n", file=sys.stderr)
@@ -74,12 +86,6 @@ def cmd_chat(args) -> int:
             seed=args.seed,
             stop=args.stop or [],
         )
-        grammar = None
-        if args.json_schema is not None:
-            schema = json.loads(Path(args.json_schema).read_text()) if args.json_schema else {"type": "object"}
-            grammar = json_grammar(schema, "--json-schema")
-        elif args.boxes:
-            grammar = json_grammar(GROUNDING_SCHEMA, "--boxes")  # a list of labelled boxes, always well formed
         request = GenerationRequest(messages, params, received_at=t0, grammar=grammar)
         for event in engine.generate(request):
             if isinstance(event, Completion):

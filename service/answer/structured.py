@@ -150,8 +150,19 @@ class GrammarCompiler:
             self.tokenizer(), text, log_level=0, limits=llguidance.LLParserLimits(**PARSER_LIMITS)
         )
         if matcher.is_error():
-            message = matcher.get_error().strip().splitlines()
-            raise BadRequest(
-                f"this schema cannot be enforced: {' '.join(message)[:500]}", param=grammar.param, code="invalid_schema"
-            )
+            raise _cannot_enforce(matcher.get_error(), grammar)
         return matcher
+
+
+def check_grammar(grammar: OutputGrammar) -> None:
+    """BadRequest if `grammar` could not compile for any tokenizer: checked without one, so a command
+    line refuses a bad schema before it loads a model."""
+    text = llguidance.LLMatcher.grammar_from_lark(grammar.lark)
+    error = llguidance.LLMatcher.validate_grammar(text, None)
+    if error:
+        raise _cannot_enforce(error, grammar)
+
+
+def _cannot_enforce(error: str, grammar: OutputGrammar) -> BadRequest:
+    message = " ".join(error.strip().splitlines())[:500]
+    return BadRequest(f"this schema cannot be enforced: {message}", param=grammar.param, code="invalid_schema")

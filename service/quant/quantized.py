@@ -132,7 +132,7 @@ def quantize_in_place(
         release_memory()
     if int8_embedding:
         _replace_module(model, embed_name, table or Int8Embedding(*quantize_rows(embed.weight), embed.padding_idx))
-    release_memory()
+    release_memory(full=True)
 
 
 # -- writing --------------------------------------------------------------------------------
@@ -491,7 +491,7 @@ def write_quantized_tensors(
     packing.write_aligned_safetensors({**embedding, **resident}, dst / RESIDENT_FILE)
     bar.close()
     del embedding, resident
-    release_memory()
+    release_memory(full=True)
     marker = _marker(made_by, source_path, source_dtype, spec, scheme, tied, shards.files)
     if bits == 4:
         marker.update(
@@ -691,7 +691,7 @@ def load_quantized(
         work = started or packing.Packing(path, marker["linear_shards"], threads, kernel)
         for name, module in work.results().items():
             _replace_module(model, name, module)
-    release_memory()
+    release_memory(full=True)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"{path} is incomplete: no weights for {left[:3]} (and {max(0, len(left) - 3)} more)")
