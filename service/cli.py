@@ -71,6 +71,10 @@ def cmd_chat(args) -> int:
     if loaded.is_random:
         print(f"\n*** {RANDOM_MODEL_WARNING} ***\n", file=sys.stderr)
     engine = Engine(loaded, settings)
+    dim = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "")
+    if engine.info.thinking:
+        shown = "dimmed" if dim[0] else "first"
+        print(f"{loaded.name} is a thinking checkpoint: its reasoning {shown}, then the answer", file=sys.stderr)
     try:
         t0 = time.perf_counter()
         parts = [ImagePart(decode_image(Path(p).read_bytes(), engine.limits.image)) for p in args.image]
@@ -86,11 +90,25 @@ def cmd_chat(args) -> int:
             seed=args.seed,
             stop=args.stop or [],
         )
-        request = GenerationRequest(messages, params, received_at=t0, grammar=grammar)
+        request = GenerationRequest(
+            messages,
+            params,
+            received_at=t0,
+            grammar=grammar,
+            enable_thinking=not args.no_thinking,
+            max_thinking_tokens=args.max_thinking_tokens,
+        )
+        reasoned = False
         for event in engine.generate(request):
             if isinstance(event, Completion):
                 done = event
+            elif event.reasoning:
+                print(f"{dim[0]}{event.text}{dim[1]}", end="", flush=True)
+                reasoned = True
             else:
+                if reasoned:  # the reasoning apart from the answer
+                    print("\n")
+                    reasoned = False
                 print(event.text, end="", flush=True)
     except (ServiceError, ValidationError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -227,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--top-k", type=int)
     chat.add_argument("--seed", type=int)
     chat.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    chat.add_argument("--no-thinking", action="store_true", help="thinking checkpoints: answer without reasoning")
+    chat.add_argument(
+        "--max-thinking-tokens", type=int, help="thinking checkpoints: close the reasoning after this many tokens"
+    )
     chat.add_argument(
         "--json-schema",
         nargs="?",
@@ -248,8 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         choices=list(PRESETS),
         default="tiny",
-        help="the test models (tiny, tiny-moe: a mixture of experts) or a release's exact shapes, in bf16 "
-        "(2b ~4.3 GB, 4b ~8.9 GB, 8b ~17.5 GB, 30b-a3b-e32 ~18.6 GB; 30b-a3b only with --bits): docs/models.md",
+        help="the test models (tiny, tiny-moe: a mixture of experts, tiny-thinking: a Thinking twin) or a "
+        "release's shapes, in bf16 (2b ~4.3 GB, 4b ~8.9 GB, 8b ~17.5 GB, 30b-a3b-e32 ~18.6 GB; 30b-a3b only "
+        "with --bits): docs/models.md",
     )
     make.add_argument(
         "--bits",

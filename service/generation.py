@@ -78,6 +78,10 @@ class GenerationRequest:
     grammar: OutputGrammar | None = None  # what the answer must match (structured output, forced tool calls)
     tools: list[dict] | None = None  # OpenAI tool objects the chat template shows the model
     speculative: bool = True  # False: no guessed tokens for this request (SPECULATIVE=off: none for any)
+    # A thinking checkpoint's switches (service/model/thinking.py; nothing on other models): reasoning
+    # off, and how many tokens it may take before the service closes it (None: as many as max_tokens leaves).
+    enable_thinking: bool = True
+    max_thinking_tokens: int | None = None
 
     @property
     def image_decode_seconds(self) -> float:
@@ -110,6 +114,7 @@ class Timings:
 class TextDelta:
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens behind `text`, if asked
+    reasoning: bool = False  # a piece of a thinking model's reasoning, not of the answer
 
 
 @dataclass
@@ -132,6 +137,8 @@ class Completion:
     accepted_tokens: int = 0  # of them, the ones the model made
     logprobs: list[TokenLogprob] | None = None  # every reported token's, if the request asked
     boxes: list[Box] = field(default_factory=list)  # boxes and points the answer names (answer/grounding.py)
+    reasoning: str | None = None  # a thinking model's reasoning (None: the model does not think)
+    reasoning_tokens: int = 0  # of completion_tokens, those before the answer (tags and separator included)
 
 
 class Tracked(Protocol):

@@ -63,20 +63,31 @@ def tiny_dir(cache_dir) -> Path:
     return embedded_model_dir(cache_dir)
 
 
-@pytest.fixture(scope="session")
-def tiny_moe_dir(cache_dir) -> Path:
-    """The mixture-of-experts test model (`make-model --preset tiny-moe`), built once per cache."""
+def built_preset(cache_dir: Path, preset: str) -> Path:
+    """`make-model --preset PRESET` under the cache (embedded-PRESET), built once per cache."""
     from service.model.checkpoints import make_checkpoint
 
-    path = cache_dir / "embedded-tiny-moe"
+    path = cache_dir / f"embedded-{preset}"
     if not (path / "config.json").exists():
         staging = Path(tempfile.mkdtemp(prefix=".building-", dir=cache_dir))
-        make_checkpoint("tiny-moe", staging)
+        make_checkpoint(preset, staging)
         try:
             staging.rename(path)
         except OSError:  # another session sharing TEST_CACHE_DIR finished first
             shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(cache_dir) -> Path:
+    """The mixture-of-experts test model (`make-model --preset tiny-moe`)."""
+    return built_preset(cache_dir, "tiny-moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_thinking_dir(cache_dir) -> Path:
+    """The embedded model's Thinking twin (`make-model --preset tiny-thinking`)."""
+    return built_preset(cache_dir, "tiny-thinking")
 
 
 @pytest.fixture(scope="session")
@@ -87,6 +98,32 @@ def no_end_of_turn(tiny_dir) -> dict[str, int]:
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     return {str(tokenizer.convert_tokens_to_ids(t)): -100 for t in ("<|im_end|>", "<|endoftext|>")}
+
+
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's package: Playwright's own browser download is not used
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's headless Chromium driven by Playwright (the page tests)."""
+    from playwright.sync_api import sync_playwright
+
+    if not CHROMIUM.exists():
+        pytest.fail("the browser tests need Debian's Chromium: apt-get install -y chromium chromium-driver")
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
 
 
 def run_probe(script: str, cache_dir, env: dict[str, str]) -> dict:

@@ -15,7 +15,7 @@ import jsonschema
 import numpy as np
 import pytest
 import requests
-from playwright.sync_api import Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 from conftest import KEY
 from imaging import encode, pattern
@@ -23,17 +23,6 @@ from servers import ROOT, metric
 
 pytestmark = [pytest.mark.server, pytest.mark.browser]
 
-CHROMIUM = Path("/usr/bin/chromium")  # Debian's package: Playwright's own browser download is not used
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 ARTIFACTS = ROOT / "artifacts"
 README_SCREENSHOT = ROOT / "docs" / "screenshot.png"  # rewritten when UPDATE_SCREENSHOT=1
 DEMO_PNG = (ROOT / "tests" / "data" / "demo.png").read_bytes()
@@ -42,16 +31,6 @@ DEMO_PNG = (ROOT / "tests" / "data" / "demo.png").read_bytes()
 @pytest.fixture
 def server(shared_server):
     return shared_server
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM.exists():
-        pytest.fail("the browser tests need Debian's Chromium: apt-get install -y chromium chromium-driver")
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture

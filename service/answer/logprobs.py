@@ -23,6 +23,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
     token_bytes: bytes = b""
     top_bytes: tuple[bytes, ...] = ()
+    reasoning: bool = False  # a token of a thinking model's reasoning (or of its tags)
 
 
 # What a token the distribution rules out is reported as (JSON has no -Infinity), as OpenAI does.
@@ -58,8 +59,11 @@ class TokenText:
             return piece.encode()
         return bytes(self._byte_of[ch] for ch in piece)
 
-    def rendered(self, record: TokenLogprob) -> TokenLogprob:
-        """The record with its tokens' bytes filled in."""
+    def rendered(self, record: TokenLogprob, reasoning: bool = False) -> TokenLogprob:
+        """The record with its tokens' bytes filled in (and marked as reasoning's, if it is)."""
         return replace(
-            record, token_bytes=self.bytes(record.token_id), top_bytes=tuple(self.bytes(i) for i, _ in record.top)
+            record,
+            token_bytes=self.bytes(record.token_id),
+            top_bytes=tuple(self.bytes(i) for i, _ in record.top),
+            reasoning=reasoning,
         )

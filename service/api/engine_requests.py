@@ -36,6 +36,8 @@ def generation_request(
     remembered: int,
     shape: AnswerShape,
     speculative: bool | None = None,
+    enable_thinking: bool = True,
+    max_thinking_tokens: int | None = None,
 ) -> GenerationRequest:
     return GenerationRequest(
         messages=messages,
@@ -47,6 +49,8 @@ def generation_request(
         grammar=shape.grammar,
         tools=shape.prompt_tools,
         speculative=speculative is not False,
+        enable_thinking=enable_thinking,
+        max_thinking_tokens=max_thinking_tokens,
     )
 
 

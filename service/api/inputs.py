@@ -160,9 +160,14 @@ def to_chat_messages(
             ToolCall(c.function.name, checked_text(c.function.arguments, f"messages[{i}].tool_calls"), c.id or "")
             for c in m.tool_calls or ()
         )
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None and role != "assistant":
+            raise BadRequest("only assistant messages carry reasoning", param=f"messages[{i}].reasoning_content")
+        if reasoning is not None:
+            reasoning = checked_text(reasoning, f"messages[{i}].reasoning_content")
         if m.content is None or isinstance(m.content, str):
             text = TextPart(checked_text(m.content or "", f"messages[{i}].content"))
-            out.append(ChatMessage(role, [text], tool_calls=calls))
+            out.append(ChatMessage(role, [text], tool_calls=calls, reasoning=reasoning))
             continue
         parts = []
         for j, part in enumerate(m.content):
@@ -178,7 +183,7 @@ def to_chat_messages(
                 parts.append(VideoPart(decode_video_data_url(url, limits.video, f"messages[{i}].content[{j}]")))
             else:
                 parts.append(TextPart(checked_text(part.text, f"messages[{i}].content[{j}]")))
-        out.append(ChatMessage(role, parts, tool_calls=calls))
+        out.append(ChatMessage(role, parts, tool_calls=calls, reasoning=reasoning))
     return out
 
 

@@ -58,7 +58,11 @@ class NativeLines:
         yield _line(responses.dump(self._head))
 
     def delta(self, event: TextDelta) -> Iterator[bytes]:
-        line = responses.NativeDelta(delta=event.text)
+        line = (
+            responses.NativeReasoning(reasoning=event.text)
+            if event.reasoning
+            else responses.NativeDelta(delta=event.text)
+        )
         if self._logprobs:
             line.logprobs = responses.logprob_entries(event.logprobs)
         yield _line(responses.dump(line))
@@ -154,7 +158,13 @@ def chat():
     messages = history + new_messages
     params = body.sampling()
     gen_request = generation_request(
-        messages, params, conversation_id, remembered=len(history), shape=shape, speculative=body.speculative
+        messages,
+        params,
+        conversation_id,
+        remembered=len(history),
+        shape=shape,
+        speculative=body.speculative,
+        **body.thinking(),
     )
     generation = engine.submit(gen_request)
     head = responses.NativeHead(
@@ -166,7 +176,9 @@ def chat():
     )
 
     def remember(done: Completion) -> None:
-        answer = ChatMessage("assistant", [TextPart(done.text)], token_ids=done.answer_token_ids)
+        answer = ChatMessage(
+            "assistant", [TextPart(done.text)], token_ids=done.answer_token_ids, reasoning=done.reasoning
+        )
         app_state.histories.save(conversation_id, messages + [answer])
 
     if not body.stream:

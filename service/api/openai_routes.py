@@ -46,6 +46,11 @@ class OpenAIChunks:
         yield self._chunk(responses.Delta(role="assistant", content=""))
 
     def delta(self, event: TextDelta) -> Iterator[bytes]:
+        if event.reasoning:  # reasoning_content (vLLM's and DeepSeek's name) and `reasoning`, its alias
+            self.pending.extend(event.logprobs)
+            delta = responses.Delta(reasoning_content=event.text, reasoning=event.text)
+            yield self._chunk(delta, logprobs=self._held_logprobs())
+            return
         yield from self._pieces(event)
 
     def done(self, event: Completion) -> Iterator[bytes]:
@@ -95,7 +100,13 @@ def chat_completions():
     messages = to_chat_messages(body.messages, engine.limits)
     params = body.sampling(body.max_completion_tokens or body.max_tokens)
     gen_request = generation_request(
-        messages, params, conversation_header() or body.user, remembered=0, shape=shape, speculative=body.speculative
+        messages,
+        params,
+        conversation_header() or body.user,
+        remembered=0,
+        shape=shape,
+        speculative=body.speculative,
+        **body.thinking(),
     )
     generation = engine.submit(gen_request)
     model = engine.info.name

@@ -30,7 +30,7 @@ def ready():
     except ServiceError as exc:  # loading, or the load failed
         return error_response(exc)
     info = engine.info
-    body = {"status": "ready", "model": info.name, "random_model": info.is_random}
+    body = {"status": "ready", "model": info.name, "random_model": info.is_random, "thinking": info.thinking}
     if info.int8_kernels is not None:  # which kernel serves; what each measured is on /metrics (behind a key)
         body["int8_kernel"] = {part: info.int8_kernels[part] for part in ("decoder", "vision")}
     return jsonify(body)
@@ -47,6 +47,7 @@ def models():
         quantization=info.quantization,
         random_test_model=info.is_random,
         image_max_pixels=info.image_max_pixels,
+        thinking=info.thinking,
     )
     if info.is_random:
         card.warning = RANDOM_MODEL_WARNING

@@ -83,6 +83,10 @@ class Message(_Lenient):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = Field(None, max_length=64, description="assistant messages")
     tool_call_id: Annotated[str, StringConstraints(max_length=256)] | None = Field(None, description="tool messages")
+    reasoning_content: Annotated[str, StringConstraints(max_length=MAX_TEXT)] | None = Field(
+        None, description="an assistant's reasoning, as this server gave it (thinking models; `reasoning` too)"
+    )
+    reasoning: Annotated[str, StringConstraints(max_length=MAX_TEXT)] | None = None
 
 
 class JSONSchemaFormat(_Lenient):
@@ -131,6 +135,19 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+# OpenAI's reasoning_effort as thinking budgets (max_thinking_tokens), for thinking checkpoints:
+# `none` switches thinking off, `minimal` closes the reasoning at once, `high` leaves it max_tokens.
+REASONING_EFFORT = {"none": 0, "minimal": 0, "low": 256, "medium": 1024, "high": None}
+
+
+class ChatTemplateKwargs(BaseModel):
+    """The chat template variables a request may set (the Qwen3 convention); no other."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enable_thinking: bool | None = None
+
+
 # The sampling fields both endpoints take exactly as the engine does (SamplingParams' own, bounds
 # included); `stop`, `logprobs` and `top_logprobs` take OpenAI's forms and are mapped below.
 _SamplingFields = create_model(
@@ -156,6 +173,19 @@ class _Sampling(_SamplingFields):
         description="an extension: false turns exact speculative decoding off for this request (the answer "
         "is the same either way; only speed differs)",
     )
+    enable_thinking: bool | None = Field(
+        None, description="thinking checkpoints: false for an answer without reasoning (default true)"
+    )
+    chat_template_kwargs: ChatTemplateKwargs | None = Field(None, description="{enable_thinking: false}, as Qwen3's")
+    max_thinking_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="thinking checkpoints: reasoning tokens before the server closes the reasoning itself "
+        "(max_tokens counts reasoning and answer together)",
+    )
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="thinking checkpoints: a thinking budget (docs/api.md); max_thinking_tokens wins"
+    )
 
     @field_validator("top_logprobs")
     @classmethod
@@ -163,6 +193,16 @@ class _Sampling(_SamplingFields):
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
         return value
+
+    def thinking(self) -> dict:
+        """enable_thinking and max_thinking_tokens, as the engine takes them (GenerationRequest)."""
+        kwargs = self.chat_template_kwargs
+        off = self.enable_thinking is False or (kwargs is not None and kwargs.enable_thinking is False)
+        budget = self.max_thinking_tokens
+        if budget is None and self.reasoning_effort is not None:
+            off = off or self.reasoning_effort == "none"
+            budget = REASONING_EFFORT[self.reasoning_effort]
+        return {"enable_thinking": not off, "max_thinking_tokens": budget}
 
     def sampling(self, max_tokens: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -218,5 +258,5 @@ class NativeChatRequest(_Sampling):
 FORM_FIELDS = frozenset(
     {name for name in SHARED_SAMPLING if name != "logit_bias"}
     | {"prompt", "conversation_id", "stream", "response_format", "logprobs", "top_logprobs", "speculative"}
-    | {"max_pixels"}
+    | {"max_pixels", "enable_thinking", "max_thinking_tokens", "reasoning_effort"}
 )

@@ -36,6 +36,7 @@ class TopLogprob(BaseModel):
 
 class LogprobEntry(TopLogprob):
     top_logprobs: list[TopLogprob]
+    reasoning: bool | None = Field(None, description="true on a token of a thinking model's reasoning (or its tags)")
 
 
 class ChoiceLogprobs(BaseModel):
@@ -56,6 +57,7 @@ def logprob_entries(records: list[TokenLogprob] | None) -> list[LogprobEntry] | 
         LogprobEntry(
             **entry(r.token_bytes, r.logprob),
             top_logprobs=[TopLogprob(**entry(b, lp)) for (_, lp), b in zip(r.top, r.top_bytes)],
+            **({"reasoning": True} if r.reasoning else {}),
         )
         for r in records
     ]
@@ -102,6 +104,7 @@ class CompletionTokensDetails(BaseModel):
 
     accepted_prediction_tokens: int = Field(description="guessed tokens the model made too")
     rejected_prediction_tokens: int = Field(description="guessed tokens it did not (their rows were discarded)")
+    reasoning_tokens: int = Field(description="a thinking model's tokens before its answer (tags included)")
 
 
 class Usage(BaseModel):
@@ -139,9 +142,14 @@ def box_out(box: Box) -> BoxOut:
     return out
 
 
+_REASONING = "a thinking model's reasoning (only from thinking checkpoints)"
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = Field(None, description=_REASONING)
+    reasoning: str | None = Field(None, description="the same as reasoning_content")
     tool_calls: list[ToolCallOut] | None = None
     boxes: list[BoxOut] | None = Field(None, description="boxes and points the answer names (when it names any)")
 
@@ -167,6 +175,8 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(None, description=_REASONING)
+    reasoning: str | None = Field(None, description="the same as reasoning_content")
     tool_calls: list[ToolCallDeltaOut] | None = None
     boxes: list[BoxOut] | None = Field(None, description="on the last chunk: the answer's boxes, when it names any")
 
@@ -199,6 +209,7 @@ def usage(done: Completion) -> Usage:
         completion_tokens_details=CompletionTokensDetails(
             accepted_prediction_tokens=done.accepted_tokens,
             rejected_prediction_tokens=done.drafted_tokens - done.accepted_tokens,
+            reasoning_tokens=done.reasoning_tokens,
         ),
     )
 
@@ -234,6 +245,8 @@ def chat_completion(
     logprobs: list[LogprobEntry] | None,
 ) -> dict:
     message = AssistantMessage(role="assistant", content=content)
+    if done.reasoning is not None:
+        message.reasoning_content = message.reasoning = done.reasoning
     if tool_calls:
         message.tool_calls = [tool_call(c) for c in tool_calls]
     if done.boxes:
@@ -296,9 +309,17 @@ class NativeDelta(BaseModel):
     logprobs: list[LogprobEntry] | None = None
 
 
+class NativeReasoning(BaseModel):
+    """One piece of a thinking model's reasoning (these lines come before the answer's)."""
+
+    reasoning: str
+    logprobs: list[LogprobEntry] | None = None
+
+
 class NativeUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = Field(description="a thinking model's tokens before its answer (tags included)")
     cached_tokens: int = Field(description="prompt tokens whose keys and values came from the cache")
     cached_from: Literal["memory", "disk"] | None = Field(
         description="the conversation cache's tier they came from (null: none came from it)"
@@ -331,6 +352,7 @@ class NativeDone(BaseModel):
     done: Literal[True] = True
     finish_reason: Literal["stop", "length", "deadline", "cancelled"]
     text: str
+    reasoning: str | None = Field(None, description=_REASONING + ", whole")
     usage: NativeUsage
     vision_cache_hits: int
     images: int
@@ -358,6 +380,7 @@ def native_done(done: Completion, head: NativeHead, logprobs: list[LogprobEntry]
         usage=NativeUsage(
             prompt_tokens=done.prompt_tokens,
             completion_tokens=done.completion_tokens,
+            reasoning_tokens=done.reasoning_tokens,
             cached_tokens=done.cached_tokens,
             cached_from=done.cached_from,
             drafted_tokens=done.drafted_tokens,
@@ -369,6 +392,8 @@ def native_done(done: Completion, head: NativeHead, logprobs: list[LogprobEntry]
         timings=NativeTimings(**{k: round(v, 4) for k, v in asdict(done.timings).items()}),
         boxes=[box_out(b) for b in done.boxes],
     )
+    if done.reasoning is not None:
+        line.reasoning = done.reasoning
     if logprobs is not None:
         line.logprobs = logprobs
     return line
@@ -385,6 +410,7 @@ class ModelCard(BaseModel):
     quantization: str
     random_test_model: bool
     image_max_pixels: int = Field(description="clients may downscale pictures to this before uploading")
+    thinking: bool = Field(description="a thinking checkpoint: its reasoning comes as reasoning_content")
     warning: str | None = None
 
 

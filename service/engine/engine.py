@@ -36,6 +36,7 @@ from .drafts import DraftBudget
 from .input import InputProcessor, Prepared
 from .output import OutputProcessor
 from .prefill import Prefiller
+from .reasoning import ReasoningPhase
 from .sampling import Sampler, Sampling
 from .sequence import PrefillMarks, Sequence
 from .streaming import TokenStream
@@ -54,6 +55,7 @@ class ModelInfo:
     is_random: bool
     image_max_pixels: int  # clients may downscale pictures to this before uploading
     int8_kernels: dict | None = None  # the KernelChoice serving INT8 weights, as a dict
+    thinking: bool = False  # a thinking checkpoint: its reasoning comes apart from its answer
 
 
 class Engine:
@@ -64,7 +66,6 @@ class Engine:
         self.model, self.processor = loaded.model, loaded.processor
         self.limits = RequestLimits.build(settings, self.processor)
         kernels = asdict(loaded.kernels) if loaded.kernels is not None else None
-        self.info = ModelInfo(loaded.name, loaded.quantization, loaded.is_random, self.limits.image.max_pixels, kernels)
         metrics.record_int8_kernels(kernels)
         self.admission = Admission(settings.queue_size, settings.queue_timeout, slots=settings.max_batch_size)
         # One forward for prefill pieces and decode steps: a token's bits never depend on the path.
@@ -77,6 +78,12 @@ class Engine:
         kv_dtype = getattr(torch, settings.kv_dtype)
         self.caches = Caches.from_settings(settings, loaded, self.memory, self.vision_encoder.name, kv_dtype)
         self.inputs = InputProcessor(loaded, self.limits, self.memory, kv_dtype.itemsize)
+        thinking = self.inputs.thinking is not None
+        self.info = ModelInfo(
+            loaded.name, loaded.quantization, loaded.is_random, self.limits.image.max_pixels, kernels, thinking
+        )
+        if thinking:
+            log.info("%s is a thinking checkpoint: its reasoning is reported apart from its answer", loaded.name)
         self.outputs = OutputProcessor(self.processor.tokenizer, loaded.eos_token_ids)
         self.prefiller = Prefiller(
             loaded.model,
@@ -136,6 +143,7 @@ class Engine:
             on_leave=self._keep_cache,
             constraint=prepared.constraint,
             drafts=DraftBudget(self.settings.speculative_tokens) if self._speculates(request) else None,
+            reasoning=ReasoningPhase(self.inputs.thinking, *prepared.reasoning) if prepared.reasoning else None,
             queue_wait=waited,
             marks=marks,
         )

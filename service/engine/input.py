@@ -13,6 +13,7 @@ from ..limits import RequestLimits
 from ..memory import MemoryGuard, kv_cache_bytes
 from ..model.kv import HEADROOM
 from ..model.prompts import PreparedPrompt, prepare_prompt, renders_tools
+from ..model.thinking import SWITCH, Opening, detect_thinking
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class Prepared:
     prompt: PreparedPrompt
     max_new_tokens: int
     constraint: Constraint | None  # the grammar's state, fresh, if the request has one
+    reasoning: tuple[Opening, int | None] | None = None  # a thinking model's: how the answer opens, its budget
 
 
 class InputProcessor:
@@ -36,6 +38,7 @@ class InputProcessor:
         self.vocab_size = getattr(self.config, "text_config", self.config).vocab_size
         self.grammars = GrammarCompiler(self.processor.tokenizer, self.vocab_size, loaded.eos_token_ids)
         self.renders_tools = renders_tools(self.processor)
+        self.thinking = detect_thinking(self.processor)  # None: not a thinking checkpoint
 
     def prepare(self, request: GenerationRequest) -> Prepared:
         """Check the request and prepare it; raises the 4xx (or the 503) a client should get."""
@@ -44,13 +47,27 @@ class InputProcessor:
             raise BadRequest(f"stop may hold at most {self.limits.max_stop_strings} strings", param="stop")
         if any(not 0 <= token < self.vocab_size for token in params.logit_bias or {}):
             raise BadRequest(f"logit_bias keys must be token ids from 0 to {self.vocab_size - 1}", param="logit_bias")
+        if request.max_thinking_tokens is not None and request.max_thinking_tokens < 0:
+            raise BadRequest("max_thinking_tokens must be 0 or more", param="max_thinking_tokens")
         if request.tools and not self.renders_tools:
             raise BadRequest("this checkpoint's chat template does not render tools", param="tools")
-        prompt = prepare_prompt(self.processor, request.messages, self.limits.prompt, request.tools)
+        switch_off = self.thinking is not None and self.thinking.has_switch and not request.enable_thinking
+        template_kwargs = {SWITCH: False} if switch_off else None
+        prompt = prepare_prompt(self.processor, request.messages, self.limits.prompt, request.tools, template_kwargs)
         max_new_tokens = self._max_new_tokens(prompt, params.max_tokens)
         constraint = self.grammars.constraint(request.grammar) if request.grammar else None
         self._check_memory(prompt, max_new_tokens)
-        return Prepared(prompt, max_new_tokens, constraint)
+        return Prepared(prompt, max_new_tokens, constraint, self._reasoning(request, prompt))
+
+    def _reasoning(self, request: GenerationRequest, prompt: PreparedPrompt) -> tuple[Opening, int | None] | None:
+        """How a thinking model's answer opens, and its thinking budget: thinking switched off where
+        the template has no switch is a budget of 0 (the service closes the block at once)."""
+        if self.thinking is None:
+            return None
+        opening = self.thinking.opening(prompt.text)
+        if opening is Opening.ANSWER:
+            return None
+        return opening, 0 if not request.enable_thinking else request.max_thinking_tokens
 
     def _max_new_tokens(self, prompt: PreparedPrompt, wanted: int | None) -> int:
         room = self.limits.prompt.context_limit - prompt.num_tokens

@@ -31,6 +31,7 @@ from ..answer.structured import Constraint
 from ..generation import GenerationRequest
 from ..model.prompts import PreparedPrompt
 from .drafts import DraftBudget
+from .reasoning import ReasoningPhase
 from .sampling import Sampler
 from .streaming import TokenStream
 
@@ -96,6 +97,7 @@ class Sequence:
     on_leave: Callable[[Sequence], None]
     constraint: Constraint | None = None  # its grammar's state (structured output), if any
     drafts: DraftBudget | None = None  # its guesses for speculative decoding (service/engine/drafts.py), if on
+    reasoning: ReasoningPhase | None = None  # a thinking model's reasoning, then its answer (engine/reasoning.py)
     queue_wait: float = 0.0  # seconds in the admission queue
     marks: PrefillMarks = field(default_factory=PrefillMarks)
     status: Status = Status.WAITING
@@ -166,12 +168,18 @@ class Sequence:
         self.accept(prefilled.logits)
 
     def accept(self, logits: torch.Tensor) -> int:
-        """Choose the next token from its logits (within its grammar) and stream it."""
-        if self.constraint is None:
-            token = self.sampler(self.token_ids, logits)
-        else:
-            token = self.sampler(self.token_ids, logits, self.constraint.allowed())
-            self.constraint.advance(token)
+        """Choose the next token from its logits (within its grammar, or forced while a thinking
+        model's reasoning closes) and stream it."""
+        phase, constraint = self.reasoning, self.constraint
+        if phase is None:
+            allowed = constraint.allowed() if constraint is not None else None
+        else:  # the grammar waits for the answer
+            wants_grammar = constraint is not None and not phase.forced and (phase.answering or phase.undecided)
+            allowed = phase.allowed(logits.shape[-1], constraint.allowed() if wants_grammar else None)
+        token = self.sampler(self.token_ids, logits, allowed)
+        in_answer = phase is None or phase.advance(token, self.generated)
+        if constraint is not None and in_answer:
+            constraint.advance(token)
         self.token_ids.append(token)
         self.stream.put_token(token)
         return token
@@ -181,8 +189,12 @@ class Sequence:
         whether they came from prompt lookup."""
         if self.drafts is None:
             return [], False
-        left = self.max_new_tokens - self.generated - 1
-        return self.drafts.drafts(self.token_ids, self.constraint, min(room, left))
+        room = min(room, self.max_new_tokens - self.generated - 1)
+        phase = self.reasoning
+        if phase is not None and phase.forced:  # certain, as a grammar's forced tokens
+            return phase.forced[: max(0, min(room, self.drafts.max_tokens))], False
+        constraint = self.constraint if phase is None or phase.answering else None
+        return self.drafts.drafts(self.token_ids, constraint, room)
 
     def verify(self, logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
         """Choose a token from each row of `logits` (the rows fed: the last token, then `drafts`)

@@ -106,6 +106,35 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# The Qwen3-VL Thinking prompt format (service/model/thinking.py): the same turns, but the assistant
+# turn opens `<think>\n`, and an assistant message renders without its reasoning unless it follows
+# the latest user message (a tool-calling turn still in progress keeps it), as Qwen's does. Its
+# reasoning comes as `reasoning_content`, or before a `</think>` in its content.
+_ASSISTANT_THINKING = (
+    "{% set content = message['content'] if message['content'] is string else '' %}"
+    "{% set reasoning = message['reasoning_content'] if message['reasoning_content'] is string else '' %}"
+    "{% if '</think>' in content %}{% set reasoning = content.split('</think>')[0].split('<think>')[-1] %}"
+    "{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "<|im_start|>assistant\n"
+    "{% if loop.index0 > ns.last_query and reasoning %}<think>\n{{ reasoning.strip('\\n') }}\n</think>\n\n"
+    "{{ content.lstrip('\\n') }}{% else %}{{ content.lstrip('\\n') }}{% endif %}"
+    "{% if message['tool_calls'] %}" + _TOOL_CALLS + "{% endif %}<|im_end|>\n"
+)
+THINKING_CHAT_TEMPLATE = (
+    "{% set ns = namespace(last_query=-1) %}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}"
+    + CHAT_TEMPLATE.replace(
+        "{% else %}<|im_start|>{{ message['role'] }}",
+        "{% elif message['role'] == 'assistant' %}"
+        + _ASSISTANT_THINKING
+        + "{% else %}<|im_start|>{{ message['role'] }}",
+    ).replace(
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}",
+    )
+)
+THINKING_TOKENS = ["<think>", "</think>"]  # added after the special tokens, as plain (not special) tokens
+
 # Deterministic text the tiny tokenizer is trained on: enough English to give real merges.
 _CORPUS_WORDS = (
     "the a an is are was were be been this that these those what which who where when why how "
@@ -151,11 +180,16 @@ def train_bpe(texts, vocab_size: int):
     return tokenizer
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
-    """Train the checkpoints' tokenizer on a fixed corpus; returns the special-token ids."""
+def train_tokenizer(out_dir: Path, vocab_size: int, thinking: bool = False) -> dict[str, int]:
+    """Train the checkpoints' tokenizer on a fixed corpus; returns the special-token ids (and the
+    thinking tags' with `thinking`, whose chat template is then the Thinking one)."""
+    from tokenizers import AddedToken
+
     tokenizer = train_bpe(_corpus(), vocab_size - len(SPECIAL_TOKENS))
+    added = THINKING_TOKENS if thinking else []
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS + added}
     tokenizer_config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "bos_token": None,
@@ -167,7 +201,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
         "split_special_tokens": False,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (out_dir / "chat_template.jinja").write_text(THINKING_CHAT_TEMPLATE if thinking else CHAT_TEMPLATE)
     return ids
 
 
@@ -195,8 +229,12 @@ def write_image_processor_config(out_dir: Path) -> None:
 # sources). `tiny` and `tiny-moe` are the test models: the same structure, a few units of each.
 # `30b-a3b-e32`: 30B-A3B's every per-token shape with 32 experts instead of 128 (the top 8 kept), for
 # the steps the full one does not fit (a bf16 checkpoint for llama.cpp's GGUF conversion: ~19 GB, not ~62).
-PRESETS = ("tiny", "tiny-moe", "2b", "4b", "8b", "30b-a3b", "30b-a3b-e32")
-TINY = ("tiny", "tiny-moe")
+# `tiny-thinking` and `2b-thinking`: the Thinking twins of `tiny` and `2b` (THINKING: their shapes'
+# preset), with a Thinking chat template and the <think> tags in the tokenizer.
+PRESETS = ("tiny", "tiny-moe", "tiny-thinking", "2b", "2b-thinking", "4b", "8b", "30b-a3b", "30b-a3b-e32")
+THINKING = {"tiny-thinking": "tiny", "2b-thinking": "2b"}
+TINY = ("tiny", "tiny-moe", "tiny-thinking")
+WHOLE_MODEL_INIT = ("tiny", "tiny-thinking")  # transformers' init after torch.manual_seed(0), as ever
 MOE = ("tiny-moe", "30b-a3b", "30b-a3b-e32")
 QUANTIZED_ONLY = ("30b-a3b",)  # make_checkpoint writes these only straight into the INT8 / 4-bit format
 BUILT = tuple(p for p in PRESETS if p not in QUANTIZED_ONLY)  # and these in bf16 (fp32: the tiny ones) too
@@ -234,6 +272,7 @@ def model_config(preset: str, ids: dict[str, int] | None = None, vocab_size: int
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}: use one of {', '.join(PRESETS)}")
     ids = ids or REAL_IDS
+    shaped = THINKING.get(preset, preset)
     if preset in TINY:
         text = dict(
             vocab_size=vocab_size,
@@ -269,7 +308,7 @@ def model_config(preset: str, ids: dict[str, int] | None = None, vocab_size: int
                 mlp_only_layers=[1],
             )
     else:
-        hidden, width, layers, heads, kv_heads = _TEXT[preset]
+        hidden, width, layers, heads, kv_heads = _TEXT[shaped]
         text = dict(
             vocab_size=vocab_size,
             hidden_size=hidden,
@@ -285,7 +324,7 @@ def model_config(preset: str, ids: dict[str, int] | None = None, vocab_size: int
         text.update(_EXPERTS.get(preset, {}))
         if preset in MOE:
             text.update(decoder_sparse_step=1, mlp_only_layers=[])
-        depth, vision_hidden, vision_width, vision_heads, deepstack = _VISION[preset]
+        depth, vision_hidden, vision_width, vision_heads, deepstack = _VISION[shaped]
         vision = dict(
             depth=depth,
             hidden_size=vision_hidden,
@@ -309,7 +348,7 @@ def model_config(preset: str, ids: dict[str, int] | None = None, vocab_size: int
         hidden_act="silu",
         rms_norm_eps=1e-6,
         attention_bias=False,
-        tie_word_embeddings=TIED[preset],
+        tie_word_embeddings=TIED[shaped],
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
@@ -321,7 +360,7 @@ def model_config(preset: str, ids: dict[str, int] | None = None, vocab_size: int
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=TIED[preset],
+        tie_word_embeddings=TIED[shaped],
     )
 
 
@@ -336,8 +375,9 @@ def make_checkpoint(
 ) -> Path:
     """Write a random-weight Qwen3-VL checkpoint to `out_dir`, deterministically (seeded).
 
-    `tiny` is the embedded test model (fp32, ~1 MB, ~1 s) and `tiny-moe` its mixture-of-experts
-    twin (8 experts, top 4, untied embedding); `2b`, `4b` and `8b` have the exact shapes of
+    `tiny` is the embedded test model (fp32, ~1 MB, ~1 s), `tiny-moe` its mixture-of-experts
+    twin (8 experts, top 4, untied embedding) and `tiny-thinking` its Thinking twin (`2b-thinking`
+    likewise for 2B: a Thinking chat template and the <think> tags); `2b`, `4b` and `8b` have the exact shapes of
     Qwen3-VL-2B, -4B and -8B, stored in bf16 like the real checkpoints (~4.3, ~8.9 and ~17.5 GB),
     and `30b-a3b-e32` 30B-A3B's with 32 experts (~18.6 GB).
 
@@ -373,14 +413,14 @@ def make_checkpoint(
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     tiny = preset in TINY
-    ids = train_tokenizer(out_dir, 1024 if tiny else 4096)
+    ids = train_tokenizer(out_dir, 1024 if tiny else 4096, thinking=preset in THINKING)
     write_image_processor_config(out_dir)
     # The tiny models' vocabulary is exactly their tokenizer's, so every sampled id decodes to text.
     config = model_config(preset, ids, max(ids.values()) + 1 if tiny else 151936, shapes)
     dtype = torch.float32 if tiny else torch.bfloat16
     config.dtype = dtype
     setattr(config, RANDOM_MODEL_MARKER, True)
-    per_tensor = preset != "tiny" if per_tensor_seeds is None else per_tensor_seeds
+    per_tensor = preset not in WHOLE_MODEL_INIT if per_tensor_seeds is None else per_tensor_seeds
     if bits is None and not per_tensor:  # the embedded tiny model, as it has always been written
         model = random_weights.legacy_model(config, dtype)
         model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]

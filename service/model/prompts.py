@@ -41,6 +41,7 @@ class ChatMessage:
     # the next turn's prompt extends the KV cache of this one, the answer included.
     token_ids: tuple[int, ...] | None = None
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls (role "tool" messages answer them)
+    reasoning: str | None = None  # an assistant's reasoning (thinking models: templates drop it but in a tool turn)
 
     @property
     def text(self) -> str:
@@ -114,6 +115,7 @@ class PreparedPrompt:
     video_spans: list[tuple[int, int]] = field(
         default_factory=list
     )  # first frame's <|vision_start|> … last <|vision_end|>
+    text: str = ""  # the rendered chat template (before the vision pads are expanded)
 
     @property
     def num_tokens(self) -> int:
@@ -150,9 +152,9 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
         ]
         if m.role != "user" and any(type(p) in _PART_TYPES for p in m.parts):
             raise BadRequest(f"images and videos are accepted in user messages only, not {m.role}", param="messages")
-        if m.tool_calls:  # the template writes the calls after the text (a string: empty is falsy)
+        if m.role == "assistant":  # text only; the template writes the calls after it (empty is falsy)
             calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
-            rendered.append({"role": m.role, "content": m.text, "tool_calls": calls})
+            rendered.append({"role": m.role, "content": m.text, "tool_calls": calls, "reasoning_content": m.reasoning})
         else:
             rendered.append({"role": m.role, "content": content})
     return rendered
@@ -204,14 +206,24 @@ def renders_tools(processor) -> bool:
 
 
 def prepare_prompt(
-    processor, messages: list[ChatMessage], limits: PromptLimits, tools: list[dict] | None = None
+    processor,
+    messages: list[ChatMessage],
+    limits: PromptLimits,
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> PreparedPrompt:
-    """Render the chat template (with `tools`, OpenAI tool objects, if given), tokenize, expand image
-    and video pads and patchify the (pre-sized) images and frames."""
+    """Render the chat template (with `tools`, OpenAI tool objects, if given, and `template_kwargs`:
+    variables such as enable_thinking), tokenize, expand image and video pads and patchify the
+    (pre-sized) images and frames."""
     validate_conversation(messages, limits)
     text = processor.apply_chat_template(
-        _template_messages(messages), tools=tools or None, tokenize=False, add_generation_prompt=True
+        _template_messages(messages),
+        tools=tools or None,
+        tokenize=False,
+        add_generation_prompt=True,
+        **(template_kwargs or {}),
     )
+    rendered = text
     images = [img for m in messages for img in m.images]
     videos = [v for m in messages for v in m.videos]
     if videos:
@@ -246,6 +258,7 @@ def prepare_prompt(
         pixel_values_videos=batch.get("pixel_values_videos", []),
         video_digests=[v.digest for v in videos],
         video_spans=video_spans,
+        text=rendered,
     )
 
 

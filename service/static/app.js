@@ -220,6 +220,20 @@ function appendDelta(turn, delta) {
   turn.answer.textContent = turn.text;
 }
 
+// A thinking model's reasoning: folded above the answer (open it to read along).
+function appendReasoning(turn, text) {
+  if (!turn.reasoning) {
+    const details = element("details", "reasoning");
+    const summary = element("summary", "", "Thinking…");
+    const body = element("p", "reasoning-text");
+    details.append(summary, body);
+    turn.article.insertBefore(details, turn.answer);
+    turn.reasoning = { details, summary, body, text: "" };
+  }
+  turn.reasoning.text += text;
+  turn.reasoning.body.textContent = turn.reasoning.text;
+}
+
 function endTurn(turn) {
   turn.finished = true;
   turn.answer.setAttribute("aria-busy", "false");
@@ -267,6 +281,7 @@ function showDone(turn, done) {
   endTurn(turn);
   drawBoxes(done.boxes);
   const u = done.usage || {};
+  if (turn.reasoning) turn.reasoning.summary.textContent = `Reasoning (${u.reasoning_tokens} tokens)`;
   const t = done.timings || {};
   const images = done.images ? ` · ${done.images} picture${done.images === 1 ? "" : "s"} in the prompt` +
     (done.vision_cache_hits ? ` (${done.vision_cache_hits} from the vision cache)` : "") : "";
@@ -317,6 +332,8 @@ function onLine(turn, obj) {
     showDone(turn, obj);
   } else if (obj.delta !== undefined) {
     appendDelta(turn, obj.delta);
+  } else if (obj.reasoning !== undefined) {
+    appendReasoning(turn, obj.reasoning);
   } else if (obj.conversation_id) {
     state.conversationId = obj.conversation_id;
     if (obj.random_model && $("random-banner").hidden) showRandomBanner();
