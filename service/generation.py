@@ -138,6 +138,8 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None  # every reported token's, if the request asked
     boxes: list[Box] = field(default_factory=list)  # boxes and points the answer names (answer/grounding.py)
     reasoning: str | None = None  # a thinking model's reasoning (None: the model does not think)
+    image_tokens: tuple[int, ...] = ()  # the visual tokens each picture in the prompt got
+    video_tokens: tuple[int, ...] = ()  # and each clip (its frames' tokens, timestamps apart)
     reasoning_tokens: int = 0  # of completion_tokens, those before the answer (tags and separator included)
 
 

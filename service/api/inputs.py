@@ -117,6 +117,39 @@ def checked_text(text: str, param: str) -> str:
 
 # OpenAI's image_url.detail "low": a small budget (64 visual tokens on Qwen3-VL), within the server's.
 LOW_DETAIL_PIXELS = 256 * 256
+# The floor a picture gets for grounding and detail "high", in visual tokens (one per factor² pixels):
+# Qwen's advice for grounding is 1,024 to 2,048; llama.cpp warns below 1,024.
+DETAILED_VISUAL_TOKENS = 1024
+
+
+def picture_limits(
+    limits: ImageLimits, max_pixels: int | None = None, min_pixels: int | None = None, grounding: bool = False
+) -> ImageLimits:
+    """A request's picture limits: its own budget (`max_pixels`) and floor (`min_pixels`, smaller
+    pictures scaled up to it), each within what the server allows (400 naming the field if not); a
+    grounding answer raises the floor to DETAILED_VISUAL_TOKENS where the ceiling (and its budget) allow."""
+    out = picture_budget(limits, max_pixels, "max_pixels")
+    if min_pixels is not None:
+        picture_budget(limits, min_pixels, "min_pixels")  # the same range
+        if max_pixels is not None and min_pixels > max_pixels:
+            raise BadRequest(f"min_pixels ({min_pixels}) is above max_pixels ({max_pixels})", param="min_pixels")
+        out = out.with_floor(min_pixels)
+    if grounding:
+        floor = min(DETAILED_VISUAL_TOKENS * limits.factor**2, limits.ceiling, max_pixels or limits.ceiling)
+        out = out.with_floor(max(floor, out.min_pixels))
+    return out
+
+
+def clip_limits(limits: VideoLimits, fps: float | None, max_frames: int | None) -> VideoLimits:
+    """A request's clip sampling: frames per second and a frame cap, the cap within the server's
+    (VIDEO_MAX_FRAMES; 400 naming the field if over)."""
+    if max_frames is not None and max_frames > limits.max_frames:
+        raise BadRequest(
+            f"max_frames is {max_frames}; this server samples at most {limits.max_frames} frames a clip "
+            "(VIDEO_MAX_FRAMES)",
+            param="max_frames",
+        )
+    return limits.with_sampling(fps, max_frames)
 
 
 def picture_budget(limits: ImageLimits, pixels: int | None, param: str) -> ImageLimits:
@@ -138,19 +171,25 @@ def detail_budget(limits: ImageLimits, detail: str | None, param: str) -> ImageL
     ceiling (small things located), auto or none = the request's budget."""
     if detail == "low":
         return limits.with_budget(min(LOW_DETAIL_PIXELS, limits.max_pixels))
-    if detail == "high":
-        return limits.with_budget(limits.ceiling)
+    if detail == "high":  # the ceiling, and a floor that scales a small picture up
+        floor = min(DETAILED_VISUAL_TOKENS * limits.factor**2, limits.ceiling)
+        return limits.with_budget(limits.ceiling).with_floor(floor)
     if detail not in (None, "auto"):
         raise BadRequest(f"image_url.detail is {detail!r}: low, high or auto", param=f"{param}.image_url.detail")
     return limits
 
 
 def to_chat_messages(
-    messages: list[Message], limits: RequestLimits, image_limits: ImageLimits | None = None
+    messages: list[Message],
+    limits: RequestLimits,
+    image_limits: ImageLimits | None = None,
+    video_limits: VideoLimits | None = None,
 ) -> list[ChatMessage]:
     """OpenAI-format messages → ChatMessages (images and videos decoded, each with its decode time),
-    pictures into `image_limits` (default: the server's) or their image_url.detail's budget."""
+    pictures into `image_limits` (default: the server's) or their image_url.detail's budget, clips
+    sampled by `video_limits` (default: the server's)."""
     image_limits = image_limits or limits.image
+    video_limits = video_limits or limits.video
     out: list[ChatMessage] = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
@@ -180,7 +219,7 @@ def to_chat_messages(
                 parts.append(ImagePart(decode_data_url(url, budget, param)))
             elif isinstance(part, VideoURLPart):
                 url = part.video_url if isinstance(part.video_url, str) else part.video_url.url
-                parts.append(VideoPart(decode_video_data_url(url, limits.video, f"messages[{i}].content[{j}]")))
+                parts.append(VideoPart(decode_video_data_url(url, video_limits, f"messages[{i}].content[{j}]")))
             else:
                 parts.append(TextPart(checked_text(part.text, f"messages[{i}].content[{j}]")))
         out.append(ChatMessage(role, parts, tool_calls=calls, reasoning=reasoning))

@@ -16,16 +16,19 @@ from flask import Blueprint, Response, g, jsonify, request
 from ..errors import BadRequest, ServiceError, UnsupportedMediaType
 from ..generation import Completion, TextDelta
 from ..limits import RequestLimits
+from ..media.images import ImageLimits
+from ..media.video import VideoLimits
 from ..model.prompts import ChatMessage, TextPart
 from . import protocol, responses
 from .answer_shapes import answer_shape
 from .engine_requests import conversation_header, generation_request, json_body
 from .inputs import (
+    clip_limits,
     decode_file,
     decode_inline_image,
     decode_inline_video,
     decode_video_file,
-    picture_budget,
+    picture_limits,
     to_chat_messages,
     user_message,
 )
@@ -103,15 +106,15 @@ def _from_form(limits: RequestLimits) -> tuple[protocol.NativeChatRequest, list[
     body = protocol.NativeChatRequest.model_validate(fields)
     if body.prompt is None:
         raise BadRequest("the form needs a prompt field: -F prompt='your question'", param="prompt")
-    budget = picture_budget(limits.image, body.max_pixels, "max_pixels")
+    budget, clip = _media_limits(body, limits)
     images = [decode_file(f.read(), budget, f"image[{i}]") for i, f in enumerate(files.getlist("image"))]
-    videos = [decode_video_file(f.read(), limits.video, f"video[{i}]") for i, f in enumerate(files.getlist("video"))]
+    videos = [decode_video_file(f.read(), clip, f"video[{i}]") for i, f in enumerate(files.getlist("video"))]
     return body, [user_message(body.prompt, images, videos)]
 
 
 def _from_json(limits: RequestLimits) -> tuple[protocol.NativeChatRequest, list[ChatMessage]]:
     body = protocol.NativeChatRequest.model_validate(json_body())
-    budget = picture_budget(limits.image, body.max_pixels, "max_pixels")
+    budget, clip = _media_limits(body, limits)
     if (body.messages is None) == (body.prompt is None):
         raise BadRequest(
             "send either messages (OpenAI format) or prompt (+ images, videos), not both or neither", param="messages"
@@ -120,10 +123,16 @@ def _from_json(limits: RequestLimits) -> tuple[protocol.NativeChatRequest, list[
         for name in ("images", "videos"):
             if getattr(body, name):
                 raise BadRequest(f"{name} go inside messages when messages are sent", param=name)
-        return body, to_chat_messages(body.messages, limits, budget)
+        return body, to_chat_messages(body.messages, limits, budget, clip)
     images = [decode_inline_image(s, budget, f"images[{i}]") for i, s in enumerate(body.images or [])]
-    videos = [decode_inline_video(s, limits.video, f"videos[{i}]") for i, s in enumerate(body.videos or [])]
+    videos = [decode_inline_video(s, clip, f"videos[{i}]") for i, s in enumerate(body.videos or [])]
     return body, [user_message(body.prompt, images, videos)]
+
+
+def _media_limits(body: protocol.NativeChatRequest, limits: RequestLimits) -> tuple[ImageLimits, VideoLimits]:
+    """This request's picture limits (max_pixels, min_pixels, grounding's floor) and clip sampling."""
+    pictures = picture_limits(limits.image, body.max_pixels, body.min_pixels, grounding=body.grounding)
+    return pictures, clip_limits(limits.video, *body.clip_sampling())
 
 
 def _conversation_id(body: protocol.NativeChatRequest) -> str | None:

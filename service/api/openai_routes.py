@@ -15,7 +15,7 @@ from ..generation import Completion, TextDelta
 from . import protocol, responses
 from .answer_shapes import answer_shape
 from .engine_requests import conversation_header, generation_request, json_body
-from .inputs import to_chat_messages
+from .inputs import clip_limits, picture_limits, to_chat_messages
 from .serving import EventStream, collect
 from .state import state
 
@@ -97,7 +97,9 @@ def chat_completions():
     body = protocol.ChatCompletionRequest.model_validate(json_body())
     shape = answer_shape(body.response_format, body.tools, body.tool_choice, body.parallel_tool_calls is not False)
     engine = state().require_engine()
-    messages = to_chat_messages(body.messages, engine.limits)
+    limits = engine.limits
+    pictures = picture_limits(limits.image, grounding=body.grounding)
+    messages = to_chat_messages(body.messages, limits, pictures, clip_limits(limits.video, *body.clip_sampling()))
     params = body.sampling(body.max_completion_tokens or body.max_tokens)
     gen_request = generation_request(
         messages,

@@ -140,6 +140,21 @@ class StreamOptions(_Lenient):
 REASONING_EFFORT = {"none": 0, "minimal": 0, "low": 256, "medium": 1024, "high": None}
 
 
+ClipFps = Annotated[float, Field(gt=0, le=30, description="frames sampled per second of a clip")]
+ClipFrames = Annotated[int, Field(ge=2, description="frames sampled from a clip, at most (within VIDEO_MAX_FRAMES)")]
+
+
+class VideoIOKwargs(_Lenient):
+    fps: ClipFps | None = None
+    num_frames: ClipFrames | None = None
+
+
+class MediaIOKwargs(_Lenient):
+    """vLLM's per-request media options: {"video": {"fps": 1, "num_frames": 16}}."""
+
+    video: VideoIOKwargs | None = None
+
+
 class ChatTemplateKwargs(BaseModel):
     """The chat template variables a request may set (the Qwen3 convention); no other."""
 
@@ -186,6 +201,18 @@ class _Sampling(_SamplingFields):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
         None, description="thinking checkpoints: a thinking budget (docs/api.md); max_thinking_tokens wins"
     )
+    media_io_kwargs: MediaIOKwargs | None = Field(None, description="clips' sampling, as vLLM spells it")
+
+    def clip_sampling(self) -> tuple[float | None, int | None]:
+        """(fps, max_frames) for this request's clips: the native fields, else media_io_kwargs.video's."""
+        video = (self.media_io_kwargs.video if self.media_io_kwargs else None) or VideoIOKwargs()
+        fps, frames = getattr(self, "fps", None), getattr(self, "max_frames", None)
+        return (fps if fps is not None else video.fps), (frames if frames is not None else video.num_frames)
+
+    @property
+    def grounding(self) -> bool:
+        """The grounding preset: its pictures get more visual tokens."""
+        return self.response_format is not None and self.response_format.type == "grounding"
 
     @field_validator("top_logprobs")
     @classmethod
@@ -243,6 +270,13 @@ class NativeChatRequest(_Sampling):
         description="the pixel budget this request's pictures are resized into (default IMAGE_MAX_PIXELS, at "
         "most IMAGE_REQUEST_MAX_PIXELS): more pixels locate smaller things, at more visual tokens",
     )
+    min_pixels: int | None = Field(
+        None,
+        description="a floor: smaller pictures are scaled up to it (within IMAGE_REQUEST_MAX_PIXELS; grounding "
+        "raises it to 1,024 visual tokens)",
+    )
+    fps: ClipFps | None = None
+    max_frames: ClipFrames | None = None
     tools: list | None = Field(None, description="not supported here: tool calls are on /v1/chat/completions")
 
     @field_validator("tools")
@@ -258,5 +292,5 @@ class NativeChatRequest(_Sampling):
 FORM_FIELDS = frozenset(
     {name for name in SHARED_SAMPLING if name != "logit_bias"}
     | {"prompt", "conversation_id", "stream", "response_format", "logprobs", "top_logprobs", "speculative"}
-    | {"max_pixels", "enable_thinking", "max_thinking_tokens", "reasoning_effort"}
+    | {"max_pixels", "min_pixels", "fps", "max_frames", "enable_thinking", "max_thinking_tokens", "reasoning_effort"}
 )

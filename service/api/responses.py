@@ -357,6 +357,8 @@ class NativeDone(BaseModel):
     vision_cache_hits: int
     images: int
     videos: int
+    image_tokens: list[int] = Field(description="the visual tokens each picture in the prompt got (history included)")
+    video_tokens: list[int] = Field(description="the visual tokens each clip in the prompt got")
     timings: NativeTimings
     boxes: list[BoxOut] = Field(description="boxes and points the answer names, in the client's pixels (grounding)")
     logprobs: list[LogprobEntry] | None = None
@@ -389,6 +391,8 @@ def native_done(done: Completion, head: NativeHead, logprobs: list[LogprobEntry]
         vision_cache_hits=done.vision_cache_hits,
         images=done.images,
         videos=done.videos,
+        image_tokens=list(done.image_tokens),
+        video_tokens=list(done.video_tokens),
         timings=NativeTimings(**{k: round(v, 4) for k, v in asdict(done.timings).items()}),
         boxes=[box_out(b) for b in done.boxes],
     )

@@ -90,6 +90,8 @@ class OutputProcessor:
             boxes=find_boxes(text, pictures_of(sequence.request.messages)) if "_2d" in text else [],
             reasoning=reasoning,
             reasoning_tokens=phase.spent if phase is not None else 0,
+            image_tokens=prompt.visual_tokens[0],
+            video_tokens=prompt.visual_tokens[1],
         )
 
     @staticmethod

@@ -36,6 +36,11 @@ class ImageLimits:
         """These limits with another pixel budget (a request's own, within `ceiling`)."""
         return replace(self, max_pixels=pixels, min_pixels=min(self.min_pixels, pixels))
 
+    def with_floor(self, pixels: int) -> ImageLimits:
+        """These limits with a floor: a smaller picture is scaled up to it (more visual tokens: small
+        things located, small text read), the budget raised to it if below."""
+        return replace(self, min_pixels=pixels, max_pixels=max(self.max_pixels, pixels))
+
 
 @dataclass(frozen=True)
 class DecodedImage:

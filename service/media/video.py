@@ -24,7 +24,7 @@ import hashlib
 import math
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cv2
 import numpy as np
@@ -63,6 +63,14 @@ class VideoLimits:
             max_frame_pixels=image_limits.max_pixels,
             factor=image_limits.factor,
             temporal_patch=temporal_patch,
+        )
+
+    def with_sampling(self, fps: float | None, max_frames: int | None) -> VideoLimits:
+        """These limits with a request's own sampling rate and frame cap (None: the server's)."""
+        return replace(
+            self,
+            fps=self.fps if fps is None else fps,
+            max_frames=self.max_frames if max_frames is None else max_frames,
         )
 
 

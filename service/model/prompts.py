@@ -121,6 +121,16 @@ class PreparedPrompt:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
+    @property
+    def visual_tokens(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The visual tokens (pads) each picture and each clip takes in the prompt."""
+        types = self.mm_token_type_ids[0]
+
+        def pads(spans: list[tuple[int, int]]) -> tuple[int, ...]:
+            return tuple(int((types[start:end] != 0).sum()) for start, end in spans)
+
+        return pads(self.image_spans), pads(self.video_spans)
+
     @cached_property
     def spans(self) -> dict[str, list[VisionSpan]]:
         """Each image's and video's token span, named by its pixels and grid (what the caches match)."""
