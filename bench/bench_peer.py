@@ -14,8 +14,10 @@ Qwen2's (the same regex), and needs `sentencepiece` installed. Nothing of llama.
 and this never runs in CI.
 
 `--model PRESET` takes the random checkpoint of that `make-model` preset (CACHE_DIR/qwen3vl-PRESET-random,
-bf16: what the converter reads); 2B by default. The full 30B-A3B has no bf16 checkpoint here (61 GB), so
-its reduced-expert twin `30b-a3b-e32` (the same per-token shapes, 32 experts) is what both sides run.
+bf16: what the converter reads); 2B by default. The full 30B-A3B has no bf16 checkpoint here (62 GB), so
+its reduced-expert twin `30b-a3b-e32` (the same per-token shapes, 32 experts) is what both sides run;
+`--model 30b-a3b` runs ours alone, on its 4-bit checkpoint (`-int4`, written straight by
+`make-model --bits 4` if missing: ~17 GB, about an hour here), the same rows without a peer column.
 
 Ours runs twice: the INT8 checkpoint (`-int8`, `python -m service quantize`; 2B is quantized at load
 without it, any other model gets it written) and the 4-bit one (`-int4`, `--bits 4`; written if missing).
@@ -65,7 +67,8 @@ from bench.core.servers import gunicorn_server, llama_server
 
 LLAMA_CPP_PYTHON = "0.3.36"
 HERE = Path(__file__).resolve().parent
-MODELS = ("2b", "4b", "8b", "30b-a3b-e32")  # make-model presets with a bf16 checkpoint the converter reads
+MODELS = ("2b", "4b", "8b", "30b-a3b-e32", "30b-a3b")  # make-model presets (bf16 checkpoints, but the last)
+OURS_ONLY = ("30b-a3b",)  # no bf16 checkpoint for llama.cpp's converter to read: ours alone, 4-bit
 OURS_4BIT = "this service 4-bit"
 KINDS = ("this service", OURS_4BIT, "llama.cpp Q8_0", "llama.cpp Q4_0")
 
@@ -211,6 +214,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-q4", action="store_true", help="leave llama.cpp Q4_0 out")
     p.add_argument("--no-int4", action="store_true", help="leave this service's 4-bit checkpoint out")
     args = parse(p, argv, source=True)
+    from service.model.checkpoints import make_checkpoint
     from service.model.loading import load_processor
     from service.quant.quantized import write_quantized
     from service.settings import load_settings
@@ -218,24 +222,34 @@ def main(argv=None) -> int:
     cache_dir = load_settings().cache_dir
     source = args.model_path
     int8, int4 = source.with_name(source.name + "-int8"), source.with_name(source.name + "-int4")
-    for copy, bits, wanted in ((int8, 8, args.model != "2b"), (int4, 4, not args.no_int4)):
-        if wanted and not (copy / "config.json").exists():
-            write_quantized(source, copy, bits=bits)
-    ours_path = int8 if (int8 / "config.json").exists() else source
-    if shutil.which("cmake") is None:
-        raise SystemExit("cmake is needed to build llama.cpp (apt-get install cmake)")
+    ours_only = args.model in OURS_ONLY
+    if ours_only:  # the 4-bit checkpoint is the source: tokenizer, config, prompts
+        if not (int4 / "config.json").exists():
+            make_checkpoint(args.model, int4, bits=4, progress=True)
+        source = ours_path = int4
+    else:
+        for copy, bits, wanted in ((int8, 8, args.model != "2b"), (int4, 4, not args.no_int4)):
+            if wanted and not (copy / "config.json").exists():
+                write_quantized(source, copy, bits=bits)
+        ours_path = int8 if (int8 / "config.json").exists() else source
+        if shutil.which("cmake") is None:
+            raise SystemExit("cmake is needed to build llama.cpp (apt-get install cmake)")
     peer_dir = cache_dir / "peer"
     peer_dir.mkdir(parents=True, exist_ok=True)
     log = peer_dir / "bench_peer.log"
     kinds = [k for k in KINDS if not (args.no_q4 and "Q4" in k) and not (args.no_int4 and k == OURS_4BIT)]
-    steps = 3 + 2 * len(kinds) * args.rounds
+    if ours_only:
+        kinds = [OURS_4BIT]
+    steps = (2 if ours_only else 3) + 2 * len(kinds) * args.rounds
     no_repack: set[str] = set()  # llama.cpp kinds that crashed with repacking: started with -nr since
     with tqdm(total=steps, desc="bench_peer", unit="step") as bar:
-        bar.set_postfix_str("building llama.cpp (once: a few minutes)")
-        llama = llama_cpp(peer_dir, log)
-        bar.update()
-        bar.set_postfix_str("converting the checkpoint to GGUF (once)")
-        weights = gguf_weights(source, llama, peer_dir / f"gguf-{source.name}", log, q4=not args.no_q4)
+        llama, weights = None, {}
+        if not ours_only:
+            bar.set_postfix_str("building llama.cpp (once: a few minutes)")
+            llama = llama_cpp(peer_dir, log)
+            bar.update()
+            bar.set_postfix_str("converting the checkpoint to GGUF (once)")
+            weights = gguf_weights(source, llama, peer_dir / f"gguf-{source.name}", log, q4=not args.no_q4)
         bar.update()
         bar.set_postfix_str("probing the read bandwidth")
         bandwidth = read_bandwidth(args.threads)
@@ -258,22 +272,31 @@ def main(argv=None) -> int:
     for kind in kinds:
         med[kind]["ceiling"] = bandwidth / active[kind]
         med[kind]["ceiling_share"] = med[kind]["decode_short"] / med[kind]["ceiling"]
-    plot_path = HERE / ("peer.png" if args.model == "2b" else f"peer-{args.model}.png")
-    if not args.no_save:
+    plot_path = None if ours_only else HERE / ("peer.png" if args.model == "2b" else f"peer-{args.model}.png")
+    if not args.no_save and plot_path is not None:
         plot(med, kinds, plot_path)
     title = "This service side by side with llama.cpp (bench/bench_peer.py)"
     if args.model != "2b":
         title = f"This service side by side with llama.cpp: {args.model} (bench/bench_peer.py --model {args.model})"
+    if ours_only:
+        title = f"This service on {args.model}, 4-bit, no peer (bench/bench_peer.py --model {args.model})"
     return report(
         args,
         title,
         {
             "model": f"{args.model}, random weights ({source.name})"
             + (f"; {experts[1]} of {experts[0]} experts a token" if experts[0] > 1 else ""),
-            "ours": f"{ours_path.name}" + ("" if args.no_int4 else f" and {int4.name}") + ", INT8_KERNEL=auto",
-            "llama.cpp": f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, llama-server -t {args.threads} -np 4"
-            + (f"; -nr (no repacking: the default crashed) for {', '.join(sorted(no_repack))}" if no_repack else ""),
-            "GGUF": ", ".join(p.name for p in weights.values()),
+            "ours": f"{ours_path.name}"
+            + ("" if args.no_int4 or ours_only else f" and {int4.name}")
+            + ", INT8_KERNEL=auto",
+            "llama.cpp": (
+                "not run: its converter reads a bf16 checkpoint, 62 GB for this model (the 30b-a3b-e32 table is the "
+                "side by side on the same per-token shapes)"
+                if ours_only
+                else f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, llama-server -t {args.threads} -np 4"
+                + (f"; -nr (no repacking: the default crashed) for {', '.join(sorted(no_repack))}" if no_repack else "")
+            ),
+            "GGUF": ", ".join(p.name for p in weights.values()) or "—",
             "read bandwidth": f"{bandwidth / 1e9:.1f} GB/s ({args.threads} threads summing 2 GiB, best of 5)",
             "CPU": cpu_model(),
         },
@@ -332,12 +355,15 @@ def table(
     active: dict,
     plot_path: Path,
 ) -> str:
-    reference = "llama.cpp Q8_0"
-    ratios = [("ours / Q8_0", "this service", reference)]
-    if OURS_4BIT in kinds:
-        ratios.append(("4-bit / ours INT8", OURS_4BIT, "this service"))
-        if "llama.cpp Q4_0" in kinds:
-            ratios.append(("4-bit / Q4_0", OURS_4BIT, "llama.cpp Q4_0"))
+    ratios = [
+        (name, a, b)
+        for name, a, b in (
+            ("ours / Q8_0", "this service", "llama.cpp Q8_0"),
+            ("4-bit / ours INT8", OURS_4BIT, "this service"),
+            ("4-bit / Q4_0", OURS_4BIT, "llama.cpp Q4_0"),
+        )
+        if a in kinds and b in kinds
+    ]
     rows = []
     for label, key, unit, _, side in ROWS:
         cells = [
@@ -352,14 +378,14 @@ def table(
     rows.append(["weight bytes a decoded token reads (GB)", "files", *[f"{active[k] / 1e9:.2f}" for k in kinds],
                  *["" for _ in ratios]])  # fmt: skip
     table = markdown_table(["", "measured", *kinds, *[name for name, _, _ in ratios]], rows)
-    ours = ours_path.name + (f" and {int4.name}" if OURS_4BIT in kinds else "")
+    ours = ours_path.name + (f" and {int4.name}" if OURS_4BIT in kinds and int4 != ours_path else "")
     return (
         table
         + f"\n\nMedians (min–max) over {rounds} server start(s) per kind, each alone on the machine (in the order "
         "of the columns, then reversed); first token the median of 3 pictures. Client-side: the request's wall time at "
         "the client, on the same OpenAI-endpoint request for all; server-side: each server's own decode count. "
-        f"Ours: {ours}; llama.cpp: {', '.join(p.name for p in weights.values())}. "
-        f"[Plot: each figure against llama.cpp Q8_0]({plot_path.name})."
+        f"Ours: {ours}; llama.cpp: {', '.join(p.name for p in weights.values()) or 'not run'}."
+        + (f" [Plot: each figure against llama.cpp Q8_0]({plot_path.name})." if plot_path else "")
     )
 
 
