@@ -16,6 +16,7 @@ def _nbytes(messages: list[ChatMessage]) -> int:
         sum(img.pixels.nbytes for m in messages for img in m.images)
         + sum(video.nbytes for m in messages for video in m.videos)
         + sum(len(getattr(p, "text", "")) for m in messages for p in m.parts)
+        + sum(len(m.reasoning or "") for m in messages)
         + sum(8 * len(m.token_ids or ()) for m in messages)
     )
 
