@@ -131,6 +131,7 @@ def test_native_stream_arrives_incrementally_with_ids_first_and_done_last(server
         "cached_from",
         "drafted_tokens",
         "accepted_tokens",
+        "reasoning_tokens",
     }
     assert done["usage"]["cached_from"] is None and done["boxes"] == []  # nothing cached, no boxes named
     for key in ("queue_wait", "image_decode", "vision_encode", "prefill", "time_to_first_token", "decode_tokens_per_s"):

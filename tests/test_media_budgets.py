@@ -11,7 +11,7 @@ import json
 import pytest
 import requests
 
-from clips import write_clip
+from clips import noise, write_clip
 from imaging import data_url, encode, pattern
 
 SMALL = encode(pattern(64, 64), ".png")  # scaled up to the processor's floor, 256² (a token: 32 × 32 pixels)
@@ -62,7 +62,8 @@ def test_detail_high_raises_the_floor_on_the_openai_endpoint(server):
 
 
 def test_a_clip_samples_as_the_request_asks(server, tmp_path):
-    clip = base64.b64encode(write_clip(tmp_path / "c.mp4", frames=40, fps=10.0)).decode()  # 4 s
+    # 4 s, a clip of its own: the shared server's vision cache must not serve another module's frames
+    clip = base64.b64encode(write_clip(tmp_path / "c.mp4", frames=40, fps=10.0, size=(128, 96), frame=noise)).decode()
     default = native(server, prompt="What happens?", videos=[clip])["video_tokens"]
     fewer = native(server, prompt="What happens?", videos=[clip], max_frames=4)["video_tokens"]
     slower = native(server, prompt="What happens?", videos=[clip], fps=1)["video_tokens"]

@@ -22,12 +22,13 @@ def chat(base, body, headers=AUTH):
 
 
 def test_health_and_ready_are_open_everything_else_needs_a_key(server):
-    """Liveness and readiness probes carry no key; /ready tells only that, the model's name and the
+    """Liveness and readiness probes carry no key; /ready tells only that, the model's name, whether it thinks, and the
     INT8 kernels' names (what they measured is on /metrics)."""
     base, _ = server
     assert requests.get(base + "/health").status_code == 200
     ready = requests.get(base + "/ready")
-    assert ready.status_code == 200 and set(ready.json()) == {"status", "model", "random_model", "int8_kernel"}
+    fields = {"status", "model", "random_model", "thinking", "int8_kernel"}
+    assert ready.status_code == 200 and set(ready.json()) == fields
     assert set(ready.json()["int8_kernel"]) == {"decoder", "vision"}
     for method, path in [
         ("get", "/metrics"),
