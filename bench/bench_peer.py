@@ -60,7 +60,7 @@ from tqdm import tqdm
 
 from bench.core.ceiling import checkpoint_active_bytes, gguf_active_bytes, model_experts, read_bandwidth
 from bench.core.client import chat, openai_chat
-from bench.core.harness import concurrently, parse, parser, tree_memory
+from bench.core.harness import concurrently, parse, parser, preset_model_path, tree_memory
 from bench.core.inputs import DECODE_PROMPT, QUESTION, message, photo_url, text_of_tokens
 from bench.core.results import cpu_model, markdown_table, report
 from bench.core.servers import gunicorn_server, llama_server
@@ -213,8 +213,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="server starts per kind, in the order of KINDS, then reversed")
     p.add_argument("--no-q4", action="store_true", help="leave llama.cpp Q4_0 out")
     p.add_argument("--no-int4", action="store_true", help="leave this service's 4-bit checkpoint out")
+    argv = _ours_only_checkpoint(p, argv)
     args = parse(p, argv, source=True)
-    from service.model.checkpoints import make_checkpoint
     from service.model.loading import load_processor
     from service.quant.quantized import write_quantized
     from service.settings import load_settings
@@ -224,9 +224,7 @@ def main(argv=None) -> int:
     int8, int4 = source.with_name(source.name + "-int8"), source.with_name(source.name + "-int4")
     ours_only = args.model in OURS_ONLY
     if ours_only:  # the 4-bit checkpoint is the source: tokenizer, config, prompts
-        if not (int4 / "config.json").exists():
-            make_checkpoint(args.model, int4, bits=4, progress=True)
-        source = ours_path = int4
+        int4 = ours_path = source
     else:
         for copy, bits, wanted in ((int8, 8, args.model != "2b"), (int4, 4, not args.no_int4)):
             if wanted and not (copy / "config.json").exists():
@@ -302,6 +300,20 @@ def main(argv=None) -> int:
         },
         table(med, results, kinds, args.rounds, ours_path, weights, int4, active, plot_path),
     )
+
+
+def _ours_only_checkpoint(p, argv: list[str] | None) -> list[str] | None:
+    """For a preset run without a peer, --model-path at its 4-bit checkpoint (CACHE_DIR/qwen3vl-PRESET-random-int4),
+    written straight by make-model --bits 4 if missing."""
+    from service.model.checkpoints import make_checkpoint
+
+    given = p.parse_known_args(argv)[0]
+    if given.model not in OURS_ONLY or given.model_path is not None or given.tiny:
+        return argv
+    int4 = preset_model_path(given.model).with_name(f"qwen3vl-{given.model}-random-int4")
+    if not (int4 / "config.json").exists():
+        make_checkpoint(given.model, int4, bits=4, progress=True)
+    return [*(sys.argv[1:] if argv is None else argv), "--model-path", str(int4)]
 
 
 def serve_and_measure(kind, args, ours_path, int4, llama, weights, peer_dir, end_of_turn, long_prompt, round_,
