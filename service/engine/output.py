@@ -71,6 +71,7 @@ class OutputProcessor:
     ) -> Completion:
         ids, prompt, marks, phase = sequence.stream.token_ids, sequence.prompt, sequence.marks, sequence.reasoning
         answer_ids = ids if phase is None else ids[phase.answer_start :] if phase.answering else []
+        image_tokens, video_tokens = prompt.visual_tokens
         return Completion(
             text=text,
             finish_reason=sequence.status.finish_reason,
@@ -90,8 +91,8 @@ class OutputProcessor:
             boxes=find_boxes(text, pictures_of(sequence.request.messages)) if "_2d" in text else [],
             reasoning=reasoning,
             reasoning_tokens=phase.spent if phase is not None else 0,
-            image_tokens=prompt.visual_tokens[0],
-            video_tokens=prompt.visual_tokens[1],
+            image_tokens=image_tokens,
+            video_tokens=video_tokens,
         )
 
     @staticmethod
