@@ -73,6 +73,11 @@ def post_worker_init(worker):
     worker.handle_exit = handle_exit
     signal.signal(signal.SIGTERM, handle_exit)
 
+    from service import startup
+
+    startup.mark("worker")
+    startup.log_timeline("serving")
+
 
 def on_exit(server):
     if _own_metrics_dir:

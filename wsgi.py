@@ -1,6 +1,6 @@
 """WSGI entry point: `gunicorn -c gunicorn.conf.py wsgi:app`. Settings come from the environment."""
 
-from service import native
+from service import native, startup
 from service.settings import load_settings
 
 settings = load_settings()
@@ -13,6 +13,8 @@ if settings.preload_in_master:
     packing.start_early(settings)
 
 from service.api import create_app  # noqa: E402  (after the packing has begun)
+
+startup.mark("imports")
 
 # With PRELOAD (default) Gunicorn imports this in its master, which loads the model and forks the worker.
 app = create_app(settings, load="before_fork" if settings.preload_in_master else "background")

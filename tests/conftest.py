@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -242,6 +243,23 @@ def weights_settings(cache_dir, weights: str, **overrides):
     if weights == "int4":
         return make_settings(cache_dir, model_path=cache_dir / INT4_DIR, **overrides)
     return make_settings(cache_dir, quantization=weights, **overrides)
+
+
+def transformers_model(path: Path, quantization: str = "fp32", kernel: str = "fbgemm"):
+    """The checkpoint as transformers' own model (`from_pretrained`, fp32), the reference the service's
+    modules and forward are compared with; "int8": its projections fused and INT8-quantized as the
+    service quantizes them (the same Linears in transformers' forward)."""
+    from transformers import AutoConfig
+
+    from service.quant.fusion import fuse_projections, model_class
+    from service.quant.quantized import quantize_in_place
+
+    model = model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    if quantization == "int8":
+        fuse_projections(model)
+        quantize_in_place(model, kernel=kernel)
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from service.model.loading import load_model
 from service.model.prompts import ChatMessage, ImagePart, TextPart
 from service.vision.steps import image_steps, run_to_end
 
-from conftest import make_settings, prepared
+from conftest import make_settings, prepared, transformers_model
 from imaging import encode, pattern
 
 
@@ -276,11 +276,11 @@ def test_batch_size_one_runs_one_generation_at_a_time(cache_dir, loaded_model):
     assert a[-1] <= b[0]
 
 
-def test_vision_tower_in_steps_equals_the_models_own_encoder(engines):
+def test_vision_tower_in_steps_equals_transformers_own_encoder(engines, tiny_dir):
     engine = engines["fp32"]
     prompt = prepared(engine, request([ImagePart(picture(engine, 320)), TextPart("x")]))
     with torch.inference_mode():
-        own = engine.model.model.get_image_features(prompt.pixel_values[0], prompt.image_grid_thw)
+        own = transformers_model(tiny_dir).model.get_image_features(prompt.pixel_values[0], prompt.image_grid_thw)
     steps = run_to_end(image_steps(engine.vision_encoder, prompt.pixel_values[0], prompt.image_grid_thw))
     assert torch.equal(steps.pooler, own.pooler_output[0])
     assert all(torch.equal(a, b[0]) for a, b in zip(steps.deepstack, own.deepstack_features, strict=True))

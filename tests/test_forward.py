@@ -30,7 +30,7 @@ from service.model.prompts import ChatMessage, ImagePart, TextPart
 from service.vision.features import VisionFeatures
 from service.vision.steps import image_steps, run_to_end
 
-from conftest import HAS_AVX512, ONLY_AVX2, prepared, weights_settings
+from conftest import HAS_AVX512, ONLY_AVX2, prepared, transformers_model, weights_settings
 
 STEPS = 32
 KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["kv-fp32", "kv-bf16"])
@@ -314,7 +314,7 @@ def transformers_greedy(model, prompt, rope_delta: int, cache, steps: int = 16) 
 
 
 @pytest.mark.parametrize("quantization", ["fp32", "int8"])
-def test_the_forward_computes_what_transformers_forward_computes(engines, attentions, quantization):
+def test_the_forward_computes_what_transformers_forward_computes(engines, attentions, quantization, tiny_dir):
     """A picture prompt, then greedy decoding, through both: the same tokens, and logits within
     float rounding (fp32) or a level of INT8's per-row quantization of the activations."""
     engine = engines(quantization)
@@ -324,7 +324,7 @@ def test_the_forward_computes_what_transformers_forward_computes(engines, attent
     ours, first = prefill(forward, rows, pieces(len(rows.ids), 24), torch.float32)
     logits, (answer,) = decode(forward, [ours], first[-1:], [rows.rope_delta], steps=16)
     theirs = GrowingCache(config=model.config)
-    reference = transformers_greedy(model, prompt, rows.rope_delta, theirs)
+    reference = transformers_greedy(transformers_model(tiny_dir, quantization), prompt, rows.rope_delta, theirs)
     got = torch.cat([first[-1:], logits[0]])
     tolerance = 1e-5 if quantization == "fp32" else 2e-2
     assert [int(r.argmax()) for r in got] == [int(r.argmax()) for r in reference]

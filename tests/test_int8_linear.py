@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-from service.quant.fusion import FusedTextAttention, FusedTextMLP
 from service.quant.int8_linear import Int8Linear, quantize_rows
 from service.quant.quantized import quantize_in_place
 
@@ -195,7 +194,7 @@ def test_every_int8_linear_quantizes_per_token_and_a_decoder_layer_makes_four_ca
     assert int8 and all(m.activations == "per_token" for m in int8)
     assert any(m in int8 for m in model.model.visual.modules())
     for decoder_layer in model.model.language_model.layers:
-        assert isinstance(decoder_layer.self_attn, FusedTextAttention) and isinstance(decoder_layer.mlp, FusedTextMLP)
+        assert hasattr(decoder_layer.self_attn, "qkv_proj") and hasattr(decoder_layer.mlp, "gate_up_proj")
         assert sum(isinstance(m, Int8Linear) for m in decoder_layer.modules()) == 4
 
 
@@ -208,10 +207,11 @@ def logits_with_spike(model, ids, kind: str | None) -> torch.Tensor:
 
     def spike(module, args):
         x = args[0].clone()
+        rows = x.view(-1, x.shape[-1])  # one prompt: its tokens' rows
         if kind == "row x1000":
-            x[:, SPIKED_TOKEN] *= 1000
+            rows[SPIKED_TOKEN] *= 1000
         else:
-            x[:, SPIKED_TOKEN, 5] = 1000 * x[:, SPIKED_TOKEN].abs().max()
+            rows[SPIKED_TOKEN, 5] = 1000 * rows[SPIKED_TOKEN].abs().max()
         return (x,)
 
     layers = model.model.language_model.layers

@@ -199,9 +199,7 @@ def test_model_larger_than_the_budget_is_served_from_memory_mapped_weights(cache
     with torch.inference_mode():
         a = packed.model(input_ids=ids).logits[0]
         b = mapped.model(input_ids=ids).logits[0]
-        out = mapped.model.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98
-    assert out.shape[1] == ids.shape[1] + 6
 
 
 def test_a_checkpoint_whose_weights_cannot_fit_the_budget_is_refused_with_the_4bit_command(cache_dir, tiny_dir):

@@ -35,11 +35,11 @@ from service.model.forward import TextForward
 from service.model.loading import load_model
 from service.model.moe import MixtureOfExperts, router_logits
 from service.model.prompts import ChatMessage, ImagePart, TextPart
-from service.quant.fusion import ExpertLinears
+from service.model.skeleton import Experts
 from service.quant.int4_linear import Int4Linear
 from service.quant.int8_linear import Int8Embedding, Int8Linear
 
-from conftest import make_settings, prepared
+from conftest import make_settings, prepared, transformers_model
 
 # the quick tier: the service's own INT8 kernel and the 4-bit one; the whole suite FBGEMM's too
 KERNELS = pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_loads_as_a_mixture_of_experts_with_int8_experts_and_its_own_embedding(e
     model = engines("int8").model
     layers = model.model.language_model.layers
     sparse, dense = layers[0].mlp, layers[1].mlp
-    assert isinstance(sparse.experts, ExpertLinears) and len(sparse.experts.gate_up) == 8
+    assert isinstance(sparse.experts, Experts) and len(sparse.experts.gate_up) == 8
     assert all(isinstance(m, Int8Linear) for m in [*sparse.experts.gate_up, *sparse.experts.down])
     assert sparse.experts.gate_up[0].out_features == 2 * 96 and sparse.experts.down[0].in_features == 96
     assert sparse.gate.weight.dtype == torch.float32  # the router stays a float matrix
@@ -135,17 +135,13 @@ def test_tokens_choose_different_experts(engines, attention, monkeypatch):
 def test_the_forward_computes_what_transformers_moe_forward_computes(engines, attention, tiny_moe_dir, quantization):
     """A picture prompt, then 16 greedy tokens, through the service's forward and transformers' —
     fp32: the untouched `Qwen3VLMoeForConditionalGeneration` from the checkpoint (its own router and
-    experts forward); int8: the loaded model's own forward. The same tokens; logits within float
-    rounding (fp32) or a level of INT8's per-row quantization."""
-    from transformers import Qwen3VLMoeForConditionalGeneration
-
+    experts forward); int8: transformers' forward over the same INT8 Linears. The same tokens; logits
+    within float rounding (fp32) or a level of INT8's per-row quantization."""
     engine = engines(quantization)
     forward = TextForward(engine.model, attention)
+    model = transformers_model(tiny_moe_dir, quantization)
     if quantization == "fp32":
-        model = Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
         assert type(model.model.language_model.layers[0].mlp.experts).__name__ == "Qwen3VLMoeTextExperts"
-    else:
-        model = engine.model
     parts = a_picture_and_a_question(engine)
     rows = prompt_rows(engine, parts)
     prompt = prepared(engine, GenerationRequest([ChatMessage("user", parts)]))
@@ -361,7 +357,7 @@ def test_4bit_experts_over_the_budget_are_computed_from_the_mapped_file_with_the
     path = engines("int4").loaded.path
     mapped = load_model(make_settings(cache_dir, model_path=path, max_memory_mb=1))
     assert mapped.weights_mapped
-    experts = [m for m in mapped.model.modules() if isinstance(m, ExpertLinears)]
+    experts = [m for m in mapped.model.modules() if isinstance(m, Experts)]
     assert experts and all(in_a_mapping_of(e.gate_up[0].qweight.data_ptr(), path) for e in experts)
     settings = make_settings(cache_dir, model_path=path, int8_kernel="native")
     a = greedy(Engine(mapped, settings), "Tell me about a red square.")

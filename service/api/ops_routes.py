@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify
 
-from .. import metrics
+from .. import metrics, startup
 from ..errors import ServiceError
 from ..model.checkpoints import RANDOM_MODEL_WARNING
 from . import responses
@@ -33,6 +33,7 @@ def ready():
     body = {"status": "ready", "model": info.name, "random_model": info.is_random, "thinking": info.thinking}
     if info.int8_kernels is not None:  # which kernel serves; what each measured is on /metrics (behind a key)
         body["int8_kernel"] = {part: info.int8_kernels[part] for part in ("decoder", "vision")}
+    body["startup"] = startup.timeline()  # where the start's seconds went (service/startup.py)
     return jsonify(body)
 
 

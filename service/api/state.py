@@ -8,6 +8,7 @@ import threading
 
 from flask import current_app, jsonify
 
+from .. import startup
 from ..engine.engine import Engine
 from ..errors import ServiceError, Unavailable
 from ..settings import Settings
@@ -37,6 +38,8 @@ class AppState:
 
         try:
             self.engine = Engine(load_model(self.settings, threads), self.settings)
+            startup.mark("engine")
+            startup.log_timeline("model ready")
         except Exception as exc:  # reported by /ready and every request, not a dead worker
             log.exception("model failed to load")
             self.load_error = f"{type(exc).__name__}: {exc}"

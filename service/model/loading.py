@@ -11,15 +11,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import startup
 from ..footprint import check_fits
 from ..media.images import fit_processor
 from ..memory import MemoryGuard
-from ..quant.fusion import fuse_projections, model_class
 from ..quant.packing import FORMAT_INT4, int8_kernels
 from ..quant.quantized import load_quantized, published_checkpoint, quantize_in_place, quantized_marker
 from ..settings import Settings
 from ..threads import in_own_thread
 from .checkpoints import RANDOM_MODEL_WARNING, embedded_model_dir, is_random_test_model
+from .skeleton import skeleton
+from .weights import generation_config, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -39,37 +41,12 @@ class LoadedModel:
     weights_mapped: bool = False  # Linear weights memory-mapped: the model did not fit MAX_MEMORY_MB
 
 
-def _processor_class():
-    from transformers import Qwen3VLProcessor
-
-    class VideoLessQwen3VLProcessor(Qwen3VLProcessor):
-        """Qwen3VLProcessor without a video processor (transformers' one needs torchvision).
-
-        The stock class type-checks every attribute and rejects None; only that check is relaxed.
-        """
-
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-    return VideoLessQwen3VLProcessor
-
-
 def load_processor(path: Path):
-    from transformers import AutoImageProcessor, AutoTokenizer
+    """The checkpoint's tokenizer, image processor and chat template: the service's own processor
+    (service/model/processor.py: transformers' processor imports its modeling code, seconds of a start)."""
+    from .processor import Processor
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    image_processor = AutoImageProcessor.from_pretrained(path)
-    chat_template = tokenizer.chat_template
-    template_file = path / "chat_template.jinja"
-    if chat_template is None and template_file.exists():
-        chat_template = template_file.read_text()
-    if chat_template is None:
-        raise ValueError(f"{path} has no chat template (chat_template.jinja or tokenizer_config.json)")
-    return _processor_class()(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template
-    )
+    return Processor.load(path)
 
 
 class _OnceWarnings:
@@ -104,6 +81,7 @@ def _load(settings: Settings) -> LoadedModel:
     path = settings.model_path or embedded_model_dir(settings.cache_dir)
     processor = load_processor(path)
     fit_processor(processor, settings)
+    startup.mark("processor")
     hf_logging.set_verbosity_error()
     path = published_checkpoint(path, settings)  # GPTQ/AWQ: converted once (exactly) into CACHE_DIR
     marker = quantized_marker(path)
@@ -119,17 +97,17 @@ def _load(settings: Settings) -> LoadedModel:
             model, mapped = load_quantized(path, settings.threads, MemoryGuard.from_settings(settings), kernels)
         else:
             check_fits(path, settings.quantization, MemoryGuard.from_settings(settings).budget_bytes)
+            model = skeleton(AutoConfig.from_pretrained(path))  # Qwen3-VL or Qwen3-VL-MoE, as the config says
             # The checkpoint's own dtype (bf16 for Qwen's releases): no whole fp32 copy before quantizing.
-            dtype = "auto" if settings.quantization == "int8" else torch.float32
-            # Qwen3-VL or Qwen3-VL-MoE, as the config says
-            model = model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype)
+            load_weights(model, path, None if settings.quantization == "int8" else torch.float32)
+            model.generation_config = generation_config(path, model.config)
             model.eval()
-            fuse_projections(model)
             if settings.quantization == "int8":
                 model.requires_grad_(False)
                 quantize_in_place(model, kernel=kernels)
             model.float()  # embeddings, norms, patch embedding: fp32 compute (bf16 is slow on these CPUs)
     model.requires_grad_(False)
+    startup.mark("weights")
     is_random = is_random_test_model(model.config)
     if is_random:
         log.warning(RANDOM_MODEL_WARNING)

@@ -13,66 +13,85 @@ router (`mlp.gate`) stays as it is: a float matrix (service/model/moe.py compute
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.qwen3_vl.modeling_qwen3_vl import (
-    Qwen3VLTextAttention,
-    Qwen3VLTextMLP,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
-)
 
 
-class FusedTextAttention(Qwen3VLTextAttention):
-    """Qwen3VLTextAttention.forward with q, k and v from one `qkv_proj`."""
+@functools.cache
+def _fused_classes() -> tuple[type, type]:
+    """(FusedTextAttention, FusedTextMLP): transformers' modules with fused projections, made on first
+    use — importing transformers' modeling code costs seconds, and serving never needs it (the service
+    builds its own modules: service/model/skeleton.py); `quantize`, `make-model` and the tests do."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import (
+        Qwen3VLTextAttention,
+        Qwen3VLTextMLP,
+        apply_rotary_pos_emb,
+        eager_attention_forward,
+    )
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        q, k, v = self.qkv_proj(hidden_states).split(self.split_sizes, dim=-1)
-        query_states = self.q_norm(q.view(hidden_shape)).transpose(1, 2)
-        key_states = self.k_norm(k.view(hidden_shape)).transpose(1, 2)
-        value_states = v.view(hidden_shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
-        if self.config._attn_implementation == "sdpa":
-            out, weights = self._sdpa(query_states, key_states, value_states, attention_mask), None
-        else:
-            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-            out, weights = attention(
-                self,
-                query_states,
-                key_states,
-                value_states,
-                attention_mask,
-                dropout=0.0,
-                scaling=self.scaling,
-                **kwargs,
+    class FusedTextAttention(Qwen3VLTextAttention):
+        """Qwen3VLTextAttention.forward with q, k and v from one `qkv_proj`."""
+
+        def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+            input_shape = hidden_states.shape[:-1]
+            hidden_shape = (*input_shape, -1, self.head_dim)
+            q, k, v = self.qkv_proj(hidden_states).split(self.split_sizes, dim=-1)
+            query_states = self.q_norm(q.view(hidden_shape)).transpose(1, 2)
+            key_states = self.k_norm(k.view(hidden_shape)).transpose(1, 2)
+            value_states = v.view(hidden_shape).transpose(1, 2)
+            cos, sin = position_embeddings
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+            if cache is not None:
+                key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+            if self.config._attn_implementation == "sdpa":
+                out, weights = self._sdpa(query_states, key_states, value_states, attention_mask), None
+            else:
+                attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+                    self.config._attn_implementation, eager_attention_forward
+                )
+                out, weights = attention(
+                    self,
+                    query_states,
+                    key_states,
+                    value_states,
+                    attention_mask,
+                    dropout=0.0,
+                    scaling=self.scaling,
+                    **kwargs,
+                )
+            return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+        def _sdpa(self, query, key, value, mask):
+            """transformers' sdpa attention, with grouped query heads given to SDPA as such (enable_gqa)
+            even under a mask, where transformers copies every key and value head per query head first
+            (`repeat_kv`): the same result, measured 25 % faster for a 64-token prefill piece after
+            3,072 cached tokens, without a 2x copy of the context's keys and values per layer."""
+            causal = query.shape[2] > 1 and mask is None
+            if causal and key.shape[2] > query.shape[2]:  # SDPA's causal mask is top-left aligned
+                raise ValueError("a causal piece after cached tokens needs an explicit mask")
+            out = F.scaled_dot_product_attention(
+                query.to(key.dtype),
+                key,
+                value,
+                attn_mask=mask,
+                is_causal=causal,
+                scale=self.scaling,
+                enable_gqa=self.num_key_value_groups > 1,
             )
-        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+            return out.transpose(1, 2).to(query.dtype)  # a bf16 cache (KV_DTYPE): attention in bf16
 
-    def _sdpa(self, query, key, value, mask):
-        """transformers' sdpa attention, with grouped query heads given to SDPA as such (enable_gqa)
-        even under a mask, where transformers copies every key and value head per query head first
-        (`repeat_kv`): the same result, measured 25 % faster for a 64-token prefill piece after
-        3,072 cached tokens, without a 2x copy of the context's keys and values per layer."""
-        causal = query.shape[2] > 1 and mask is None
-        if causal and key.shape[2] > query.shape[2]:  # SDPA's causal mask is top-left aligned
-            raise ValueError("a causal piece after cached tokens needs an explicit mask")
-        out = F.scaled_dot_product_attention(
-            query.to(key.dtype),
-            key,
-            value,
-            attn_mask=mask,
-            is_causal=causal,
-            scale=self.scaling,
-            enable_gqa=self.num_key_value_groups > 1,
-        )
-        return out.transpose(1, 2).to(query.dtype)  # a bf16 cache (KV_DTYPE): attention in bf16
+    class FusedTextMLP(Qwen3VLTextMLP):
+        """Qwen3VLTextMLP.forward with gate and up from one `gate_up_proj`."""
+
+        def forward(self, x):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act_fn(gate) * up)
+
+    return FusedTextAttention, FusedTextMLP
 
 
 class ExpertLinears(nn.Module):
@@ -118,14 +137,6 @@ def model_class(config):
     return Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
 
 
-class FusedTextMLP(Qwen3VLTextMLP):
-    """Qwen3VLTextMLP.forward with gate and up from one `gate_up_proj`."""
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
-
-
 def text_layers(model) -> list[tuple[str, nn.Module]]:
     """(name, module) of each text decoder layer."""
     names = {id(m): n for n, m in model.named_modules()}
@@ -154,10 +165,10 @@ def fuse_projections(model) -> None:
         attn.split_sizes = [p.out_features for p in parts]
         attn.qkv_proj = _concatenated(parts)
         del attn.q_proj, attn.k_proj, attn.v_proj
-        attn.__class__ = FusedTextAttention
+        attn.__class__ = _fused_classes()[0]
         if is_moe_block(mlp):
             mlp.experts = ExpertLinears(mlp.experts)
             continue
         mlp.gate_up_proj = _concatenated([mlp.gate_proj, mlp.up_proj])
         del mlp.gate_proj, mlp.up_proj
-        mlp.__class__ = FusedTextMLP
+        mlp.__class__ = _fused_classes()[1]

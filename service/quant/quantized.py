@@ -32,7 +32,7 @@ from torch import nn
 from ..memory import MIB, MemoryGuard, release_memory
 from ..threads import compute_on
 from . import packing, published
-from .fusion import fuse_projections, is_moe_block, model_class
+from .fusion import is_moe_block, model_class
 from .int4_linear import GROUP_SIZES, group_for, pack, quantize_groups
 from .int8_linear import Int8Embedding, Int8Linear, MappedInt8Linear, quantize_rows
 from .packing import (
@@ -628,7 +628,10 @@ def load_quantized(
     Linear weights stay memory-mapped too (MappedInt8Linear): the server still serves, slower.
     """
     from safetensors import safe_open
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import AutoConfig
+
+    from ..model.skeleton import skeleton as served_skeleton
+    from ..model.weights import generation_config
 
     path = Path(path)
     marker = quantized_marker(path)
@@ -639,9 +642,7 @@ def load_quantized(
             f"{path} has format version {marker.get('version')}; this service reads "
             f"{FORMAT_VERSION}: re-run `python -m service quantize`"
         )
-    config = AutoConfig.from_pretrained(path)
-    model = skeleton(config)
-    fuse_projections(model)
+    model = served_skeleton(AutoConfig.from_pretrained(path))  # projections fused already
     packed_bytes = linear_bytes(path, marker)
     # Packing begun early (wsgi.py) found the weights fit; its memory now counts as used, so do not ask again.
     started = packing.claim(path, kernel)
@@ -695,8 +696,7 @@ def load_quantized(
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"{path} is incomplete: no weights for {left[:3]} (and {max(0, len(left) - 3)} more)")
-    if (path / "generation_config.json").exists():
-        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.generation_config = generation_config(path, model.config)
     model.eval()
     model.requires_grad_(False)
     return model, mapped

@@ -34,7 +34,7 @@ class VisionFeatures:
 
 
 class TorchVisionEncoder:
-    """The model's own vision tower (`get_image_features`)."""
+    """The model's own vision tower (service/vision/tower.py)."""
 
     name = "torch"
 
@@ -43,8 +43,6 @@ class TorchVisionEncoder:
 
     @torch.inference_mode()
     def __call__(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[VisionFeatures]:
-        out = self.model.model.get_image_features(pixel_values, image_grid_thw)
-        layers = [list(layer) for layer in out.deepstack_features]
-        return [
-            VisionFeatures(pooler=p, deepstack=[layer[i] for layer in layers]) for i, p in enumerate(out.pooler_output)
-        ]
+        from .tower import image_features
+
+        return image_features(self.model.model.visual, pixel_values, image_grid_thw)
