@@ -6,13 +6,7 @@ from service.settings import load_settings
 settings = load_settings()
 native.prebuild(settings.cache_dir)  # gcc builds the kernels (first start) while torch imports
 
-from service.quant import packing  # noqa: E402  (imports torch)
-
-if settings.preload_in_master:
-    # Pack a pre-quantized checkpoint's weights while the rest of the service (transformers) imports.
-    packing.start_early(settings)
-
-from service.api import create_app  # noqa: E402  (after the packing has begun)
+from service.api import create_app  # noqa: E402  (after the kernels' build has begun)
 
 startup.mark("imports")
 

@@ -27,7 +27,7 @@ QUANTIZED_MARKER = "service_int8"
 FORMAT_INT4 = "qwen3-vl-service-int4"
 PUBLISHED_METHODS = ("gptq", "awq")
 # A quantized Linear's bookkeeping beside its weights (packed 4-bit `qweight`, or int8 `weight`): not parameters.
-_QUANTIZATION_PARTS = (".qzeros", ".scales", ".g_idx", ".qshape", ".weight_scale")
+_QUANTIZATION_PARTS = (".qzeros", ".scales", ".g_idx", ".qshape", ".weight_scale", ".column_sums", ".packed_shape")
 RUNTIME_BYTES = 512 * 1024**2  # Python, torch, transformers, Gunicorn: resident before any weight
 
 

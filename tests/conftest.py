@@ -245,6 +245,16 @@ def weights_settings(cache_dir, weights: str, **overrides):
     return make_settings(cache_dir, quantization=weights, **overrides)
 
 
+def in_a_mapping_of(address: int, directory) -> bool:
+    """Whether `address` lies in this process's memory mapping of a file under `directory`."""
+    for line in open("/proc/self/maps"):
+        fields = line.split(maxsplit=5)
+        low, high = (int(v, 16) for v in fields[0].split("-"))
+        if low <= address < high:
+            return len(fields) == 6 and fields[5].strip().startswith(str(directory))
+    return False
+
+
 def transformers_model(path: Path, quantization: str = "fp32", kernel: str = "fbgemm"):
     """The checkpoint as transformers' own model (`from_pretrained`, fp32), the reference the service's
     modules and forward are compared with; "int8": its projections fused and INT8-quantized as the

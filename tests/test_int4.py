@@ -23,7 +23,7 @@ from service.quant.int8_linear import Int8Linear
 from service.quant.packing import quantized_marker
 from service.quant.quantized import FORMAT_INT4, load_quantized
 
-from conftest import HAS_AVX512, ONLY_AVX2, make_settings, run_cli, run_probe, weights_settings
+from conftest import HAS_AVX512, ONLY_AVX2, in_a_mapping_of, make_settings, run_cli, run_probe, weights_settings
 
 
 def float_layer(in_features=2048, out_features=320, seed=0, bias=True) -> nn.Linear:
@@ -179,16 +179,6 @@ def test_4_bit_logits_stay_close_to_fp32_and_differ_from_them(int4_engine, fp32_
     assert cosine.mean() > 0.85 and cosine.min() > 0.7 and not torch.equal(*logits)
 
 
-def in_a_mapping_of(address: int, directory) -> bool:
-    """Whether `address` lies in this process's memory mapping of a file under `directory`."""
-    for line in open("/proc/self/maps"):
-        fields = line.split(maxsplit=5)
-        low, high = (int(v, 16) for v in fields[0].split("-"))
-        if low <= address < high:
-            return len(fields) == 6 and fields[5].strip().startswith(str(directory))
-    return False
-
-
 def test_weights_over_the_budget_are_computed_from_the_mapped_file_with_the_same_bits(cache_dir, int4_dir, int4_engine):
     """Memory-mapped, the 4-bit Linears run the same kernel on the file's own bytes: a text answer's
     log-probabilities are the same bits as from weights read into memory."""
@@ -202,16 +192,12 @@ def test_weights_over_the_budget_are_computed_from_the_mapped_file_with_the_same
     assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
-def test_packing_reads_the_4_bit_weights_on_the_pool_begun_early(int4_dir):
-    from service.quant import packing
+def test_the_4_bit_weights_are_used_in_place_from_the_mapped_file(int4_dir):
     from service.quant.kernel_choice import KernelChoice
 
-    kernel = KernelChoice(decoder="native", vision="native")
-    packing.start(int4_dir, quantized_marker(int4_dir)["linear_shards"], 2, kernel)
-    model, mapped = load_quantized(int4_dir, 2, MemoryGuard(None), kernel)
-    assert not mapped and packing.claim(int4_dir, kernel) is None
-    assert isinstance(model.lm_head, Int4Linear)
-    assert not in_a_mapping_of(model.lm_head.qweight.data_ptr(), int4_dir)  # read into memory of its own
+    model, over_budget = load_quantized(int4_dir, 2, MemoryGuard(None), KernelChoice(decoder="native", vision="native"))
+    assert not over_budget and isinstance(model.lm_head, Int4Linear)
+    assert in_a_mapping_of(model.lm_head.qweight.data_ptr(), int4_dir)  # the file's own bytes, nothing copied
 
 
 # -- published layouts (GPTQ, AWQ) --------------------------------------------------------------

@@ -27,7 +27,7 @@ from test_forward import (
     same_kv,
     transformers_greedy,
 )
-from test_int4 import greedy, in_a_mapping_of
+from test_int4 import greedy
 
 from service.engine.engine import Engine, GenerationRequest
 from service.model.attention import ExactAttention
@@ -39,7 +39,7 @@ from service.model.skeleton import Experts
 from service.quant.int4_linear import Int4Linear
 from service.quant.int8_linear import Int8Embedding, Int8Linear
 
-from conftest import make_settings, prepared, transformers_model
+from conftest import in_a_mapping_of, make_settings, prepared, transformers_model
 
 # the quick tier: the service's own INT8 kernel and the 4-bit one; the whole suite FBGEMM's too
 KERNELS = pytest.mark.parametrize(

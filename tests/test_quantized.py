@@ -4,6 +4,11 @@ that loading it answers exactly like quantizing at load time."""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,10 +19,12 @@ from service.engine.engine import Completion, Engine, GenerationRequest, Samplin
 from service.media.images import decode_image
 from service.model.loading import load_model
 from service.model.prompts import ChatMessage, ImagePart, TextPart
-from service.quant.int8_linear import Int8Embedding, Int8Linear
+from service.quant import int8_linear
+from service.quant.int8_linear import Int8Linear, PackedInt8Embedding, pack_native, quantize_rows, unpack_native
+from service.quant.packing import native_int8_names
 from service.quant.quantized import FORMAT, QUANTIZED_MARKER, write_quantized
 
-from conftest import make_settings, run_cli
+from conftest import in_a_mapping_of, make_settings, run_cli
 from imaging import encode, pattern
 
 # A checkpoint written and loaded per module (~15 s): the whole suite only.
@@ -78,15 +85,41 @@ def test_quantized_checkpoint_holds_int8_weights_per_channel_scales_and_the_load
         "generation_config.json",
     ):
         assert (int8_dir / name).read_bytes() == (tiny_dir / name).read_bytes()
+    assert marker["version"] == 2 and "native" in marker["int8_layout"]
     with safe_open(int8_dir / marker["linear_shards"][0], "pt") as f:
-        weight = f.get_tensor("model.language_model.layers.0.mlp.down_proj.weight")
-        scales = f.get_tensor("model.language_model.layers.0.mlp.down_proj.weight_scale")
-    assert weight.dtype == torch.int8 and scales.dtype == torch.float32
-    assert scales.shape == (weight.shape[0],)  # one scale per output channel
-    assert len(set(scales.tolist())) > 1
+        names = native_int8_names(f.keys())
+        down = "model.language_model.layers.0.mlp.down_proj"
+        packed, scales = f.get_tensor(f"{down}.packed"), f.get_tensor(f"{down}.weight_scale")
+        out_features, in_features = f.get_tensor(f"{down}.packed_shape").tolist()
+        sums = f.get_tensor(f"{down}.column_sums")
+    # q/k/v and gate/up stored fused, as the kernels compute them
+    assert "model.language_model.layers.0.self_attn.qkv_proj" in names
+    assert "model.language_model.layers.0.mlp.gate_up_proj" in names
+    assert not any(n.endswith(("q_proj", "gate_proj")) for n in names)
+    assert packed.dtype == torch.int8 and scales.dtype == torch.float32
+    assert scales.shape == (out_features,) and len(set(scales.tolist())) > 1  # one scale per output channel
+    with safe_open(tiny_dir / "model.safetensors", "pt") as f:
+        source = f.get_tensor(f"{down}.weight")
+    rows, want_scales = quantize_rows(source)
+    assert torch.equal(unpack_native(packed, out_features, in_features), rows) and torch.equal(scales, want_scales)
+    assert torch.equal(sums, rows.sum(1, dtype=torch.int32))
     with safe_open(int8_dir / marker["resident"], "pt") as f:
-        assert f.get_tensor("model.language_model.embed_tokens.weight").dtype == torch.int8
+        # tied: the embedding is the INT8 lm_head's packed rows, not stored twice
+        assert "model.language_model.embed_tokens.weight" not in f.keys()
         assert all(f.get_tensor(k).dtype in (torch.int8, torch.float32) for k in f.keys())
+
+
+def test_the_native_layout_is_what_the_kernel_packs_on_any_cpu():
+    """The layout written by torch (any machine) is the kernel's own `int8_pack`, padding included."""
+    lib = int8_linear.native_library()
+    for n, k in ((64, 128), (100, 70), (7, 3), (192, 2048)):
+        rows = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        packed, sums = pack_native(rows)
+        theirs = torch.empty(lib.int8_packed_bytes(n, k), dtype=torch.int8)
+        their_sums = torch.empty(n, dtype=torch.int32)
+        lib.int8_pack(rows.data_ptr(), n, k, theirs.data_ptr(), their_sums.data_ptr())
+        assert torch.equal(packed, theirs) and torch.equal(sums, their_sums)
+        assert torch.equal(unpack_native(packed, n, k), rows)
 
 
 def test_loading_builds_per_token_int8_modules_and_no_float_linear(prequantized_engine):
@@ -96,7 +129,11 @@ def test_loading_builds_per_token_int8_modules_and_no_float_linear(prequantized_
     assert not any(type(m) is nn.Linear for m in modules)
     int8 = [m for m in modules if isinstance(m, Int8Linear)]
     assert len(int8) > 20 and all(m.activations == "per_token" for m in int8)
-    assert isinstance(loaded.model.get_input_embeddings(), Int8Embedding)
+    assert isinstance(loaded.model.get_input_embeddings(), PackedInt8Embedding)  # tied: the lm_head's rows
+    native = [m for m in int8 if m.kernel == "native"]
+    # the native kernel computes on the checkpoint's own bytes: views of its mapped files, nothing copied
+    assert all(in_a_mapping_of(m._packed.data_ptr(), loaded.path) for m in native)
+    assert all(not in_a_mapping_of(m._packed.data_ptr(), loaded.path) for m in int8 if m.kernel != "native")
 
 
 @pytest.mark.parametrize("with_image", [True, False])
@@ -139,11 +176,10 @@ def test_quantize_refuses_a_non_empty_destination_and_an_int8_source(tiny_dir, i
         write_quantized(int8_dir, tmp_path / "again", progress=False)
 
 
-def test_gunicorn_packs_a_prequantized_checkpoint_while_importing_and_answers_alike(
+def test_gunicorn_serves_a_prequantized_checkpoint_alike_and_says_where_its_start_went(
     serve, int8_dir, prequantized_engine
 ):
-    """wsgi.py starts packing the int8 weights before the app (and transformers) is imported; the
-    served answer is the one the loader gives."""
+    """The served answer is the one the loader gives; the log and /ready show the start's timeline."""
     import requests
 
     expected = greedy(prequantized_engine, PROMPTS[1], with_image=False)
@@ -153,22 +189,127 @@ def test_gunicorn_packs_a_prequantized_checkpoint_while_importing_and_answers_al
             json={"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0, "stream": False},
             timeout=60,
         ).json()
+        ready = requests.get(base + "/ready", timeout=10).json()
     assert reply["text"] == expected.text and reply["usage"]["completion_tokens"] == 24
+    phases = [step["phase"] for step in ready["startup"]]
+    assert phases == ["imports", "processor", "weights", "engine", "worker"]
+    assert all(step["seconds"] >= 0 for step in ready["startup"])
+    at = [step["at"] for step in ready["startup"]]
+    assert at == sorted(at) and at[-1] < 120
     log = serve.log("prequantized").read_text()
-    assert "pre-quantized" in log and "begun before the app was imported" in log
+    assert "pre-quantized" in log and "model ready" in log and "after the process started: imports" in log
 
 
-def test_packing_begun_before_loading_is_used_even_if_the_budget_now_looks_full(int8_dir):
-    """wsgi.py begins packing when the weights fit; by the time the loader runs, their memory counts
-    as used, so the loader must not decide again (it once mapped the weights it had just packed)."""
-    from service.memory import MemoryGuard
-    from service.quant import packing
-    from service.quant.kernel_choice import KernelChoice
-    from service.quant.quantized import load_quantized, quantized_marker
+def format_1_copy(src, dst):
+    """`src` (format 2) as the service wrote quantized checkpoints before: int8 rows of the checkpoint's
+    own Linears (q/k/v, gate/up apart), packed at every start."""
+    from transformers import AutoConfig
 
-    kernel = KernelChoice(decoder="fbgemm", vision="onednn")
-    packing.start(int8_dir, quantized_marker(int8_dir)["linear_shards"], 2, kernel)
-    full = MemoryGuard(MemoryGuard(None).used_bytes() + 1)  # nothing more fits now
-    model, mapped = load_quantized(int8_dir, 2, full, kernel)
-    assert not mapped and packing.claim(int8_dir, kernel) is None  # the loader took the started packing
-    assert any(isinstance(m, Int8Linear) for m in model.modules())
+    from service.quant.packing import write_aligned_safetensors
+
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    marker = config[QUANTIZED_MARKER]
+    text = AutoConfig.from_pretrained(src).text_config
+    head = text.head_dim
+    splits = {
+        "self_attn.qkv_proj": (
+            ["q_proj", "k_proj", "v_proj"],
+            [text.num_attention_heads * head] + [text.num_key_value_heads * head] * 2,
+        ),
+        "mlp.gate_up_proj": (["gate_proj", "up_proj"], [text.intermediate_size] * 2),
+    }
+    tensors = {}
+    for shard in marker["linear_shards"]:
+        with safe_open(src / shard, "pt") as f:
+            for name in native_int8_names(f.keys()):
+                n, k = f.get_tensor(f"{name}.packed_shape").tolist()
+                rows, scales = unpack_native(f.get_tensor(f"{name}.packed"), n, k), f.get_tensor(f"{name}.weight_scale")
+                fused = next((key for key in splits if name.endswith(key)), None)
+                bias = f.get_tensor(f"{name}.bias") if f"{name}.bias" in f.keys() else None
+                if fused is None:
+                    tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"] = rows, scales
+                    if bias is not None:
+                        tensors[f"{name}.bias"] = bias
+                    continue
+                parts, sizes = splits[fused]
+                prefix = name[: -len(fused)] + fused.split(".")[0] + "."
+                for i, (part, r, sc) in enumerate(zip(parts, rows.split(sizes), scales.split(sizes))):
+                    tensors[f"{prefix}{part}.weight"], tensors[f"{prefix}{part}.weight_scale"] = r.clone(), sc.clone()
+                    if bias is not None:
+                        tensors[f"{prefix}{part}.bias"] = bias.split(sizes)[i].clone()
+    write_aligned_safetensors(tensors, dst / "int8-00001.safetensors")
+    for file in src.iterdir():
+        if file.name != "config.json" and not file.name.startswith("int8-"):
+            shutil.copyfile(file, dst / file.name)
+    marker.update(version=1, linear_shards=["int8-00001.safetensors"])
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_a_format_1_checkpoint_is_converted_once_into_the_cache_and_answers_alike(
+    cache_dir, int8_dir, prequantized_engine, tmp_path, caplog
+):
+    old = format_1_copy(int8_dir, tmp_path / "tiny-int8-format-1")
+    with caplog.at_level(logging.WARNING):
+        loaded = load_model(make_settings(cache_dir, model_path=old))
+    assert "format-1 quantized checkpoint: converting it to format 2" in caplog.text
+    assert loaded.path.parent == cache_dir / "converted" and loaded.path.name.startswith(old.name)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        again = load_model(make_settings(cache_dir, model_path=old))
+    assert again.path == loaded.path and "converting" not in caplog.text  # once
+    tok = prequantized_engine.processor.tokenizer
+    for text in PROMPTS:
+        assert torch.equal(first_logits(loaded.model, tok, text), first_logits(prequantized_engine.model, tok, text))
+
+
+PSS_PROBE = """
+import sys, time, torch
+from service.model.loading import load_model
+from service.settings import load_settings
+loaded = load_model(load_settings())
+ids = loaded.processor.tokenizer("Tell me a story.", return_tensors="pt").input_ids
+loaded.model(input_ids=ids)  # every weight read once
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def mapped_memory(pid: int, directory) -> tuple[int, int]:
+    """(Rss, Pss) in kB of process `pid`'s mappings of files under `directory`."""
+    rss = pss = 0
+    current = None
+    for line in open(f"/proc/{pid}/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
+            current = fields[5] if len(fields) >= 6 else ""
+        elif current and current.startswith(str(directory)) and fields[0] in ("Rss:", "Pss:"):
+            if fields[0] == "Rss:":
+                rss += int(fields[1])
+            else:
+                pss += int(fields[1])
+    return rss, pss
+
+
+def test_two_processes_share_one_copy_of_the_mapped_weights(cache_dir, int8_dir):
+    """Two servers' processes on one checkpoint: its weights are the page cache's pages, each
+    process's proportional share (PSS) half of what it maps."""
+    env = {**os.environ, "CACHE_DIR": str(cache_dir), "MODEL_PATH": str(int8_dir), "THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PSS_PROBE], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        shares = [mapped_memory(p.pid, int8_dir) for p in procs]
+    finally:
+        for p in procs:
+            p.communicate("\n", timeout=60)
+    total = sum((int8_dir / f).stat().st_size for f in os.listdir(int8_dir) if f.endswith(".safetensors")) // 1024
+    for rss, pss in shares:
+        assert rss > 0.3 * total  # the weights are mapped and were read (the text decoder's at least)
+        assert pss < 0.6 * rss  # ... and shared: one copy for both

@@ -16,7 +16,13 @@ from ..footprint import check_fits
 from ..media.images import fit_processor
 from ..memory import MemoryGuard
 from ..quant.packing import FORMAT_INT4, int8_kernels
-from ..quant.quantized import load_quantized, published_checkpoint, quantize_in_place, quantized_marker
+from ..quant.quantized import (
+    current_format,
+    load_quantized,
+    published_checkpoint,
+    quantize_in_place,
+    quantized_marker,
+)
 from ..settings import Settings
 from ..threads import in_own_thread
 from .checkpoints import RANDOM_MODEL_WARNING, embedded_model_dir, is_random_test_model
@@ -84,6 +90,7 @@ def _load(settings: Settings) -> LoadedModel:
     startup.mark("processor")
     hf_logging.set_verbosity_error()
     path = published_checkpoint(path, settings)  # GPTQ/AWQ: converted once (exactly) into CACHE_DIR
+    path = current_format(path, settings)  # a format-1 quantized checkpoint: likewise
     marker = quantized_marker(path)
     prequantized, mapped = marker is not None, False
     if prequantized and settings.quantization != "int8":

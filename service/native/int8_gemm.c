@@ -9,46 +9,53 @@
  * the float steps are those FBGEMM and oneDNN take, one rounding each (built with
  * -ffp-contract=off: no fused multiply-add may merge two of them).
  *
- * Weights are packed once into tiles of L output channels × 4 inputs (L = 16 with AVX-512, 8 with
- * AVX2), the order one VNNI dot product (vpdpbusd: 4 u8×s8 products added into each int32 lane)
- * reads them: a decode step streams each tile once for every row it computes.
+ * Weights are packed once into groups of GROUP = 64 output channels, 4 inputs of each side by side,
+ * the order one VNNI dot product (vpdpbusd: 4 u8×s8 products added into each int32 lane) reads them
+ * from tiles of L channels (L = 16 with AVX-512, 8 with AVX2): a decode step streams each group once
+ * for every row it computes. The layout is the same on every CPU — AVX2 reads a group as two halves
+ * of COLUMNS = 32 channels — so a checkpoint can store it and every machine maps it as it is.
  */
 #include "simd.h"
 
 int int8_lanes(void) { return L; }
 
-#define TILES 4 /* tiles of L output channels read together: a micro-kernel's columns */
+#define GROUP 64 /* output channels of one packed group: the stored layout, whatever the CPU */
+#define TILES 4  /* tiles of L output channels read together: a micro-kernel's columns */
 #define COLUMNS (TILES * L)
+#define STEP (GROUP * 4) /* bytes from one 4-input step of a group to the next */
+
+int int8_group(void) { return GROUP; }
 
 /* Bytes of the packed weights of an n × k matrix. */
-int64_t int8_packed_bytes(int n, int k) { return round_up(n, COLUMNS) * round_up(k, 4); }
+int64_t int8_packed_bytes(int n, int k) { return round_up(n, GROUP) * round_up(k, 4); }
 
-/* rows (n × k, int8, row-major) → [n/COLUMNS][k/4][COLUMNS][4]: each group of COLUMNS output
- * channels one contiguous stream, 4 inputs of each channel side by side; zeros pad both. Each row
- * is read in order and written 4 bytes at a time into its group (a group fits in cache). `sums`
- * gets each row's sum (what the zero point of the activations takes back). */
+/* rows (n × k, int8, row-major) → [n/GROUP][k/4][GROUP][4]: each group of GROUP output channels
+ * one contiguous stream, 4 inputs of each channel side by side; zeros pad both. Each row is read in
+ * order and written 4 bytes at a time into its group (a group fits in cache). `sums` gets each
+ * row's sum (what the zero point of the activations takes back). */
 void int8_pack(const int8_t *rows, int n, int k, int8_t *out, int32_t *sums) {
-    const int64_t k4 = round_up(k, 4) / 4, full = k / 4, group_bytes = k4 * COLUMNS * 4;
-    if (n % COLUMNS || k % 4) memset(out, 0, int8_packed_bytes(n, k));
+    const int64_t k4 = round_up(k, 4) / 4, full = k / 4, group_bytes = k4 * STEP;
+    if (n % GROUP || k % 4) memset(out, 0, int8_packed_bytes(n, k));
     for (int64_t row = 0; row < n; row++) {
         const int8_t *src = rows + row * k;
-        int8_t *dst = out + (row / COLUMNS) * group_bytes + (row % COLUMNS) * 4;
+        int8_t *dst = out + (row / GROUP) * group_bytes + (row % GROUP) * 4;
         int32_t sum = 0;
         for (int64_t i = 0; i < k; i++) sum += src[i];
         sums[row] = sum;
-        for (int64_t g = 0; g < full; g++) memcpy(dst + g * COLUMNS * 4, src + g * 4, 4);
-        for (int j = 0; j < k % 4; j++) dst[full * COLUMNS * 4 + j] = src[full * 4 + j];
+        for (int64_t g = 0; g < full; g++) memcpy(dst + g * STEP, src + g * 4, 4);
+        for (int j = 0; j < k % 4; j++) dst[full * STEP + j] = src[full * 4 + j];
     }
 }
 
-/* Rows [0, MB) of q against one group of COLUMNS output channels: int32 sums into acc (MB × COLUMNS). */
+/* Rows [0, MB) of q against COLUMNS output channels of a group (`group` points at their first
+ * 4 inputs; the next 4 are STEP bytes on): int32 sums into acc (MB × COLUMNS). */
 #define MICRO(MB)                                                                                                  \
     static void micro_##MB(const uint8_t *q, int64_t kp, const int8_t *group, int32_t *acc) {                      \
         vec s[MB][TILES];                                                                                         \
         for (int i = 0; i < MB; i++)                                                                              \
             for (int t = 0; t < TILES; t++) s[i][t] = ZERO();                                                     \
         for (int64_t g = 0; g < kp / 4; g++) {                                                                    \
-            const int8_t *at = group + g * COLUMNS * 4;                                                           \
+            const int8_t *at = group + g * STEP;                                                                  \
             vec w[TILES];                                                                                         \
             for (int t = 0; t < TILES; t++) w[t] = LOAD(at + t * L * 4);                                          \
             for (int i = 0; i < MB; i++) {                                                                        \
@@ -103,8 +110,8 @@ typedef struct {
 } Linear;
 
 int int8_linear(const Linear *a, int threads) {
-    const int64_t kp = round_up(a->k, 4), group_bytes = kp * COLUMNS;
-    const int groups = (int)(round_up(a->n, COLUMNS) / COLUMNS);
+    const int64_t kp = round_up(a->k, 4), group_bytes = kp * GROUP;
+    const int groups = (int)(round_up(a->n, GROUP) / COLUMNS); /* column blocks: GROUP / COLUMNS per group */
     uint8_t *q = aligned_alloc(64, round_up((int64_t)a->m * kp, 64));
     float *peaks = malloc(sizeof(float) * (a->m > 0 ? a->m : 1));
     if (!q || !peaks) {
@@ -125,9 +132,10 @@ int int8_linear(const Linear *a, int threads) {
             const int group = item % groups, block = item / groups;
             const int m_end = (block + 1) * block_rows < a->m ? (block + 1) * block_rows : a->m;
             const int col0 = group * COLUMNS, cols = a->n - col0 < COLUMNS ? a->n - col0 : COLUMNS;
-            for (int m0 = block * block_rows; m0 < m_end; m0 += ROWS) {
+            const int8_t *columns = a->packed + (col0 / GROUP) * group_bytes + (col0 % GROUP) * 4;
+            for (int m0 = block * block_rows; m0 < m_end && cols > 0; m0 += ROWS) {
                 const int mb = m_end - m0 < ROWS ? m_end - m0 : ROWS;
-                MICRO_ROWS[mb](q + m0 * kp, kp, a->packed + group * group_bytes, acc);
+                MICRO_ROWS[mb](q + m0 * kp, kp, columns, acc);
                 for (int i = 0; i < mb; i++)
                     output_row(acc + i * COLUMNS, a->column_sums + col0, a->scales + col0, a->bias ? a->bias + col0 : 0,
                                peaks[m0 + i], cols, a->y + (m0 + i) * a->y_row + col0);

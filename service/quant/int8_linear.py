@@ -129,17 +129,54 @@ def available_kernels() -> list[str]:
     return kernels
 
 
+NATIVE_GROUP = 64  # int8_gemm.c's GROUP: output channels per packed group, the same layout on every CPU
+
+
+def _padded(n: int, k: int) -> tuple[int, int]:
+    return -(-n // NATIVE_GROUP) * NATIVE_GROUP, -(-k // 4) * 4
+
+
+def pack_native(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 rows (n × k) in int8_gemm.c's layout — [n/64][k/4][64][4], zero padded, flat — and each
+    row's sum. Computed with torch (the layout does not depend on the CPU): any machine writes it,
+    with or without a C compiler; tests/test_int8_linear.py checks it against `int8_pack`."""
+    n, k = rows.shape
+    n_pad, k_pad = _padded(n, k)
+    padded = rows.contiguous()
+    if (n_pad, k_pad) != (n, k):
+        padded = torch.zeros(n_pad, k_pad, dtype=torch.int8)
+        padded[:n, :k] = rows
+    packed = padded.view(n_pad // NATIVE_GROUP, NATIVE_GROUP, k_pad // 4, 4).permute(0, 2, 1, 3).reshape(-1)
+    return packed, rows.sum(1, dtype=torch.int32)
+
+
+def native_view(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The packed weights seen as [n/64][k/4][64][4] (a view: no copy)."""
+    n_pad, k_pad = _padded(n, k)
+    return packed.view(n_pad // NATIVE_GROUP, k_pad // 4, NATIVE_GROUP, 4)
+
+
+def unpack_native(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The int8 rows (n × k) of weights in int8_gemm.c's layout (a copy)."""
+    n_pad, k_pad = _padded(n, k)
+    return native_view(packed, n, k).permute(0, 2, 1, 3).reshape(n_pad, k_pad)[:n, :k].contiguous()
+
+
 class Int8Linear(nn.Module):
-    """A Linear on packed int8 weights (FBGEMM or oneDNN), activations quantized per row (see the
-    module docstring). `rows`: int8 [out, in]; `scales`: fp32 [out]."""
+    """A Linear on packed int8 weights (FBGEMM, oneDNN or the native kernel), activations quantized
+    per row (see the module docstring). `rows`: int8 [out, in]; `scales`: fp32 [out]. Weights already
+    in the native layout (`native_layout`: packed and column sums, e.g. views of a mapped checkpoint)
+    are used in place by the native kernel; rows may then be None, `in_features` saying the width."""
 
     def __init__(
         self,
-        rows: torch.Tensor,
+        rows: torch.Tensor | None,
         scales: torch.Tensor,
         bias: torch.Tensor | None,
         activations: str = "per_token",
         kernel: str = "fbgemm",
+        native_layout: tuple[torch.Tensor, torch.Tensor] | None = None,
+        in_features: int | None = None,
     ):
         super().__init__()
         if activations not in ACTIVATIONS:
@@ -148,17 +185,25 @@ class Int8Linear(nn.Module):
             raise ValueError(f"kernel must be one of {KERNELS}")
         if kernel == "native" and activations != "per_token":
             raise ValueError("the native kernel quantizes activations per token only")
-        self.out_features, self.in_features = rows.shape
+        self.out_features = scales.shape[0]
+        self.in_features = rows.shape[1] if rows is not None else in_features
         self.activations, self.kernel = activations, kernel
         self._scales = scales.float().contiguous()
+        if rows is None and kernel != "native":
+            rows = unpack_native(native_layout[0], self.out_features, self.in_features)
         # Packed without the bias: per-token outputs are scaled back first, then the bias is added.
         if kernel == "native":
             lib = native_library()
-            rows = rows.contiguous()
-            self._packed = torch.empty(lib.int8_packed_bytes(*rows.shape), dtype=torch.int8)
-            native.huge_pages(self._packed.data_ptr(), self._packed.numel())  # before the packing writes it
-            self._column_sums = torch.empty(rows.shape[0], dtype=torch.int32)
-            lib.int8_pack(rows.data_ptr(), *rows.shape, self._packed.data_ptr(), self._column_sums.data_ptr())
+            if native_layout is not None:
+                self._packed, self._column_sums = native_layout
+            else:
+                rows = rows.contiguous()
+                self._packed = torch.empty(lib.int8_packed_bytes(*rows.shape), dtype=torch.int8)
+                native.huge_pages(self._packed.data_ptr(), self._packed.numel())  # before the packing writes it
+                self._column_sums = torch.empty(rows.shape[0], dtype=torch.int32)
+                lib.int8_pack(rows.data_ptr(), *rows.shape, self._packed.data_ptr(), self._column_sums.data_ptr())
+            if self._packed.numel() != lib.int8_packed_bytes(self.out_features, self.in_features):
+                raise ValueError(f"packed int8 weights of {self._packed.numel()} bytes for a Linear of this shape")
             self._call = _NativeCall(
                 n=self.out_features,
                 k=self.in_features,
@@ -322,6 +367,27 @@ class Int8Embedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows"
+
+
+class PackedInt8Embedding(nn.Module):
+    """`Int8Embedding` read from a tied lm_head's weights in the native layout (a mapped checkpoint's):
+    each looked-up row gathered from its packed group — the same values, no row-major copy."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, embedding_dim: int, padding_idx: int | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = scales.shape[0], embedding_dim
+        self.padding_idx = padding_idx
+        self.register_buffer("scales", scales)
+        self._packed = packed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        groups = native_view(self._packed, self.num_embeddings, self.embedding_dim)
+        rows = groups[flat // NATIVE_GROUP, :, flat % NATIVE_GROUP].reshape(len(flat), -1)[:, : self.embedding_dim]
+        return (rows.float() * self.scales[flat].unsqueeze(-1)).view(*ids.shape, -1)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows of the packed lm_head"
 
 
 def set_activations(model: nn.Module, activations: str) -> None:

@@ -1,41 +1,40 @@
-"""Packing a pre-quantized checkpoint's int8 weights for the INT8 kernels, on a thread pool that may
-start before the rest of the service is even imported.
+"""The quantized checkpoint format (`python -m service quantize`, `make-model --bits`): its marker,
+its tensors' names, and the helpers that write and read them.
 
-Packing is most of a start-up (~0.25 GB/s per thread for oneDNN, less for FBGEMM: ~4 s for the 2B
-model's 2.1 GB on 2 cores) and needs only torch and the checkpoint's files, while importing
-transformers takes seconds more: `start(...)` (wsgi.py, before it imports the app) packs in the
-background while the imports run, and `load_quantized` takes the results. Each pool thread packs on
-one torch thread, so no OpenMP thread team is started and the process can fork afterwards
-(gunicorn.conf.py's preload). Pure of transformers: this module must stay importable without it.
+Format 2 stores each model Linear as the kernels compute it — INT8 ones fused (q/k/v, gate/up) in the
+native kernel's layout (service/native/int8_gemm.c, the same on every CPU), 4-bit ones in the 4-bit
+kernel's — so a start maps the files and uses them in place (service/quant/quantized.load_quantized):
+no packing, one copy in the page cache for every process on the machine. Pure of transformers.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import struct
-import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from .. import native
 from .int4_linear import Int4Linear
-from .int8_linear import Int8Linear
 
 log = logging.getLogger(__name__)
 
 QUANTIZED_MARKER = "service_int8"  # the config.json entry of a checkpoint written by `python -m service quantize`
 FORMAT = "qwen3-vl-service-int8"
 FORMAT_INT4 = "qwen3-vl-service-int4"  # 4-bit Linears (some may stay INT8) — `quantize --bits 4`
-FORMAT_VERSION = 1
+# 2: INT8 Linears stored fused (q/k/v, gate/up) in the native kernel's layout, mapped and used in place;
+# 1: int8 rows as the checkpoint's Linears, packed at every start (converted once into CACHE_DIR now).
+FORMAT_VERSION = 2
+FORMAT_VERSIONS = (1, 2)
 FORMATS = (FORMAT, FORMAT_INT4)
 SCALE = ".weight_scale"
+PACKED = ".packed"  # an INT8 Linear's weights in int8_gemm.c's layout (int8_linear.pack_native), flat
+COLUMN_SUMS = ".column_sums"  # int32 [out]: each output channel's weight sum
+PACKED_SHAPE = ".packed_shape"  # int32 [out, in] of the packed Linear
 INT4_PARTS = ("qweight", "qzeros", "scales")  # a 4-bit Linear's packed tensors (int4_linear.pack)
 INT4_SHAPE = ".qshape"  # int32 [out, in, group] beside them
 DTYPES = {
@@ -54,6 +53,27 @@ FUSED_PROJECTIONS = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
 _TEXT_LAYER = re.compile(r"^(model\.language_model\.layers\.\d+)\.(.+)$")  # (layer, module in it)
+
+
+def native_int8_tensors(name: str, rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> dict:
+    """The tensors format 2 stores for the INT8 Linear `name` (rows: int8 [out, in], fused already)."""
+    from .int8_linear import pack_native
+
+    packed, sums = pack_native(rows)
+    out = {
+        f"{name}{PACKED}": packed,
+        f"{name}{COLUMN_SUMS}": sums,
+        f"{name}{SCALE}": scales.float(),
+        f"{name}{PACKED_SHAPE}": torch.tensor(list(rows.shape), dtype=torch.int32),
+    }
+    if bias is not None:
+        out[f"{name}.bias"] = bias.float()
+    return out
+
+
+def native_int8_names(keys) -> list[str]:
+    """The INT8 Linears stored in the native layout among a shard's tensor names."""
+    return sorted(k[: -len(PACKED_SHAPE)] for k in keys if k.endswith(PACKED_SHAPE))
 
 
 def quantized_marker(path: Path) -> dict | None:
@@ -170,111 +190,9 @@ def fused_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if all(b is None for b in biases) else torch.cat(biases)
 
 
-def packed_linear(parts: list[tuple[SafetensorsReader, str]], kernel: str) -> Int8Linear:
-    """One Int8Linear from the checkpoint Linears `parts` (several: a fused projection, rows in order),
-    read straight into one int8 weight."""
-    shapes = [reader.shape(f"{name}.weight") for reader, name in parts]
-    scales = torch.cat([reader.read(f"{name}{SCALE}") for reader, name in parts])
-    rows = torch.empty((sum(shape[0] for shape in shapes), shapes[0][1]), dtype=torch.int8)
-    start = 0
-    for (reader, name), (out, _) in zip(parts, shapes):
-        reader.read_into(f"{name}.weight", rows[start : start + out])
-        start += out
-    bias = fused_bias(
-        [reader.read(f"{name}.bias") if f"{name}.bias" in reader.entries else None for reader, name in parts]
-    )
-    return Int8Linear(rows, scales, bias, kernel=kernel)
-
-
-def _read_int4(reader: SafetensorsReader, name: str) -> Int4Linear:
-    def get(key):
-        entry = reader.entries[key]
-        out = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
-        native.huge_pages(out.data_ptr(), out.numel() * out.element_size())  # before the read writes it
-        return reader.read_into(key, out)
-
-    return int4_linear(name, get, reader.entries.__contains__)
-
-
-class Packing:
-    """Every Linear of one checkpoint's shards, being packed (INT8) or read (4-bit, already in the
-    kernel's layout) on `threads` threads: `results()`."""
-
-    def __init__(self, path: Path, shards: list[str], threads: int, kernels):
-        self.began = time.perf_counter()
-        self.readers = [SafetensorsReader(Path(path) / shard) for shard in shards]
-        reader_of = {key[: -len(".weight")]: r for r in self.readers for key in r.entries if key.endswith(".weight")}
-        groups = linear_groups(sorted(reader_of))
-        # Largest first: the lm_head alone packs for seconds on one thread, so it must not come last.
-        jobs = sorted(groups.items(), key=lambda g: -sum(math.prod(reader_of[p].shape(f"{p}.weight")) for p in g[1]))
-        self._pool = ThreadPoolExecutor(
-            max_workers=max(1, threads),
-            initializer=torch.set_num_threads,
-            initargs=(1,),
-            thread_name_prefix="int8-packing",
-        )
-        self.futures: dict[str, Future] = {
-            name: self._pool.submit(packed_linear, [(reader_of[p], p) for p in parts], kernel_of(name, kernels))
-            for name, parts in jobs
-        }
-        for reader in self.readers:
-            for name in int4_names(reader.entries):
-                self.futures[name] = self._pool.submit(_read_int4, reader, name)
-
-    def results(self) -> dict[str, Int8Linear | Int4Linear]:
-        """Wait for every Linear; the packed modules by model name (the readers are closed after)."""
-        try:
-            return {name: future.result() for name, future in self.futures.items()}
-        finally:
-            self._pool.shutdown()
-            for reader in self.readers:
-                reader.close()
-
-
-_started: dict[tuple, Packing] = {}
-_lock = threading.Lock()
-
-
-def _key(path: Path, kernels) -> tuple:
-    return str(Path(path).resolve()), kernel_of("", kernels), kernel_of("model.visual.", kernels)
-
-
-def start(path: Path, shards: list[str], threads: int, kernels) -> None:
-    """Begin packing in the background (idempotent); `claim` hands the work to the loader."""
-    with _lock:
-        if _key(path, kernels) not in _started:
-            _started[_key(path, kernels)] = Packing(path, shards, threads, kernels)
-
-
-def claim(path: Path, kernels) -> Packing | None:
-    """The packing `start` began for this checkpoint and these kernels (it found the weights fit), or None."""
-    with _lock:
-        started = _started.pop(_key(path, kernels), None)
-    if started is not None:
-        log.info(
-            "the INT8 weights have been packing for %.1f s (begun before the app was imported)",
-            time.perf_counter() - started.began,
-        )
-    return started
-
-
 def int8_kernels(settings, path: Path):
     """The kernels INT8_KERNEL asks for on this checkpoint (measured for "auto": service/quant/kernel_choice.py)."""
     from .kernel_choice import choose
 
     native.configure(settings.cache_dir)
     return choose(settings.int8_kernel, path, settings.cache_dir, settings.threads, settings.prefill_chunk_tokens)
-
-
-def start_early(settings) -> None:
-    """`start` for the checkpoint `settings` will load, when it is pre-quantized and its packed
-    weights fit the memory budget (else the loader maps them, and packing now would be waste)."""
-    from ..memory import MemoryGuard
-
-    path = settings.model_path
-    marker = quantized_marker(path) if path is not None and settings.quantization == "int8" else None
-    if not marker or marker.get("format") not in FORMATS or marker.get("version") != FORMAT_VERSION:
-        return  # not one: the loader reports what is wrong, if anything
-    if not MemoryGuard.from_settings(settings).fits(linear_bytes(path, marker)):
-        return
-    start(path, marker["linear_shards"], settings.threads, int8_kernels(settings, path))

@@ -1,19 +1,22 @@
 """INT8 weights: quantizing a model in place, and pre-quantized checkpoints that load without fp32 weights.
 
 Both paths make the same `Int8Linear`s (service/quant/int8_linear.py: int8 weights symmetric per output
-channel, activations quantized per token at run time; q/k/v and gate/up fused, service/quant/fusion.py),
-so a pre-quantized checkpoint answers exactly like quantizing at load time. The input embedding
-is stored as int8 rows with per-row scales — for Qwen3-VL's tied embeddings that is the lm_head's
-own INT8 weight — and dequantized on lookup.
+channel, activations quantized per token at run time; q/k/v and gate/up fused), so a pre-quantized
+checkpoint answers exactly like quantizing at load time. The input embedding is int8 rows with
+per-row scales — for Qwen3-VL's tied embeddings the lm_head's own INT8 weight — dequantized on lookup.
 
-A checkpoint written by `python -m service quantize SRC DST` holds:
+A checkpoint written by `python -m service quantize SRC DST` (format 2) holds:
   config.json             SRC's config plus QUANTIZED_MARKER (how it was made, and its files)
-  int8-NNNNN.safetensors  every nn.Linear of SRC (unfused): `<name>.weight` int8 [out, in], `<name>.weight_scale`
-                          fp32 [out] (zero point 0), `<name>.bias` fp32; a mixture of experts' experts as
-                          Linears `<layer>.mlp.experts.gate_up.<e>` and `.down.<e>` (service/quant/fusion.py)
-  resident.safetensors    memory-mapped while serving: the embedding as int8 rows + `weight_scale`,
+  int8-NNNNN.safetensors  every Linear as the model computes it (q/k/v and gate/up fused; a mixture of experts'
+                          experts as `<layer>.mlp.experts.gate_up.<e>` and `.down.<e>`): INT8 ones as
+                          `<name>.packed` (int8, the native kernel's layout, the same on every CPU),
+                          `.column_sums` int32 [out], `.weight_scale` fp32 [out] (zero point 0), `.packed_shape`
+                          [out, in], `.bias` fp32; 4-bit ones in the 4-bit kernel's layout (int4_linear.py)
+  resident.safetensors    the embedding as int8 rows + `weight_scale` (unless it is the tied INT8 lm_head's),
                           and every other (small) tensor in fp32
   every other file of SRC (tokenizer, chat template, preprocessor and generation configs), copied
+Serving maps every file and computes from it in place (`load_quantized`). Format 1 (int8 rows of SRC's
+unfused Linears, packed at every start) is converted once into CACHE_DIR (`current_format`).
 """
 
 from __future__ import annotations
@@ -30,20 +33,21 @@ import torch
 from torch import nn
 
 from ..memory import MIB, MemoryGuard, release_memory
-from ..threads import compute_on
 from . import packing, published
 from .fusion import is_moe_block, model_class
 from .int4_linear import GROUP_SIZES, group_for, pack, quantize_groups
 from .int8_linear import Int8Embedding, Int8Linear, MappedInt8Linear, quantize_rows
 from .packing import (
+    COLUMN_SUMS,
     FORMAT,
     FORMAT_INT4,
     FORMAT_VERSION,
     FORMATS,
     INT4_SHAPE,
+    PACKED,
+    PACKED_SHAPE,
     QUANTIZED_MARKER,
     SCALE,
-    fused_bias,
     int4_linear,
     int4_names,
     kernel_of,
@@ -231,6 +235,15 @@ def _quantized_linear(source: _SourceTensors, name: str, weight_name: str, has_b
     if has_bias:
         out[f"{name}.bias"] = source.read([f"{name}.bias"])[f"{name}.bias"].to(torch.float32, copy=True)
     return out
+
+
+def _fused_int8(name: str, parts: list[str], pieces: list[dict], has_bias: bool) -> dict:
+    """The checkpoint Linears `parts` (their INT8 tensors, `pieces`) as the one model Linear `name`,
+    rows side by side, in the native kernel's layout (format 2)."""
+    rows = torch.cat([t[f"{p}.weight"] for p, t in zip(parts, pieces)])
+    scales = torch.cat([t[f"{p}{SCALE}"] for p, t in zip(parts, pieces)])
+    bias = torch.cat([t[f"{p}.bias"] for p, t in zip(parts, pieces)]) if has_bias else None
+    return packing.native_int8_tensors(name, rows, scales, bias)
 
 
 def _four_bit(
@@ -427,6 +440,7 @@ def write_quantized_tensors(
     tied = f"{embed_name}.weight" if bool(getattr(config, "tie_word_embeddings", False)) else None
     shards = _ShardWriter(dst, shard_bytes)
     linear_params: set[str] = set()
+    embedding_in_lm_head = False
     embedding: dict[str, torch.Tensor] = {}
     four_bit: list[str] = []  # model Linears written 4-bit (fused where the model fuses)
     four_bit_parts = 0  # the checkpoint Linears they replace
@@ -456,16 +470,14 @@ def write_quantized_tensors(
                 four_bit.append(fused)
                 four_bit_parts += len(parts)
             else:
+                pieces = []
                 for part, weight_name in zip(parts, weight_names):
                     if part in source.published:
                         raise published.UnsupportedCheckpoint(f"{part}: a 4-bit Linear this service cannot keep 4-bit")
-                    tensors = _quantized_linear(source, part, weight_name, has_bias)
-                    if part == "lm_head" and weight_name == tied:
-                        embedding = {
-                            f"{embed_name}.weight": tensors["lm_head.weight"],
-                            f"{embed_name}{SCALE}": tensors[f"lm_head{SCALE}"],
-                        }
-                    shards.add(tensors)
+                    pieces.append(_quantized_linear(source, part, weight_name, has_bias))
+                    embedding_in_lm_head |= part == "lm_head" and weight_name == tied
+                shards.add(_fused_int8(fused, parts, pieces, has_bias))
+                del pieces
             linear_params.update(f"{p}.{t}" for p in parts for t in ("weight", "bias"))
         mlp = getattr(block, "mlp", None)
         if mlp is not None and is_moe_block(mlp):
@@ -475,15 +487,14 @@ def write_quantized_tensors(
                     four_bit.append(expert)
                     four_bit_parts += 1
                 else:
-                    rows, scales = quantize_rows(weight)
-                    packed = {f"{expert}.weight": rows, f"{expert}{SCALE}": scales}
+                    packed = packing.native_int8_tensors(expert, *quantize_rows(weight), None)
                     expert_int8 += 1
                 shards.add(packed)
                 del weight, packed
             linear_params.update(f"{name}.mlp.experts.{t}" for t in EXPERT_TENSORS)
         release_memory()
     shards.flush()
-    if not embedding:
+    if not embedding_in_lm_head:  # (tied to an INT8 lm_head, the embedding is its packed rows)
         rows, scales = _in_row_chunks(source, f"{embed_name}.weight", quantize_rows)
         embedding = {f"{embed_name}.weight": rows, f"{embed_name}{SCALE}": scales}
     rest = [n for n, _ in model.named_parameters() if n not in linear_params and not n.startswith(embed_name + ".")]
@@ -512,6 +523,7 @@ def _marker(
         "weights": "int8, symmetric per output channel (torch per_channel_dynamic_qconfig), zero point 0",
         "activations": "quantized at run time, per token (service/quant/int8_linear.py)",
         "embedding": "int8 rows with per-row scales" + (" = the tied lm_head's INT8 weight" if tied else ""),
+        "int8_layout": "native: q/k/v and gate/up fused, [out/64][in/4][64][4] (service/native/int8_gemm.c)",
         "other_tensors": "float32",
         "made_by": made_by,
         "source": source,
@@ -570,7 +582,7 @@ def estimated_bytes(
             inputs = linears[parts[0]].weight.shape[1]
             bias = 4 * rows if linears[parts[0]].bias is not None else 0
             packed = four_bit(fused, rows, inputs)
-            total += bias + (packed if packed is not None else rows * inputs + 4 * rows)
+            total += bias + (packed if packed is not None else _int8_bytes(rows, inputs))
             lm_head_int8 |= fused == "lm_head" and packed is None
             counted.update(f"{p}.{t}" for p in parts for t in ("weight", "bias"))
         mlp = getattr(block, "mlp", None)
@@ -578,7 +590,7 @@ def estimated_bytes(
             for tensor, part in zip(EXPERT_TENSORS, ("gate_up", "down")):
                 experts, rows, inputs = getattr(mlp.experts, tensor).shape
                 packed = four_bit(f"{name}.mlp.experts.{part}.0", rows, inputs)
-                total += experts * (packed if packed is not None else rows * inputs + 4 * rows)
+                total += experts * (packed if packed is not None else _int8_bytes(rows, inputs))
                 counted.add(f"{name}.mlp.experts.{tensor}")
     vocab, hidden = model.get_submodule(embed_name).weight.shape
     if not (tied and lm_head_int8):  # else the lm_head's INT8 rows are the embedding
@@ -587,18 +599,46 @@ def estimated_bytes(
     return total + 4 * sum(n for name, n in params.items() if name not in counted)
 
 
+def _int8_bytes(rows: int, inputs: int) -> int:
+    """An INT8 Linear's bytes in format 2: its weights in the native layout (padded to groups of 64 rows
+    and 4 inputs), a scale and a column sum per row, its shape."""
+    return -(-rows // 64) * 64 * (-(-inputs // 4) * 4) + 8 * rows + 8
+
+
 def published_checkpoint(path: Path, settings) -> Path:
     """`path` itself, or for a GPTQ/AWQ checkpoint its exact conversion into this service's 4-bit
-    format, written once under CACHE_DIR/converted (keyed by the source files' names, sizes and
-    times; instances starting together convert it once, under a lock)."""
+    format, written once under CACHE_DIR/converted."""
+    config = Path(path) / "config.json"
+    if not config.is_file() or published.scheme(json.loads(config.read_text())) is None:
+        return path
+    return _converted_once(
+        path,
+        settings,
+        "a published 4-bit checkpoint: converting it",
+        lambda src, dst: write_quantized(src, dst, progress=False, bits=4),
+    )
+
+
+def current_format(path: Path, settings) -> Path:
+    """`path` itself, or for a format-1 quantized checkpoint (int8 rows, packed at every start) its
+    conversion into format 2 (the native kernel's layout, mapped in place), written once under
+    CACHE_DIR/converted with a log line saying so."""
+    marker = quantized_marker(path)
+    if not marker or marker.get("format") not in FORMATS or marker.get("version") != 1:
+        return path
+    return _converted_once(
+        path, settings, "a format-1 quantized checkpoint: converting it to format 2", _convert_format_1
+    )
+
+
+def _converted_once(path: Path, settings, reason: str, convert) -> Path:
+    """`convert(path, dst)` run once into CACHE_DIR/converted, keyed by the source files' names, sizes
+    and times; instances starting together convert it once, under a lock."""
     import fcntl
     import hashlib
     import os
     import tempfile
 
-    config = Path(path) / "config.json"
-    if not config.is_file() or published.scheme(json.loads(config.read_text())) is None:
-        return path
     files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(path).iterdir() if f.is_file())
     key = hashlib.blake2b(repr((str(Path(path).resolve()), files)).encode(), digest_size=8).hexdigest()
     root = Path(settings.cache_dir) / "converted"
@@ -607,11 +647,40 @@ def published_checkpoint(path: Path, settings) -> Path:
     with open(root / f".{dst.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (dst / "config.json").exists():
-            log.warning("%s is a published 4-bit checkpoint: converting it (exactly) to %s, once", path, dst)
+            log.warning("%s is %s (exactly) in %s, once", path, reason, dst)
             scratch = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=root))
-            write_quantized(path, scratch, progress=False, bits=4)
+            convert(path, scratch)
             os.replace(scratch, dst)
     return dst
+
+
+def _convert_format_1(src: Path, dst: Path) -> None:
+    """A format-1 checkpoint as format 2: each model Linear's int8 rows (q/k/v and gate/up side by side)
+    in the native layout; 4-bit tensors, the resident file and the other files as they are."""
+    from safetensors import safe_open
+
+    marker = quantized_marker(src)
+    files = {shard: safe_open(src / shard, "pt") for shard in marker["linear_shards"]}
+    file_of = {key: f for f in files.values() for key in f.keys()}
+    shards = _ShardWriter(dst, SHARD_BYTES)
+    int8 = sorted(k[: -len(".weight")] for k in file_of if k.endswith(".weight"))
+    for name, parts in linear_groups(int8).items():
+        bias = [file_of[f"{p}.bias"].get_tensor(f"{p}.bias") for p in parts if f"{p}.bias" in file_of]
+        rows = torch.cat([file_of[f"{p}.weight"].get_tensor(f"{p}.weight") for p in parts])
+        scales = torch.cat([file_of[f"{p}{SCALE}"].get_tensor(f"{p}{SCALE}") for p in parts])
+        shards.add(packing.native_int8_tensors(name, rows, scales, torch.cat(bias) if bias else None))
+    for name in int4_names(file_of):
+        keys = [k for k in file_of if k.startswith(f"{name}.") and k[len(name) + 1 :].count(".") == 0]
+        shards.add({k: file_of[k].get_tensor(k) for k in keys})
+    shards.flush()
+    for file in src.iterdir():
+        if file.is_file() and file.name != "config.json" and file.name not in files:
+            shutil.copyfile(file, dst / file.name)
+    config = json.loads((src / "config.json").read_text())
+    config[QUANTIZED_MARKER].update(
+        version=FORMAT_VERSION, linear_shards=shards.files, converted_from=str(src), converted_from_version=1
+    )
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 # -- loading --------------------------------------------------------------------------------
@@ -620,18 +689,23 @@ def published_checkpoint(path: Path, settings) -> Path:
 def load_quantized(
     path: Path, threads: int, memory: MemoryGuard | None = None, kernel="fbgemm"
 ) -> tuple[nn.Module, bool]:
-    """Build the model from an INT8 checkpoint: (model, weights_mapped).
+    """Build the model from a quantized checkpoint (format 2): (model, over_budget).
 
-    Linear weights are read (pread) straight into int8 tensors — q/k/v and gate/up each into one —
-    and packed into `Int8Linear` on `threads` threads (service/quant/packing.py); no fp32 weight is made.
-    The embedding and the small tensors stay memory-mapped. If the packed weights would not fit the memory budget, the
-    Linear weights stay memory-mapped too (MappedInt8Linear): the server still serves, slower.
+    Every tensor is a view of the checkpoint's files, mapped read-only: the native INT8 kernel and the
+    4-bit kernel compute from the stored layout in place — nothing is copied or packed, the page cache
+    holds one copy for every process on the machine, and a warm start reads nothing from disk. Linears
+    the measured choice gives to FBGEMM or oneDNN are packed for them on `threads` threads (their own
+    memory). Over the memory budget every INT8 Linear runs on the native kernel from the mapping (the
+    OS may drop pages and read them back), unless this machine cannot build it.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     from safetensors import safe_open
     from transformers import AutoConfig
 
     from ..model.skeleton import skeleton as served_skeleton
     from ..model.weights import generation_config
+    from .int8_linear import PackedInt8Embedding, available_kernels, unpack_native
 
     path = Path(path)
     marker = quantized_marker(path)
@@ -639,59 +713,65 @@ def load_quantized(
         raise ValueError(f"{path} is not a checkpoint written by `python -m service quantize`")
     if marker.get("version") != FORMAT_VERSION:
         raise ValueError(
-            f"{path} has format version {marker.get('version')}; this service reads "
-            f"{FORMAT_VERSION}: re-run `python -m service quantize`"
+            f"{path} has format version {marker.get('version')}; this service reads {FORMAT_VERSION} "
+            "(the loader converts older ones once: service/quant/quantized.current_format)"
         )
     model = served_skeleton(AutoConfig.from_pretrained(path))  # projections fused already
-    packed_bytes = linear_bytes(path, marker)
-    # Packing begun early (wsgi.py) found the weights fit; its memory now counts as used, so do not ask again.
-    started = packing.claim(path, kernel)
-    mapped = started is None and memory is not None and not memory.fits(packed_bytes)
-    if mapped:
+    over_budget = memory is not None and not memory.fits(linear_bytes(path, marker))
+    has_native = "native" in available_kernels()
+    if over_budget:
         log.warning(
-            "the INT8 weights need %.1f MiB resident, more than MAX_MEMORY_MB leaves (%.0f MiB used of "
-            "%.0f): serving them memory-mapped from %s instead. %s",
-            packed_bytes / MIB,
+            "the quantized weights (%.1f MiB) are more than MAX_MEMORY_MB leaves (%.0f MiB used of %.0f): "
+            "they are served from the mapped files%s; the OS may drop pages and read them back from %s",
+            linear_bytes(path, marker) / MIB,
             memory.used_bytes() / MIB,
             memory.budget_bytes / MIB,
+            " on the native kernel" if has_native else "",
             path,
-            mapped_slowdown(threads),
         )
-    # Kept open for the process's life: these tensors are views of the mapped file.
+    # Kept open for the process's life: every tensor below is a view of a mapped file.
     resident = safe_open(path / marker["resident"], "pt")
     embed_name = _embedding_name(model)
+    padding_idx = model.get_submodule(embed_name).padding_idx
     for name in resident.keys():
         if name.endswith(SCALE):
             continue
         module_name = name.rpartition(".")[0]
         if module_name == embed_name:
-            padding_idx = model.get_submodule(embed_name).padding_idx
             table = Int8Embedding(resident.get_tensor(name), resident.get_tensor(f"{module_name}{SCALE}"), padding_idx)
             _replace_module(model, embed_name, table)
         else:
             _set_tensor(model, name, resident.get_tensor(name))
-    if mapped:
-        # Kept open for the process's life, like `resident`.
-        files = {shard: safe_open(path / shard, "pt") for shard in marker["linear_shards"]}
-        file_of = {key: f for f in files.values() for key in f.keys()}
-        for name, parts in linear_groups(
-            sorted(k[: -len(".weight")] for k in file_of if k.endswith(".weight"))
-        ).items():
-            tensors = [
-                (file_of[f"{p}.weight"].get_tensor(f"{p}.weight"), file_of[f"{p}.weight"].get_tensor(f"{p}{SCALE}"))
-                for p in parts
-            ]
-            bias = fused_bias(
-                [file_of[f"{p}.bias"].get_tensor(f"{p}.bias") if f"{p}.bias" in file_of else None for p in parts]
-            )
-            _replace_module(model, name, MappedInt8Linear(tensors, bias))
-        for f in files.values():  # the 4-bit kernel computes from the mapped layout as it is
-            for name in int4_names(f.keys()):
-                _replace_module(model, name, int4_linear(name, f.get_tensor, lambda key, f=f: key in f.keys()))
-    else:  # packed on `threads` threads, begun early if wsgi.py started it (service/quant/packing.py)
-        work = started or packing.Packing(path, marker["linear_shards"], threads, kernel)
-        for name, module in work.results().items():
-            _replace_module(model, name, module)
+    layouts, packing_jobs = {}, {}
+    for f in (safe_open(path / shard, "pt") for shard in marker["linear_shards"]):
+        keys = set(f.keys())
+        for name in packing.native_int8_names(keys):
+            out_features, in_features = (int(v) for v in f.get_tensor(f"{name}{PACKED_SHAPE}"))
+            layout = f.get_tensor(f"{name}{PACKED}"), f.get_tensor(f"{name}{COLUMN_SUMS}")
+            scales = f.get_tensor(f"{name}{SCALE}")
+            bias = f.get_tensor(f"{name}.bias") if f"{name}.bias" in keys else None
+            layouts[name] = layout[0], scales, in_features
+            chosen = "native" if over_budget and has_native else kernel_of(name, kernel)
+            if chosen == "native":
+                _replace_module(model, name, Int8Linear(None, scales, bias, "per_token", chosen, layout, in_features))
+            elif over_budget:  # no native kernel here: the weights' rows in memory after all
+                rows = unpack_native(layout[0], out_features, in_features)
+                _replace_module(model, name, MappedInt8Linear([(rows, scales)], bias))
+            else:
+                packing_jobs[name] = (None, scales, bias, "per_token", chosen, layout, in_features)
+        for name in int4_names(keys):  # the 4-bit kernel computes from the stored layout as it is
+            _replace_module(model, name, int4_linear(name, f.get_tensor, keys.__contains__))
+    if packing_jobs:  # FBGEMM's or oneDNN's own layouts, made on `threads` threads of one OpenMP thread each
+        with ThreadPoolExecutor(max(1, threads), initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            made = pool.map(lambda args: Int8Linear(*args), packing_jobs.values())
+            for name, module in zip(packing_jobs, made):
+                _replace_module(model, name, module)
+    embed = model.get_submodule(embed_name)
+    if isinstance(embed, nn.Embedding) and embed.weight.is_meta:
+        if "lm_head" not in layouts:
+            raise ValueError(f"{path} is incomplete: no embedding, and no INT8 lm_head to read it from")
+        packed, scales, hidden = layouts["lm_head"]  # tied: the embedding is the lm_head's packed rows
+        _replace_module(model, embed_name, PackedInt8Embedding(packed, scales, hidden, padding_idx))
     release_memory(full=True)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
@@ -699,23 +779,4 @@ def load_quantized(
     model.generation_config = generation_config(path, model.config)
     model.eval()
     model.requires_grad_(False)
-    return model, mapped
-
-
-def mapped_slowdown(threads: int) -> str:
-    """Measure (in ~0.2 s) how much slower the memory-mapped kernel is than the packed one here."""
-    compute_on(threads)
-    rows = torch.randint(-127, 128, (4096, 2048), dtype=torch.int8)
-    scales = torch.full((4096,), 1e-3)
-    x = torch.randn(1, 2048)
-    timings = []
-    for module in (Int8Linear(rows, scales, None), MappedInt8Linear([(rows, scales)], None)):
-        module(x)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            module(x)
-        timings.append(time.perf_counter() - t0)
-    return (
-        f"Expect decode about {timings[1] / timings[0]:.1f}x slower (mapped vs packed kernel, measured now), "
-        "and slower still whenever the OS has to read dropped weight pages back from disk."
-    )
+    return model, over_budget
