@@ -61,6 +61,7 @@ def post_worker_init(worker):
     import threading
 
     original = worker.handle_exit
+    engine = worker.wsgi.extensions["qwen3vl"].engine  # None unless the master preloaded it
 
     def handle_exit(sig, frame):
         engine = worker.wsgi.extensions["qwen3vl"].engine
@@ -77,6 +78,10 @@ def post_worker_init(worker):
 
     startup.mark("worker")
     startup.log_timeline("serving")
+    if engine is not None:  # preloaded: this process's own page-table entries for the mapped weights
+        from service.model.prefault import prefault
+
+        prefault(engine.loaded.path)
 
 
 def on_exit(server):

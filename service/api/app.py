@@ -102,7 +102,7 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
     if load == "background":
         threading.Thread(target=app_state.load, name="model-loader", daemon=True).start()
     else:
-        app_state.load(threads=1 if load == "before_fork" else None)
+        app_state.load(threads=1 if load == "before_fork" else None, before_fork=load == "before_fork")
     if load == "before_fork":
         gc.freeze()  # the loaded objects are never collected: the worker's GC leaves their pages shared
     return app
