@@ -139,6 +139,9 @@ class TextModel(nn.Module):
         self.norm = Norm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = Rotary(config)
 
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
 
 class VisionLanguage(nn.Module):
     """transformers' `Qwen3VLModel` part: the vision tower, the text decoder, and the M-RoPE positions."""
@@ -171,7 +174,7 @@ class ServedModel(nn.Module):
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
 
     def get_input_embeddings(self) -> nn.Module:
-        return self.model.language_model.embed_tokens
+        return self.model.language_model.get_input_embeddings()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, **_) -> Logits:

@@ -9,20 +9,23 @@
  * the float steps are those FBGEMM and oneDNN take, one rounding each (built with
  * -ffp-contract=off: no fused multiply-add may merge two of them).
  *
- * Weights are packed once into groups of GROUP = 64 output channels, 4 inputs of each side by side,
+ * Weights are packed once into groups of GROUP = 32 output channels, 4 inputs of each side by side,
  * the order one VNNI dot product (vpdpbusd: 4 u8×s8 products added into each int32 lane) reads them
  * from tiles of L channels (L = 16 with AVX-512, 8 with AVX2): a decode step streams each group once
- * for every row it computes. The layout is the same on every CPU — AVX2 reads a group as two halves
- * of COLUMNS = 32 channels — so a checkpoint can store it and every machine maps it as it is.
+ * for every row it computes. The layout is the same on every CPU, so a checkpoint can store it and
+ * every machine maps it as it is: a micro-kernel's COLUMNS = 4 tiles are one group with AVX2 (one
+ * sequential stream, as this kernel has always read it) and two adjacent groups with AVX-512 (two
+ * streams, each read whole).
  */
 #include "simd.h"
 
 int int8_lanes(void) { return L; }
 
-#define GROUP 64 /* output channels of one packed group: the stored layout, whatever the CPU */
+#define GROUP 32 /* output channels of one packed group: the stored layout, whatever the CPU */
 #define TILES 4  /* tiles of L output channels read together: a micro-kernel's columns */
 #define COLUMNS (TILES * L)
 #define STEP (GROUP * 4) /* bytes from one 4-input step of a group to the next */
+#define TILES_PER_GROUP (GROUP / L < TILES ? GROUP / L : TILES)
 
 int int8_group(void) { return GROUP; }
 
@@ -47,17 +50,18 @@ void int8_pack(const int8_t *rows, int n, int k, int8_t *out, int32_t *sums) {
     }
 }
 
-/* Rows [0, MB) of q against COLUMNS output channels of a group (`group` points at their first
- * 4 inputs; the next 4 are STEP bytes on): int32 sums into acc (MB × COLUMNS). */
+/* Rows [0, MB) of q against COLUMNS output channels: the first TILES_PER_GROUP tiles in the group at
+ * `first`, the rest (AVX-512) in the group at `second`; each 4 inputs on are STEP bytes on. int32
+ * sums into acc (MB × COLUMNS). */
 #define MICRO(MB)                                                                                                  \
-    static void micro_##MB(const uint8_t *q, int64_t kp, const int8_t *group, int32_t *acc) {                      \
+    static void micro_##MB(const uint8_t *q, int64_t kp, const int8_t *first, const int8_t *second, int32_t *acc) { \
         vec s[MB][TILES];                                                                                         \
         for (int i = 0; i < MB; i++)                                                                              \
             for (int t = 0; t < TILES; t++) s[i][t] = ZERO();                                                     \
         for (int64_t g = 0; g < kp / 4; g++) {                                                                    \
-            const int8_t *at = group + g * STEP;                                                                  \
             vec w[TILES];                                                                                         \
-            for (int t = 0; t < TILES; t++) w[t] = LOAD(at + t * L * 4);                                          \
+            for (int t = 0; t < TILES; t++)                                                                       \
+                w[t] = LOAD((t < TILES_PER_GROUP ? first : second) + g * STEP + (t % TILES_PER_GROUP) * L * 4);   \
             for (int i = 0; i < MB; i++) {                                                                        \
                 vec a = BROADCAST(q + i * kp + g * 4);                                                            \
                 for (int t = 0; t < TILES; t++) s[i][t] = DOT(s[i][t], a, w[t]);                                  \
@@ -74,7 +78,7 @@ MICRO(5)
 MICRO(6)
 
 #define ROWS 6 /* rows of a micro-kernel call: 6 × TILES accumulators, 4 weight vectors and a broadcast in registers */
-typedef void (*micro_fn)(const uint8_t *, int64_t, const int8_t *, int32_t *);
+typedef void (*micro_fn)(const uint8_t *, int64_t, const int8_t *, const int8_t *, int32_t *);
 static const micro_fn MICRO_ROWS[7] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6};
 
 #define BLOCK_ROWS 192 /* rows a work item runs against its columns, at most (its rows stay in cache meanwhile) */
@@ -111,7 +115,7 @@ typedef struct {
 
 int int8_linear(const Linear *a, int threads) {
     const int64_t kp = round_up(a->k, 4), group_bytes = kp * GROUP;
-    const int groups = (int)(round_up(a->n, GROUP) / COLUMNS); /* column blocks: GROUP / COLUMNS per group */
+    const int groups = (int)(round_up(a->n, COLUMNS) / COLUMNS); /* column blocks of COLUMNS channels */
     uint8_t *q = aligned_alloc(64, round_up((int64_t)a->m * kp, 64));
     float *peaks = malloc(sizeof(float) * (a->m > 0 ? a->m : 1));
     if (!q || !peaks) {
@@ -132,10 +136,13 @@ int int8_linear(const Linear *a, int threads) {
             const int group = item % groups, block = item / groups;
             const int m_end = (block + 1) * block_rows < a->m ? (block + 1) * block_rows : a->m;
             const int col0 = group * COLUMNS, cols = a->n - col0 < COLUMNS ? a->n - col0 : COLUMNS;
-            const int8_t *columns = a->packed + (col0 / GROUP) * group_bytes + (col0 % GROUP) * 4;
+            const int8_t *first = a->packed + (col0 / GROUP) * group_bytes;
+            /* AVX-512's second group; past the last one (n padded to 32 only) the first is read again,
+             * its sums never written out */
+            const int8_t *second = col0 + GROUP < round_up(a->n, GROUP) ? first + group_bytes : first;
             for (int m0 = block * block_rows; m0 < m_end && cols > 0; m0 += ROWS) {
                 const int mb = m_end - m0 < ROWS ? m_end - m0 : ROWS;
-                MICRO_ROWS[mb](q + m0 * kp, kp, columns, acc);
+                MICRO_ROWS[mb](q + m0 * kp, kp, first, second, acc);
                 for (int i = 0; i < mb; i++)
                     output_row(acc + i * COLUMNS, a->column_sums + col0, a->scales + col0, a->bias ? a->bias + col0 : 0,
                                peaks[m0 + i], cols, a->y + (m0 + i) * a->y_row + col0);

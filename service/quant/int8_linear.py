@@ -129,7 +129,7 @@ def available_kernels() -> list[str]:
     return kernels
 
 
-NATIVE_GROUP = 64  # int8_gemm.c's GROUP: output channels per packed group, the same layout on every CPU
+NATIVE_GROUP = 32  # int8_gemm.c's GROUP: output channels per packed group, the same layout on every CPU
 
 
 def _padded(n: int, k: int) -> tuple[int, int]:
@@ -137,7 +137,7 @@ def _padded(n: int, k: int) -> tuple[int, int]:
 
 
 def pack_native(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 rows (n × k) in int8_gemm.c's layout — [n/64][k/4][64][4], zero padded, flat — and each
+    """int8 rows (n × k) in int8_gemm.c's layout — [n/32][k/4][32][4], zero padded, flat — and each
     row's sum. Computed with torch (the layout does not depend on the CPU): any machine writes it,
     with or without a C compiler; tests/test_int8_linear.py checks it against `int8_pack`."""
     n, k = rows.shape
@@ -151,7 +151,7 @@ def pack_native(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def native_view(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The packed weights seen as [n/64][k/4][64][4] (a view: no copy)."""
+    """The packed weights seen as [n/32][k/4][32][4] (a view: no copy)."""
     n_pad, k_pad = _padded(n, k)
     return packed.view(n_pad // NATIVE_GROUP, k_pad // 4, NATIVE_GROUP, 4)
 

@@ -523,7 +523,7 @@ def _marker(
         "weights": "int8, symmetric per output channel (torch per_channel_dynamic_qconfig), zero point 0",
         "activations": "quantized at run time, per token (service/quant/int8_linear.py)",
         "embedding": "int8 rows with per-row scales" + (" = the tied lm_head's INT8 weight" if tied else ""),
-        "int8_layout": "native: q/k/v and gate/up fused, [out/64][in/4][64][4] (service/native/int8_gemm.c)",
+        "int8_layout": "native: q/k/v and gate/up fused, [out/32][in/4][32][4] (service/native/int8_gemm.c)",
         "other_tensors": "float32",
         "made_by": made_by,
         "source": source,
@@ -600,9 +600,9 @@ def estimated_bytes(
 
 
 def _int8_bytes(rows: int, inputs: int) -> int:
-    """An INT8 Linear's bytes in format 2: its weights in the native layout (padded to groups of 64 rows
+    """An INT8 Linear's bytes in format 2: its weights in the native layout (padded to groups of 32 rows
     and 4 inputs), a scale and a column sum per row, its shape."""
-    return -(-rows // 64) * 64 * (-(-inputs // 4) * 4) + 8 * rows + 8
+    return -(-rows // 32) * 32 * (-(-inputs // 4) * 4) + 8 * rows + 8
 
 
 def published_checkpoint(path: Path, settings) -> Path:
