@@ -10,8 +10,9 @@ from service.errors import PromptTooLong
 from service.media.images import decode_image
 from service.model.kv import GrowingCache
 from service.model.prompts import ChatMessage, ImagePart, TextPart
+from service.quant.fusion import fuse_projections
 
-from conftest import generate_config, prepared
+from conftest import generate_config, prepared, transformers_model
 from imaging import encode, pattern
 
 
@@ -43,7 +44,7 @@ def test_answer_streams_in_several_deltas_and_reports_usage(engine):
     assert t.queue_wait + t.vision_encode + t.prefill <= t.time_to_first_token <= t.total
 
 
-def test_streamed_text_equals_plain_generate_for_same_seed(fp32_engine):
+def test_streamed_text_equals_plain_generate_for_same_seed(fp32_engine, tiny_dir):
     """The streaming path (prefill in pieces, the scheduler's own decode steps, its sampler) draws
     what model.generate draws for the same seed. fp32 weights: transformers' forward rounds
     differently from the service's (its INT8 logits are within a quantization level; its fp32 ones
@@ -52,8 +53,8 @@ def test_streamed_text_equals_plain_generate_for_same_seed(fp32_engine):
     parts = [ImagePart(image(engine)), TextPart("Describe the colors.")]
     _, done = ask(engine, parts, max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
     prompt = prepared(engine, GenerationRequest([ChatMessage("user", parts)]))
-    model = engine.model
-    model.model.rope_deltas = None
+    model = transformers_model(tiny_dir)  # transformers' own model and generate(): the reference,
+    fuse_projections(model)  # its attention fused as the service's (a KV_DTYPE cache)
     torch.manual_seed(1234)
     with torch.inference_mode():
         out = model.generate(

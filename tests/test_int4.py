@@ -193,9 +193,13 @@ def test_weights_over_the_budget_are_computed_from_the_mapped_file_with_the_same
 
 
 def test_the_4_bit_weights_are_used_in_place_from_the_mapped_file(int4_dir):
+    from transformers import AutoConfig
+
+    from service.model.skeleton import skeleton
     from service.quant.kernel_choice import KernelChoice
 
-    model, over_budget = load_quantized(int4_dir, 2, MemoryGuard(None), KernelChoice(decoder="native", vision="native"))
+    model = skeleton(AutoConfig.from_pretrained(int4_dir))
+    over_budget = load_quantized(model, int4_dir, 2, MemoryGuard(None), KernelChoice(decoder="native", vision="native"))
     assert not over_budget and isinstance(model.lm_head, Int4Linear)
     assert in_a_mapping_of(model.lm_head.qweight.data_ptr(), int4_dir)  # the file's own bytes, nothing copied
 

@@ -27,7 +27,7 @@ def test_health_and_ready_are_open_everything_else_needs_a_key(server):
     base, _ = server
     assert requests.get(base + "/health").status_code == 200
     ready = requests.get(base + "/ready")
-    fields = {"status", "model", "random_model", "thinking", "int8_kernel"}
+    fields = {"status", "model", "random_model", "thinking", "int8_kernel", "startup"}
     assert ready.status_code == 200 and set(ready.json()) == fields
     assert set(ready.json()["int8_kernel"]) == {"decoder", "vision"}
     for method, path in [

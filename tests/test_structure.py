@@ -83,6 +83,7 @@ LAYERS = [
             "service.memory",
             "service.footprint",
             "service.threads",
+            "service.startup",
         ],
     ),
     ("native", ["service.native"]),

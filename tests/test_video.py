@@ -35,7 +35,7 @@ from service.vision.features import TorchVisionEncoder
 from service.vision.steps import run_to_end, video_steps
 
 from clips import WRITABLE, noise, write_clip
-from conftest import generate_config, prepared, weights_settings
+from conftest import generate_config, prepared, transformers_model, weights_settings
 from imaging import data_url, encode, pattern
 from servers import openai_client
 
@@ -218,12 +218,12 @@ def test_prompt_text_matches_the_processors_replace_video_token(fp32_engine, tmp
     assert expected.startswith("<0.2 seconds><|vision_start|>") and expected.count("seconds>") == 5
 
 
-def test_video_features_one_frame_pair_at_a_time_equal_get_video_features(fp32_engine, tmp_path):
+def test_video_features_one_frame_pair_at_a_time_equal_get_video_features(fp32_engine, tmp_path, tiny_dir):
     model = fp32_engine.model
     video = decode_video(write_clip(tmp_path / "clip.webm", frames=30, fps=10.0), LIMITS)
     pixel_values, grid = video_patches(video, fp32_engine.processor.image_processor)
     with torch.inference_mode():
-        whole = model.model.get_video_features(pixel_values, grid)
+        whole = transformers_model(tiny_dir).model.get_video_features(pixel_values, grid)  # transformers' own
         ours = run_to_end(video_steps(TorchVisionEncoder(model), pixel_values, grid))  # what the engine runs
     torch.testing.assert_close(ours.pooler, whole.pooler_output[0], rtol=1e-5, atol=1e-5)
     for mine, theirs in zip(ours.deepstack, whole.deepstack_features, strict=True):
@@ -362,7 +362,7 @@ def test_same_clip_in_a_new_conversation_skips_the_vision_encoder(engines, clip)
     assert done.vision_cache_hits == 1
 
 
-def test_images_and_a_video_in_one_conversation_answer_as_the_models_own_pixel_path(fp32_engine, tmp_path):
+def test_images_and_a_video_in_one_conversation_answer_as_the_models_own_pixel_path(fp32_engine, tmp_path, tiny_dir):
     """What this service feeds the model for a video equals what the model computes from the pixels.
     (Sampled with a seed: sampling follows small logit changes that greedy decoding can hide.)"""
     engine = fp32_engine
@@ -373,10 +373,9 @@ def test_images_and_a_video_in_one_conversation_answer_as_the_models_own_pixel_p
     done = list(engine.generate(GenerationRequest(messages, sampling)))[-1]
     prompt = prepared(engine, GenerationRequest(messages))
     assert prompt.image_spans[0][1] <= prompt.video_spans[0][0]
-    engine.model.model.rope_deltas = None
     torch.manual_seed(7)
     with torch.inference_mode():
-        out = engine.model.generate(
+        out = transformers_model(tiny_dir).generate(  # transformers' own model from the pixels
             input_ids=prompt.input_ids,
             attention_mask=torch.ones_like(prompt.input_ids),
             mm_token_type_ids=prompt.mm_token_type_ids,

@@ -13,7 +13,7 @@ from torch import nn
 
 from service.model.loading import load_processor
 from service.vision.steps import _tower_steps, run_to_end
-from service.vision.tower import VisionTower, image_features
+from service.vision.tower import VisionTower
 
 from conftest import ROOT
 from imaging import pattern
@@ -88,7 +88,7 @@ def test_one_image_in_steps_and_whole_gives_transformers_bits(checkpoint, towers
     theirs = model.model.get_image_features(pixel_values, grid)
     pooler, deepstack = theirs.pooler_output[0], [layer[0] for layer in theirs.deepstack_features]
     assert_same_bits(run_to_end(_tower_steps(tower, pixel_values, grid)), pooler, deepstack)
-    [ours] = image_features(tower, pixel_values, grid)
+    [ours] = tower.image_features(pixel_values, grid)
     assert_same_bits(ours, pooler, deepstack)
 
 
@@ -98,7 +98,7 @@ def test_two_images_of_different_grids_in_one_call_give_transformers_bits(checkp
     pixel_values, grid = inputs(checkpoint, SIZES)
     assert grid[0].tolist() != grid[1].tolist()
     theirs = model.model.get_image_features(pixel_values, grid)
-    ours = image_features(tower, pixel_values, grid)
+    ours = tower.image_features(pixel_values, grid)
     assert len(ours) == len(theirs.pooler_output) == 2
     for i, features in enumerate(ours):
         assert_same_bits(features, theirs.pooler_output[i], [layer[i] for layer in theirs.deepstack_features])
@@ -120,7 +120,7 @@ class CountingLinear(nn.Module):
 def test_replaced_linears_are_the_ones_called(checkpoint, towers):
     tower, model = towers
     pixel_values, grid = inputs(checkpoint, SIZES[:1])
-    before = image_features(tower, pixel_values, grid)[0]
+    before = tower.image_features(pixel_values, grid)[0]
     tower = served_tower(checkpoint[0], model.config)
     replaced = []
     for name, module in list(tower.named_modules()):
@@ -128,7 +128,7 @@ def test_replaced_linears_are_the_ones_called(checkpoint, towers):
             parent, _, child = name.rpartition(".")
             replaced.append(CountingLinear(module))
             setattr(tower.get_submodule(parent), child, replaced[-1])
-    after = image_features(tower, pixel_values, grid)[0]
+    after = tower.image_features(pixel_values, grid)[0]
     assert all(linear.calls == 1 for linear in replaced) and len(replaced) > 10
     assert_same_bits(after, before.pooler, before.deepstack)
 

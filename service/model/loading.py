@@ -100,14 +100,14 @@ def _load(settings: Settings) -> LoadedModel:
         )
     kernels = int8_kernels(settings, path) if settings.quantization == "int8" else None
     with _OnceWarnings():
+        model = skeleton(AutoConfig.from_pretrained(path))  # Qwen3-VL or Qwen3-VL-MoE, as the config says
+        model.generation_config = generation_config(path, model.config)
         if prequantized:
-            model, mapped = load_quantized(path, settings.threads, MemoryGuard.from_settings(settings), kernels)
+            mapped = load_quantized(model, path, settings.threads, MemoryGuard.from_settings(settings), kernels)
         else:
             check_fits(path, settings.quantization, MemoryGuard.from_settings(settings).budget_bytes)
-            model = skeleton(AutoConfig.from_pretrained(path))  # Qwen3-VL or Qwen3-VL-MoE, as the config says
             # The checkpoint's own dtype (bf16 for Qwen's releases): no whole fp32 copy before quantizing.
             load_weights(model, path, None if settings.quantization == "int8" else torch.float32)
-            model.generation_config = generation_config(path, model.config)
             model.eval()
             if settings.quantization == "int8":
                 model.requires_grad_(False)

@@ -687,9 +687,10 @@ def _convert_format_1(src: Path, dst: Path) -> None:
 
 
 def load_quantized(
-    path: Path, threads: int, memory: MemoryGuard | None = None, kernel="fbgemm"
-) -> tuple[nn.Module, bool]:
-    """Build the model from a quantized checkpoint (format 2): (model, over_budget).
+    model: nn.Module, path: Path, threads: int, memory: MemoryGuard | None = None, kernel="fbgemm"
+) -> bool:
+    """Fill `model` (the service's modules on the meta device: service/model/skeleton.py) from a
+    quantized checkpoint (format 2); whether its weights are over the memory budget.
 
     Every tensor is a view of the checkpoint's files, mapped read-only: the native INT8 kernel and the
     4-bit kernel compute from the stored layout in place — nothing is copied or packed, the page cache
@@ -701,10 +702,7 @@ def load_quantized(
     from concurrent.futures import ThreadPoolExecutor
 
     from safetensors import safe_open
-    from transformers import AutoConfig
 
-    from ..model.skeleton import skeleton as served_skeleton
-    from ..model.weights import generation_config
     from .int8_linear import PackedInt8Embedding, available_kernels, unpack_native
 
     path = Path(path)
@@ -716,7 +714,6 @@ def load_quantized(
             f"{path} has format version {marker.get('version')}; this service reads {FORMAT_VERSION} "
             "(the loader converts older ones once: service/quant/quantized.current_format)"
         )
-    model = served_skeleton(AutoConfig.from_pretrained(path))  # projections fused already
     over_budget = memory is not None and not memory.fits(linear_bytes(path, marker))
     has_native = "native" in available_kernels()
     if over_budget:
@@ -776,7 +773,6 @@ def load_quantized(
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"{path} is incomplete: no weights for {left[:3]} (and {max(0, len(left) - 3)} more)")
-    model.generation_config = generation_config(path, model.config)
     model.eval()
     model.requires_grad_(False)
-    return model, over_budget
+    return over_budget

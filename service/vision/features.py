@@ -43,6 +43,4 @@ class TorchVisionEncoder:
 
     @torch.inference_mode()
     def __call__(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[VisionFeatures]:
-        from .tower import image_features
-
-        return image_features(self.model.model.visual, pixel_values, image_grid_thw)
+        return self.model.model.visual.image_features(pixel_values, image_grid_thw)

@@ -213,16 +213,13 @@ class VisionTower(nn.Module):
         """Every image of `grid_thw` at once, unsplit: `pooler_output` and the DeepStack features."""
         return run_to_end(_tower_steps(self, pixel_values, grid_thw))
 
-
-def image_features(
-    tower: VisionTower, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
-) -> list[VisionFeatures]:
-    """Per image, what transformers' `get_image_features` gives. The batch runs in one pass as there (a
-    matrix product's bits may depend on how many rows it has), then is split per image."""
-    features = tower(pixel_values, image_grid_thw)
-    sizes = (image_grid_thw.prod(-1) // tower.spatial_merge_size**2).tolist()
-    layers = [torch.split(layer, sizes) for layer in features.deepstack]
-    return [
-        VisionFeatures(pooler=pooler, deepstack=[layer[i] for layer in layers])
-        for i, pooler in enumerate(torch.split(features.pooler, sizes))
-    ]
+    def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[VisionFeatures]:
+        """Per image, what transformers' `get_image_features` gives. The batch runs in one pass as there (a
+        matrix product's bits may depend on how many rows it has), then is split per image."""
+        features = self(pixel_values, image_grid_thw)
+        sizes = (image_grid_thw.prod(-1) // self.spatial_merge_size**2).tolist()
+        layers = [torch.split(layer, sizes) for layer in features.deepstack]
+        return [
+            VisionFeatures(pooler=pooler, deepstack=[layer[i] for layer in layers])
+            for i, pooler in enumerate(torch.split(features.pooler, sizes))
+        ]
