@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers.image_utils import SizeDict
 
-from service.model.processor import ImageProcessor, Processor
+from service.model.processor import ImageProcessor, Processor, chat_template_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,12 +32,7 @@ def reference_processor(path: Path):
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     image_processor = AutoImageProcessor.from_pretrained(path)
-    chat_template = tokenizer.chat_template
-    template_file = path / "chat_template.jinja"
-    if chat_template is None and template_file.exists():
-        chat_template = template_file.read_text()
-    if chat_template is None:
-        raise ValueError(f"{path} has no chat template (chat_template.jinja or tokenizer_config.json)")
+    chat_template = chat_template_of(tokenizer, path)
     return VideoLessQwen3VLProcessor(
         image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template
     )

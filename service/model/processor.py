@@ -208,6 +208,17 @@ class ImageProcessor:
         return patches.reshape(grid_h * grid_w, channels * temporal * patch * patch), grid_h, grid_w
 
 
+def chat_template_of(tokenizer, path: Path) -> str:
+    """The checkpoint's chat template: the tokenizer's, else the file chat_template.jinja."""
+    chat_template = tokenizer.chat_template
+    template_file = Path(path) / "chat_template.jinja"
+    if chat_template is None and template_file.exists():
+        chat_template = template_file.read_text()
+    if chat_template is None:
+        raise ValueError(f"{path} has no chat template (chat_template.jinja or tokenizer_config.json)")
+    return chat_template
+
+
 class Processor:
     """`Qwen3VLProcessor` (without a video processor) for what the service uses of it."""
 
@@ -235,14 +246,7 @@ class Processor:
         chat_template.jinja), as service/model/loading.py used to build transformers' processor."""
         path = Path(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        image_processor = ImageProcessor.from_pretrained(path)
-        chat_template = tokenizer.chat_template
-        template_file = path / "chat_template.jinja"
-        if chat_template is None and template_file.exists():
-            chat_template = template_file.read_text()
-        if chat_template is None:
-            raise ValueError(f"{path} has no chat template (chat_template.jinja or tokenizer_config.json)")
-        return cls(tokenizer, image_processor, chat_template)
+        return cls(tokenizer, ImageProcessor.from_pretrained(path), chat_template_of(tokenizer, path))
 
     @property
     def image_token_ids(self) -> list[int | None]:
