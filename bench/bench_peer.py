@@ -63,7 +63,7 @@ from bench.core.client import chat, openai_chat
 from bench.core.harness import concurrently, parse, parser, preset_model_path, tree_memory
 from bench.core.inputs import DECODE_PROMPT, QUESTION, message, photo_url, text_of_tokens
 from bench.core.results import cpu_model, markdown_table, report
-from bench.core.servers import gunicorn_server, llama_server
+from bench.core.servers import gunicorn_server, llama_server, without_repacking_if_it_crashes
 
 LLAMA_CPP_PYTHON = "0.3.36"
 HERE = Path(__file__).resolve().parent
@@ -318,28 +318,24 @@ def _ours_only_checkpoint(p, argv: list[str] | None) -> list[str] | None:
 
 def serve_and_measure(kind, args, ours_path, int4, llama, weights, peer_dir, end_of_turn, long_prompt, round_,
                       no_repack: set[str]) -> dict:  # fmt: skip
-    """One server of `kind` started, warmed and measured; a llama.cpp one that crashes is retried once
-    with -nr (and stays so for the run)."""
-    ours = kind.startswith("this service")
-    while True:
-        if ours:
+    """One server of `kind` started, warmed and measured (a llama.cpp one that crashes: again with -nr)."""
+
+    def run(no_repack_now: bool) -> dict:
+        if kind.startswith("this service"):
             server = our_server(int4 if kind == OURS_4BIT else ours_path, args.threads, peer_dir / "ours.log")
         else:
             text = weights["q8_0" if "Q8" in kind else "q4_0"]
-            log = peer_dir / "llama.log"
-            server = peer_server(llama, text, weights["mmproj"], args.threads, log, kind in no_repack)
-        try:
-            with server as (base, process, ready_s):
-                client = Client(base, ours, end_of_turn)
-                client.chat([message("user", photo_url(99999), "Hi.")], 2)  # first-call costs, not measured
-                run = measure(client, long_prompt, round_)
-                run["ready_s"], run["memory_gib"] = ready_s, tree_memory(process) / 1024**3
-                return run
-        except (RuntimeError, OSError) as exc:  # exited, or the connection dropped under a request
-            if ours or kind in no_repack:
-                raise
-            tqdm.write(f"{kind} crashed ({exc}): started again with -nr (no weight repacking)")
-            no_repack.add(kind)
+            server = peer_server(llama, text, weights["mmproj"], args.threads, peer_dir / "llama.log", no_repack_now)
+        with server as (base, process, ready_s):
+            client = Client(base, kind.startswith("this service"), end_of_turn)
+            client.chat([message("user", photo_url(99999), "Hi.")], 2)  # first-call costs, not measured
+            result = measure(client, long_prompt, round_)
+            result["ready_s"], result["memory_gib"] = ready_s, tree_memory(process) / 1024**3
+            return result
+
+    if kind.startswith("this service"):
+        return run(False)
+    return without_repacking_if_it_crashes(run, kind, no_repack)
 
 
 ROWS = [  # (label, key, unit, better, side)

@@ -12,7 +12,7 @@ bench/bench_peer.py's code, under CACHE_DIR/peer). Every server runs alone on th
 Per start (client-side): the process's start to the first 200 of /ready (ours) or /health (llama.cpp);
 then ten short text requests one after another on the OpenAI endpoint (8 greedy tokens, each prompt
 its own so no cache answers it): the first's wall time against the tenth's. Warm: the page cache
-holds the files (an unmeasured start reads them first). Cold: the page cache dropped before each
+holds the files (each kind's are read before its warm start: a cold start drops every file). Cold: the page cache dropped before each
 start (`echo 3 > /proc/sys/vm/drop_caches`, root only: without it the cold rows say so). Kinds
 alternate A B C … C B A per round; each figure is the median of the rounds. Last, two instances of
 each INT8 kind at once: the PSS of both against one's (weights shared through the page cache count
@@ -33,7 +33,8 @@ from tqdm import tqdm
 from bench.bench_peer import gguf_weights, llama_cpp
 from bench.core.harness import parse, parser, tree_memory
 from bench.core.results import cpu_model, markdown_table, report
-from bench.core.servers import gunicorn_server, llama_server
+from bench.core.servers import gunicorn_server, llama_server, without_repacking_if_it_crashes
+from service.model.checkpoints import EMBEDDED_MODEL_DIRNAME
 
 TINY, INT8, INT4, Q8, Q4 = (
     "this service, tiny",
@@ -57,9 +58,24 @@ def drop_page_cache() -> bool:
         return False
 
 
+def fill_page_cache(kind: str, files: dict, cache_dir: Path) -> None:
+    """Read every file `kind` serves from, so that a warm start finds them in the page cache: a cold
+    start of another kind dropped it. Reading what is cached already costs a fraction of a second."""
+    if kind == TINY:
+        paths = [p for p in (cache_dir / EMBEDDED_MODEL_DIRNAME).iterdir() if p.is_file()]
+    elif kind.startswith("this service"):
+        paths = [p for p in files[kind].iterdir() if p.is_file()]
+    else:
+        paths = [files[kind], files["mmproj"]]
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(1 << 24):
+                pass
+
+
 @contextmanager
-def server(kind: str, files: dict, llama: Path, threads: int, logs: Path):
-    """(base, process, seconds from the start to ready) of a server of `kind`."""
+def server(kind: str, files: dict, llama: Path, threads: int, logs: Path, no_repack: bool = False):
+    """(base, process, seconds from the start to ready) of a server of `kind`; `no_repack`: llama.cpp's -nr."""
     started = time.perf_counter()
     if kind.startswith("this service"):
         env = {"THREADS": str(threads), "MAX_BATCH_SIZE": "4"}
@@ -68,8 +84,16 @@ def server(kind: str, files: dict, llama: Path, threads: int, logs: Path):
         with gunicorn_server(env, logs / "ours.log", timeout=900, poll=0.02) as (base, process):
             yield base, process, time.perf_counter() - started
     else:
-        with llama_server(llama, files[kind], files["mmproj"], threads, logs / "llama.log") as (base, process):
+        log = logs / "llama.log"
+        with llama_server(llama, files[kind], files["mmproj"], threads, log, no_repack) as (base, process):
             yield base, process, time.perf_counter() - started
+
+
+def measured(measure, kind: str, no_repack: set[str], *args) -> dict:
+    """measure(kind, *args, no_repack=…): a llama.cpp server that crashes runs again with -nr."""
+    if kind.startswith("this service"):
+        return measure(kind, *args)
+    return without_repacking_if_it_crashes(lambda nr: measure(kind, *args, no_repack=nr), kind, no_repack)
 
 
 def request_seconds(base: str, index: int) -> float:
@@ -87,18 +111,18 @@ def request_seconds(base: str, index: int) -> float:
     return time.perf_counter() - started
 
 
-def start_and_measure(kind: str, files: dict, llama: Path, threads: int, logs: Path) -> dict:
-    with server(kind, files, llama, threads, logs) as (base, process, ready_s):
+def start_and_measure(kind: str, files: dict, llama: Path, threads: int, logs: Path, no_repack=False) -> dict:
+    with server(kind, files, llama, threads, logs, no_repack) as (base, process, ready_s):
         times = [request_seconds(base, i) for i in range(REQUESTS)]
         return {"ready_s": ready_s, "first_s": times[0], "tenth_s": times[-1], "pss_gib": tree_memory(process) / 2**30}
 
 
-def two_instances(kind: str, files: dict, llama: Path, threads: int, logs: Path) -> dict:
+def two_instances(kind: str, files: dict, llama: Path, threads: int, logs: Path, no_repack=False) -> dict:
     """PSS of one instance, then of two running at once (each after one request)."""
-    with server(kind, files, llama, threads, logs) as (base, process, _):
+    with server(kind, files, llama, threads, logs, no_repack) as (base, process, _):
         request_seconds(base, 0)
         one = tree_memory(process)
-        with server(kind, files, llama, threads, logs) as (base2, process2, _):
+        with server(kind, files, llama, threads, logs, no_repack) as (base2, process2, _):
             request_seconds(base2, 1)
             both = tree_memory(process) + tree_memory(process2)
     return {"one_gib": one / 2**30, "two_gib": both / 2**30}
@@ -117,7 +141,8 @@ def main(argv=None) -> int:
     for bits, kind in ((8, INT8), (4, INT4)):
         if not (files[kind] / "config.json").exists():
             write_quantized(source, files[kind], bits=bits)
-    peer_dir = load_settings().cache_dir / "peer"
+    cache_dir = load_settings().cache_dir
+    peer_dir = cache_dir / "peer"
     peer_dir.mkdir(parents=True, exist_ok=True)
     log = peer_dir / "bench_start.log"
     llama = llama_cpp(peer_dir, log)
@@ -128,11 +153,12 @@ def main(argv=None) -> int:
     if not can_drop:
         modes = ["warm"]
     results = {(kind, mode): [] for kind in KINDS for mode in modes}
+    no_repack: set[str] = set()  # llama.cpp kinds that crashed with repacking: started with -nr since
     steps = len(KINDS) * (1 + args.rounds * len(modes)) + 2 * len(PAIRED)
     with tqdm(total=steps, desc="bench_start", unit="start") as bar:
         for kind in KINDS:  # warm-up: the files into the page cache, kernels built and chosen
             bar.set_postfix_str(f"{kind}, unmeasured")
-            start_and_measure(kind, files, llama, args.threads, peer_dir)
+            measured(start_and_measure, kind, no_repack, files, llama, args.threads, peer_dir)
             bar.update()
         for round_ in range(args.rounds):
             for mode in modes:
@@ -140,13 +166,16 @@ def main(argv=None) -> int:
                     bar.set_postfix_str(f"{kind}, {mode}, round {round_ + 1}")
                     if mode == "cold":
                         drop_page_cache()
-                    results[kind, mode].append(start_and_measure(kind, files, llama, args.threads, peer_dir))
+                    else:
+                        fill_page_cache(kind, files, cache_dir)
+                    run = measured(start_and_measure, kind, no_repack, files, llama, args.threads, peer_dir)
+                    results[kind, mode].append(run)
                     bar.update()
         pairs = {}
         for ours, theirs in PAIRED:
             for kind in (ours, theirs):
                 bar.set_postfix_str(f"{kind}, two instances")
-                pairs[kind] = two_instances(kind, files, llama, args.threads, peer_dir)
+                pairs[kind] = measured(two_instances, kind, no_repack, files, llama, args.threads, peer_dir)
                 bar.update()
     med = {key: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for key, runs in results.items()}
     return report(
@@ -156,6 +185,8 @@ def main(argv=None) -> int:
             "model": f"2B-shaped random weights ({source.name}: -int8, -int4; GGUF Q8_0, Q4_0 + F16 mmproj), "
             "and the embedded tiny model",
             "threads": args.threads,
+            "llama.cpp": f"llama-server -t {args.threads} -np 4"
+            + (f"; -nr (no repacking: the default crashed) for {', '.join(sorted(no_repack))}" if no_repack else ""),
             "cold": "page cache dropped before each start" if "cold" in modes else "not measured (needs root)",
             "CPU": cpu_model(),
         },

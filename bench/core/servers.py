@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import requests
+from tqdm import tqdm
 
 from bench.core import ROOT
 
@@ -108,6 +109,20 @@ def llama_server(llama: Path, text: Path, mmproj: Path, threads: int, log_path: 
     ]  # fmt: skip
     with _serving(command, log_path, "/health", 900, 0.05) as up:
         yield up
+
+
+def without_repacking_if_it_crashes(run, kind: str, no_repack: set[str]):
+    """run(no_repack) for the llama.cpp server `kind`: if it crashes (exits, or drops a connection under
+    a request) with its default weight repacking, once more with `-nr` — the default segfaulted on a
+    Xeon with AMX — and `kind` stays in `no_repack` for the run (its table says so)."""
+    while True:
+        try:
+            return run(kind in no_repack)
+        except (RuntimeError, OSError) as exc:  # requests' errors are OSErrors
+            if kind in no_repack:
+                raise
+            tqdm.write(f"{kind} crashed ({exc}): started again with -nr (no weight repacking)")
+            no_repack.add(kind)
 
 
 def metric(base: str, name: str, labels: str = "") -> float:
