@@ -12,8 +12,9 @@ bench/bench_peer.py's code, under CACHE_DIR/peer). Every server runs alone on th
 Per start (client-side): the process's start to the first 200 of /ready (ours) or /health (llama.cpp);
 then ten short text requests one after another on the OpenAI endpoint (8 greedy tokens, each prompt
 its own so no cache answers it): the first's wall time against the tenth's. Warm: the page cache
-holds the files (each kind's are read before its warm start: a cold start drops every file). Cold: the page cache dropped before each
-start (`echo 3 > /proc/sys/vm/drop_caches`, root only: without it the cold rows say so). Kinds
+holds the files (each kind's are read before its warm start: a cold start drops every file). Cold:
+the page cache dropped before each start (`echo 3 > /proc/sys/vm/drop_caches`, root only: without it
+the cold rows say so). Kinds
 alternate A B C … C B A per round; each figure is the median of the rounds. Last, two instances of
 each INT8 kind at once: the PSS of both against one's (weights shared through the page cache count
 once). It prints and writes its section in bench/RESULTS.md.
