@@ -32,7 +32,7 @@ import requests
 from tqdm import tqdm
 
 from bench.bench_peer import gguf_weights, llama_cpp
-from bench.core.harness import parse, parser, tree_memory
+from bench.core.harness import parse, parser, tree_mapped_memory, tree_memory
 from bench.core.results import cpu_model, markdown_table, report
 from bench.core.servers import gunicorn_server, llama_server, without_repacking_if_it_crashes
 from service.model.checkpoints import EMBEDDED_MODEL_DIRNAME
@@ -119,14 +119,17 @@ def start_and_measure(kind: str, files: dict, llama: Path, threads: int, logs: P
 
 
 def two_instances(kind: str, files: dict, llama: Path, threads: int, logs: Path, no_repack=False) -> dict:
-    """PSS of one instance, then of two running at once (each after one request)."""
+    """PSS of one instance, then of two running at once (each after one request): all of it, and
+    that of their mappings of the weights' files."""
+    weights = [files[kind]] if kind.startswith("this service") else [files[kind], files["mmproj"]]
     with server(kind, files, llama, threads, logs, no_repack) as (base, process, _):
         request_seconds(base, 0)
-        one = tree_memory(process)
+        one, one_mapped = tree_memory(process), tree_mapped_memory(process, weights)
         with server(kind, files, llama, threads, logs, no_repack) as (base2, process2, _):
             request_seconds(base2, 1)
             both = tree_memory(process) + tree_memory(process2)
-    return {"one_gib": one / 2**30, "two_gib": both / 2**30}
+            both_mapped = tree_mapped_memory(process, weights) + tree_mapped_memory(process2, weights)
+    return {"one": one, "two": both, "one_mapped": one_mapped, "two_mapped": both_mapped}
 
 
 def main(argv=None) -> int:
@@ -217,18 +220,23 @@ def table(med: dict, modes: list[str], rounds: int, pairs: dict) -> str:
         for ours, theirs in PAIRED
     ]
     memory = [
-        [kind, f"{m['one_gib']:.2f}", f"{m['two_gib']:.2f}", f"{m['two_gib'] / m['one_gib']:.2f}"]
+        [kind]
+        + [f"{m[key] / 2**30:.2f}" for key in ("one", "two")]
+        + [f"{m['two'] / m['one']:.2f}"]
+        + [f"{m[key] / 2**30:.2f}" for key in ("one_mapped", "two_mapped")]
+        + [f"{m['two_mapped'] / m['one_mapped']:.2f}" if m["one_mapped"] else "—"]
         for kind, m in pairs.items()
     ]
+    memory_head = ["server", "one instance (GiB)", "two instances (GiB)", "two ÷ one"]
+    memory_head += ["mapped weights, one (GiB)", "mapped weights, two (GiB)", "two ÷ one"]
     return (
         f"Medians of {rounds} start(s) per kind and mode, kinds alternating; client-side times. "
         f"A request: a short text prompt of its own, 8 greedy tokens.\n\n"
         + markdown_table(head, rows)
         + "\n\n"
         + "\n".join(ratios)
-        + "\n\nTwo instances at once (each after one request), PSS of their processes:\n\n"
-        + markdown_table(["server", "one instance (GiB)", "two instances (GiB)", "two ÷ one"], memory)
-        + "\n"
+        + "\n\nTwo instances at once (each after one request), PSS of their processes, and of their "
+        "mappings of the weights' files alone:\n\n" + markdown_table(memory_head, memory) + "\n"
     )
 
 

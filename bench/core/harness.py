@@ -118,6 +118,16 @@ def tree_memory(process) -> int:
     return sum(p.memory_full_info().pss for p in [root, *root.children(recursive=True)])
 
 
+def tree_mapped_memory(process, paths: list[Path]) -> int:
+    """The PSS of a server's mappings of the files under `paths` (its weights, mapped from the page
+    cache: what instances on one machine share), over its processes."""
+    prefixes = tuple(str(Path(p).resolve()) for p in paths)
+    root = psutil.Process(process.pid)
+    return sum(
+        m.pss for p in [root, *root.children(recursive=True)] for m in p.memory_maps() if m.path.startswith(prefixes)
+    )
+
+
 def default_model_path() -> Path:
     """The 2B-shaped random checkpoint under CACHE_DIR (`python -m service make-model --preset 2b ...`)."""
     return preset_model_path("2b")
