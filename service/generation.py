@@ -28,6 +28,20 @@ RepetitionPenalty = Annotated[float, Field(gt=0, le=10)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 Penalty = Annotated[float, Field(ge=-2, le=2, description="OpenAI's: per token of the answer so far")]
 LogitBias = dict[int, Annotated[float, Field(ge=-100, le=100)]]
+Priority = Annotated[
+    int,
+    Field(
+        ge=-1000,
+        le=1000,
+        description="lower is served first (vLLM's field; default 0): a more urgent request pauses a less "
+        "urgent one when the batch is full (docs/engine.md)",
+    ),
+]
+
+
+def priority_class(priority: int) -> str:
+    """A bounded label for metrics: urgent (< 0), default (0), background (> 0)."""
+    return "urgent" if priority < 0 else "default" if priority == 0 else "background"
 
 
 class SamplingParams(BaseModel):
@@ -82,6 +96,7 @@ class GenerationRequest:
     # off, and how many tokens it may take before the service closes it (None: as many as max_tokens leaves).
     enable_thinking: bool = True
     max_thinking_tokens: int | None = None
+    priority: int = 0  # lower first (service/engine/admission.py)
 
     @property
     def image_decode_seconds(self) -> float:
@@ -98,6 +113,7 @@ class Timings:
     """Where a request's time went, in seconds (tokens/s for decode_tokens_per_s)."""
 
     queue_wait: float = 0.0  # waiting for the model: for a batch slot, then behind other prefills
+    paused: float = 0.0  # paused for more urgent requests (its state kept: the answer is the same)
     image_decode: float = 0.0
     video_decode: float = 0.0
     cache_lookup: float = 0.0
@@ -141,6 +157,7 @@ class Completion:
     image_tokens: tuple[int, ...] = ()  # the visual tokens each picture in the prompt got
     video_tokens: tuple[int, ...] = ()  # and each clip (its frames' tokens, timestamps apart)
     reasoning_tokens: int = 0  # of completion_tokens, those before the answer (tags and separator included)
+    preempted: int = 0  # times it was paused for a more urgent request
 
 
 class Tracked(Protocol):

@@ -12,7 +12,15 @@ _LATENCY = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 _TOKEN_GAP = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
 
 REQUESTS = Counter("qwen3vl_requests_total", "HTTP requests by endpoint and status", ["endpoint", "status"])
-QUEUE_DEPTH = Gauge("qwen3vl_queue_depth", "requests waiting for the model", multiprocess_mode="livesum")
+# Priority classes (service/generation.priority_class): urgent (< 0), default (0), background (> 0)
+QUEUE_DEPTH = Gauge(
+    "qwen3vl_queue_depth",
+    "requests waiting for the model, by priority class",
+    ["priority"],
+    multiprocess_mode="livesum",
+)
+PAUSED = Gauge("qwen3vl_paused", "sequences paused for more urgent requests", ["priority"], multiprocess_mode="livesum")
+PREEMPTIONS = Counter("qwen3vl_preemptions_total", "sequences paused for a more urgent request", ["priority"])
 GENERATING = Gauge("qwen3vl_generating", "generations running now", multiprocess_mode="livesum")
 BATCH_SIZE = Gauge("qwen3vl_batch_size", "sequences in the running decode batch", multiprocess_mode="livesum")
 PREFILL_WAIT = Histogram(
@@ -25,11 +33,18 @@ FIRST_TOKEN_WAIT = Histogram(
     "admitted request to its first token (vision encode and prefill, interleaved with the batch's decoding)",
     buckets=_LATENCY,
 )
-TTFT = Histogram("qwen3vl_time_to_first_token_seconds", "request arrival to first token", buckets=_LATENCY)
+TTFT = Histogram(
+    "qwen3vl_time_to_first_token_seconds",
+    "request arrival to first token, by priority class",
+    ["priority"],
+    buckets=_LATENCY,
+)
 INTER_TOKEN = Histogram(
     "qwen3vl_inter_token_seconds", "mean gap between streamed tokens per request", buckets=_TOKEN_GAP
 )
-QUEUE_WAIT = Histogram("qwen3vl_queue_wait_seconds", "time waiting for the model", buckets=_LATENCY)
+QUEUE_WAIT = Histogram(
+    "qwen3vl_queue_wait_seconds", "time waiting for the model, by priority class", ["priority"], buckets=_LATENCY
+)
 IMAGE_DECODE = Histogram("qwen3vl_image_decode_seconds", "image decoding per request", buckets=_LATENCY)
 VISION_ENCODE = Histogram("qwen3vl_vision_encode_seconds", "vision encoder per request", buckets=_LATENCY)
 PROMPT_TOKENS = Counter("qwen3vl_prompt_tokens_total", "prompt tokens processed or reused")

@@ -157,6 +157,11 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(25 * 1024 * 1024, ge=1024, description="largest request body")
     queue_size: int = Field(8, ge=0, description="requests waiting for the model beyond the running batch")
     queue_timeout: float = Field(120.0, gt=0, description="seconds a request may wait for the model")
+    priority_aging_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="seconds in the server that make a request one `priority` more urgent (nothing waits forever)",
+    )
     conversation_history_max: int = Field(1024, ge=1, description="native-endpoint conversations remembered")
     conversation_history_ttl: float = Field(1800.0, gt=0, description="seconds an idle conversation is remembered")
     conversation_history_max_bytes: int = Field(512 * 1024**2, ge=0, description="bytes of remembered histories")

@@ -256,7 +256,7 @@ def test_beyond_the_batch_requests_wait_in_the_queue_and_beyond_the_queue_get_42
         wait_for_tokens(s, 2)
     waiter = Stream(engine, request([TextPart("Me next.")], max_tokens=3)).start()
     deadline = time.monotonic() + 10
-    while (REGISTRY.get_sample_value("qwen3vl_queue_depth") or 0) < 1:  # the queue's gauge
+    while (REGISTRY.get_sample_value("qwen3vl_queue_depth", {"priority": "default"}) or 0) < 1:  # the queue's gauge
         assert time.monotonic() < deadline
         time.sleep(0.01)
     with pytest.raises(QueueFull):

@@ -512,3 +512,36 @@ def test_the_speculative_field_turns_guessing_off_for_one_request(server, no_end
 
     assert guessed() > 0
     assert guessed(speculative=False) == 0
+
+
+# -- priorities ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat", "/v1/chat/completions"])
+@pytest.mark.parametrize("priority", [5000, -1001, "soon"])
+def test_a_priority_out_of_range_is_a_400_naming_the_field(server, endpoint, priority):
+    body = {"messages": [{"role": "user", "content": "Hi."}], "priority": priority, "stream": False}
+    r = requests.post(server + endpoint, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+
+
+def test_an_urgent_request_takes_a_place_in_a_full_batch_and_the_paused_stream_says_so(server, no_end_of_turn):
+    """MAX_BATCH_SIZE 2, both places held by background streams (priority 5): a priority -1 request
+    is answered at once, one stream is paused meanwhile, and its done line says so."""
+    preempted_before = metric(server, "qwen3vl_preemptions_total", 'priority="background"')
+    body = {"prompt": "Go on and on.", "max_tokens": 300, "temperature": 0, "priority": 5, "logit_bias": no_end_of_turn}
+    streams = [requests.post(server + "/v1/chat", json=body, stream=True) for _ in range(2)]
+    lines = [r.iter_lines() for r in streams]
+    for it in lines:
+        next(it), next(it)  # the head line and a first delta: both are decoding
+    form = {"prompt": "Quick.", "max_tokens": "3", "stream": "false", "priority": "-1"}
+    urgent = requests.post(server + "/v1/chat", data=form)
+    assert urgent.status_code == 200
+    answer = urgent.json()
+    assert answer["preempted"] == 0 and answer["timings"]["queue_wait"] < 1.0
+    dones = [json.loads([line for line in it if line][-1]) for it in lines]
+    assert sorted(d["preempted"] for d in dones) == [0, 1]
+    assert all(d["done"] and d["usage"]["completion_tokens"] == 300 for d in dones)
+    assert max(d["timings"]["paused"] for d in dones) > 0
+    assert metric(server, "qwen3vl_preemptions_total", 'priority="background"') == preempted_before + 1
+    assert metric(server, "qwen3vl_time_to_first_token_seconds_count", 'priority="urgent"') >= 1

@@ -38,6 +38,7 @@ def generation_request(
     speculative: bool | None = None,
     enable_thinking: bool = True,
     max_thinking_tokens: int | None = None,
+    priority: int = 0,
 ) -> GenerationRequest:
     return GenerationRequest(
         messages=messages,
@@ -51,6 +52,7 @@ def generation_request(
         speculative=speculative is not False,
         enable_thinking=enable_thinking,
         max_thinking_tokens=max_thinking_tokens,
+        priority=priority,
     )
 
 

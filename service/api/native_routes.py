@@ -173,6 +173,7 @@ def chat():
         remembered=len(history),
         shape=shape,
         speculative=body.speculative,
+        priority=body.priority,
         **body.thinking(),
     )
     generation = engine.submit(gen_request)

@@ -108,6 +108,7 @@ def chat_completions():
         remembered=0,
         shape=shape,
         speculative=body.speculative,
+        priority=body.priority,
         **body.thinking(),
     )
     generation = engine.submit(gen_request)

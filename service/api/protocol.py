@@ -15,7 +15,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..generation import SHARED_SAMPLING, MaxTokens, SamplingParams, StopString, TopLogprobs
+from ..generation import SHARED_SAMPLING, MaxTokens, Priority, SamplingParams, StopString, TopLogprobs
 
 # A conversation id (body field or X-Conversation-Id header): also a cache key and Nginx's hash key.
 CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -202,6 +202,7 @@ class _Sampling(_SamplingFields):
         None, description="thinking checkpoints: a thinking budget (docs/api.md); max_thinking_tokens wins"
     )
     media_io_kwargs: MediaIOKwargs | None = Field(None, description="clips' sampling, as vLLM spells it")
+    priority: Priority = 0
 
     def clip_sampling(self) -> tuple[float | None, int | None]:
         """(fps, max_frames) for this request's clips: the native fields, else media_io_kwargs.video's."""
@@ -291,6 +292,6 @@ class NativeChatRequest(_Sampling):
 # video): the scalar sampling fields, response_format as JSON text, and the native ones.
 FORM_FIELDS = frozenset(
     {name for name in SHARED_SAMPLING if name != "logit_bias"}
-    | {"prompt", "conversation_id", "stream", "response_format", "logprobs", "top_logprobs", "speculative"}
+    | {"prompt", "conversation_id", "stream", "response_format", "logprobs", "top_logprobs", "speculative", "priority"}
     | {"max_pixels", "min_pixels", "fps", "max_frames", "enable_thinking", "max_thinking_tokens", "reasoning_effort"}
 )

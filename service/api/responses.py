@@ -332,6 +332,7 @@ class NativeTimings(BaseModel):
     """Seconds (and the decode rate), as the server measured them."""
 
     queue_wait: float
+    paused: float = Field(description="paused for more urgent requests (the answer is the same bits)")
     image_decode: float
     video_decode: float
     cache_lookup: float
@@ -360,6 +361,7 @@ class NativeDone(BaseModel):
     image_tokens: list[int] = Field(description="the visual tokens each picture in the prompt got (history included)")
     video_tokens: list[int] = Field(description="the visual tokens each clip in the prompt got")
     timings: NativeTimings
+    preempted: int = Field(0, description="times it was paused for a more urgent request (`priority`)")
     boxes: list[BoxOut] = Field(description="boxes and points the answer names, in the client's pixels (grounding)")
     logprobs: list[LogprobEntry] | None = None
 
@@ -394,6 +396,7 @@ def native_done(done: Completion, head: NativeHead, logprobs: list[LogprobEntry]
         image_tokens=list(done.image_tokens),
         video_tokens=list(done.video_tokens),
         timings=NativeTimings(**{k: round(v, 4) for k, v in asdict(done.timings).items()}),
+        preempted=done.preempted,
         boxes=[box_out(b) for b in done.boxes],
     )
     if done.reasoning is not None:

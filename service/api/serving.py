@@ -11,7 +11,7 @@ from typing import Protocol
 
 from .. import metrics
 from ..errors import InternalError, ServiceError
-from ..generation import Completion, Generation, GenerationRequest, TextDelta
+from ..generation import Completion, Generation, GenerationRequest, TextDelta, priority_class
 
 log = logging.getLogger("service.requests")
 
@@ -46,15 +46,15 @@ def record(
         else:
             log.info("%s %s client gone after %d tokens", request.request_id, endpoint, made)
         return
-    t = done.timings
+    t, label = done.timings, priority_class(request.priority)
     metrics.FINISHED.labels(done.finish_reason).inc()
     metrics.GENERATED_TOKENS.inc(done.completion_tokens)
     metrics.PROMPT_TOKENS.inc(done.prompt_tokens)
-    metrics.QUEUE_WAIT.observe(t.queue_wait)
+    metrics.QUEUE_WAIT.labels(label).observe(t.queue_wait)
     metrics.IMAGE_DECODE.observe(t.image_decode)
     metrics.VISION_ENCODE.observe(t.vision_encode)
     if done.completion_tokens:
-        metrics.TTFT.observe(t.time_to_first_token)
+        metrics.TTFT.labels(label).observe(t.time_to_first_token)
     if done.completion_tokens > 1:
         metrics.INTER_TOKEN.observe(t.decode / (done.completion_tokens - 1))
     log.info(

@@ -1,74 +1,185 @@
-"""Admission to the model: up to `slots` generations at once (the engine's batch), a bounded FIFO of
-waiters (the `qwen3vl_queue_depth` gauge), a wait timeout."""
+"""Admission to the model: up to `slots` requests hold a place in the engine's batch at once; the
+rest wait, most urgent first, in a bounded queue (the `qwen3vl_queue_depth` gauge, by class).
+
+Urgency is a request's `priority` (lower first, default 0: vLLM's field) minus one for every `aging`
+seconds since it reached the server: a request of priority 10 outranks new priority-0 ones after
+10 × `aging` seconds, so no class waits forever. Equal urgency: first come, first served.
+
+Preemption: a request that finds every place held, one of them by a less urgent request, takes the
+place of the least urgent holder (the latest to arrive among equals) at once. The scheduler pauses
+that holder at its next step, its whole state kept (service/engine/batching.py), and it waits here
+like any waiter — ahead of later arrivals of its urgency — for a place to resume in. Paused
+requests are admitted already: they do not count against the queue's bound and never time out
+(REQUEST_DEADLINE still ends them).
+"""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .. import metrics
 from ..errors import QueueFull, Unavailable
+from ..generation import priority_class
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's hold on a place in the batch (or its wait for one)."""
+
+    priority: int
+    arrived: float  # perf_counter time the request reached the server
+    order: int  # admission order: the tie-break between equal urgencies
+    aging: float  # seconds of waiting that make it one priority more urgent
+    holds: bool = False  # it has a place in the batch
+    preempted: int = 0  # times it gave its place to a more urgent request
+    paused_seconds: float = 0.0  # time spent paused, all pauses together
+    _paused_at: float | None = None
+    _turn: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def paused(self) -> bool:
+        """It gave its place away and waits to get one back (the scheduler leaves it alone meanwhile)."""
+        return self._paused_at is not None
+
+    @property
+    def label(self) -> str:
+        return priority_class(self.priority)
+
+    def urgency(self, now: float) -> float:
+        """Its priority, one lower for every `aging` seconds since it arrived: lower goes first."""
+        return self.priority - (now - self.arrived) / self.aging
+
+    def rank(self, now: float) -> tuple[float, int]:
+        """Its turn among others: the most urgent first, then the first to arrive."""
+        return self.urgency(now), self.order
 
 
 class Admission:
-    """`acquire()` … `release()` holds one of `slots` places; when all are taken, at most
-    `queue_size` more requests wait.
+    """`acquire()` … `release(ticket)` holds one of `slots` places; see the module docstring.
 
     A request beyond the queue is refused at once (429, Retry-After); one that waits longer than
-    `timeout` seconds gets a 503. Waiters are served first come, first served.
+    `timeout` seconds gets a 503. `on_change` is called (outside the lock) when a holder is paused
+    or a paused one may resume, so the scheduler looks at once.
     """
 
-    def __init__(self, queue_size: int, timeout: float, retry_after: int = 2, slots: int = 1):
+    def __init__(
+        self,
+        queue_size: int,
+        timeout: float,
+        retry_after: int = 2,
+        slots: int = 1,
+        aging: float = 30.0,
+        on_change: Callable[[], None] | None = None,
+    ):
         self.slots = slots
         self.queue_size = queue_size
         self.timeout = timeout
         self.retry_after = retry_after
+        self.aging = aging
+        self.on_change = on_change or (lambda: None)
         self._lock = threading.Lock()
-        self._in_use = 0
-        self._waiters: deque[threading.Event] = deque()
+        self._order = itertools.count()
+        self._holders: list[Ticket] = []
+        self._waiting: list[Ticket] = []  # new arrivals (blocked in acquire) and paused holders
 
     @property
     def busy(self) -> bool:
-        return self._in_use > 0
+        return bool(self._holders or self._waiting)
 
-    def acquire(self, timeout: float | None = None) -> float:
-        """Wait for the model; returns the seconds waited. Pair with release()."""
-        start = time.perf_counter()
-        self._acquire(self.timeout if timeout is None else timeout)
-        return time.perf_counter() - start
+    def _blocked(self) -> int:
+        return sum(1 for t in self._waiting if not t.paused)
 
-    def _acquire(self, timeout: float) -> None:
+    def _first_waiter(self, now: float) -> Ticket | None:
+        return min(self._waiting, key=lambda t: t.rank(now), default=None)
+
+    def acquire(self, priority: int = 0, arrived: float | None = None, timeout: float | None = None) -> Ticket:
+        """Wait for a place (taking a less urgent holder's at once); pair with release(ticket)."""
+        now = time.perf_counter()
+        ticket = Ticket(priority, now if arrived is None else arrived, next(self._order), self.aging)
+        timeout = self.timeout if timeout is None else timeout
+        preempted = False
         with self._lock:
-            if self._in_use < self.slots and not self._waiters:
-                self._in_use += 1
-                return
-            if len(self._waiters) >= self.queue_size:
+            first = self._first_waiter(now)
+            ahead = first is not None and first.rank(now) < ticket.rank(now)
+            if len(self._holders) < self.slots and not ahead:
+                return self._hold(ticket)
+            victim = None if ahead else self._victim(ticket, now)
+            if victim is not None:
+                self._pause(victim, now)
+                preempted = True
+                self._hold(ticket)
+            elif self._blocked() >= self.queue_size:
                 raise QueueFull(
-                    f"the server is busy: {len(self._waiters)} requests are already waiting; retry shortly",
+                    f"the server is busy: {self._blocked()} requests are already waiting; retry shortly",
                     headers={"Retry-After": str(self.retry_after)},
                 )
-            turn = threading.Event()
-            self._waiters.append(turn)
-        metrics.QUEUE_DEPTH.inc()
+            else:
+                self._waiting.append(ticket)
+        if preempted:
+            metrics.PREEMPTIONS.labels(victim.label).inc()
+            self.on_change()
+            return ticket
+        return self._wait(ticket, timeout)
+
+    def _victim(self, ticket: Ticket, now: float) -> Ticket | None:
+        """The holder whose place `ticket` takes: the least urgent, if less urgent than it."""
+        least = max(self._holders, key=lambda t: t.rank(now), default=None)
+        if least is not None and least.urgency(now) > ticket.urgency(now):
+            return least
+        return None
+
+    def _hold(self, ticket: Ticket) -> Ticket:
+        ticket.holds = True
+        self._holders.append(ticket)
+        return ticket
+
+    def _pause(self, ticket: Ticket, now: float) -> None:
+        self._holders.remove(ticket)
+        ticket.holds, ticket._paused_at = False, now
+        ticket.preempted += 1
+        self._waiting.append(ticket)
+
+    def _wait(self, ticket: Ticket, timeout: float) -> Ticket:
+        label = ticket.label
+        metrics.QUEUE_DEPTH.labels(label).inc()
         try:
-            if turn.wait(timeout):
-                return  # release() handed the model to us
+            if ticket._turn.wait(timeout):
+                return ticket  # release() handed us a place
             with self._lock:
-                if turn.is_set():  # handed over just as we timed out
-                    return
-                self._waiters.remove(turn)
+                if ticket.holds:  # handed over just as we timed out
+                    return ticket
+                self._waiting.remove(ticket)
         finally:
-            metrics.QUEUE_DEPTH.dec()
+            metrics.QUEUE_DEPTH.labels(label).dec()
         raise Unavailable(
             f"timed out after {timeout:.0f} s waiting for the model; retry later",
             code="queue_timeout",
             headers={"Retry-After": str(self.retry_after)},
         )
 
-    def release(self) -> None:
+    def release(self, ticket: Ticket) -> None:
+        """The request ended: its place (or its wait to resume) goes to the most urgent waiter."""
+        resumed = False
         with self._lock:
-            if self._waiters:
-                self._waiters.popleft().set()  # the slot passes directly: _in_use stays
-            else:
-                self._in_use -= 1
+            if ticket in self._holders:
+                self._holders.remove(ticket)
+            elif ticket in self._waiting:  # ended while paused
+                self._waiting.remove(ticket)
+            ticket.holds = False
+            now = time.perf_counter()
+            while len(self._holders) < self.slots and self._waiting:
+                waiter = self._first_waiter(now)
+                self._waiting.remove(waiter)
+                self._hold(waiter)
+                if waiter.paused:
+                    waiter.paused_seconds += now - waiter._paused_at
+                    waiter._paused_at = None
+                    resumed = True
+                else:
+                    waiter._turn.set()
+        if resumed:
+            self.on_change()

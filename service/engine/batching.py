@@ -8,10 +8,16 @@ leaves the moment it finishes or is cancelled.
 Prefill is a generator (`Sequence.prefill`, written by the engine) that yields after each unit of
 work — a vision-encoder block, a chunk of prompt tokens — or, while the disk tier reads its cached
 prefix on a thread of its own, the read in progress. The scheduler interleaves: one unit of
-the oldest waiting prefill, then one decode step of the batch, and again. A running stream so
-waits at most one unit per token while a neighbour prefills; with nothing to decode, prefill runs
-back to back. A prefill waiting for its disk read is parked (READING) until the read is done: the
-prefills behind it go on meanwhile, so a slow read holds up no one else.
+the most urgent waiting prefill (the oldest among equals), then one decode step of the batch, and
+again. A running stream so waits at most one unit per token while a neighbour prefills; with
+nothing to decode, prefill runs back to back — and so it does while the prefill is more urgent than
+every running sequence (a lower `priority`): interactive requests reach their first token as on an
+idle server while background work waits. A prefill waiting for its disk read is parked (READING)
+until the read is done: the prefills behind it go on meanwhile, so a slow read holds up no one else.
+
+Preemption (service/engine/admission.py decides): a sequence whose place went to a more urgent
+request is PAUSED at the next step — taken out of the steps, its state untouched — and resumed when
+admission gives it a place back; nothing it computes depends on when, so its answer is the same.
 
 Every transition of a sequence's status (service/engine/sequence.py) is made here, on this thread,
 where it happens — but one: a stop string, which the request's thread finds in the text.
@@ -57,6 +63,7 @@ class Scheduler:
         self._inbox: list[Sequence] = []
         self._waiting: list[Sequence] = []  # WAITING, READING or PREFILLING, oldest first
         self._running: list[Sequence] = []
+        self._paused: list[Sequence] = []
         self._thread: threading.Thread | None = None
 
     @property
@@ -75,17 +82,34 @@ class Scheduler:
     def cancel_all(self) -> None:
         """End every sequence at the next step (graceful shutdown)."""
         with self._wake:
-            for sequence in [*self._inbox, *self._waiting, *self._running]:
+            for sequence in [*self._inbox, *self._waiting, *self._running, *self._paused]:
                 sequence.cancel()
             self._wake.notify()
 
-    def _wake_up(self, _=None) -> None:
+    def wake(self, _=None) -> None:
+        """Look at the sequences now (a read finished; admission paused or resumed one)."""
         with self._wake:
             self._wake.notify()
 
     def _next_prefill(self) -> Sequence | None:
-        """The oldest prefill that is not parked on a disk read."""
-        return next((s for s in self._waiting if s.reading is None or s.reading.done()), None)
+        """The most urgent prefill (the oldest among equals) not parked on a disk read."""
+        ready, now = [s for s in self._waiting if s.reading is None or s.reading.done()], time.perf_counter()
+        return min(ready, key=lambda s: s.ticket.rank(now), default=None)
+
+    def _resumable(self) -> bool:
+        return any(not s.ticket.paused for s in self._paused)
+
+    def _follow_admission(self) -> None:
+        """Sequences whose place went to a more urgent request pause; those given one back resume."""
+        for queue in (self._running, self._waiting):
+            for sequence in [s for s in queue if s.ticket.paused]:
+                queue.remove(sequence)
+                sequence.pause()
+                self._paused.append(sequence)
+        for sequence in [s for s in self._paused if not s.ticket.paused]:
+            self._paused.remove(sequence)
+            (self._running if sequence.resume() is Status.RUNNING else self._waiting).append(sequence)
+        self._waiting.sort(key=lambda s: s.ticket.order)  # a resumed prefill takes its old turn back
 
     def _loop(self) -> None:
         # This thread's own OpenMP setting (each thread has one) and torch's: the model may have been
@@ -94,44 +118,49 @@ class Scheduler:
         with torch.inference_mode():
             while True:
                 with self._wake:
-                    while not (self._inbox or self._running or self._next_prefill()):
+                    while not (self._inbox or self._running or self._next_prefill() or self._resumable()):
                         # Only parked reads left (a finished read wakes us), or nothing at all.
                         self._wake.wait(READ_WAIT if self._waiting else None)
                         if self._waiting:
                             break  # look at cancellations and deadlines
                     self._waiting.extend(self._inbox)
                     self._inbox.clear()
-                in_hand = [*self._running, *self._waiting]
+                in_hand = [*self._running, *self._waiting, *self._paused]
                 try:
+                    self._follow_admission()
                     self._drop_ended()
                     ready = self._next_prefill()
                     if ready is not None:
                         self._prefill_step(ready)
-                    if self._running:
+                    if self._running and not (ready is not None and self._outranks(ready)):
                         self._decode_step()
                 except Exception as exc:  # a bug here must not leave requests waiting forever
                     log.exception("batch scheduler step failed")
-                    self._fail([*in_hand, *self._running, *self._waiting], exc)
+                    self._fail([*in_hand, *self._running, *self._waiting, *self._paused], exc)
                 metrics.BATCH_SIZE.set(len(self._running))
+
+    def _outranks(self, prefilling: Sequence) -> bool:
+        """Whether a prefill is more urgent than every running sequence (they wait for it)."""
+        now = time.perf_counter()
+        return all(prefilling.ticket.urgency(now) < s.ticket.urgency(now) for s in self._running)
 
     def _drop_ended(self) -> None:
         """Sequences asked to end (client gone, stop string, shutdown) or past their deadline leave."""
         now = time.perf_counter()
-        for sequence in list(self._waiting):
-            status = sequence.ending(now)
-            if status is not None:
-                self._waiting.remove(sequence)
+        for queue in (self._waiting, self._running, self._paused):
+            for sequence in list(queue):
+                status = sequence.ending(now)
+                if status is None:
+                    continue
+                queue.remove(sequence)
+                prefilling = sequence.in_prefill
                 sequence.finish(status)
-                try:
-                    sequence.prefill.close()  # lets the engine hand back a reused KV prefix
-                except Exception as exc:
-                    sequence.error = exc
+                if prefilling:
+                    try:
+                        sequence.prefill.close()  # lets the engine hand back a reused KV prefix
+                    except Exception as exc:
+                        sequence.error = exc
                 self._leave_alone(sequence)
-        for sequence in list(self._running):
-            status = sequence.ending(now)
-            if status is not None:
-                sequence.finish(status)
-                self._leave(sequence)
 
     def _prefill_step(self, sequence: Sequence) -> None:
         if sequence.status is Status.WAITING:
@@ -142,7 +171,7 @@ class Scheduler:
             reading = next(sequence.prefill)
             if reading is not None:  # a read from disk: parked until it is done
                 sequence.status, sequence.reading = Status.READING, reading
-                reading.add_done_callback(self._wake_up)
+                reading.add_done_callback(self.wake)
             return
         except StopIteration as end:
             prefilled: Prefilled = end.value
@@ -217,12 +246,12 @@ class Scheduler:
         for sequence in sequences:
             if sequence.done.is_set():
                 continue
-            if sequence in self._waiting:
-                self._waiting.remove(sequence)
+            for queue in (self._waiting, self._running, self._paused):
+                if sequence in queue:
+                    queue.remove(sequence)
+            if sequence.in_prefill:
                 with contextlib.suppress(Exception):
                     sequence.prefill.close()
-            if sequence in self._running:
-                self._running.remove(sequence)
             self._end_with_error(sequence, exc)
 
     def _leave(self, sequence: Sequence) -> None:

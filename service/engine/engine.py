@@ -15,6 +15,7 @@ caller's handle on the request: its events, `cancel`, and its live state.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
@@ -30,7 +31,7 @@ from ..model.forward import TextForward
 from ..model.loading import LoadedModel
 from ..settings import Settings
 from ..vision.encoders import make_vision_encoder
-from .admission import Admission
+from .admission import Admission, Ticket
 from .batching import Scheduler
 from .drafts import DraftBudget
 from .input import InputProcessor, Prepared
@@ -67,11 +68,17 @@ class Engine:
         self.limits = RequestLimits.build(settings, self.processor)
         kernels = asdict(loaded.kernels) if loaded.kernels is not None else None
         metrics.record_int8_kernels(kernels)
-        self.admission = Admission(settings.queue_size, settings.queue_timeout, slots=settings.max_batch_size)
         # One forward for prefill pieces and decode steps: a token's bits never depend on the path.
         native.configure(settings.cache_dir)
         self.forward = TextForward(loaded.model, ExactAttention.load())
         self.scheduler = Scheduler(self.forward, settings.threads)
+        self.admission = Admission(
+            settings.queue_size,
+            settings.queue_timeout,
+            slots=settings.max_batch_size,
+            aging=settings.priority_aging_seconds,
+            on_change=self.scheduler.wake,
+        )
         self.vision_encoder = make_vision_encoder(loaded, settings)
         # The memory budget: near it the caches give memory back, over it requests get 503.
         self.memory = MemoryGuard.from_settings(settings)
@@ -100,18 +107,19 @@ class Engine:
         and hand the request to the scheduler; returns its Generation. The model slot is released
         once the stream has ended or been closed and the scheduler has let go of it."""
         prepared = self.inputs.prepare(request)
-        waited = self.admission.acquire()
+        asked = time.perf_counter()
+        ticket = self.admission.acquire(request.priority, request.received_at)
         try:
-            sequence = self._sequence(request, prepared, waited)
+            sequence = self._sequence(request, prepared, ticket, time.perf_counter() - asked)
         except BaseException:
-            self.admission.release()
+            self.admission.release(ticket)
             raise
         self.scheduler.submit(sequence)
 
         def release():
             sequence.cancel()  # a generation closed before its end (or never iterated)
             sequence.done.wait()
-            self.admission.release()
+            self.admission.release(ticket)
 
         return Generation(self.outputs.events(sequence), sequence, release)
 
@@ -128,7 +136,7 @@ class Engine:
         """Stop every admitted generation at the scheduler's next step (graceful shutdown)."""
         self.scheduler.cancel_all()
 
-    def _sequence(self, request: GenerationRequest, prepared: Prepared, waited: float) -> Sequence:
+    def _sequence(self, request: GenerationRequest, prepared: Prepared, ticket: Ticket, waited: float) -> Sequence:
         """The request as the scheduler runs it: its prefill steps, sampler, stream and limits."""
         marks = PrefillMarks()
         return Sequence(
@@ -141,6 +149,7 @@ class Engine:
             stream=TokenStream(self.processor.tokenizer),
             eos_token_ids=frozenset(self.loaded.eos_token_ids),
             on_leave=self._keep_cache,
+            ticket=ticket,
             constraint=prepared.constraint,
             drafts=DraftBudget(self.settings.speculative_tokens) if self._speculates(request) else None,
             reasoning=ReasoningPhase(self.inputs.thinking, *prepared.reasoning) if prepared.reasoning else None,

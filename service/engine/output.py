@@ -93,6 +93,7 @@ class OutputProcessor:
             reasoning_tokens=phase.spent if phase is not None else 0,
             image_tokens=image_tokens,
             video_tokens=video_tokens,
+            preempted=sequence.ticket.preempted,
         )
 
     @staticmethod
@@ -105,6 +106,7 @@ class OutputProcessor:
         started = sequence.prefill_started_at or end
         return Timings(
             queue_wait=sequence.queue_wait + started - sequence.submitted_at,
+            paused=sequence.ticket.paused_seconds,
             image_decode=request.image_decode_seconds,
             video_decode=request.video_decode_seconds,
             cache_lookup=marks.cache_lookup,

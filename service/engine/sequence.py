@@ -8,7 +8,9 @@ scheduler, which owns it from then on: each transition sets `status` where it ha
     cancelled, error)
 
 READING is a prefill parked while the disk tier reads its cached prefix (other prefills go on);
-PAUSED is reserved for preemption (a running sequence parked whole, resumed with the same bits).
+PAUSED is a sequence whose place in the batch went to a more urgent request (service/engine/
+admission.py): left alone whole — its tokens, KV cache, sampler and RNG, grammar, guess budget and
+stream as they were — and resumed where it was, so its answer has the bits it would have had.
 The request's own thread only reads the record (the output side, service/engine/output.py), asks
 for it to end (`cancel`), and — once the scheduler has let go — ends it at a stop string
 (`end_at_stop_string`): the one transition made off the scheduler's thread, since only the text
@@ -27,9 +29,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from .. import metrics
 from ..answer.structured import Constraint
 from ..generation import GenerationRequest
 from ..model.prompts import PreparedPrompt
+from .admission import Ticket
 from .drafts import DraftBudget
 from .reasoning import ReasoningPhase
 from .sampling import Sampler
@@ -41,7 +45,7 @@ class Status(enum.Enum):
     READING = "reading"  # its prefill parked while the disk tier reads its cached prefix
     PREFILLING = "prefilling"
     RUNNING = "running"  # in the decode batch
-    PAUSED = "paused"  # preempted: out of the batch, its state kept to resume (the preemption issue's)
+    PAUSED = "paused"  # preempted: out of the batch, its state kept to resume
     FINISHED_STOP = "stop"  # an end of turn, or a stop string
     FINISHED_LENGTH = "length"  # its token limit (or a stop string cut its grammar's match short)
     FINISHED_DEADLINE = "deadline"  # REQUEST_DEADLINE passed
@@ -95,6 +99,7 @@ class Sequence:
     stream: TokenStream
     eos_token_ids: frozenset[int]
     on_leave: Callable[[Sequence], None]
+    ticket: Ticket  # its place in the batch (or its wait for one): service/engine/admission.py
     constraint: Constraint | None = None  # its grammar's state (structured output), if any
     drafts: DraftBudget | None = None  # its guesses for speculative decoding (service/engine/drafts.py), if on
     reasoning: ReasoningPhase | None = None  # a thinking model's reasoning, then its answer (engine/reasoning.py)
@@ -107,6 +112,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt and answer, once prefilled
     rope_delta: int = 0
     cache: DynamicCache | None = None  # its KV cache once prefilled (the decode step extends it)
+    paused_from: Status | None = None  # while PAUSED: the status it resumes with
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     _cancel: threading.Event = field(default_factory=threading.Event)
@@ -134,6 +140,8 @@ class Sequence:
     def finish(self, status: Status) -> None:
         """End it with `status`, unless it has ended already (the first end wins)."""
         with self._lock:
+            if self.status is Status.PAUSED:
+                metrics.PAUSED.labels(self.ticket.label).dec()
             if not self.status.finished:
                 self.status = status
 
@@ -144,6 +152,22 @@ class Sequence:
         complete = self.constraint is None or self.constraint.complete
         with self._lock:
             self.status = Status.FINISHED_STOP if complete else Status.FINISHED_LENGTH
+
+    @property
+    def in_prefill(self) -> bool:
+        """Its prefill has not finished (paused or not)."""
+        return (self.paused_from or self.status) in (Status.WAITING, Status.READING, Status.PREFILLING)
+
+    def pause(self) -> None:
+        """Its place went to a more urgent request: out of the scheduler's steps, everything kept."""
+        self.paused_from, self.status = self.status, Status.PAUSED
+        metrics.PAUSED.labels(self.ticket.label).inc()
+
+    def resume(self) -> Status:
+        """Back where it was; returns that status (RUNNING: the decode batch; else its prefill)."""
+        self.status, self.paused_from = self.paused_from, None
+        metrics.PAUSED.labels(self.ticket.label).dec()
+        return self.status
 
     def ending(self, now: float) -> Status | None:
         """The status it ends with now, if it must: asked to end, or past its deadline."""
