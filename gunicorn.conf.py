@@ -78,10 +78,10 @@ def post_worker_init(worker):
 
     startup.mark("worker")
     startup.log_timeline("serving")
-    if engine is not None:  # preloaded: this process's own page-table entries for the mapped weights
-        from service.model.prefault import prefault
+    if engine is not None:  # preloaded: this process's own page-table entries and packed Linears
+        from service.model.loading import warm_up
 
-        prefault(engine.loaded.path)
+        warm_up(engine.loaded)
 
 
 def on_exit(server):

@@ -17,10 +17,11 @@ from torch import nn
 
 from service.engine.engine import Completion, Engine, GenerationRequest, SamplingParams
 from service.media.images import decode_image
-from service.model.loading import load_model
+from service.model.loading import load_model, warm_up
 from service.model.prompts import ChatMessage, ImagePart, TextPart
 from service.quant import int8_linear
 from service.quant.int8_linear import Int8Linear, PackedInt8Embedding, pack_native, quantize_rows, unpack_native
+from service.quant.kernel_choice import KernelChoice
 from service.quant.packing import native_int8_names
 from service.quant.quantized import FORMAT, QUANTIZED_MARKER, write_quantized
 
@@ -162,6 +163,44 @@ def test_int8_logits_stay_close_to_fp32(load_time_engine, fp32_engine):
         assert not torch.equal(q, f)
 
 
+def vision_features(loaded):
+    images = [pattern(224, 160, seed=5)]
+    out = loaded.processor.image_processor(images, return_tensors="pt")
+    with torch.inference_mode():
+        [features] = loaded.model.model.visual.image_features(out["pixel_values"], out["image_grid_thw"])
+    return features
+
+
+def test_a_measured_packed_kernel_is_packed_after_the_start_with_the_same_bits(cache_dir, int8_dir, monkeypatch):
+    """A probe that picks oneDNN for the vision tower (as on the 8B shapes here: 1.5x native's prefill)
+    costs the start nothing: the native kernel serves the tower from the mapping until warm_up has
+    packed oneDNN's layouts, the same bits before and after; a forced kernel is packed at load."""
+    measured = KernelChoice(decoder="native", vision="onednn")
+    monkeypatch.setattr("service.model.loading.int8_kernels", lambda settings, path: measured)
+    loaded = load_model(make_settings(cache_dir, model_path=int8_dir))
+
+    def tower_kernels():
+        return {
+            m.kernel
+            for n, m in loaded.model.named_modules()
+            if n.startswith("model.visual.") and isinstance(m, Int8Linear)
+        }
+
+    assert tower_kernels() == {"native"} and len(loaded.pending_packing) > 10
+    before = vision_features(loaded)
+    warm_up(loaded).join(60)
+    assert tower_kernels() == {"onednn"} and not loaded.pending_packing
+    after = vision_features(loaded)
+    assert torch.equal(before.pooler, after.pooler)
+    assert all(torch.equal(a, b) for a, b in zip(before.deepstack, after.deepstack))
+    assert warm_up(loaded) is None  # packed once
+
+    forced = KernelChoice(decoder="native", vision="onednn", forced=True)
+    monkeypatch.setattr("service.model.loading.int8_kernels", lambda settings, path: forced)
+    loaded = load_model(make_settings(cache_dir, model_path=int8_dir))
+    assert tower_kernels() == {"onednn"} and not loaded.pending_packing
+
+
 def test_fp32_setting_on_an_int8_checkpoint_is_refused_with_the_way_out(cache_dir, int8_dir):
     with pytest.raises(ValueError, match="quantized checkpoint.*QUANTIZATION=int8"):
         load_model(make_settings(cache_dir, model_path=int8_dir, quantization="fp32"))
@@ -266,7 +305,7 @@ def test_a_format_1_checkpoint_is_converted_once_into_the_cache_and_answers_alik
 
 PSS_PROBE = """
 import sys, time, torch
-from service.model.loading import load_model
+from service.model.loading import load_model, warm_up
 from service.settings import load_settings
 loaded = load_model(load_settings())
 ids = loaded.processor.tokenizer("Tell me a story.", return_tensors="pt").input_ids

@@ -21,13 +21,18 @@ class Session:
 
     def __init__(self, model_path, threads: int = 2, loaded=None, **settings):
         from service.engine.engine import Engine
-        from service.model.loading import load_model
+        from service.model.loading import load_model, warm_up
         from service.settings import load_settings
 
         self._given = {"model_path": model_path, "threads": threads, "quantization": "int8", "cache_enabled": False}
         self._given.update(settings)
         self.settings = load_settings(**self._given)
-        self.loaded = loaded or load_model(self.settings)
+        if loaded is None:  # as a server serves once warm: the measured kernels' layouts packed
+            loaded = load_model(self.settings)
+            packing = warm_up(loaded)
+            if packing is not None:
+                packing.join()
+        self.loaded = loaded
         self.engine = Engine(self.loaded, self.settings)
         self.model, self.processor = self.loaded.model, self.loaded.processor
         self.tokenizer = self.processor.tokenizer

@@ -35,16 +35,16 @@ class AppState:
 
     def load(self, threads: int | None = None, before_fork: bool = False) -> None:
         from ..model import prefault
-        from ..model.loading import load_model
+        from ..model.loading import load_model, warm_up
 
         try:
             self.engine = Engine(load_model(self.settings, threads), self.settings)
             startup.mark("engine")
             startup.log_timeline("model ready")
-            if before_fork:  # the worker maps the pages itself (service/model/prefault.py): read ahead only
+            if before_fork:  # the worker maps the pages and packs itself (gunicorn.conf.py): read ahead only
                 prefault.read_ahead(self.engine.loaded.path)
             else:
-                prefault.prefault(self.engine.loaded.path)
+                warm_up(self.engine.loaded)
         except Exception as exc:  # reported by /ready and every request, not a dead worker
             log.exception("model failed to load")
             self.load_error = f"{type(exc).__name__}: {exc}"

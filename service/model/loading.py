@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -45,6 +48,8 @@ class LoadedModel:
     prequantized: bool = False  # loaded from an INT8 checkpoint (`python -m service quantize`)
     kernels: object = None  # INT8: the KernelChoice (service/quant/kernel_choice.py) its Linears run
     weights_mapped: bool = False  # Linear weights memory-mapped: the model did not fit MAX_MEMORY_MB
+    # INT8 Linears the native kernel serves until their measured kernel's layout is packed (warm_up)
+    pending_packing: list = field(default_factory=list)
 
 
 def load_processor(path: Path):
@@ -99,11 +104,15 @@ def _load(settings: Settings) -> LoadedModel:
             "QUANTIZATION=int8, or point MODEL_PATH at the original checkpoint for fp32"
         )
     kernels = int8_kernels(settings, path) if settings.quantization == "int8" else None
+    pending: list = []
     with _OnceWarnings():
         model = skeleton(AutoConfig.from_pretrained(path))  # Qwen3-VL or Qwen3-VL-MoE, as the config says
         model.generation_config = generation_config(path, model.config)
         if prequantized:
-            mapped = load_quantized(model, path, settings.threads, MemoryGuard.from_settings(settings), kernels)
+            guard = MemoryGuard.from_settings(settings)
+            # A measured choice of FBGEMM or oneDNN is packed after the start (warm_up); a forced one now.
+            later = None if kernels is None or kernels.forced else pending
+            mapped = load_quantized(model, path, settings.threads, guard, kernels, later)
         else:
             check_fits(path, settings.quantization, MemoryGuard.from_settings(settings).budget_bytes)
             # The checkpoint's own dtype (bf16 for Qwen's releases): no whole fp32 copy before quantizing.
@@ -137,7 +146,14 @@ def _load(settings: Settings) -> LoadedModel:
         prequantized=prequantized,
         weights_mapped=mapped,
         kernels=kernels,
+        pending_packing=pending,
     )
+    if pending:
+        log.info(
+            "%d INT8 Linears served by the native kernel until their measured kernel's layout is packed, "
+            "after the start (the same bits)",
+            len(pending),
+        )
     log.info(
         "loaded %s (%s%s) from %s in %.1f s",
         loaded.name,
@@ -147,3 +163,28 @@ def _load(settings: Settings) -> LoadedModel:
         loaded.load_seconds,
     )
     return loaded
+
+
+def warm_up(loaded: LoadedModel) -> threading.Thread | None:
+    """In the process that serves, once it is ready: its mappings of the weights populated
+    (service/model/prefault.py) and the pending INT8 Linears packed for their measured kernel, one
+    at a time, on a background thread at the lowest CPU priority — requests are served meanwhile, by
+    the native kernel until each packed Linear replaces it (the same bits). Returns that thread."""
+    from ..quant.quantized import pack_pending
+    from . import prefault
+
+    prefault.prefault(loaded.path)
+    pending, loaded.pending_packing = loaded.pending_packing, []
+    if not pending:
+        return None
+
+    def pack():
+        torch.set_num_threads(1)
+        with contextlib.suppress(OSError):  # Linux nices a thread by its id
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        seconds = pack_pending(loaded.model, pending)
+        log.info("%d INT8 Linears packed for their measured kernel in %.1f s, after the start", len(pending), seconds)
+
+    thread = threading.Thread(target=pack, name="int8-packing", daemon=True)
+    thread.start()
+    return thread

@@ -17,9 +17,11 @@ typical turn whose prompt and answer are about as long (a picture and a question
 an answer of a paragraph or two); decode weighs most because every answer token pays it. The
 vision tower, which only ever sees many rows, takes the fastest prefill. The native kernel computes
 from the checkpoint's mapped bytes in place, while FBGEMM and oneDNN need weights packed into a
-layout of their own at every start, in memory private to each process (1.3 s and 0.4 GB per instance
-for 2B's vision tower on a 2-core Xeon): so the native kernel serves unless another is at least
-NATIVE_MARGIN times as fast. INT8_KERNEL=fbgemm|onednn|native forces one kernel for both.
+layout of their own by every process, in its private memory (0.4 GB per instance for 2B's vision
+tower): so the native kernel serves unless another is at least NATIVE_MARGIN times as fast. A
+measured FBGEMM or oneDNN choice is packed after the start (service/model/loading.warm_up: the
+native kernel serves until then, the same bits); INT8_KERNEL=fbgemm|onednn|native forces one kernel
+for both, packed at load.
 
 The result is kept in CACHE_DIR/int8-kernels.json under the CPU's model and flags, the torch
 version, the native kernel's source, the threads and the shapes: a restart reads it instead of

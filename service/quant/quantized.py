@@ -26,6 +26,7 @@ import logging
 import math
 import shutil
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -686,8 +687,30 @@ def _convert_format_1(src: Path, dst: Path) -> None:
 # -- loading --------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PendingPack:
+    """An INT8 Linear the native kernel serves until the measured kernel's layout of it is packed."""
+
+    name: str
+    args: tuple  # Int8Linear's arguments for the measured kernel
+
+
+def pack_pending(model: nn.Module, pending: list[PendingPack]) -> float:
+    """Pack each pending Linear for its measured kernel and swap it in (a Linear at a time: a forward
+    under way keeps the module it started with; both give the same bits). Returns the seconds taken."""
+    started = time.perf_counter()
+    for job in pending:
+        _replace_module(model, job.name, Int8Linear(*job.args))
+    return time.perf_counter() - started
+
+
 def load_quantized(
-    model: nn.Module, path: Path, threads: int, memory: MemoryGuard | None = None, kernel="fbgemm"
+    model: nn.Module,
+    path: Path,
+    threads: int,
+    memory: MemoryGuard | None = None,
+    kernel="fbgemm",
+    deferred: list[PendingPack] | None = None,
 ) -> bool:
     """Fill `model` (the service's modules on the meta device: service/model/skeleton.py) from a
     quantized checkpoint (format 2); whether its weights are over the memory budget.
@@ -696,8 +719,11 @@ def load_quantized(
     4-bit kernel compute from the stored layout in place — nothing is copied or packed, the page cache
     holds one copy for every process on the machine, and a warm start reads nothing from disk. Linears
     the measured choice gives to FBGEMM or oneDNN are packed for them on `threads` threads (their own
-    memory). Over the memory budget every INT8 Linear runs on the native kernel from the mapping (the
-    OS may drop pages and read them back), unless this machine cannot build it.
+    memory) — or, given a `deferred` list and a native kernel, served by the native kernel from the
+    mapping for now, their packing appended to `deferred` (`pack_pending` swaps the packed Linears
+    in later, off the start path: the same bits). Over the memory budget every INT8 Linear runs on
+    the native kernel from the mapping (the OS may drop pages and read them back), unless this
+    machine cannot build it.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -749,8 +775,11 @@ def load_quantized(
             bias = f.get_tensor(f"{name}.bias") if f"{name}.bias" in keys else None
             layouts[name] = layout[0], scales, in_features
             chosen = "native" if over_budget and has_native else kernel_of(name, kernel)
-            if chosen == "native":
-                _replace_module(model, name, Int8Linear(None, scales, bias, "per_token", chosen, layout, in_features))
+            later = chosen != "native" and deferred is not None and has_native and not over_budget
+            if chosen == "native" or later:
+                _replace_module(model, name, Int8Linear(None, scales, bias, "per_token", "native", layout, in_features))
+                if later:
+                    deferred.append(PendingPack(name, (None, scales, bias, "per_token", chosen, layout, in_features)))
             elif over_budget:  # no native kernel here: the weights' rows in memory after all
                 rows = unpack_native(layout[0], out_features, in_features)
                 _replace_module(model, name, MappedInt8Linear([(rows, scales)], bias))
