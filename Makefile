@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
-.PHONY: install test test-quick demo run nginx chromium
+.PHONY: install test test-quick demo run nginx chromium redis
 
 # torch first, alone: its CPU wheel (anything else resolves to a multi-GB CUDA build). Where pip
 # has no local CPU wheel (plain PyPI), add the CPU index:
@@ -17,6 +17,12 @@ nginx:
 	  [ "$$(id -u)" = 0 ] || { echo "nginx is missing: sudo apt-get install nginx" >&2; exit 1; }; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx >/dev/null; }
 
+# Debian's redis-server for the batch jobs' Redis store tests (JOB_STORE_URL=redis://; the fixture starts it), likewise.
+redis:
+	@command -v redis-server >/dev/null || { \
+	  [ "$$(id -u)" = 0 ] || { echo "redis-server is missing (the job store tests need it): sudo apt-get install redis-server" >&2; exit 1; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
+
 # Debian's Chromium for the browser tests (tests/test_web_page.py; Playwright downloads nothing), likewise.
 chromium:
 	@[ -x /usr/bin/chromium ] || { \
@@ -29,7 +35,7 @@ run: install nginx
 	$(PYTHON) -m service.deploy
 
 # The README's test command: lint and format check, then the whole suite on the embedded tiny model.
-test: install nginx chromium
+test: install nginx chromium redis
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m pytest -q --durations=20 tests

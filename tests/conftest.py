@@ -222,6 +222,16 @@ def serve(cache_dir, tiny_dir, tmp_path_factory):
     return start
 
 
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory) -> str:
+    """The URL of one real redis-server for the session (tests.servers.redis_server); a test that
+    needs it empty flushes its database."""
+    from servers import redis_server
+
+    with redis_server(tmp_path_factory.mktemp("redis") / "redis.log") as url:
+        yield url
+
+
 INT4_DIR = "embedded-tiny-int4"  # under the session's cache: `int4_dir` writes it, `weights_settings` serves it
 
 

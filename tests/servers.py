@@ -21,7 +21,10 @@ import requests
 from bench.core import ROOT
 from bench.core.servers import free_port, gunicorn_server, metric, stop_process_group, wait_ready
 
-__all__ = ["deployment", "free_port", "gunicorn_server", "metric", "nginx_proxy", "openai_client", "ROOT", "Stack"]
+__all__ = [
+    "deployment", "free_port", "gunicorn_server", "metric", "nginx_proxy",
+    "openai_client", "redis_server", "ROOT", "Stack",
+]  # fmt: skip
 
 
 def free_ports(count: int) -> int:
@@ -112,6 +115,39 @@ def nginx_proxy(addresses: list[str], log_path: Path, **settings):
         stop_process_group(proc, timeout=10)
         log.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextmanager
+def redis_server(log_path: Path, folder: Path | None = None, port: int | None = None):
+    """Yield the redis:// URL of Debian's redis-server on `port` (default: a free loopback port), its
+    data in `folder` (default: a new one, removed afterwards) written as it changes (appendonly: a
+    restart of the server keeps every job), stopped afterwards."""
+    if shutil.which("redis-server") is None:
+        raise RuntimeError("redis-server is missing: `make redis` (apt-get install redis-server)")
+    import redis
+
+    own = folder is None
+    port, folder = port or free_port(), folder or tempfile.mkdtemp(prefix="test-redis-")
+    log = open(log_path, "ab")
+    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder), "--save", ""]
+    command += ["--appendonly", "yes", "--protected-mode", "yes"]
+    proc = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(url).ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        yield url
+    finally:
+        stop_process_group(proc, timeout=10)
+        log.close()
+        if own:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def openai_client(base: str, api_key: str = "unused", timeout: float = 120, **kwargs):
