@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from contextlib import contextmanager
@@ -88,13 +89,17 @@ def gunicorn_server(
 ):
     """Yield (base_url, process) of `gunicorn -c gunicorn.conf.py wsgi:app` run in `root` (another
     checkout, for a benchmark's baseline) with `env` added, once `ready_path` answers 200 (`headers`:
-    e.g. the API key a server with API_KEYS wants), asking every `poll` seconds."""
-    full_env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "PROMETHEUS_MULTIPROC_DIR")}
-    full_env.update({"THREADS": "2", **env})
-    command = [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app", "--bind", "127.0.0.1:{port}"]
-    popen = {"cwd": root, "env": full_env, "preexec_fn": preexec_fn}
-    with _serving(command, log_path, ready_path, timeout, poll, headers, **popen) as up:
-        yield up
+    e.g. the API key a server with API_KEYS wants), asking every `poll` seconds. Unless `env` names
+    them, the server's disk tier and job store are its own, new, folder: what an earlier run left
+    under CACHE_DIR (cached pictures' keys and values, batch jobs) must not help or feed it."""
+    with tempfile.TemporaryDirectory(prefix="server-state-") as own:
+        full_env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "PROMETHEUS_MULTIPROC_DIR")}
+        full_env.update({"THREADS": "2", "KV_DISK_DIR": f"{own}/kv", "JOB_STORE_URL": f"sqlite:///{own}/jobs.sqlite3"})
+        full_env.update(env)
+        command = [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app", "--bind", "127.0.0.1:{port}"]
+        popen = {"cwd": root, "env": full_env, "preexec_fn": preexec_fn}
+        with _serving(command, log_path, ready_path, timeout, poll, headers, **popen) as up:
+            yield up
 
 
 @contextmanager
