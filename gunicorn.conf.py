@@ -78,10 +78,8 @@ def post_worker_init(worker):
 
     startup.mark("worker")
     startup.log_timeline("serving")
-    if engine is not None:  # preloaded: this process's own page-table entries and packed Linears
-        from service.model.loading import warm_up
-
-        warm_up(engine.loaded)
+    if engine is not None:  # preloaded: this process's own page-table entries, packed Linears, batch runner
+        worker.wsgi.extensions["qwen3vl"].serve_here()
 
 
 def on_exit(server):

@@ -228,6 +228,86 @@ def cmd_export_onnx(args) -> int:
     return 0
 
 
+def cmd_batch(args) -> int:
+    """Batch jobs on a running server (OpenAI's Batch API): submit a JSONL file, follow a batch with a
+    progress bar, fetch its results."""
+    import os
+
+    import requests
+    from tqdm import tqdm
+
+    base = args.url.rstrip("/")
+    key = args.api_key or os.environ.get("OPENAI_API_KEY") or ""
+    session = requests.Session()
+    if key:
+        session.headers["Authorization"] = f"Bearer {key}"
+
+    def call(method: str, path: str, **kwargs):
+        try:
+            reply = session.request(method, base + path, timeout=600, **kwargs)
+        except requests.RequestException as exc:
+            raise SystemExit(f"error: {base} did not answer: {exc}") from None
+        if reply.status_code >= 400:
+            try:
+                message = reply.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = reply.text[:300]
+            raise SystemExit(f"error: {reply.status_code} {message}")
+        return reply
+
+    def follow(batch: dict) -> dict:
+        counts = batch["request_counts"]
+        with tqdm(total=counts["total"], desc=batch["id"], unit="line", file=sys.stderr) as bar:
+            while True:
+                counts = batch["request_counts"]
+                bar.n = counts["completed"] + counts["failed"]
+                bar.set_postfix_str(f"{batch['status']}, {counts['failed']} failed")
+                bar.refresh()
+                if batch["status"] in ("completed", "failed", "expired", "cancelled"):
+                    return batch
+                time.sleep(1)
+                batch = call("GET", f"/v1/batches/{batch['id']}").json()
+
+    if args.batch_command == "submit":
+        path = Path(args.file)
+        with path.open("rb") as f:
+            uploaded = call("POST", "/v1/files", files={"file": (path.name, f)}, data={"purpose": "batch"}).json()
+        body = {"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": args.window}
+        batch = call("POST", "/v1/batches", json=body).json()
+        print(batch["id"])
+        if args.wait:
+            follow(batch)
+        return 0
+    if args.batch_command == "status":
+        batch = call("GET", f"/v1/batches/{args.batch_id}").json()
+        if args.wait:
+            batch = follow(batch)
+        print(json.dumps(batch, indent=2))
+        return 0
+    if args.batch_command == "cancel":
+        print(json.dumps(call("POST", f"/v1/batches/{args.batch_id}/cancel").json(), indent=2))
+        return 0
+    batch = call("GET", f"/v1/batches/{args.batch_id}").json()
+    if batch["status"] not in ("completed", "expired", "cancelled"):
+        print(f"error: {args.batch_id} is {batch['status']}: its results are not written yet", file=sys.stderr)
+        return 1
+    out = Path(args.output).open("w") if args.output else sys.stdout
+    for key_name, target in (("output_file_id", out), ("error_file_id", sys.stderr if not args.errors else None)):
+        file_id = batch.get(key_name)
+        if file_id is None:
+            continue
+        text = call("GET", f"/v1/files/{file_id}/content").text
+        if target is None:
+            Path(args.errors).write_text(text)
+        else:
+            target.write(text)
+    if args.output:
+        out.close()
+    counts = batch["request_counts"]
+    print(f"{counts['completed']} answered, {counts['failed']} failed, of {counts['total']}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .model.checkpoints import PRESETS
 
@@ -317,6 +397,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--cache-dir", help="CACHE_DIR, for the default out_dir")
     export.set_defaults(func=cmd_export_onnx)
+
+    batch = sub.add_parser("batch", help="batch jobs on a running server: submit, status, cancel, results")
+    batch.add_argument("--url", default="http://localhost:8080", help="the server (default: make run's Nginx)")
+    batch.add_argument("--api-key", help="its API key (default: OPENAI_API_KEY)")
+    verbs = batch.add_subparsers(dest="batch_command", required=True)
+    submit = verbs.add_parser("submit", help="upload a JSONL file of /v1/chat/completions requests and start it")
+    submit.add_argument("file")
+    submit.add_argument("--window", default="24h", help="its completion window (default 24h)")
+    submit.add_argument("--wait", action="store_true", help="follow it with a progress bar until it ends")
+    status = verbs.add_parser("status", help="a batch's status and counts")
+    status.add_argument("batch_id")
+    status.add_argument("--wait", action="store_true", help="follow it with a progress bar until it ends")
+    cancel = verbs.add_parser("cancel", help="stop a batch (finished lines are kept)")
+    cancel.add_argument("batch_id")
+    results = verbs.add_parser("results", help="an ended batch's answers (JSONL), its errors on stderr")
+    results.add_argument("batch_id")
+    results.add_argument("-o", "--output", help="write the answers here (default: stdout)")
+    results.add_argument("--errors", help="write the failed lines here (default: stderr)")
+    batch.set_defaults(func=cmd_batch)
     return parser
 
 

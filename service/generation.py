@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from .answer.grounding import Box
 from .answer.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from .answer.structured import OutputGrammar
+from .metrics import PRIORITY_CLASSES
 from .model.prompts import ChatMessage
 
 # Bounds of each sampling parameter: the engine's and the HTTP schemas' (service/api/protocol.py).
@@ -41,7 +42,7 @@ Priority = Annotated[
 
 def priority_class(priority: int) -> str:
     """A bounded label for metrics: urgent (< 0), default (0), background (> 0)."""
-    return "urgent" if priority < 0 else "default" if priority == 0 else "background"
+    return PRIORITY_CLASSES[0 if priority < 0 else 1 if priority == 0 else 2]
 
 
 class SamplingParams(BaseModel):

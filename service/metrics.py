@@ -13,6 +13,7 @@ _TOKEN_GAP = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
 
 REQUESTS = Counter("qwen3vl_requests_total", "HTTP requests by endpoint and status", ["endpoint", "status"])
 # Priority classes (service/generation.priority_class): urgent (< 0), default (0), background (> 0)
+PRIORITY_CLASSES = ("urgent", "default", "background")
 QUEUE_DEPTH = Gauge(
     "qwen3vl_queue_depth",
     "requests waiting for the model, by priority class",
@@ -71,6 +72,20 @@ INT8_KERNEL_MS = Gauge(
 )
 
 
+def show_priority_classes() -> None:
+    """Every class's series at zero from the start (dashboards and alerts find them before traffic)."""
+    for label in PRIORITY_CLASSES:
+        for metric in (QUEUE_DEPTH, PAUSED, PREEMPTIONS, QUEUE_WAIT, TTFT):
+            metric.labels(label)
+
+
+def show_cache(name: str, budget_bytes: int) -> None:
+    """A cache's budget, and its hit and miss series at zero from the start (for the dashboard's hit rate)."""
+    CACHE_BUDGET.labels(cache=name).set(budget_bytes)
+    CACHE_HITS.labels(cache=name)
+    CACHE_MISSES.labels(cache=name)
+
+
 def record_int8_kernels(choice: dict | None) -> None:
     """The INT8 kernel choice (a KernelChoice as a dict; None without INT8 weights) as gauges."""
     if choice is None:
@@ -80,6 +95,21 @@ def record_int8_kernels(choice: dict | None) -> None:
     for kernel, figures in choice["measured"].items():
         INT8_KERNEL_MS.labels(kernel=kernel, rows="1").set(figures["decode_ms"])
         INT8_KERNEL_MS.labels(kernel=kernel, rows=str(figures["rows"])).set(figures["prefill_ms"])
+
+
+# Batch jobs: lines in the job store by state (every instance sees the same store), lines this instance ran
+BATCH_LINES = Gauge(
+    "qwen3vl_batch_lines", "batch lines in the job store, by state", ["state"], multiprocess_mode="livemax"
+)
+BATCH_LINES_RUNNING = Gauge(
+    "qwen3vl_batch_lines_running", "batch lines this instance is running now", multiprocess_mode="livesum"
+)
+BATCH_LINES_RUN = Counter("qwen3vl_batch_lines_run_total", "batch lines this instance ran, by result", ["result"])
+
+
+def record_batch_lines(counts: dict[str, int]) -> None:
+    for state in ("pending", "leased", "done", "skipped"):
+        BATCH_LINES.labels(state).set(counts.get(state, 0))
 
 
 # Exact speculative decoding: guessed tokens by where they came from (grammar, lookup) and verdict

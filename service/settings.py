@@ -162,6 +162,24 @@ class Settings(BaseSettings):
         gt=0,
         description="seconds in the server that make a request one `priority` more urgent (nothing waits forever)",
     )
+    # Batch jobs (OpenAI's Batch API): a durable store; every instance runs lines when it has room
+    job_store_url: str | None = Field(
+        None,
+        description="redis://host:port/db for every machine's instances, or sqlite:///path; "
+        "default: CACHE_DIR/jobs.sqlite3, shared by one machine's instances",
+    )
+    batch_runner: bool = Field(True, description="this instance runs batch lines when its batch has room")
+    batch_priority: int = Field(10, ge=-1000, le=1000, description="the `priority` batch lines run at")
+    batch_concurrency: int | None = Field(
+        None, ge=1, description="batch lines this instance runs at once (default MAX_BATCH_SIZE)"
+    )
+    batch_max_file_bytes: int = Field(100 * 1024**2, ge=1024, description="largest file POST /v1/files takes")
+    batch_max_lines: int = Field(50_000, ge=1, description="lines a batch file may hold")
+    batch_max_active: int = Field(16, ge=1, description="batches an API key may have in progress at once")
+    batch_lease_seconds: float = Field(
+        60.0, gt=0, description="an instance's hold on a running line; a dead instance's lines run again after it"
+    )
+    batch_max_attempts: int = Field(3, ge=1, description="starts of a line whose instance keeps dying, then it fails")
     conversation_history_max: int = Field(1024, ge=1, description="native-endpoint conversations remembered")
     conversation_history_ttl: float = Field(1800.0, gt=0, description="seconds an idle conversation is remembered")
     conversation_history_max_bytes: int = Field(512 * 1024**2, ge=0, description="bytes of remembered histories")
@@ -200,6 +218,11 @@ class Settings(BaseSettings):
         return self.preload and self.vision_backend == "torch"
 
     @property
+    def batch_upload_bytes(self) -> int:
+        """The largest POST /v1/files body: a batch file and the multipart form around it."""
+        return self.batch_max_file_bytes + 64 * 1024
+
+    @property
     def api_key_list(self) -> list[str]:
         return [k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip()]
 
@@ -220,10 +243,17 @@ class Settings(BaseSettings):
     def _lower_case(cls, value):
         return value.lower() if isinstance(value, str) else value
 
-    @field_validator("vision_onnx_dir", "kv_disk_dir", mode="before")
+    @field_validator("vision_onnx_dir", "kv_disk_dir", "job_store_url", mode="before")
     @classmethod
     def _empty_is_unset(cls, value):
         return None if value == "" else value
+
+    @field_validator("job_store_url")
+    @classmethod
+    def _a_store_we_open(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://", "sqlite:///")):
+            raise ValueError(f"JOB_STORE_URL must be redis://host:port/db or sqlite:///path, not {url!r}")
+        return url
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

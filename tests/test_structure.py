@@ -86,6 +86,7 @@ LAYERS = [
             "service.startup",
         ],
     ),
+    ("jobs", ["service.jobs"]),
     ("native", ["service.native"]),
     ("media", ["service.media"]),
     ("quant", ["service.quant"]),

@@ -17,22 +17,16 @@ from .. import metrics
 from ..errors import InternalError, ServiceError
 from ..settings import Settings
 from .auth import check_api_key
+from .batch_routes import batch_api
+from .batch_runner import start_batch_runner
 from .native_routes import native
 from .openai_routes import openai_api
 from .ops_routes import ops
-from .state import AppState, error_response
+from .state import AppState, error_response, validation_error
 from .web_routes import web
 
 log = logging.getLogger("service.api")
 _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
-
-
-def _validation_error(exc: ValidationError) -> ServiceError:
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
-    return ServiceError(
-        f"{where}: {first['msg']}" if where else first["msg"], param=where or None, code="invalid_field"
-    )
 
 
 def _http_error(exc: HTTPException) -> ServiceError:
@@ -60,9 +54,10 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
     app.json.sort_keys = False
     app.json.ensure_ascii = False
     app_state = AppState(settings)
+    app_state.on_serving.append(start_batch_runner)
     app.extensions["qwen3vl"] = app_state
     api_keys = settings.api_key_list
-    for blueprint in (openai_api, native, ops, web):
+    for blueprint in (openai_api, native, batch_api, ops, web):
         app.register_blueprint(blueprint)
 
     @app.before_request
@@ -88,7 +83,7 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
 
     @app.errorhandler(ValidationError)
     def _invalid(exc: ValidationError):
-        return error_response(_validation_error(exc))
+        return error_response(validation_error(exc))
 
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException):

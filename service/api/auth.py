@@ -22,7 +22,8 @@ class Unauthorized(ServiceError):
     status, type, code = 401, "authentication_error", "invalid_api_key"
 
 
-def _presented_key() -> str:
+def presented_key() -> str:
+    """The request's bearer token ("" if none)."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
@@ -41,7 +42,7 @@ def check_api_key(keys: list[str]) -> None:
     """Raise 401 unless the request may pass (no keys configured, an open path, or a valid key)."""
     if not keys or request.path in OPEN_PATHS or request.path == "/" or request.path.startswith(OPEN_PREFIXES):
         return
-    if not key_is_valid(_presented_key(), keys):
+    if not key_is_valid(presented_key(), keys):
         raise Unauthorized(
             "missing or invalid API key: send Authorization: Bearer <key>",
             headers={"WWW-Authenticate": 'Bearer realm="qwen3vl"'},

@@ -39,12 +39,15 @@ def generation_request(
     enable_thinking: bool = True,
     max_thinking_tokens: int | None = None,
     priority: int = 0,
+    request_id: str | None = None,
+    received_at: float | None = None,
 ) -> GenerationRequest:
+    """The engine's request; its id and arrival are the HTTP request's unless given (a batch line's)."""
     return GenerationRequest(
         messages=messages,
         params=params,
-        received_at=g.received_at,
-        request_id=g.request_id,
+        received_at=g.received_at if received_at is None else received_at,
+        request_id=g.request_id if request_id is None else request_id,
         conversation_id=conversation_id,
         remembered=remembered,
         grammar=shape.grammar,

@@ -11,9 +11,9 @@ from flask import Blueprint, Response, g, jsonify, request
 
 from ..answer.tools import ToolCallDelta, ToolCallParser, split_tool_calls
 from ..errors import ServiceError
-from ..generation import Completion, TextDelta
+from ..generation import Completion, GenerationRequest, TextDelta
 from . import protocol, responses
-from .answer_shapes import answer_shape
+from .answer_shapes import AnswerShape, answer_shape
 from .engine_requests import conversation_header, generation_request, json_body
 from .inputs import clip_limits, picture_limits, to_chat_messages
 from .serving import EventStream, collect
@@ -92,40 +92,59 @@ class OpenAIChunks:
         return responses.logprob_entries(records)
 
 
-@openai_api.post(ENDPOINT)
-def chat_completions():
-    body = protocol.ChatCompletionRequest.model_validate(json_body())
+def chat_request(
+    body: protocol.ChatCompletionRequest,
+    engine,
+    conversation_id: str | None,
+    priority: int | None = None,
+    request_id: str | None = None,
+    received_at: float | None = None,
+) -> tuple[GenerationRequest, AnswerShape]:
+    """A Chat Completions body as the engine's request (the route's, and a batch line's), and the
+    shape its answer takes."""
     shape = answer_shape(body.response_format, body.tools, body.tool_choice, body.parallel_tool_calls is not False)
-    engine = state().require_engine()
     limits = engine.limits
     pictures = picture_limits(limits.image, grounding=body.grounding)
     messages = to_chat_messages(body.messages, limits, pictures, clip_limits(limits.video, *body.clip_sampling()))
-    params = body.sampling(body.max_completion_tokens or body.max_tokens)
     gen_request = generation_request(
         messages,
-        params,
-        conversation_header() or body.user,
+        body.sampling(body.max_completion_tokens or body.max_tokens),
+        conversation_id,
         remembered=0,
         shape=shape,
         speculative=body.speculative,
-        priority=body.priority,
+        priority=body.priority if priority is None else priority,
+        request_id=request_id,
+        received_at=received_at,
         **body.thinking(),
     )
+    return gen_request, shape
+
+
+def completion_body(request_id: str, model: str, done: Completion, shape: AnswerShape) -> dict:
+    """The non-streamed answer: OpenAI's chat.completion object."""
+    content, calls = split_tool_calls(done.text, shape.max_calls) if shape.parse_tool_calls else (done.text, [])
+    content = content if content or not calls else None
+    return responses.chat_completion(request_id, model, done, content, calls, responses.logprob_entries(done.logprobs))
+
+
+@openai_api.post(ENDPOINT)
+def chat_completions():
+    body = protocol.ChatCompletionRequest.model_validate(json_body())
+    engine = state().require_engine()
+    gen_request, shape = chat_request(body, engine, conversation_header() or body.user)
     generation = engine.submit(gen_request)
     model = engine.info.name
 
     if not body.stream:
         done = collect(generation, gen_request, ENDPOINT)
-        content, calls = split_tool_calls(done.text, shape.max_calls) if shape.parse_tool_calls else (done.text, [])
-        content = content if content or not calls else None
-        logprobs = responses.logprob_entries(done.logprobs)
-        return jsonify(responses.chat_completion(g.request_id, model, done, content, calls, logprobs))
+        return jsonify(completion_body(g.request_id, model, done, shape))
 
     chunks = OpenAIChunks(
         g.request_id,
         model,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        logprobs=params.logprobs is not None,
+        logprobs=gen_request.params.logprobs is not None,
         parser=ToolCallParser(shape.max_calls) if shape.parse_tool_calls else None,
     )
     stream = EventStream(generation, gen_request, request.environ, ENDPOINT, chunks)

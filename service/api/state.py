@@ -7,6 +7,7 @@ import logging
 import threading
 
 from flask import current_app, jsonify
+from pydantic import ValidationError
 
 from .. import startup
 from ..engine.engine import Engine
@@ -32,24 +33,52 @@ class AppState:
             settings.conversation_history_max_bytes,
         )
         self.loaded = threading.Event()
+        self._jobs = None
+        self._jobs_lock = threading.Lock()
+        self.batch_runner = None
+        self.on_serving: list = []  # called with this state in the serving process once warm (app.py)
+
+    @property
+    def jobs(self):
+        """The job store of the Batch API (service/jobs/), opened on first use."""
+        with self._jobs_lock:
+            if self._jobs is None:
+                from ..jobs import open_store
+
+                s = self.settings
+                self._jobs = open_store(s.job_store_url, s.cache_dir, s.batch_max_attempts)
+            return self._jobs
 
     def load(self, threads: int | None = None, before_fork: bool = False) -> None:
         from ..model import prefault
-        from ..model.loading import load_model, warm_up
+        from ..model.loading import load_model
 
         try:
             self.engine = Engine(load_model(self.settings, threads), self.settings)
             startup.mark("engine")
             startup.log_timeline("model ready")
-            if before_fork:  # the worker maps the pages and packs itself (gunicorn.conf.py): read ahead only
+            if before_fork:  # the worker warms up itself (gunicorn.conf.py): read ahead only
                 prefault.read_ahead(self.engine.loaded.path)
             else:
-                warm_up(self.engine.loaded)
+                self.serve_here()
         except Exception as exc:  # reported by /ready and every request, not a dead worker
             log.exception("model failed to load")
             self.load_error = f"{type(exc).__name__}: {exc}"
         finally:
             self.loaded.set()
+
+    def serve_here(self) -> None:
+        """In the process that serves, once the model is ready: its weights warmed up
+        (service/model/loading.warm_up), then the `on_serving` hooks (the batch runner)."""
+        from ..model.loading import warm_up
+
+        warm_up(self.engine.loaded)
+        for hook in self.on_serving:
+            hook(self)
+
+    def wake_batch_runner(self) -> None:
+        if self.batch_runner is not None:
+            self.batch_runner.wake()
 
     def require_engine(self) -> Engine:
         if self.engine is not None:
@@ -63,6 +92,15 @@ class AppState:
 
 def state() -> AppState:
     return current_app.extensions["qwen3vl"]
+
+
+def validation_error(exc: ValidationError) -> ServiceError:
+    """A request body's first schema violation as a 400 naming the field."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return ServiceError(
+        f"{where}: {first['msg']}" if where else first["msg"], param=where or None, code="invalid_field"
+    )
 
 
 def error_response(exc: ServiceError):

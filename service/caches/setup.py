@@ -48,8 +48,8 @@ class Caches:
         )
         memory.evict_callbacks += [memory_tier.entries.shrink, vision.entries.shrink]
         metrics.MEMORY_BUDGET.set(memory.budget_bytes or 0)
-        metrics.CACHE_BUDGET.labels(cache=memory_tier.name).set(kv_bytes)
-        metrics.CACHE_BUDGET.labels(cache=vision.name).set(vision_bytes)
+        metrics.show_cache(memory_tier.name, kv_bytes)
+        metrics.show_cache(vision.name, vision_bytes)
         disk = _kv_disk(settings, loaded, vision_encoder_name, encoder_input, KVLayout.of(config, kv_dtype))
         return cls(ConversationTiers(memory_tier, disk), vision)
 
@@ -92,6 +92,6 @@ def _kv_disk(settings: Settings, loaded, encoder: str, encoder_input: str, layou
     held = held_bytes(root)
     budget = settings.kv_disk_mb * MIB if settings.kv_disk_mb else default_budget_bytes(root, held)
     store = KVDiskStore(root, budget, fingerprint, layout, loaded.model.config)
-    metrics.CACHE_BUDGET.labels(cache=store.name).set(store.budget_bytes)
+    metrics.show_cache(store.name, store.budget_bytes)
     log.info("conversation cache on disk: %s, up to %.0f MiB (%.0f MiB held now)", root, budget / MIB, held / MIB)
     return store

@@ -45,6 +45,7 @@ def nginx_config(
             "UPSTREAM_SERVERS": servers,
             "LISTEN": settings.nginx_listen,
             "MAX_BODY_BYTES": str(settings.max_body_bytes),
+            "BATCH_UPLOAD_BYTES": str(settings.batch_upload_bytes),
             "PROXY_READ_TIMEOUT": _seconds(settings.proxy_read_timeout),
             "GRACEFUL_TIMEOUT": str(max(1, round(graceful_timeout))),
         },

@@ -90,6 +90,11 @@ class Admission:
     def busy(self) -> bool:
         return bool(self._holders or self._waiting)
 
+    def has_room(self) -> bool:
+        """A place is free and nobody waits for one: spare capacity (what batch lines use)."""
+        with self._lock:
+            return len(self._holders) < self.slots and not self._waiting
+
     def _blocked(self) -> int:
         return sum(1 for t in self._waiting if not t.paused)
 

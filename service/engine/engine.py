@@ -68,6 +68,7 @@ class Engine:
         self.limits = RequestLimits.build(settings, self.processor)
         kernels = asdict(loaded.kernels) if loaded.kernels is not None else None
         metrics.record_int8_kernels(kernels)
+        metrics.show_priority_classes()
         # One forward for prefill pieces and decode steps: a token's bits never depend on the path.
         native.configure(settings.cache_dir)
         self.forward = TextForward(loaded.model, ExactAttention.load())

@@ -1,0 +1,117 @@
+"""OpenAI's Files and Batches endpoints (the logic: service/api/batches.py): `POST /v1/files`,
+`GET /v1/files[/{id}[/content]]`, `DELETE /v1/files/{id}`, `POST /v1/batches`, `GET /v1/batches[/{id}]`,
+`POST /v1/batches/{id}/cancel`. A key sees only the files and batches it made."""
+
+from __future__ import annotations
+
+from flask import Blueprint, Response, jsonify, request
+
+from ..errors import BadRequest, TooLarge
+from ..jobs.store import batch_object, owner_of
+from . import batches
+from .auth import presented_key
+from .batches import NotFound
+from .engine_requests import json_body
+from .state import state
+
+batch_api = Blueprint("batches", __name__)
+
+
+def _owner() -> str:
+    return owner_of(presented_key()) if state().settings.api_key_list else ""
+
+
+def _page_args() -> tuple[int, str | None]:
+    try:
+        limit = int(request.args.get("limit", 20))
+    except ValueError:
+        raise BadRequest("limit must be an integer from 1 to 100", param="limit") from None
+    if not 1 <= limit <= 100:
+        raise BadRequest("limit must be an integer from 1 to 100", param="limit")
+    return limit, request.args.get("after")
+
+
+@batch_api.post("/v1/files")
+def upload_file():
+    settings = state().settings
+    limit = settings.batch_max_file_bytes
+    if request.content_length is not None and request.content_length > settings.batch_upload_bytes:
+        raise TooLarge(f"the upload is {request.content_length} bytes; BATCH_MAX_FILE_BYTES is {limit}", param="file")
+    request.max_content_length = settings.batch_upload_bytes
+    if request.mimetype != "multipart/form-data":
+        raise BadRequest("send multipart/form-data with a `file` and its `purpose`", param="file")
+    upload = request.files.get("file")
+    if upload is None:
+        raise BadRequest("the form has no `file`", param="file")
+    content = upload.read(limit + 1)
+    stored = batches.upload(
+        state().jobs, settings, _owner(), upload.filename or "", request.form.get("purpose", ""), content
+    )
+    return jsonify(stored.public())
+
+
+@batch_api.get("/v1/files")
+def list_files():
+    limit, after = _page_args()
+    found = state().jobs.files(_owner(), request.args.get("purpose"), limit + 1, after)
+    return jsonify(batches.listing([f.public() for f in found[:limit]], len(found) > limit))
+
+
+def _file(file_id: str):
+    found = state().jobs.file(file_id, _owner())
+    if found is None:
+        raise NotFound(f"no file {file_id}", param="file_id")
+    return found
+
+
+@batch_api.get("/v1/files/<file_id>")
+def get_file(file_id: str):
+    return jsonify(_file(file_id).public())
+
+
+@batch_api.get("/v1/files/<file_id>/content")
+def file_content(file_id: str):
+    found = _file(file_id)
+    content = state().jobs.file_content(file_id, _owner()) or b""
+    mimetype = "application/jsonl" if found.filename.endswith(".jsonl") else "application/octet-stream"
+    return Response(
+        content, mimetype=mimetype, headers={"Content-Disposition": f'attachment; filename="{found.filename}"'}
+    )
+
+
+@batch_api.delete("/v1/files/<file_id>")
+def delete_file(file_id: str):
+    if not state().jobs.delete_file(file_id, _owner()):
+        raise NotFound(f"no file {file_id}", param="file_id")
+    return jsonify({"id": file_id, "object": "file", "deleted": True})
+
+
+@batch_api.post("/v1/batches")
+def create_batch():
+    app_state = state()
+    created = batches.create(app_state.jobs, app_state.settings, _owner(), json_body())
+    app_state.wake_batch_runner()
+    return jsonify(batch_object(created))
+
+
+@batch_api.get("/v1/batches")
+def list_batches():
+    limit, after = _page_args()
+    found = state().jobs.batches(_owner(), limit + 1, after)
+    return jsonify(batches.listing([batch_object(b) for b in found[:limit]], len(found) > limit))
+
+
+@batch_api.get("/v1/batches/<batch_id>")
+def get_batch(batch_id: str):
+    found = state().jobs.batch(batch_id, _owner())
+    if found is None:
+        raise NotFound(f"no batch {batch_id}", param="batch_id")
+    return jsonify(batch_object(found))
+
+
+@batch_api.post("/v1/batches/<batch_id>/cancel")
+def cancel_batch(batch_id: str):
+    found = state().jobs.cancel(batch_id, _owner())
+    if found is None:
+        raise NotFound(f"no batch {batch_id}", param="batch_id")
+    return jsonify(batch_object(found))

@@ -1,0 +1,154 @@
+"""Batch lines run on this instance's engine when its batch has room: a thread that claims lines from
+the job store (service/jobs/: a lease, renewed while a line runs) and runs each as the Chat
+Completions endpoint would, at BATCH_PRIORITY — so interactive requests go first and take a running
+line's place when the batch is full (service/engine/admission.py): the line resumes later with the
+same answer. Every instance on every machine sharing the store does the same; a line whose instance
+dies runs again elsewhere once its lease ends, and its result is written once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+
+from pydantic import ValidationError
+
+from .. import metrics
+from ..errors import InternalError, QueueFull, ServiceError, Unavailable
+from ..generation import Completion
+from ..jobs.store import Claim, JobStore, new_id, result_line
+from ..settings import Settings
+from . import protocol
+from .openai_routes import chat_request, completion_body
+from .state import validation_error
+
+log = logging.getLogger("service.batches")
+
+POLL_SECONDS = 0.5  # how often an idle runner looks for lines (a batch made here wakes it at once)
+RENEW_SECONDS = 1.0  # how often a running line renews its lease and sees a cancel
+
+
+class BatchRunner:
+    """Claims and runs batch lines while the engine has a free place in its batch."""
+
+    def __init__(self, engine, store: JobStore, settings: Settings):
+        self.engine, self.store, self.settings = engine, store, settings
+        self.worker = f"{socket.gethostname()}:{os.getpid()}:{new_id('')[:8]}"
+        self.capacity = settings.batch_concurrency or settings.max_batch_size
+        self._running = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        for result in ("ok", "failed", "duplicate"):  # at zero from the start, for dashboards and alerts
+            metrics.BATCH_LINES_RUN.labels(result)
+        self._thread = threading.Thread(target=self._loop, name="batch-runner", daemon=True)
+        self._thread.start()
+        log.info(
+            "batch runner %s: up to %d lines at priority %d", self.worker, self.capacity, self.settings.batch_priority
+        )
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = False
+            try:
+                if self._has_room():
+                    claim = self.store.claim(self.worker, self.settings.batch_lease_seconds)
+                    if claim is not None:
+                        with self._lock:
+                            self._running += 1
+                        metrics.BATCH_LINES_RUNNING.inc()
+                        threading.Thread(target=self._run, args=(claim,), name="batch-line", daemon=True).start()
+                        started = True
+                metrics.record_batch_lines(self.store.line_counts())
+            except Exception:  # the store unreachable for a while: try again at the next poll
+                log.exception("batch runner: the job store failed")
+            if not started:
+                self._wake.wait(POLL_SECONDS)
+                self._wake.clear()
+
+    def _has_room(self) -> bool:
+        with self._lock:
+            mine = self._running
+        return mine < self.capacity and self.engine.admission.has_room()
+
+    def _run(self, claim: Claim) -> None:
+        try:
+            ok, line = self._answer(claim)
+            if line is None:
+                return  # given back: no result to write
+            if self.store.finish(claim, ok, line):
+                metrics.BATCH_LINES_RUN.labels("ok" if ok else "failed").inc()
+            else:  # another instance finished it after this one's lease ran out: its result stands
+                metrics.BATCH_LINES_RUN.labels("duplicate").inc()
+        except Exception:
+            log.exception("batch line %s/%s: writing its result failed", claim.batch_id, claim.custom_id)
+        finally:
+            with self._lock:
+                self._running -= 1
+            metrics.BATCH_LINES_RUNNING.dec()
+            self._wake.set()
+
+    def _answer(self, claim: Claim) -> tuple[bool, str | None]:
+        """(ok, the line for the output or error file), or (False, None) when the line was given back
+        (the engine too busy, its batch cancelled, the instance stopping)."""
+        request_id = new_id("batch_req_")
+        try:
+            body = protocol.ChatCompletionRequest.model_validate(json.loads(claim.body))
+            gen_request, shape = chat_request(
+                body,
+                self.engine,
+                conversation_id=body.user,
+                priority=self.settings.batch_priority,
+                request_id=request_id,
+                received_at=time.perf_counter(),
+            )
+            generation = self.engine.submit(gen_request)
+        except (QueueFull, Unavailable):  # an interactive burst took the room first: later
+            self.store.release(claim)
+            return False, None
+        except ValidationError as exc:
+            error = validation_error(exc)
+            return False, result_line(claim.custom_id, error.status, error.to_dict())
+        except ServiceError as exc:
+            return False, result_line(claim.custom_id, exc.status, exc.to_dict())
+        except Exception:
+            log.exception("batch line %s/%s failed", claim.batch_id, claim.custom_id)
+            error = InternalError(request_id)
+            return False, result_line(claim.custom_id, error.status, error.to_dict())
+        done, renewed = None, time.monotonic()
+        try:
+            for event in generation:
+                if isinstance(event, Completion):
+                    done = event
+                elif time.monotonic() - renewed > RENEW_SECONDS:
+                    renewed = time.monotonic()
+                    if not self.store.renew(claim, self.settings.batch_lease_seconds):
+                        generation.cancel()  # cancelled, expired, or no longer ours: stop at the next token
+        except ServiceError as exc:
+            return False, result_line(claim.custom_id, exc.status, exc.to_dict())
+        finally:
+            generation.close()
+        if done is None or done.finish_reason == "cancelled":  # its batch cancelled, or the instance stopping
+            self.store.release(claim)
+            return False, None
+        return True, result_line(claim.custom_id, 200, completion_body(request_id, self.engine.info.name, done, shape))
+
+
+def start_batch_runner(app_state) -> None:
+    """An AppState `on_serving` hook: this instance's runner, unless BATCH_RUNNER is off."""
+    if app_state.settings.batch_runner:
+        app_state.batch_runner = BatchRunner(app_state.engine, app_state.jobs, app_state.settings)
+        app_state.batch_runner.start()
