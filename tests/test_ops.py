@@ -1,0 +1,81 @@
+"""What ops/ ships — the Grafana dashboard, the Prometheus alert rules, the Kubernetes manifests —
+names only what exists: every metric on a real server's /metrics, every setting in the settings
+object, the ports and probe paths the container and the app serve, the Redis the jobs use."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import requests
+import yaml
+
+from service.settings import Settings
+
+from conftest import ROOT
+
+OPS = ROOT / "ops"
+METRIC = re.compile(r"\bqwen3vl_[a-z0-9_]+")
+
+
+def manifests() -> list[dict]:
+    return [doc for path in sorted((OPS / "kubernetes").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text())]
+
+
+def named(kind: str, name: str) -> dict:
+    [doc] = [d for d in manifests() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def dashboard_expressions() -> list[str]:
+    board = json.loads((OPS / "grafana" / "qwen3vl-dashboard.json").read_text())
+    return [target["expr"] for panel in board["panels"] for target in panel["targets"]]
+
+
+def alert_expressions() -> list[str]:
+    rules = yaml.safe_load((OPS / "prometheus" / "alerts.yml").read_text())
+    return [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+
+
+@pytest.fixture(scope="module")
+def exposed(shared_server) -> set[str]:
+    """The metric names a server exposes once it has answered a request."""
+    answer = requests.post(shared_server + "/v1/chat", json={"prompt": "Hi.", "max_tokens": 2, "stream": False})
+    answer.raise_for_status()
+    text = requests.get(shared_server + "/metrics").text
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_every_metric_the_dashboard_and_alerts_name_is_on_metrics(exposed):
+    expressions = dashboard_expressions() + alert_expressions()
+    assert len(expressions) >= 15
+    names = {name for expr in expressions for name in METRIC.findall(expr)}
+    assert names - exposed == set()
+    hpa = named("HorizontalPodAutoscaler", "qwen3vl")
+    scaled_on = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
+    assert scaled_on and scaled_on <= exposed
+
+
+def test_the_manifests_set_only_settings_that_exist_and_the_job_store_they_deploy():
+    settings = {name.upper() for name in Settings.model_fields}
+    config = named("ConfigMap", "qwen3vl-settings")["data"]
+    assert set(config) - settings == set()
+    redis = named("Service", "qwen3vl-redis")
+    host, port = re.fullmatch(r"redis://([^:/]+):(\d+)/\d+", config["JOB_STORE_URL"]).groups()
+    assert host == redis["metadata"]["name"] and int(port) == redis["spec"]["ports"][0]["port"]
+    Settings(**{k.lower(): v for k, v in config.items() if k not in ("MODEL_PATH", "CACHE_DIR")})  # valid values
+
+
+def test_the_ports_and_probes_are_the_containers_and_the_apps(shared_server):
+    container = named("Deployment", "qwen3vl")["spec"]["template"]["spec"]["containers"][0]
+    [port] = container["ports"]
+    listen = named("ConfigMap", "qwen3vl-settings")["data"]["NGINX_LISTEN"]
+    assert int(listen.rsplit(":", 1)[1]) == port["containerPort"]
+    assert f"EXPOSE {port['containerPort']}" in (ROOT / "Dockerfile").read_text()
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        path = container[probe]["httpGet"]["path"]
+        assert container[probe]["httpGet"]["port"] == port["name"]
+        assert requests.get(shared_server + path).status_code == 200, path
+    service = named("Service", "qwen3vl")
+    assert service["spec"]["ports"][0]["targetPort"] == port["name"]
