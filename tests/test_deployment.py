@@ -60,6 +60,10 @@ def served_chats(stack) -> list[float]:
 
 
 def served_by(stack, index: int) -> float:
+    """Native requests an instance answered, once nothing runs there (an earlier test's stream may still end)."""
+    deadline = time.monotonic() + 20
+    while metric(stack.backend(index), "qwen3vl_generating") and time.monotonic() < deadline:
+        time.sleep(0.1)
     return metric(stack.backend(index), "qwen3vl_requests_total", CHAT_OK)
 
 
