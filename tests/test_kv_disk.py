@@ -24,6 +24,7 @@ from test_caches import ANSWER_TOKENS, assistant, image, image_end, turn, user
 
 from service.caches.kv_disk import BLOCK_TOKENS, MAGIC, KVDiskStore, held_bytes
 from service.engine.engine import Engine, GenerationRequest, SamplingParams
+from service.engine.prefill import covered_positions
 
 from conftest import prepared, weights_settings
 from servers import metric, openai_client
@@ -71,7 +72,7 @@ def test_a_prefill_waiting_for_its_disk_read_holds_up_no_newcomer(engine, cache_
     _, follow = first_turn(first)
     shutil.copytree(tmp_path / "kv", tmp_path / "copy")  # the store as a restart finds it
     _, from_memory = turn(first, follow, "A")
-    restarted = tiered(engine, cache_dir, tmp_path / "copy")
+    restarted = tiered(engine, cache_dir, tmp_path / "copy", kv_disk_read_timeout_share=1e6)  # no deadline here
     release, real_read = threading.Event(), KVDiskStore.read
 
     def held_read(*args, **kwargs):  # a slow device: the read waits for the test's word
@@ -96,18 +97,19 @@ def test_a_prefill_waiting_for_its_disk_read_holds_up_no_newcomer(engine, cache_
 
 def test_keys_and_values_read_from_disk_are_the_bits_kept_in_memory(engine, cache_dir, tmp_path):
     e = tiered(engine, cache_dir, tmp_path)
-    first_turn(e)
+    history, _ = first_turn(e)
     entry = e.caches.kv.memory.entries.peek("id:A")
     length = len(entry.token_ids)
     assert length > 2 * BLOCK_TOKENS  # full blocks and a tail
-    reuse = e.caches.kv.disk.read(entry.token_ids, entry.images, length, capacity=length)
+    positions = covered_positions(e.model, prepared(e, _request(history)), length)
+    reuse = e.caches.kv.disk.read(entry.token_ids, positions, entry.images, length, capacity=length)
     assert reuse.tokens == length and reuse.source == "disk"
     for read, kept in zip(reuse.cache.layers, entry.cache.layers, strict=True):
         assert torch.equal(read.keys, kept.keys) and torch.equal(read.values, kept.values)
     # A prompt that differs inside a block (a re-tokenized answer) gets the block's matching part.
     changed = entry.token_ids.clone()
     changed[BLOCK_TOKENS + 10] = (changed[BLOCK_TOKENS + 10] + 1) % 100
-    reuse = e.caches.kv.disk.read(changed, entry.images, length, capacity=length)
+    reuse = e.caches.kv.disk.read(changed, positions, entry.images, length, capacity=length)
     assert reuse.tokens == BLOCK_TOKENS + 10
     for read, kept in zip(reuse.cache.layers, entry.cache.layers, strict=True):
         assert torch.equal(read.keys, kept.keys[:, :, : reuse.tokens])
