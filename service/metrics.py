@@ -134,7 +134,18 @@ KV_DISK_LOAD_SECONDS = Histogram(
     "qwen3vl_kv_disk_load_seconds", "reading a prefix's keys and values from the disk tier", buckets=_LATENCY
 )
 KV_DISK_REJECTED = Counter(
-    "qwen3vl_kv_disk_rejected_files_total", "disk-tier files removed unused: foreign, truncated, corrupt", ["reason"]
+    "qwen3vl_kv_disk_rejected_files_total",
+    "disk-tier entries not used (and removed): foreign, truncated, corrupt (another block's content too), "
+    "not_a_file, unreadable",
+    ["reason"],
+)
+KV_DISK_READ_TIMEOUTS = Counter(
+    "qwen3vl_kv_disk_read_timeouts_total", "disk-tier reads given up at their deadline (the request recomputed)"
+)
+KV_DISK_USABLE = Gauge(
+    "qwen3vl_kv_disk_usable",
+    "1 while the disk tier's folder is usable; 0: the tier is off (not a folder, read-only, unwritable, no inodes)",
+    multiprocess_mode="livemin",
 )
 KV_DISK_PENDING = Gauge(
     "qwen3vl_kv_disk_pending_writes", "kept conversations not yet written to the disk tier", multiprocess_mode="livesum"

@@ -144,6 +144,12 @@ class Settings(BaseSettings):
         "the disk's free space (what the store holds counted free), at most 64 GiB",
     )
     kv_disk_dir: Path | None = Field(None, description="the disk tier's folder; unset = CACHE_DIR/kv")
+    kv_disk_read_timeout_share: float = Field(
+        0.5,
+        gt=0,
+        description="a disk-tier read may take this share of what recomputing its tokens would cost (at this "
+        "instance's measured prefill speed; at least 1 s), then it counts as a miss and the request recomputes",
+    )
 
     # HTTP and admission
     host: str = "127.0.0.1"

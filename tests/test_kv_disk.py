@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
+import os
 import shutil
 import signal
 import struct
@@ -24,6 +26,7 @@ from test_caches import ANSWER_TOKENS, assistant, image, image_end, turn, user
 
 from service.caches.kv_disk import BLOCK_TOKENS, MAGIC, KVDiskStore, held_bytes
 from service.engine.engine import Engine, GenerationRequest, SamplingParams
+from service.engine.prefill import covered_positions
 
 from conftest import prepared, weights_settings
 from servers import metric, openai_client
@@ -71,7 +74,7 @@ def test_a_prefill_waiting_for_its_disk_read_holds_up_no_newcomer(engine, cache_
     _, follow = first_turn(first)
     shutil.copytree(tmp_path / "kv", tmp_path / "copy")  # the store as a restart finds it
     _, from_memory = turn(first, follow, "A")
-    restarted = tiered(engine, cache_dir, tmp_path / "copy")
+    restarted = tiered(engine, cache_dir, tmp_path / "copy", kv_disk_read_timeout_share=1e6)  # no deadline here
     release, real_read = threading.Event(), KVDiskStore.read
 
     def held_read(*args, **kwargs):  # a slow device: the read waits for the test's word
@@ -96,18 +99,19 @@ def test_a_prefill_waiting_for_its_disk_read_holds_up_no_newcomer(engine, cache_
 
 def test_keys_and_values_read_from_disk_are_the_bits_kept_in_memory(engine, cache_dir, tmp_path):
     e = tiered(engine, cache_dir, tmp_path)
-    first_turn(e)
+    history, _ = first_turn(e)
     entry = e.caches.kv.memory.entries.peek("id:A")
     length = len(entry.token_ids)
     assert length > 2 * BLOCK_TOKENS  # full blocks and a tail
-    reuse = e.caches.kv.disk.read(entry.token_ids, entry.images, length, capacity=length)
+    positions = covered_positions(e.model, prepared(e, _request(history)), length)
+    reuse = e.caches.kv.disk.read(entry.token_ids, positions, entry.images, length, capacity=length)
     assert reuse.tokens == length and reuse.source == "disk"
     for read, kept in zip(reuse.cache.layers, entry.cache.layers, strict=True):
         assert torch.equal(read.keys, kept.keys) and torch.equal(read.values, kept.values)
     # A prompt that differs inside a block (a re-tokenized answer) gets the block's matching part.
     changed = entry.token_ids.clone()
     changed[BLOCK_TOKENS + 10] = (changed[BLOCK_TOKENS + 10] + 1) % 100
-    reuse = e.caches.kv.disk.read(changed, entry.images, length, capacity=length)
+    reuse = e.caches.kv.disk.read(changed, positions, entry.images, length, capacity=length)
     assert reuse.tokens == BLOCK_TOKENS + 10
     for read, kept in zip(reuse.cache.layers, entry.cache.layers, strict=True):
         assert torch.equal(read.keys, kept.keys[:, :, : reuse.tokens])
@@ -299,3 +303,91 @@ def _children(pid: int):
         return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+# -- hostile conditions (through Gunicorn: tests/test_kv_disk_hostile.py) --------------------------
+
+
+@pytest.mark.parametrize("engine", ["int8"], indirect=True)
+def test_a_read_stuck_on_the_device_is_given_up_and_holds_up_no_other_lookup(engine, cache_dir, tmp_path, monkeypatch):
+    """A device that never answers one read (a hung mount): past its deadline the turn recomputes, with
+    a recompute's bits, and a lookup after it reads from disk on another reader meanwhile."""
+    first = tiered(engine, cache_dir, tmp_path)
+    _, stuck_follow = first_turn(first)
+    _, other_follow = first_turn(first, seed=5)
+    restarted = tiered(engine, cache_dir, tmp_path)
+    hung, real_read = threading.Event(), KVDiskStore.read
+    reads = []
+
+    def first_read_hangs(*args, **kwargs):
+        reads.append(args)
+        if len(reads) == 1:
+            hung.wait(30)  # the device answers when the test ends
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(KVDiskStore, "read", first_read_hangs)
+    timeouts = REGISTRY.get_sample_value("qwen3vl_kv_disk_read_timeouts_total") or 0.0
+    try:
+        started = time.monotonic()
+        ids, done = turn(restarted, stuck_follow, "A")
+        took = time.monotonic() - started
+        _, other = turn(restarted, other_follow, "B")
+    finally:
+        hung.set()
+    assert done.cached_from is None and took < 10
+    assert other.cached_from == "disk"  # not queued behind the stuck read
+    assert REGISTRY.get_sample_value("qwen3vl_kv_disk_read_timeouts_total") == timeouts + 1
+    plain_ids, plain = turn(tiered(engine, cache_dir, tmp_path / "off", cache_enabled=False), stuck_follow)
+    assert ids == plain_ids and done.logprobs == plain.logprobs
+
+
+@pytest.mark.parametrize("engine", ["int8"], indirect=True)
+def test_a_folder_that_becomes_unusable_while_serving_turns_the_tier_off(engine, cache_dir, tmp_path, caplog):
+    folder = tmp_path / "kv"
+    e = tiered(engine, cache_dir, folder)
+    _, follow = first_turn(e)
+    shutil.rmtree(folder)
+    folder.write_text("not a folder any more")
+    newcomer = [user("Another conversation entirely, asked after the folder went.")]
+    with caplog.at_level(logging.WARNING, logger="service.caches.kv_disk"):
+        ids, done = turn(e, follow, "A")  # from memory; writing it meets the file
+        assert e.caches.kv.disk.flush(30)
+        other_ids, other = turn(e, newcomer, "B")
+        assert e.caches.kv.disk.flush(30)
+    assert not e.caches.kv.disk.usable and REGISTRY.get_sample_value("qwen3vl_kv_disk_usable") == 0
+    (off,) = [r.getMessage() for r in caplog.records if "KV disk tier off" in r.getMessage()]  # one warning
+    assert off.startswith(f"KV disk tier off: {folder} is unusable (writing a block: Not a directory)")
+    assert done.cached_from == "memory" and folder.read_text() == "not a folder any more"
+    plain = tiered(engine, cache_dir, tmp_path / "off", cache_enabled=False)
+    for (got_ids, got), messages in (((ids, done), follow), ((other_ids, other), newcomer)):
+        plain_ids, expected = turn(plain, messages)
+        assert got_ids == plain_ids and got.logprobs == expected.logprobs
+
+
+@pytest.mark.parametrize("engine", ["int8"], indirect=True)
+def test_what_is_no_block_under_a_blocks_name_is_swept_and_everything_else_left(engine, cache_dir, tmp_path):
+    """The rule of docs/caches.md: under a block's name, a FIFO, a link (not what it points to) and an
+    empty directory are removed; a directory holding files, and whatever is not named like a block,
+    are left. A FIFO is never opened for reading (it would block)."""
+    folder = tmp_path / "ab"
+    folder.mkdir()
+    name = lambda digit: f"ab{digit * 30}-{digit * 32}.kv"
+    fifo, link, empty, holding = (folder / name(d) for d in "1234")
+    os.mkfifo(fifo)
+    (tmp_path / "precious.kv").write_text("precious")
+    link.symlink_to(tmp_path / "precious.kv")
+    empty.mkdir()
+    holding.mkdir()
+    (holding / "keep").write_text("kept")
+    (folder / "notes.txt").write_text("mine")
+    first_turn(tiered(engine, cache_dir, tmp_path))  # the writer scans the folder when it starts
+    assert not fifo.exists() and not link.is_symlink() and not empty.exists()
+    assert (holding / "keep").read_text() == "kept" and (folder / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "precious.kv").read_text() == "precious"
+    from service.caches.block_files import NotABlock, open_block
+
+    os.mkfifo(fifo)
+    link.symlink_to(tmp_path / "precious.kv")
+    for entry in (fifo, link, holding):
+        with pytest.raises(NotABlock):  # at once: a FIFO's open does not wait for a writer
+            open_block(entry)

@@ -5,23 +5,29 @@ Content-addressed blocks. A conversation's keys and values are cut into blocks o
 tokens (and a shorter tail at its end); a block's file is named by a hash chained over everything
 its keys and values depend on — the store's fingerprint (checkpoint, quantization, vision encoder,
 KV layout), every token before and in it, and the picture (pixels and grid) behind each image or
-video that starts there. The name alone finds a prefix: a lookup hashes the prompt block by block
-and stats names until one is missing, so there is no index to rebuild or to keep consistent between
-instances, a prefix shared by conversations (a system prompt, a picture) is stored once, and a
-second turn writes only its new blocks. Keys and values are the same bits whichever path computed
-them (service/model/forward.py), so a block written by any instance serves any other.
+video that starts there, and the M-RoPE positions of its tokens. The name alone finds a prefix: a
+lookup hashes the prompt block by block and stats names until one is missing, so there is no index
+to rebuild or to keep consistent between instances, a prefix shared by conversations (a system
+prompt, a picture) is stored once, and a second turn writes only its new blocks. Keys and values
+are the same bits whichever path computed them (service/model/forward.py), so a block written by
+any instance serves any other.
 
 A file is written whole or not at all (temporary file, then rename) and read only after its header
-(format version, fingerprint, KV layout, its own tokens) and a CRC-32 of all its bytes check out: a
-foreign, truncated or corrupted file is removed and counted, never used. Writes run on a writer
-thread of low priority, reads on a reader thread, never on the scheduler's; the budget (KV_DISK_MB)
-is kept by removing the least recently used files (a hit refreshes a file's time), under a lock
-file so that two instances do not both evict.
+shows everything its name stands for as the request needs it (format version, fingerprint, KV layout,
+the chain key before it, its tokens, their positions, its pictures and clips) and a CRC-32 of all its
+bytes checks out: a foreign, truncated, corrupted or misplaced file is removed and counted, never
+used. Only regular files are opened (service/caches/block_files.py). Writes run on a writer thread of
+low priority, reads on a few reader threads with a deadline (service/caches/readers.py), never on the
+scheduler's; the budget (KV_DISK_MB) is kept by removing the least recently used files (a hit
+refreshes a file's time), under a lock file so that two instances do not both evict. A folder that
+cannot be written (not a folder, read-only, not ours, out of inodes) turns the tier off, at the start
+or when a write meets it.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import hashlib
 import json
@@ -34,7 +40,7 @@ import threading
 import time
 import weakref
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,13 +51,15 @@ from ..memory import kv_shape
 from ..model.kv import GrowingCache
 from ..model.prompts import VisionSpan
 from ..native import huge_pages
+from .block_files import NotABlock, entry_kind, kind_of, open_block, remove_entry
 from .conversation import KVReuse
+from .readers import Readers
 
 log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 64  # 7 MiB of bf16 keys and values on Qwen3-VL-2B: a few files per picture
-FORMAT_VERSION = 1
-MAGIC = b"QVLKV\0\0\1"
+FORMAT_VERSION = 2
+MAGIC = b"QVLKV\0\0\2"
 _HEAD = struct.Struct("<8sI")  # magic, header length
 _TRAILER = struct.Struct("<I")  # CRC-32 of header and payload
 EVICT_TO = 0.9  # of the budget, once over it
@@ -59,6 +67,9 @@ SCAN_EVERY = 0.05  # of the budget written between two scans of the folder (othe
 STALE_TEMPORARY_SECONDS = 3600.0  # a writer's unfinished file older than this was left by a crash
 FLUSH_SECONDS = 10.0  # at exit, waiting for queued writes
 MAX_CANDIDATES = 64  # blocks stored after one prefix whose headers a lookup reads, at most
+READERS = 4  # reads at once: one stuck on a hung device leaves the others free
+# A write failing so means the folder, not one file, is unusable (read-only, not a folder, not ours): off.
+UNUSABLE_FOLDER = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST})
 
 
 @dataclass(frozen=True)
@@ -84,11 +95,13 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class Block:
-    """Tokens [start, end) of a sequence, from the file at `path` (which may hold more: up to `stored`)."""
+    """Tokens [start, end) of a sequence, from the file at `path` (which may hold more: up to `stored`),
+    the block after the chain key `previous`."""
 
     path: Path
     start: int
     end: int
+    previous: bytes
     stored: int | None = None
 
 
@@ -99,6 +112,7 @@ class _Write:
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     token_ids: torch.Tensor
+    positions: torch.Tensor  # 3 × tokens: M-RoPE positions
     images: list[VisionSpan]
     limit: int
     owner: weakref.ref  # the cache it was queued from
@@ -106,7 +120,8 @@ class _Write:
 
 
 class Rejected(Exception):
-    """A file that must not be used: `reason` is foreign, truncated or corrupt."""
+    """A file that must not be used: `reason` is foreign, truncated, corrupt (another block's content
+    included), not_a_file or unreadable."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
@@ -126,6 +141,15 @@ def held_bytes(root: Path) -> int:
     return sum(_size(p) for p in Path(root).glob("*/*.kv"))
 
 
+def check_writable(root: Path) -> None:
+    """Raise OSError unless `root` is a folder this process can make files in (not a file, not
+    read-only, inodes left)."""
+    root.mkdir(parents=True, exist_ok=True)
+    probe = root / f".probe-{os.getpid()}-{threading.get_native_id()}"
+    os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    os.unlink(probe)
+
+
 def default_budget_bytes(root: Path, held: int = 0) -> int:
     """A quarter of the disk's free space, the store's own files counted as free, at most 64 GiB."""
     probe = root
@@ -135,7 +159,8 @@ def default_budget_bytes(root: Path, held: int = 0) -> int:
 
 
 class KVDiskStore:
-    """See the module docstring. `stored_blocks`, `read_async`, `save` and `truncate` from any thread."""
+    """See the module docstring. `stored_blocks`, `read_async`, `save` and `truncate` from any thread.
+    Raises OSError when `root` cannot be used (check_writable)."""
 
     name = "kv_disk"
 
@@ -154,17 +179,39 @@ class KVDiskStore:
         self._idle = threading.Condition()
         self._threads_lock = threading.Lock()
         self._writer: threading.Thread | None = None
-        self._reader: ThreadPoolExecutor | None = None
+        self._readers = Readers(READERS, "kv-disk-read")
         self._written_since_scan = 0
         self._held = 0  # bytes of the files at the last scan, plus this instance's writes since
-        self.root.mkdir(parents=True, exist_ok=True)
+        check_writable(self.root)
+        self.usable = True  # False once the folder turned out unusable while serving: the tier is off
+        metrics.KV_DISK_USABLE.set(1)
+
+    @property
+    def readable(self) -> bool:
+        """Whether a lookup may read: the store is usable and not every reader is stuck on the device."""
+        return self.usable and not self._readers.all_stuck
+
+    def _turn_off(self, why: str) -> None:
+        if self.usable:
+            self.usable = False
+            metrics.KV_DISK_USABLE.set(0)
+            log.warning("KV disk tier off: %s is unusable (%s); conversations are kept in memory only", self.root, why)
 
     # -- names ------------------------------------------------------------------------------------
 
-    def _chain(self, previous: bytes, token_ids: torch.Tensor, start: int, end: int, images: list[VisionSpan]) -> bytes:
+    def _chain(
+        self,
+        previous: bytes,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        start: int,
+        end: int,
+        images: list[VisionSpan],
+    ) -> bytes:
         digest = hashlib.blake2b(previous, digest_size=16)
         digest.update(struct.pack("<qq", start, end))
         digest.update(token_ids[start:end].to(torch.int64).numpy().tobytes())
+        digest.update(positions[:, start:end].to(torch.int64).contiguous().numpy().tobytes())
         for span in images:
             if start <= span.start < end:
                 digest.update(f"{span.start}-{span.end}:{span.key};".encode())
@@ -175,50 +222,59 @@ class KVDiskStore:
         prefix sit side by side, found by that first half)."""
         return self.root / previous.hex()[:2] / f"{previous.hex()}-{key.hex()}.kv"
 
-    def _full_blocks(self, token_ids: torch.Tensor, images: list[VisionSpan], length: int):
-        """(Block, chain key before it, its own) of each full block within `length` tokens, in order."""
+    def _full_blocks(self, token_ids: torch.Tensor, positions: torch.Tensor, images: list[VisionSpan], length: int):
+        """(Block, its own chain key) of each full block within `length` tokens, in order."""
         previous = self._seed
         for start in range(0, length - BLOCK_TOKENS + 1, BLOCK_TOKENS):
-            key = self._chain(previous, token_ids, start, start + BLOCK_TOKENS, images)
-            yield Block(self._path(previous, key), start, start + BLOCK_TOKENS), previous, key
+            key = self._chain(previous, token_ids, positions, start, start + BLOCK_TOKENS, images)
+            yield Block(self._path(previous, key), start, start + BLOCK_TOKENS, previous), key
             previous = key
 
     # -- lookup -----------------------------------------------------------------------------------
 
-    def stored_blocks(self, token_ids: torch.Tensor, images: list[VisionSpan], limit: int) -> tuple[list[Block], bytes]:
+    def stored_blocks(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, images: list[VisionSpan], limit: int
+    ) -> tuple[list[Block], bytes]:
         """The full blocks of `token_ids`' first `limit` tokens on disk, up to the first missing one, and
-        the chain key after them. Hashes and stats only: no file is read."""
+        the chain key after them. Hashes and stats only: no file is opened. Something other than a
+        regular file under a block's name is no block (removed when that touches nothing else)."""
         blocks, after = [], self._seed
-        for block, _, key in self._full_blocks(token_ids, images, limit):
-            if not block.path.exists():
+        for block, key in self._full_blocks(token_ids, positions, images, limit):
+            kind = entry_kind(block.path)
+            if kind != "file":
+                if kind is not None:
+                    self._reject(block.path, Rejected("not_a_file", f"a {kind}"))
                 break
             blocks.append(block)
             after = key
         return blocks, after
 
-    def read_async(self, token_ids, images, limit: int, capacity: int, beat: int, stored=None) -> Future:
-        """`read` on the reader thread."""
-        with self._threads_lock:
-            if self._reader is None:
-                self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
-        return self._reader.submit(self.read, token_ids, images, limit, capacity, beat, stored)
+    def read_async(
+        self, token_ids, positions, images, limit: int, capacity: int, beat: int, stored, timeout: float
+    ) -> Future:
+        """`read` on a reader thread; the Future fails with TimeoutError after `timeout` seconds (the
+        read, given up, stops at its next block)."""
+        return self._readers.submit(timeout, self.read, token_ids, positions, images, limit, capacity, beat, stored)
 
     def read(
         self,
         token_ids: torch.Tensor,
+        positions: torch.Tensor,
         images: list[VisionSpan],
         limit: int,
         capacity: int,
         beat: int = 0,
         stored: tuple[list[Block], bytes] | None = None,
+        deadline: float | None = None,
     ) -> KVReuse | None:
-        """The keys and values of the longest prefix of `token_ids` the disk holds (at most `limit`
-        tokens, no image split), in a cache with room for `capacity` positions — the stored full
-        blocks (`stored`: what `stored_blocks` found already), then as much of a block stored after
-        them as matches (a re-tokenized answer, a tail) — or None when that is under `min_tokens` or
-        not more than `beat` tokens (the memory tier's)."""
+        """The keys and values of the longest prefix of `token_ids` (at M-RoPE `positions`, 3 × tokens)
+        the disk holds (at most `limit` tokens, no image split), in a cache with room for `capacity`
+        positions — the stored full blocks (`stored`: what `stored_blocks` found already), then as much
+        of a block stored after them as matches (a re-tokenized answer, a tail) — or None when that is
+        under `min_tokens` or not more than `beat` tokens (the memory tier's), or once past `deadline`
+        (time.monotonic(): the lookup gave up and counted its miss)."""
         started = time.perf_counter()
-        blocks, after = stored or self.stored_blocks(token_ids, images, limit)
+        blocks, after = stored or self.stored_blocks(token_ids, positions, images, limit)
         blocks = list(blocks)
         start = blocks[-1].end if blocks else 0
         continuation = self._continuation(after, token_ids, images, start, limit)
@@ -228,7 +284,9 @@ class KVDiskStore:
         if tokens < self.min_tokens or tokens <= beat:
             metrics.CACHE_MISSES.labels(cache=self.name).inc()
             return None
-        reuse = self._load(blocks, tokens, token_ids, images, max(capacity, tokens))
+        reuse = self._load(blocks, tokens, token_ids, positions, images, max(capacity, tokens), deadline)
+        if deadline is not None and time.monotonic() > deadline:
+            return None
         if reuse is None or reuse.tokens <= beat:
             metrics.CACHE_MISSES.labels(cache=self.name).inc()
             return None
@@ -240,24 +298,32 @@ class KVDiskStore:
         self, previous: bytes, token_ids: torch.Tensor, images: list[VisionSpan], start: int, limit: int
     ) -> Block | None:
         """Of the blocks stored after the chain key `previous` (at token `start`), the one sharing the
-        most leading tokens (and pictures) with `token_ids`, as a Block of those tokens."""
+        most leading tokens (and pictures) with `token_ids`, as a Block of those tokens (checked in
+        full, positions too, when read)."""
         if previous == self._seed:
             return None  # every conversation's first block follows the seed: too many to look through
         prefix, best = previous.hex(), None
         try:
-            candidates = [e.path for e in os.scandir(self.root / prefix[:2]) if e.name.startswith(prefix)]
-        except FileNotFoundError:
+            candidates = [
+                Path(e.path)
+                for e in os.scandir(self.root / prefix[:2])
+                if e.name.startswith(prefix) and e.is_file(follow_symlinks=False)
+            ]
+        except (FileNotFoundError, NotADirectoryError):
             return None
         del candidates[MAX_CANDIDATES:]  # a prefix many conversations continue (a long system prompt)
         ours = token_ids[start:limit].tolist()
         for path in candidates:
             try:
-                with open(path, "rb") as f:
-                    header = self._header(f, Path(path))
-            except FileNotFoundError:
+                with open_block(path) as f:
+                    header = self._header(f, path)
+            except (FileNotFoundError, NotABlock):
+                continue  # gone, or replaced since the listing
+            except OSError as exc:
+                self._reject(path, Rejected("unreadable", str(exc)))
                 continue
             except Rejected as bad:
-                self._reject(Path(path), bad)
+                self._reject(path, bad)
                 continue
             if header["start"] != start:
                 continue
@@ -268,14 +334,21 @@ class KVDiskStore:
                 if span_start < start + shared and (span_start, span_end, key) not in mine:
                     shared = span_start - start  # another picture there: its keys and values differ from it on
             if shared > 0 and (best is None or shared > best.end - start):
-                best = Block(Path(path), start, start + shared, start + len(theirs))
+                best = Block(path, start, start + shared, previous, start + len(theirs))
         return best
 
     def _load(
-        self, blocks: list[Block], tokens: int, token_ids: torch.Tensor, images: list[VisionSpan], capacity: int
+        self,
+        blocks: list[Block],
+        tokens: int,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        images: list[VisionSpan],
+        capacity: int,
+        deadline: float | None,
     ) -> KVReuse | None:
         """A cache of the blocks' keys and values for the first `tokens` tokens; shorter if a block went
-        missing or was rejected on the way; None under `min_tokens`."""
+        missing or was rejected on the way, or the deadline passed; None under `min_tokens`."""
         layout = self.layout
         buffers = []
         for _ in range(layout.layers):
@@ -287,9 +360,9 @@ class KVDiskStore:
             buffers.append(pair)
         read, done = 0, 0
         for block in blocks:
-            if block.start >= tokens:
+            if block.start >= tokens or (deadline is not None and time.monotonic() > deadline):
                 break
-            payload = self._read(block, token_ids)
+            payload = self._read(block, token_ids, positions, images)
             if payload is None:
                 break
             read += payload.numel() * payload.element_size()
@@ -306,25 +379,34 @@ class KVDiskStore:
         cache = GrowingCache.holding([k for k, _ in buffers], [v for _, v in buffers], tokens, self.config)
         return KVReuse(cache=cache, tokens=tokens, source="disk")
 
-    def _read(self, block: Block, token_ids: torch.Tensor) -> torch.Tensor | None:
+    def _read(
+        self, block: Block, token_ids: torch.Tensor, positions: torch.Tensor, images: list[VisionSpan]
+    ) -> torch.Tensor | None:
         """The block's keys and values (layers × 2 × heads × stored tokens × head_dim), or None if it is
-        gone (evicted meanwhile) or was rejected (then removed)."""
+        gone (evicted meanwhile) or was rejected (then removed): not a regular file, unreadable, or a
+        header that differs from what the request needs there (checked before the payload is read)."""
         try:
-            f = open(block.path, "rb")
+            f = open_block(block.path)
         except FileNotFoundError:
+            return None
+        except NotABlock as exc:
+            self._reject(block.path, Rejected("not_a_file", str(exc)))
+            return None
+        except OSError as exc:
+            self._reject(block.path, Rejected("unreadable", str(exc)))
             return None
         try:
             with f:
                 header = self._header(f, block.path)
-                if (
-                    header["start"] != block.start
-                    or header["tokens"][: block.end - block.start] != token_ids[block.start : block.end].tolist()
-                ):
-                    raise Rejected("corrupt", "another block's tokens")
+                wrong = _differs(header, block, token_ids, positions, images)
+                if wrong:
+                    raise Rejected("corrupt", f"another block's content: {wrong}")
                 return self._payload(f, header)
         except Rejected as bad:
             self._reject(block.path, bad)
-            return None
+        except OSError as exc:
+            self._reject(block.path, Rejected("unreadable", str(exc)))
+        return None
 
     def _header(self, f, path: Path) -> dict:
         """The file's header, checked: this format, this fingerprint and layout, a size that fits."""
@@ -335,6 +417,8 @@ class KVDiskStore:
         magic, header_size = _HEAD.unpack(head)
         if magic != MAGIC:
             raise Rejected("foreign" if magic[:5] == MAGIC[:5] else "corrupt", "not a KV block of this format")
+        if header_size > size:
+            raise Rejected("truncated", f"{size} bytes")
         header_bytes = f.read(header_size)
         if len(header_bytes) < header_size:
             raise Rejected("truncated", f"{size} bytes")
@@ -347,7 +431,7 @@ class KVDiskStore:
             raise Rejected("foreign", "made by another checkpoint, quantization or KV layout")
         if size != _HEAD.size + header_size + self.layout.payload_bytes(tokens) + _TRAILER.size:
             raise Rejected("truncated", f"{size} bytes")
-        if not isinstance(header.get("start"), int) or not isinstance(header.get("images"), list):
+        if not _well_formed(header, tokens):
             raise Rejected("corrupt", "unreadable header")
         header["_bytes"] = header_bytes
         return header
@@ -365,19 +449,20 @@ class KVDiskStore:
         return payload.view(layout.dtype).view(layout.layers, 2, layout.kv_heads, tokens, layout.head_dim)
 
     def _reject(self, path: Path, bad: Rejected) -> None:
-        log.warning("KV disk tier: removed %s (%s: %s); it was not used", path, bad.reason, bad)
+        done = "removed" if remove_entry(path) else "left in place (a directory holding files)"
+        log.warning("KV disk tier: %s %s (%s: %s); it was not used", done, path, bad.reason, bad)
         metrics.KV_DISK_REJECTED.labels(reason=bad.reason).inc()
-        _remove(path)
 
     # -- writes -----------------------------------------------------------------------------------
 
-    def save(self, cache, token_ids: torch.Tensor, images: list[VisionSpan]) -> None:
-        """Queue a kept cache's keys and values (covering `token_ids`) for the writer; returns at once."""
+    def save(self, cache, token_ids: torch.Tensor, positions: torch.Tensor, images: list[VisionSpan]) -> None:
+        """Queue a kept cache's keys and values (covering `token_ids`, at M-RoPE `positions`) for the
+        writer; returns at once."""
         layers = [(layer.keys, layer.values) for layer in cache.layers]
-        if not layers or layers[0][0].dtype != self.layout.dtype or len(token_ids) < self.min_tokens:
+        if not self.usable or not layers or layers[0][0].dtype != self.layout.dtype or len(token_ids) < self.min_tokens:
             return
         spans = [s for s in images if s.start < len(token_ids)]
-        job = _Write(layers, token_ids, spans, len(token_ids), weakref.ref(cache))
+        job = _Write(layers, token_ids, positions, spans, len(token_ids), weakref.ref(cache))
         with self._pending_lock:
             self._pending.setdefault(cache, []).append(job)
         with self._idle:
@@ -426,7 +511,8 @@ class KVDiskStore:
         while True:
             job = self._jobs.get()
             try:
-                self._write(job)
+                if self.usable:
+                    self._write(job)
                 if self._held > self.budget_bytes or self._written_since_scan > self.budget_bytes * SCAN_EVERY:
                     self._scan()  # before the job counts as done: a flush returns within the budget
             except Exception:
@@ -451,19 +537,25 @@ class KVDiskStore:
 
     def _write(self, job: _Write) -> None:
         length, previous, end = len(job.token_ids), self._seed, 0
-        for block, _, key in self._full_blocks(job.token_ids, job.images, length):
-            if not self._write_block(job, block.path, block.start, block.end):
+        for block, key in self._full_blocks(job.token_ids, job.positions, job.images, length):
+            if not self._write_block(job, block):
                 return
             previous, end = key, block.end
         if end < length:  # the tail: what follows the last full block
-            key = self._chain(previous, job.token_ids, end, length, job.images)
-            self._write_block(job, self._path(previous, key), end, length)
+            key = self._chain(previous, job.token_ids, job.positions, end, length, job.images)
+            self._write_block(job, Block(self._path(previous, key), end, length, previous))
 
-    def _write_block(self, job: _Write, path: Path, start: int, end: int) -> bool:
-        """Write tokens [start, end) unless on disk already; False once past the job's limit."""
-        if path.exists():
+    def _write_block(self, job: _Write, block: Block) -> bool:
+        """Write the block's tokens unless on disk already; False once past the job's limit or when
+        it cannot be written."""
+        path, start, end = block.path, block.start, block.end
+        kind = entry_kind(path)
+        if kind == "file":
             _touch(path)  # in use again: last to be evicted
             return True
+        if kind is not None and not remove_entry(path):
+            log.warning("KV disk tier: %s is a %s holding files, not a block; not written there", path, kind)
+            return False
         layout = self.layout
         with job.lock:
             if end > job.limit:
@@ -477,24 +569,30 @@ class KVDiskStore:
                 "version": FORMAT_VERSION,
                 "fingerprint": self.fingerprint,
                 "layout": layout.described(),
+                "previous": block.previous.hex(),
                 "start": start,
                 "tokens": job.token_ids[start:end].tolist(),
-                "images": [[s.start, s.end, s.key] for s in job.images if start <= s.start < end],
+                "positions": job.positions[:, start:end].tolist(),
+                "images": _spans_in(job.images, start, end),
             }
         ).encode()
         data = payload.view(torch.uint8).numpy()
-        path.parent.mkdir(exist_ok=True)
         temporary = path.parent / f".tmp-{path.stem}-{os.getpid()}-{threading.get_native_id()}"
         try:
-            with open(temporary, "wb") as f:
+            path.parent.mkdir(parents=True, exist_ok=True)  # the folder too, if someone removed it
+            remove_entry(temporary)  # a crashed writer's, with this thread's id: never opened as it is
+            with os.fdopen(os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644), "wb") as f:
                 f.write(_HEAD.pack(MAGIC, len(header)))
                 f.write(header)
                 f.write(data)
                 f.write(_TRAILER.pack(zlib.crc32(data, zlib.crc32(header))))
             os.replace(temporary, path)
         except OSError as exc:  # a full disk: the conversation stays in memory only
-            _remove(temporary)
-            log.warning("KV disk tier: could not write %s: %s", path, exc)
+            remove_entry(temporary)
+            if exc.errno in UNUSABLE_FOLDER:
+                self._turn_off(f"writing a block: {exc.strerror}")
+            else:
+                log.warning("KV disk tier: could not write %s: %s", path, exc)
             return False
         written = _HEAD.size + len(header) + data.nbytes + _TRAILER.size
         self._written_since_scan += written
@@ -506,56 +604,128 @@ class KVDiskStore:
 
     def _scan(self) -> None:
         """Sum the files; over the budget, remove the least recently used down to EVICT_TO of it, and
-        any temporary file a crashed writer left. One instance at a time (the others skip)."""
+        any temporary file a crashed writer left. One instance at a time (the others skip). Under a
+        block's name, what is not a regular file is removed when that touches nothing else; what is
+        not named like a block or a temporary is left alone."""
         self._written_since_scan = 0
-        with open(self.root / ".lock", "a") as lock:
+        try:
+            lock = os.open(self.root / ".lock", os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in UNUSABLE_FOLDER - {errno.EACCES}:  # .lock alone unwritable: another user's lock file
+                self._turn_off(f"its lock file: {exc.strerror}")
+            else:
+                log.warning("KV disk tier: cannot open %s: %s; files not counted", self.root / ".lock", exc)
+            return
+        try:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return
-            files, now = [], time.time()
-            for folder in self.root.iterdir():
-                if not folder.is_dir():
-                    continue
-                for entry in os.scandir(folder):
-                    try:
-                        stat = entry.stat()
-                    except FileNotFoundError:
-                        continue
-                    if entry.name.startswith(".tmp-"):
-                        if now - stat.st_mtime > STALE_TEMPORARY_SECONDS:
-                            _remove(Path(entry.path))
-                    elif entry.name.endswith(".kv"):
-                        files.append((stat.st_mtime, stat.st_size, entry.path))
-            total = sum(size for _, size, _ in files)
-            if total > self.budget_bytes:
-                files.sort()
-                for _, size, path in files:
-                    if total <= self.budget_bytes * EVICT_TO:
-                        break
-                    _remove(Path(path))
-                    total -= size
-                    metrics.CACHE_EVICTIONS.labels(cache=self.name, reason="bytes").inc()
+            total = self._evict(self._block_files())
             self._held = total
             metrics.KV_DISK_BYTES.set(total)
+        finally:
+            os.close(lock)
+
+    def _block_files(self) -> list[tuple[float, int, str]]:
+        """(time, size, path) of each block file; stale temporaries and non-files under block names go."""
+        files, now = [], time.time()
+        try:
+            folders = [e for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
+        except OSError as exc:
+            log.warning("KV disk tier: cannot list %s: %s", self.root, exc)
+            return files
+        for folder in folders:
+            try:
+                entries = list(os.scandir(folder.path))
+            except OSError:
+                continue
+            for entry in entries:
+                try:
+                    stat = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                kind = kind_of(stat.st_mode)
+                if entry.name.startswith(".tmp-"):
+                    if now - stat.st_mtime > STALE_TEMPORARY_SECONDS:
+                        remove_entry(Path(entry.path))
+                elif not entry.name.endswith(".kv"):
+                    continue
+                elif kind is None:
+                    files.append((stat.st_mtime, stat.st_size, entry.path))
+                elif remove_entry(Path(entry.path)):
+                    log.warning("KV disk tier: removed %s (a %s, not a block)", entry.path, kind)
+        return files
+
+    def _evict(self, files: list[tuple[float, int, str]]) -> int:
+        """Over the budget, remove the least recently used files down to EVICT_TO of it; the bytes left."""
+        total = sum(size for _, size, _ in files)
+        if total > self.budget_bytes:
+            files.sort()
+            for _, size, path in files:
+                if total <= self.budget_bytes * EVICT_TO:
+                    break
+                remove_entry(Path(path))
+                total -= size
+                metrics.CACHE_EVICTIONS.labels(cache=self.name, reason="bytes").inc()
+        return total
+
+
+def _spans_in(images: list[VisionSpan], start: int, end: int) -> list[list]:
+    """[start, end, key] of each picture and clip starting in tokens [start, end), in token order."""
+    return sorted([s.start, s.end, s.key] for s in images if start <= s.start < end)
+
+
+def _well_formed(header: dict, tokens: int) -> bool:
+    """Whether a header has every field a read compares, of the right types and lengths."""
+    positions = header.get("positions")
+    return (
+        isinstance(header.get("start"), int)
+        and isinstance(header.get("previous"), str)
+        and isinstance(header.get("images"), list)
+        and all(
+            isinstance(s, list) and len(s) == 3 and isinstance(s[0], int) and isinstance(s[1], int)
+            for s in header["images"]
+        )
+        and isinstance(positions, list)
+        and len(positions) == 3
+        and all(isinstance(axis, list) and len(axis) == tokens for axis in positions)
+    )
+
+
+def _differs(
+    header: dict, block: Block, token_ids: torch.Tensor, positions: torch.Tensor, images: list[VisionSpan]
+) -> str | None:
+    """What in a block's header differs from what the request needs of tokens [block.start, block.end)
+    — everything its name stands for —, or None: the chain key before it (the fingerprint and every
+    token, position and picture before it), its start, tokens, M-RoPE positions, and each picture's
+    and clip's content key and span."""
+    start, end = block.start, block.end
+    used = end - start
+    if header["previous"] != block.previous.hex():
+        return "it follows another prefix"
+    if header["start"] != start:
+        return f"it starts at token {header['start']}"
+    if header["tokens"][:used] != token_ids[start:end].tolist():
+        return "other tokens"
+    if [axis[:used] for axis in header["positions"]] != positions[:, start:end].tolist():
+        return "other M-RoPE positions"
+    if sorted(s for s in header["images"] if s[0] < end) != _spans_in(images, start, end):
+        return "other pictures or clips"
+    return None
 
 
 def _touch(path: Path) -> None:
     try:
-        os.utime(path)
+        os.utime(path, follow_symlinks=False)
     except OSError:
         pass
 
 
 def _size(path: Path) -> int:
+    """A block file's size; 0 if it is gone (another instance's eviction) or not a regular file."""
     try:
-        return path.stat().st_size
-    except FileNotFoundError:  # removed meanwhile (another instance's eviction)
-        return 0
-
-
-def _remove(path: Path) -> None:
-    try:
-        path.unlink()
+        status = path.lstat()
     except FileNotFoundError:
-        pass
+        return 0
+    return status.st_size if kind_of(status.st_mode) is None else 0

@@ -51,7 +51,7 @@ class Caches:
         metrics.show_cache(memory_tier.name, kv_bytes)
         metrics.show_cache(vision.name, vision_bytes)
         disk = _kv_disk(settings, loaded, vision_encoder_name, encoder_input, KVLayout.of(config, kv_dtype))
-        return cls(ConversationTiers(memory_tier, disk), vision)
+        return cls(ConversationTiers(memory_tier, disk, settings.kv_disk_read_timeout_share), vision)
 
 
 def _budgets(settings: Settings, memory: MemoryGuard) -> tuple[int, int]:
@@ -76,7 +76,9 @@ def _budgets(settings: Settings, memory: MemoryGuard) -> tuple[int, int]:
 
 def _kv_disk(settings: Settings, loaded, encoder: str, encoder_input: str, layout: KVLayout) -> KVDiskStore | None:
     """The conversation cache's disk tier (KV_DISK_MB; off with the caches), its files named for
-    exactly this checkpoint, quantization, vision encoder and KV layout."""
+    exactly this checkpoint, quantization, vision encoder and KV layout; None (one warning, the
+    qwen3vl_kv_disk_usable gauge at 0) when its folder cannot be used: an optional cache never stops
+    the model from serving."""
     if not settings.cache_enabled or settings.kv_disk_mb == 0:
         return None
     root = settings.kv_disk_dir or settings.cache_dir / "kv"
@@ -89,9 +91,16 @@ def _kv_disk(settings: Settings, loaded, encoder: str, encoder_input: str, layou
         layout.described(),
     ]
     fingerprint = hashlib.blake2b(json.dumps(parts).encode(), digest_size=16).hexdigest()
-    held = held_bytes(root)
-    budget = settings.kv_disk_mb * MIB if settings.kv_disk_mb else default_budget_bytes(root, held)
-    store = KVDiskStore(root, budget, fingerprint, layout, loaded.model.config)
+    try:
+        held = held_bytes(root)
+        budget = settings.kv_disk_mb * MIB if settings.kv_disk_mb else default_budget_bytes(root, held)
+        store = KVDiskStore(root, budget, fingerprint, layout, loaded.model.config)
+    except OSError as exc:
+        metrics.KV_DISK_USABLE.set(0)
+        log.warning(
+            "KV disk tier off: KV_DISK_DIR %s is unusable (%s); conversations are kept in memory only", root, exc
+        )
+        return None
     metrics.show_cache(store.name, store.budget_bytes)
     log.info("conversation cache on disk: %s, up to %.0f MiB (%.0f MiB held now)", root, budget / MIB, held / MIB)
     return store

@@ -36,7 +36,7 @@ from .batching import Scheduler
 from .drafts import DraftBudget
 from .input import InputProcessor, Prepared
 from .output import OutputProcessor
-from .prefill import Prefiller
+from .prefill import Prefiller, covered_positions
 from .reasoning import ReasoningPhase
 from .sampling import Sampler, Sampling
 from .sequence import PrefillMarks, Sequence
@@ -165,8 +165,9 @@ class Engine:
         if cache is None or sequence.error is not None:
             return
         covered = torch.tensor(sequence.token_ids[: cache.get_seq_length()])
+        positions = covered_positions(self.model, prompt, len(covered))
         media = prompt.spans["image"] + prompt.spans["video"]
-        self.caches.kv.keep(sequence.request.conversation_id, covered, media, prompt.num_tokens, cache)
+        self.caches.kv.keep(sequence.request.conversation_id, covered, positions, media, prompt.num_tokens, cache)
 
     def _speculates(self, request: GenerationRequest) -> bool:
         """Guessed tokens for this request: SPECULATIVE on, the request not against, INT8 or 4-bit weights in

@@ -22,18 +22,30 @@ from .sequence import Prefilled, PrefillMarks
 _TYPE_IDS = {"image": 1, "video": 2}  # the processor's mm_token_type_ids
 
 
+def prompt_positions(model, prompt: PreparedPrompt) -> tuple[torch.Tensor, int]:
+    """The prompt's M-RoPE positions (3 × tokens), from ALL its images' and videos' grids (a reused
+    prefix included), and the delta by which every token after it is shifted from its index."""
+    positions, deltas = model.model.get_rope_index(
+        prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, prompt.video_grid_thw
+    )
+    return positions[:, 0], int(deltas[0, 0])
+
+
+def covered_positions(model, prompt: PreparedPrompt, tokens: int) -> torch.Tensor:
+    """M-RoPE positions (3 × `tokens`) of the prompt and the answer after it (each at its index plus the delta)."""
+    positions, delta = prompt_positions(model, prompt)
+    after = torch.arange(prompt.num_tokens, max(tokens, prompt.num_tokens)) + delta
+    return torch.cat([positions, after.expand(3, -1)], dim=1)[:, :tokens]
+
+
 class PromptRows:
     """A prompt as rows of the text decoder's forward: its token ids, M-RoPE positions, and the
     vision features (`features`: each modality's, for its placeholders after the first `reused`
     tokens — the rest are in the KV cache — in order) that fill its placeholders."""
 
     def __init__(self, model, prompt: PreparedPrompt, features: dict[str, VisionFeatures], reused: int):
-        # M-RoPE positions of the whole prompt, from ALL its images' and videos' grids (a reused
-        # prefix included); every token after it is shifted by the same delta.
-        positions, deltas = model.model.get_rope_index(
-            prompt.input_ids, prompt.mm_token_type_ids, prompt.image_grid_thw, prompt.video_grid_thw
-        )
-        self.ids, self.positions, self.rope_delta = prompt.input_ids[0], positions[:, 0], int(deltas[0, 0])
+        self.positions, self.rope_delta = prompt_positions(model, prompt)
+        self.ids = prompt.input_ids[0]
         self.types = prompt.mm_token_type_ids[0]
         self.features = features
         # for each token index (and the end), how many pads of a modality precede it, from `reused` on
@@ -113,7 +125,8 @@ class Prefiller:
         t0 = time.perf_counter()
         media = prompt.spans["image"] + prompt.spans["video"]  # what the KV cache matches: the same for both
         capacity = prompt.num_tokens + HEADROOM
-        reuse = yield from self.kv_cache.lookup(prompt.input_ids[0], media, conversation_id, capacity)
+        positions, _ = prompt_positions(self.model, prompt)  # what the disk tier's blocks are checked against
+        reuse = yield from self.kv_cache.lookup(prompt.input_ids[0], positions, media, conversation_id, capacity)
         marks.reused = reuse.tokens if reuse else 0
         marks.reused_from = reuse.source if reuse else None
         # The request owns the cache: each piece extends it in place.
@@ -127,14 +140,20 @@ class Prefiller:
             merged = {m: VisionFeatures.cat([f[i] for i in sorted(f)]) for m, f in features.items() if f}
             rows = PromptRows(self.model, prompt, merged, marks.reused)
             cache.reserve(capacity)
-            start = marks.reused
+            start, computing = marks.reused, 0.0
             for end in self.piece_ends(prompt.num_tokens, marks.reused):
                 yield
+                t2 = time.perf_counter()
                 logits = self.forward(*rows.piece(cache, start, end), logits_rows=torch.tensor([end - start - 1]))
+                computing += time.perf_counter() - t2
                 start = end
+            self.kv_cache.measured_prefill(prompt.num_tokens - marks.reused, computing)
         except GeneratorExit:  # cancelled while prefilling: hand the reused prefix back for the client's retry
             if reuse is not None:
                 cache.crop(marks.reused - cache.get_seq_length())
-                self.kv_cache.keep(conversation_id, prompt.input_ids[0, : marks.reused], media, marks.reused, cache)
+                reused = marks.reused
+                self.kv_cache.keep(
+                    conversation_id, prompt.input_ids[0, :reused], positions[:, :reused], media, reused, cache
+                )
             raise
         return Prefilled(cache=cache, logits=logits.float(), rope_delta=rows.rope_delta)
