@@ -182,5 +182,8 @@ class ConversationCache:
             cache=cache,
             namespace=namespace,
         )
-        key = f"id:{namespace}:{conversation_id}" if conversation_id is not None else f"anon:{next(self._anonymous)}"
+        if conversation_id is None:
+            key = f"anon:{next(self._anonymous)}"
+        else:  # an id holds no '/': a namespace's keys never meet the keys of none
+            key = f"id:{namespace}/{conversation_id}" if namespace else f"id:{conversation_id}"
         return self.entries.put(key, entry, kv_bytes(compacted(cache)))  # kept, not extended: no spare room
