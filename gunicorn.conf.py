@@ -55,13 +55,25 @@ def child_exit(server, worker):
     multiprocess.mark_process_dead(worker.pid)
 
 
+def when_ready(server):
+    """SIGHUP re-reads the API keys in the worker (post_worker_init) instead of Gunicorn's reload, which
+    would replace the worker and with it the conversations and caches in its memory."""
+    import signal
+
+    server.handle_hup = lambda: server.kill_workers(signal.SIGHUP)
+
+
 def post_worker_init(worker):
-    """On SIGTERM, let in-flight streams run, then cancel them cleanly before the grace period ends."""
+    """On SIGTERM, let in-flight streams run, then cancel them cleanly before the grace period ends. On
+    SIGHUP, re-read API_KEYS_FILE: requests in flight keep their tenant, the next ones use the new keys."""
     import signal
     import threading
 
     original = worker.handle_exit
-    engine = worker.wsgi.extensions["qwen3vl"].engine  # None unless the master preloaded it
+    app_state = worker.wsgi.extensions["qwen3vl"]
+    engine = app_state.engine  # None unless the master preloaded it
+    app_state.tenants.reload()  # the file may have changed since the master read it
+    signal.signal(signal.SIGHUP, lambda sig, frame: app_state.tenants.reload())
 
     def handle_exit(sig, frame):
         engine = worker.wsgi.extensions["qwen3vl"].engine
@@ -79,7 +91,7 @@ def post_worker_init(worker):
     startup.mark("worker")
     startup.log_timeline("serving")
     if engine is not None:  # preloaded: this process's own page-table entries, packed Linears, batch runner
-        worker.wsgi.extensions["qwen3vl"].serve_here()
+        app_state.serve_here()
 
 
 def on_exit(server):

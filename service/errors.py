@@ -65,6 +65,12 @@ class QueueFull(ServiceError):
     status, type, code = 429, "rate_limit_error", "queue_full"
 
 
+class RateLimited(ServiceError):
+    """A tenant over its requests or tokens a minute (service/api/rate_limits.py)."""
+
+    status, type, code = 429, "rate_limit_error", "rate_limited"
+
+
 class Unavailable(ServiceError):
     status, type, code = 503, "service_unavailable", "unavailable"
 

@@ -80,6 +80,17 @@ SHARED_SAMPLING = (
 )
 
 
+@dataclass(frozen=True)
+class TenantShare:
+    """Whose a request is, as the engine's admission sees it: the tenant's name (its metrics label too),
+    and the most batch places its requests may hold while another tenant's wait (`slots`) and queue
+    places they may take (`queue`); None: no bound (one tenant, or none: service/api/tenants.py)."""
+
+    name: str = ""
+    slots: int | None = None
+    queue: int | None = None
+
+
 @dataclass(frozen=True, eq=False)
 class GenerationRequest:
     """A chat request as the HTTP layer or the CLI made it; the engine never writes into it."""
@@ -98,6 +109,10 @@ class GenerationRequest:
     enable_thinking: bool = True
     max_thinking_tokens: int | None = None
     priority: int = 0  # lower first (service/engine/admission.py)
+    tenant: TenantShare = field(default_factory=TenantShare)  # fair share in admission
+    # The caches' namespace: a request reuses only what requests of the same namespace left (an opaque
+    # keyed hash of its tenant and cache_salt, service/api/tenants.py; "" = the one of no keys and no salt).
+    cache_namespace: str = ""
 
     @property
     def image_decode_seconds(self) -> float:

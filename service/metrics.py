@@ -155,6 +155,51 @@ KV_DISK_BYTES = Gauge(
 )
 
 
+# Tenants (service/api/tenants.py): by tenant name, a bounded set — the first MAX_TENANT_LABELS names of
+# the keys in force, sorted; any other is counted as "other" ("" without keys).
+MAX_TENANT_LABELS = 64
+_tenant_labels: frozenset[str] = frozenset()
+TENANT_REQUESTS = Counter(
+    "qwen3vl_tenant_requests_total", "HTTP requests with a key, by tenant and status", ["tenant", "status"]
+)
+TENANT_TOKENS = Counter(
+    "qwen3vl_tenant_tokens_total",
+    "tokens by tenant: prompt (cached ones included), cached, completion",
+    ["tenant", "kind"],
+)
+TENANT_REFUSED = Counter(
+    "qwen3vl_tenant_refused_total",
+    "requests refused (429) by a tenant's own limit: queue, rpm, tpm",
+    ["tenant", "limit"],
+)
+TENANT_PLACES = Gauge(
+    "qwen3vl_tenant_batch_places",
+    "places in the batch each tenant's requests hold",
+    ["tenant"],
+    multiprocess_mode="livesum",
+)
+TENANT_QUEUE_DEPTH = Gauge(
+    "qwen3vl_tenant_queue_depth",
+    "each tenant's requests waiting for the model",
+    ["tenant"],
+    multiprocess_mode="livesum",
+)
+
+
+def show_tenants(names: list[str]) -> None:
+    """The tenant names that get a label of their own (at most MAX_TENANT_LABELS), their series at zero."""
+    global _tenant_labels
+    _tenant_labels = frozenset(sorted(names)[:MAX_TENANT_LABELS])
+    for name in _tenant_labels:
+        TENANT_PLACES.labels(name)
+        TENANT_QUEUE_DEPTH.labels(name)
+
+
+def tenant_label(name: str) -> str:
+    """A tenant's label: its name if it has one of its own, else "other" ("" for no tenant)."""
+    return name if not name or name in _tenant_labels else "other"
+
+
 def render() -> tuple[bytes, str]:
     """The exposition text of every worker (multiprocess) or of this process."""
     RSS.labels(pid=str(os.getpid())).set(psutil.Process().memory_info().rss)

@@ -211,7 +211,28 @@ class Settings(BaseSettings):
     )
 
     # Security and per-request limits
-    api_keys: SecretStr = Field(SecretStr(""), description="comma-separated keys; empty = no authentication")
+    api_keys: SecretStr = Field(
+        SecretStr(""),
+        description="comma-separated keys, each optionally named `name:key` (a name is a tenant: "
+        "service/api/tenants.py); empty = no authentication",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="a file of `name key [slots=N] [queue=N] [rpm=N] [tpm=N]` lines, beside API_KEYS; "
+        "re-read on SIGHUP without a restart",
+    )
+    tenant_max_slots: int | None = Field(
+        None,
+        ge=1,
+        description="batch places one tenant's requests may hold while another tenant's wait; "
+        "unset = half of MAX_BATCH_SIZE (at least 1)",
+    )
+    tenant_max_queue: int | None = Field(
+        None,
+        ge=1,
+        description="queue places one tenant's requests may take when there are several tenants; "
+        "unset = half of QUEUE_SIZE (at least 1)",
+    )
     max_images_per_request: int = Field(8, ge=0, description="images in one request, history included")
     max_messages: int = Field(64, ge=1, description="messages in one request, history included")
     max_prompt_tokens: int = Field(6144, ge=1, description="prompt tokens (clipped to CONTEXT_LIMIT - 1)")
@@ -229,8 +250,9 @@ class Settings(BaseSettings):
         return self.batch_max_file_bytes + 64 * 1024
 
     @property
-    def api_key_list(self) -> list[str]:
-        return [k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip()]
+    def keys_required(self) -> bool:
+        """Whether requests need an API key (API_KEYS or API_KEYS_FILE set)."""
+        return bool(self.api_keys.get_secret_value().strip(" ,")) or self.api_keys_file is not None
 
     @field_validator("model_path")
     @classmethod
@@ -249,7 +271,7 @@ class Settings(BaseSettings):
     def _lower_case(cls, value):
         return value.lower() if isinstance(value, str) else value
 
-    @field_validator("vision_onnx_dir", "kv_disk_dir", "job_store_url", mode="before")
+    @field_validator("vision_onnx_dir", "kv_disk_dir", "job_store_url", "api_keys_file", mode="before")
     @classmethod
     def _empty_is_unset(cls, value):
         return None if value == "" else value

@@ -130,10 +130,10 @@ def without_repacking_if_it_crashes(run, kind: str, no_repack: set[str]):
             no_repack.add(kind)
 
 
-def metric(base: str, name: str, labels: str = "") -> float:
+def metric(base: str, name: str, labels: str = "", headers: dict[str, str] | None = None) -> float:
     """The value of one Prometheus sample (0 if absent), e.g. metric(b, 'x_total', 'status="200"');
-    summed over the samples whose labels include `labels`."""
-    text = requests.get(base + "/metrics", timeout=10).text
+    summed over the samples whose labels include `labels` (`headers`: e.g. an API key)."""
+    text = requests.get(base + "/metrics", timeout=10, headers=headers).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith("#") or not line.startswith(name):

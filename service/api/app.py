@@ -16,7 +16,7 @@ from werkzeug.exceptions import HTTPException
 from .. import metrics
 from ..errors import InternalError, ServiceError
 from ..settings import Settings
-from .auth import check_api_key
+from .auth import authenticate
 from .batch_routes import batch_api
 from .batch_runner import start_batch_runner
 from .native_routes import native
@@ -56,7 +56,6 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
     app_state = AppState(settings)
     app_state.on_serving.append(start_batch_runner)
     app.extensions["qwen3vl"] = app_state
-    api_keys = settings.api_key_list
     for blueprint in (openai_api, native, batch_api, ops, web):
         app.register_blueprint(blueprint)
 
@@ -66,13 +65,16 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
         g.request_id = incoming if _SANE_REQUEST_ID.match(incoming) else "req-" + uuid.uuid4().hex[:24]
         g.received_at = time.perf_counter()
 
-        check_api_key(api_keys)
+        g.tenant = authenticate(app_state.tenants)
 
     @app.after_request
     def _tag(response):
         response.headers["X-Request-Id"] = g.get("request_id", "")
         endpoint = request.url_rule.rule if request.url_rule else "unmatched"
         metrics.REQUESTS.labels(endpoint, str(response.status_code)).inc()
+        tenant = g.get("tenant")
+        if tenant is not None and tenant.name:
+            metrics.TENANT_REQUESTS.labels(metrics.tenant_label(tenant.name), str(response.status_code)).inc()
         return response
 
     @app.errorhandler(ServiceError)

@@ -1,4 +1,5 @@
-"""Optional API keys (API_KEYS): `Authorization: Bearer <key>`, compared in constant time.
+"""Optional API keys (API_KEYS, API_KEYS_FILE): `Authorization: Bearer <key>`, resolved once per request
+to its tenant (service/api/tenants.py), which the routes carry as `g.tenant`.
 
 Open without a key: /health and /ready (liveness and readiness probes carry none; they reveal only
 whether the server is up and loaded, and the model's name) and the static page (it only asks for
@@ -8,11 +9,10 @@ The key is never logged or echoed, not even in the error message.
 
 from __future__ import annotations
 
-import hmac
-
 from flask import request
 
 from ..errors import ServiceError
+from .tenants import Tenant, Tenants
 
 OPEN_PATHS = ("/health", "/ready")
 OPEN_PREFIXES = ("/static/",)
@@ -29,21 +29,17 @@ def presented_key() -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def key_is_valid(candidate: str, keys: list[str]) -> bool:
-    """Constant time in the candidate's content: every key is compared, no early exit."""
-    presented = candidate.encode()
-    valid = False
-    for key in keys:
-        valid |= hmac.compare_digest(presented, key.encode())
-    return valid
-
-
-def check_api_key(keys: list[str]) -> None:
-    """Raise 401 unless the request may pass (no keys configured, an open path, or a valid key)."""
-    if not keys or request.path in OPEN_PATHS or request.path == "/" or request.path.startswith(OPEN_PREFIXES):
-        return
-    if not key_is_valid(presented_key(), keys):
+def authenticate(tenants: Tenants) -> Tenant | None:
+    """The request's tenant (tenants.NO_KEYS without keys; None on an open path with keys); 401 for a
+    missing or unknown key."""
+    if tenants.required and (
+        request.path in OPEN_PATHS or request.path == "/" or request.path.startswith(OPEN_PREFIXES)
+    ):
+        return None
+    tenant = tenants.resolve(presented_key())
+    if tenant is None:
         raise Unauthorized(
             "missing or invalid API key: send Authorization: Bearer <key>",
             headers={"WWW-Authenticate": 'Bearer realm="qwen3vl"'},
         )
+    return tenant

@@ -1,15 +1,15 @@
 """OpenAI's Files and Batches endpoints (the logic: service/api/batches.py): `POST /v1/files`,
 `GET /v1/files[/{id}[/content]]`, `DELETE /v1/files/{id}`, `POST /v1/batches`, `GET /v1/batches[/{id}]`,
-`POST /v1/batches/{id}/cancel`. A key sees only the files and batches it made."""
+`POST /v1/batches/{id}/cancel`. A tenant (the keys of one name: service/api/tenants.py) sees only the
+files and batches it made."""
 
 from __future__ import annotations
 
-from flask import Blueprint, Response, jsonify, request
+from flask import Blueprint, Response, g, jsonify, request
 
 from ..errors import BadRequest, TooLarge
-from ..jobs.store import batch_object, owner_of
+from ..jobs.store import batch_object
 from . import batches
-from .auth import presented_key
 from .batches import NotFound
 from .engine_requests import json_body
 from .state import state
@@ -18,7 +18,7 @@ batch_api = Blueprint("batches", __name__)
 
 
 def _owner() -> str:
-    return owner_of(presented_key()) if state().settings.api_key_list else ""
+    return g.tenant.owner
 
 
 def _page_args() -> tuple[int, str | None]:

@@ -2,7 +2,8 @@
 the job store (service/jobs/: a lease, renewed while a line runs) and runs each as the Chat
 Completions endpoint would, at BATCH_PRIORITY — so interactive requests go first and take a running
 line's place when the batch is full (service/engine/admission.py): the line resumes later with the
-same answer. Every instance on every machine sharing the store does the same; a line whose instance
+same answer. A line runs as its batch's tenant (its caches; ordered by priority alone, outside the fair
+share of interactive requests). Every instance on every machine sharing the store does the same; a line whose instance
 dies runs again elsewhere once its lease ends, and its result is written once."""
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from pydantic import ValidationError
 
 from .. import metrics
 from ..errors import InternalError, QueueFull, ServiceError, Unavailable
-from ..generation import Completion
+from ..generation import Completion, TenantShare
 from ..jobs.store import Claim, JobStore, new_id, result_line
 from ..settings import Settings
 from . import protocol
 from .openai_routes import chat_request, completion_body
 from .state import validation_error
+from .tenants import Tenants
 
 log = logging.getLogger("service.batches")
 
@@ -34,8 +36,8 @@ RENEW_SECONDS = 1.0  # how often a running line renews its lease and sees a canc
 class BatchRunner:
     """Claims and runs batch lines while the engine has a free place in its batch."""
 
-    def __init__(self, engine, store: JobStore, settings: Settings):
-        self.engine, self.store, self.settings = engine, store, settings
+    def __init__(self, engine, store: JobStore, settings: Settings, tenants: Tenants):
+        self.engine, self.store, self.settings, self.tenants = engine, store, settings, tenants
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{new_id('')[:8]}"
         self.capacity = settings.batch_concurrency or settings.max_batch_size
         self._running = 0
@@ -107,6 +109,7 @@ class BatchRunner:
         request_id = new_id("batch_req_")
         try:
             body = protocol.ChatCompletionRequest.model_validate(json.loads(claim.body))
+            tenant = self.tenants.by_owner(claim.owner)
             gen_request, shape = chat_request(
                 body,
                 self.engine,
@@ -114,6 +117,8 @@ class BatchRunner:
                 priority=self.settings.batch_priority,
                 request_id=request_id,
                 received_at=time.perf_counter(),
+                tenant=TenantShare(tenant.name),
+                cache_namespace=self.tenants.cache_namespace(tenant, body.cache_salt),
             )
             generation = self.engine.submit(gen_request)
         except (QueueFull, Unavailable):  # an interactive burst took the room first: later
@@ -150,5 +155,5 @@ class BatchRunner:
 def start_batch_runner(app_state) -> None:
     """An AppState `on_serving` hook: this instance's runner, unless BATCH_RUNNER is off."""
     if app_state.settings.batch_runner:
-        app_state.batch_runner = BatchRunner(app_state.engine, app_state.jobs, app_state.settings)
+        app_state.batch_runner = BatchRunner(app_state.engine, app_state.jobs, app_state.settings, app_state.tenants)
         app_state.batch_runner.start()

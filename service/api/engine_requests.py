@@ -1,5 +1,6 @@
 """HTTP request in, engine request out: the JSON body (a clear 400/415), the X-Conversation-Id header,
-and the `GenerationRequest` every chat endpoint builds from them."""
+the request's tenant (its fair share and cache namespace), and the `GenerationRequest` every chat
+endpoint builds from them."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import re
 from flask import g, request
 
 from ..errors import BadRequest, UnsupportedMediaType
-from ..generation import GenerationRequest, SamplingParams
+from ..generation import GenerationRequest, SamplingParams, TenantShare
 from ..model.prompts import ChatMessage
 from .answer_shapes import AnswerShape
 from .protocol import CONVERSATION_ID_PATTERN
+from .state import state
 
 
 def json_body() -> dict:
@@ -41,6 +43,8 @@ def generation_request(
     priority: int = 0,
     request_id: str | None = None,
     received_at: float | None = None,
+    tenant: TenantShare = TenantShare(),
+    cache_namespace: str = "",
 ) -> GenerationRequest:
     """The engine's request; its id and arrival are the HTTP request's unless given (a batch line's)."""
     return GenerationRequest(
@@ -56,7 +60,16 @@ def generation_request(
         enable_thinking=enable_thinking,
         max_thinking_tokens=max_thinking_tokens,
         priority=priority,
+        tenant=tenant,
+        cache_namespace=cache_namespace,
     )
+
+
+def tenant_fields(cache_salt: str | None) -> dict:
+    """The request's tenant (`g.tenant`) as the engine takes it: its fair share and the namespace of the
+    caches it may reuse (its tenant's, narrowed by `cache_salt`)."""
+    tenants = state().tenants
+    return {"tenant": tenants.share(g.tenant), "cache_namespace": tenants.cache_namespace(g.tenant, cache_salt)}
 
 
 def conversation_header() -> str | None:

@@ -1,7 +1,9 @@
 """Server-side chat histories for the native endpoint, where a client sends only its new message
 and a `conversation_id`: the messages, not their keys and values (those are the engine's
 conversation cache, service/caches/). Bounded in count, bytes (decoded images dominate) and idle
-time, with evictions counted like the caches' (cache="history")."""
+time, with evictions counted like the caches' (cache="history"). A conversation belongs to its tenant
+(`owner`, service/api/tenants.py): another tenant's same id is another conversation, and finds
+nothing of this one — exactly as an id never used."""
 
 from __future__ import annotations
 
@@ -21,8 +23,13 @@ def _nbytes(messages: list[ChatMessage]) -> int:
     )
 
 
+def _key(owner: str, conversation_id: str) -> str:
+    return f"{owner}/{conversation_id}" if owner else conversation_id  # ids hold no '/'
+
+
 class HistoryStore:
-    """conversation_id → messages so far (images kept decoded, so an evicted KV cache can be rebuilt)."""
+    """(owner, conversation_id) → messages so far (images kept decoded, so an evicted KV cache can be
+    rebuilt)."""
 
     def __init__(self, max_histories: int, ttl_seconds: float, max_bytes: int):
         self.entries: BudgetedLRU[list[ChatMessage]] = BudgetedLRU("history", max_bytes, max_histories, ttl_seconds)
@@ -31,14 +38,15 @@ class HistoryStore:
     def new_id() -> str:
         return "conv-" + uuid.uuid4().hex[:20]
 
-    def history(self, conversation_id: str) -> list[ChatMessage]:
-        """The stored messages (a copy), or [] for an unknown, expired or evicted conversation."""
-        return list(self.entries.get(conversation_id) or [])
+    def history(self, conversation_id: str, owner: str = "") -> list[ChatMessage]:
+        """`owner`'s stored messages (a copy), or [] for an unknown, expired or evicted conversation, or
+        another owner's."""
+        return list(self.entries.get(_key(owner, conversation_id)) or [])
 
-    def save(self, conversation_id: str, messages: list[ChatMessage]) -> None:
-        """Keep the conversation (replacing its earlier turns); one larger than the whole byte
+    def save(self, conversation_id: str, messages: list[ChatMessage], owner: str = "") -> None:
+        """Keep `owner`'s conversation (replacing its earlier turns); one larger than the whole byte
         budget is not kept."""
-        self.entries.put(conversation_id, list(messages), _nbytes(messages))
+        self.entries.put(_key(owner, conversation_id), list(messages), _nbytes(messages))
 
     @property
     def bytes(self) -> int:

@@ -21,7 +21,7 @@ from ..media.video import VideoLimits
 from ..model.prompts import ChatMessage, TextPart
 from . import protocol, responses
 from .answer_shapes import answer_shape
-from .engine_requests import conversation_header, generation_request, json_body
+from .engine_requests import conversation_header, generation_request, json_body, tenant_fields
 from .inputs import (
     clip_limits,
     decode_file,
@@ -150,6 +150,8 @@ def _conversation_id(body: protocol.NativeChatRequest) -> str | None:
 def chat():
     app_state = state()
     engine = app_state.require_engine()
+    tenant = g.tenant
+    app_state.rates.admit(tenant)
     if request.mimetype in ("multipart/form-data", "application/x-www-form-urlencoded"):
         body, new_messages = _from_form(engine.limits)
     elif request.is_json:
@@ -161,7 +163,7 @@ def chat():
     shape = answer_shape(body.response_format)
     given_id = _conversation_id(body)
     conversation_id = given_id or app_state.histories.new_id()
-    history = app_state.histories.history(conversation_id) if given_id else []
+    history = app_state.histories.history(conversation_id, tenant.owner) if given_id else []
     if history and new_messages[0].role == "system":
         raise BadRequest("a system message can only open a conversation", param="messages")
     messages = history + new_messages
@@ -174,6 +176,7 @@ def chat():
         shape=shape,
         speculative=body.speculative,
         priority=body.priority,
+        **tenant_fields(body.cache_salt),
         **body.thinking(),
     )
     generation = engine.submit(gen_request)
@@ -189,16 +192,17 @@ def chat():
         answer = ChatMessage(
             "assistant", [TextPart(done.text)], token_ids=done.answer_token_ids, reasoning=done.reasoning
         )
-        app_state.histories.save(conversation_id, messages + [answer])
+        app_state.histories.save(conversation_id, messages + [answer], tenant.owner)
 
+    spend = app_state.rates.spender(tenant)
     if not body.stream:
-        done = collect(generation, gen_request, ENDPOINT)
+        done = collect(generation, gen_request, ENDPOINT, spend)
         remember(done)
         answer = responses.NativeAnswer(**{**responses.dump(head), **responses.dump(_done_line(done, head))})
         return jsonify(responses.dump(answer))
 
     lines = NativeLines(head, params.logprobs is not None, remember)
-    stream = EventStream(generation, gen_request, request.environ, ENDPOINT, lines)
+    stream = EventStream(generation, gen_request, request.environ, ENDPOINT, lines, spend)
     return Response(
         stream, mimetype="application/x-ndjson", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )

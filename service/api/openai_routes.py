@@ -11,10 +11,10 @@ from flask import Blueprint, Response, g, jsonify, request
 
 from ..answer.tools import ToolCallDelta, ToolCallParser, split_tool_calls
 from ..errors import ServiceError
-from ..generation import Completion, GenerationRequest, TextDelta
+from ..generation import Completion, GenerationRequest, TenantShare, TextDelta
 from . import protocol, responses
 from .answer_shapes import AnswerShape, answer_shape
-from .engine_requests import conversation_header, generation_request, json_body
+from .engine_requests import conversation_header, generation_request, json_body, tenant_fields
 from .inputs import clip_limits, picture_limits, to_chat_messages
 from .serving import EventStream, collect
 from .state import state
@@ -99,6 +99,8 @@ def chat_request(
     priority: int | None = None,
     request_id: str | None = None,
     received_at: float | None = None,
+    tenant: TenantShare = TenantShare(),
+    cache_namespace: str = "",
 ) -> tuple[GenerationRequest, AnswerShape]:
     """A Chat Completions body as the engine's request (the route's, and a batch line's), and the
     shape its answer takes."""
@@ -116,6 +118,8 @@ def chat_request(
         priority=body.priority if priority is None else priority,
         request_id=request_id,
         received_at=received_at,
+        tenant=tenant,
+        cache_namespace=cache_namespace,
         **body.thinking(),
     )
     return gen_request, shape
@@ -130,14 +134,18 @@ def completion_body(request_id: str, model: str, done: Completion, shape: Answer
 
 @openai_api.post(ENDPOINT)
 def chat_completions():
+    app_state = state()
+    app_state.rates.admit(g.tenant)
     body = protocol.ChatCompletionRequest.model_validate(json_body())
-    engine = state().require_engine()
-    gen_request, shape = chat_request(body, engine, conversation_header() or body.user)
+    engine = app_state.require_engine()
+    conversation = conversation_header() or body.user
+    gen_request, shape = chat_request(body, engine, conversation, **tenant_fields(body.cache_salt))
     generation = engine.submit(gen_request)
     model = engine.info.name
 
+    spend = app_state.rates.spender(g.tenant)
     if not body.stream:
-        done = collect(generation, gen_request, ENDPOINT)
+        done = collect(generation, gen_request, ENDPOINT, spend)
         return jsonify(completion_body(g.request_id, model, done, shape))
 
     chunks = OpenAIChunks(
@@ -147,7 +155,7 @@ def chat_completions():
         logprobs=gen_request.params.logprobs is not None,
         parser=ToolCallParser(shape.max_calls) if shape.parse_tool_calls else None,
     )
-    stream = EventStream(generation, gen_request, request.environ, ENDPOINT, chunks)
+    stream = EventStream(generation, gen_request, request.environ, ENDPOINT, chunks, spend)
     return Response(
         stream, mimetype="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )

@@ -203,6 +203,11 @@ class _Sampling(_SamplingFields):
     )
     media_io_kwargs: MediaIOKwargs | None = Field(None, description="clips' sampling, as vLLM spells it")
     priority: Priority = 0
+    cache_salt: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = Field(
+        None,
+        description="vLLM's: only requests with the same salt (and key) reuse each other's cached prompts, so "
+        "nobody without it learns from cached_tokens or timings what was sent; make it long and random",
+    )
 
     def clip_sampling(self) -> tuple[float | None, int | None]:
         """(fps, max_frames) for this request's clips: the native fields, else media_io_kwargs.video's."""
@@ -293,5 +298,6 @@ class NativeChatRequest(_Sampling):
 FORM_FIELDS = frozenset(
     {name for name in SHARED_SAMPLING if name != "logit_bias"}
     | {"prompt", "conversation_id", "stream", "response_format", "logprobs", "top_logprobs", "speculative", "priority"}
+    | {"cache_salt"}
     | {"max_pixels", "min_pixels", "fps", "max_frames", "enable_thinking", "max_thinking_tokens", "reasoning_effort"}
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import select
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from .. import metrics
@@ -37,10 +37,12 @@ def record(
 ) -> None:
     """Metrics and the request's log line; `done` is None when the client left mid-stream or the
     generation ended in an error (`error_code`)."""
+    tenant = metrics.tenant_label(request.tenant.name)
     if done is None:
         made = generation.generated_tokens
         metrics.FINISHED.labels("error" if error_code else "cancelled").inc()
         metrics.GENERATED_TOKENS.inc(made)
+        metrics.TENANT_TOKENS.labels(tenant, "completion").inc(made)
         if error_code:
             log.warning("%s %s ended by an error (%s) after %d tokens", request.request_id, endpoint, error_code, made)
         else:
@@ -50,6 +52,9 @@ def record(
     metrics.FINISHED.labels(done.finish_reason).inc()
     metrics.GENERATED_TOKENS.inc(done.completion_tokens)
     metrics.PROMPT_TOKENS.inc(done.prompt_tokens)
+    for kind, tokens in (("prompt", done.prompt_tokens), ("cached", done.cached_tokens)):
+        metrics.TENANT_TOKENS.labels(tenant, kind).inc(tokens)
+    metrics.TENANT_TOKENS.labels(tenant, "completion").inc(done.completion_tokens)
     metrics.QUEUE_WAIT.labels(label).observe(t.queue_wait)
     metrics.IMAGE_DECODE.observe(t.image_decode)
     metrics.VISION_ENCODE.observe(t.vision_encode)
@@ -76,8 +81,16 @@ def record(
     )
 
 
-def collect(generation: Generation, request: GenerationRequest, endpoint: str) -> Completion:
-    """Run a non-streaming request to its end (an error propagates to the app's handler: its status)."""
+def tokens_used(generation: Generation, done: Completion | None) -> int:
+    """What a request counts against its tenant's tokens a minute: prompt and answer (what it made, if cut)."""
+    return done.prompt_tokens + done.completion_tokens if done is not None else generation.generated_tokens
+
+
+def collect(
+    generation: Generation, request: GenerationRequest, endpoint: str, spend: Callable[[int], None] | None = None
+) -> Completion:
+    """Run a non-streaming request to its end (an error propagates to the app's handler: its status);
+    `spend` gets its tokens (rate_limits.TenantRates.spender)."""
     done, error_code = None, None
     try:
         metrics.GENERATING.inc()
@@ -91,6 +104,8 @@ def collect(generation: Generation, request: GenerationRequest, endpoint: str) -
         metrics.GENERATING.dec()
         generation.close()
         record(request, generation, done, endpoint, error_code)
+        if spend is not None:
+            spend(tokens_used(generation, done))
     return done
 
 
@@ -113,7 +128,7 @@ class StreamEncoder(Protocol):
 
 class EventStream:
     """A WSGI response body: engine events encoded by `encoder`, generating stopped as soon as the
-    client is gone, and the model freed on close() even if never iterated."""
+    client is gone, and the model freed on close() even if never iterated; `spend` gets its tokens."""
 
     def __init__(
         self,
@@ -122,12 +137,14 @@ class EventStream:
         environ,
         endpoint: str,
         encoder: StreamEncoder,
+        spend: Callable[[int], None] | None = None,
     ):
         self.generation = generation
         self.request = request
         self.environ = environ
         self.endpoint = endpoint
         self.encoder = encoder
+        self.spend = spend
         self.done: Completion | None = None
         self.error_code: str | None = None  # of the error event that ended the stream
         self._body = self._chunks()
@@ -167,3 +184,5 @@ class EventStream:
         self.generation.close()
         metrics.GENERATING.dec()
         record(self.request, self.generation, self.done, self.endpoint, self.error_code)
+        if self.spend is not None:
+            self.spend(tokens_used(self.generation, self.done))

@@ -13,18 +13,23 @@ from .. import startup
 from ..engine.engine import Engine
 from ..errors import ServiceError, Unavailable
 from ..settings import Settings
+from .rate_limits import TenantRates
+from .tenants import Tenants
 
 log = logging.getLogger("service.api")
 
 
 class AppState:
-    """What the routes share: settings, the engine once loaded, the native endpoint's chat histories
-    (`histories`; the engine holds their keys and values in its conversation cache)."""
+    """What the routes share: settings, the engine once loaded, the tenants of the API keys and their
+    rates, the native endpoint's chat histories (`histories`; the engine holds their keys and values in
+    its conversation cache)."""
 
     def __init__(self, settings: Settings):
         from .histories import HistoryStore
 
         self.settings = settings
+        self.tenants = Tenants(settings)
+        self.rates = TenantRates()
         self.engine: Engine | None = None
         self.load_error: str | None = None
         self.histories = HistoryStore(

@@ -4,6 +4,10 @@ TTL and an entry cap (lru.py).
 `ConversationCache` keeps each KV cache (`DynamicCache`) with the exact token ids it covers and the
 images inside them; a new prompt reuses the longest prefix any entry shares with it.
 
+Every entry belongs to a cache namespace (a request's `cache_namespace`: its tenant and cache_salt, an
+opaque keyed hash; "" without keys and salt): a request matches only its own namespace's entries, so
+what one tenant sent never shortens another's prefill (cached_tokens, the first token's time).
+
 Nothing handed out is ever still in a cache: a reused KV cache is either taken out of the cache
 (the request then owns and extends it, and stores it back when done) or is a copy of the shared
 prefix, so eviction and later requests never touch a generation in flight.
@@ -37,6 +41,7 @@ class KVEntry:
     prompt_tokens: int  # the prompt of the generation that made it (the rest is its answer)
     conversation_id: str | None
     cache: DynamicCache
+    namespace: str = ""
 
 
 @dataclass
@@ -81,9 +86,9 @@ def copy_prefix(cache: DynamicCache, tokens: int, config) -> DynamicCache:
 class ConversationCache:
     """KV caches of finished generations; see the module docstring.
 
-    One entry per `conversation_id` (a new turn replaces its conversation's entry); requests without
-    one get entries of their own. Any request may reuse any entry: stateless clients resend their
-    history and are matched by the longest common prefix.
+    One entry per `conversation_id` within a namespace (a new turn replaces its conversation's entry);
+    requests without one get entries of their own. Any request may reuse any entry of its namespace:
+    stateless clients resend their history and are matched by the longest common prefix.
     """
 
     name = "conversation"
@@ -99,26 +104,32 @@ class ConversationCache:
     def enabled(self) -> bool:
         return self.entries.enabled
 
-    def _best(self, token_ids: torch.Tensor, images: list[VisionSpan], conversation_id: str | None):
-        """(key, tokens) of the entry holding the longest reusable prefix, or (None, 0)."""
+    def _best(self, token_ids: torch.Tensor, images: list[VisionSpan], conversation_id: str | None, namespace: str):
+        """(key, tokens) of the namespace's entry holding the longest reusable prefix, or (None, 0)."""
         best_key, best = None, 0
         for key in reversed(self.entries.keys()):  # most recent first: it wins ties
             entry = self.entries.peek(key)
+            if entry.namespace != namespace:
+                continue
             n = reusable_prefix(entry, token_ids, images)
             same = conversation_id is not None and entry.conversation_id == conversation_id
             if n > best or (n == best and n > 0 and same):
                 best_key, best = key, n
         return (best_key, best) if best >= self.min_tokens else (None, 0)
 
-    def reusable(self, token_ids: torch.Tensor, images: list[VisionSpan], conversation_id: str | None) -> int:
+    def reusable(
+        self, token_ids: torch.Tensor, images: list[VisionSpan], conversation_id: str | None, namespace: str = ""
+    ) -> int:
         """How many tokens `take` would give now (0: a miss); takes nothing."""
         if not self.enabled:
             return 0
         with self.entries.lock:
             self.entries.sweep()
-            return self._best(token_ids, images, conversation_id)[1]
+            return self._best(token_ids, images, conversation_id, namespace)[1]
 
-    def take(self, token_ids: torch.Tensor, images: list[VisionSpan], conversation_id: str | None) -> KVReuse | None:
+    def take(
+        self, token_ids: torch.Tensor, images: list[VisionSpan], conversation_id: str | None, namespace: str = ""
+    ) -> KVReuse | None:
         """The KV cache of the longest reusable prefix of `token_ids` (1-D), or None on a miss.
 
         The entry itself is handed over (no copy) when this request supersedes it — it continues the
@@ -129,7 +140,7 @@ class ConversationCache:
             return None
         with self.entries.lock:
             self.entries.sweep()
-            best_key, best = self._best(token_ids, images, conversation_id)
+            best_key, best = self._best(token_ids, images, conversation_id, namespace)
             if best_key is None:
                 metrics.CACHE_MISSES.labels(cache=self.name).inc()
                 return None
@@ -155,8 +166,9 @@ class ConversationCache:
         images: list[VisionSpan],
         prompt_tokens: int,
         cache: DynamicCache,
+        namespace: str = "",
     ) -> bool:
-        """Keep a finished generation's cache; `token_ids` are the tokens it covers."""
+        """Keep a finished generation's cache, in `namespace`; `token_ids` are the tokens it covers."""
         if not self.enabled:
             return False
         length = cache.get_seq_length()
@@ -168,6 +180,10 @@ class ConversationCache:
             prompt_tokens=prompt_tokens,
             conversation_id=conversation_id,
             cache=cache,
+            namespace=namespace,
         )
-        key = f"id:{conversation_id}" if conversation_id is not None else f"anon:{next(self._anonymous)}"
+        if conversation_id is None:
+            key = f"anon:{next(self._anonymous)}"
+        else:  # an id holds no '/': a namespace's keys never meet the keys of none
+            key = f"id:{namespace}/{conversation_id}" if namespace else f"id:{conversation_id}"
         return self.entries.put(key, entry, kv_bytes(compacted(cache)))  # kept, not extended: no spare room

@@ -5,12 +5,14 @@ Content-addressed blocks. A conversation's keys and values are cut into blocks o
 tokens (and a shorter tail at its end); a block's file is named by a hash chained over everything
 its keys and values depend on — the store's fingerprint (checkpoint, quantization, vision encoder,
 KV layout), every token before and in it, and the picture (pixels and grid) behind each image or
-video that starts there, and the M-RoPE positions of its tokens. The name alone finds a prefix: a
-lookup hashes the prompt block by block and stats names until one is missing, so there is no index
-to rebuild or to keep consistent between instances, a prefix shared by conversations (a system
-prompt, a picture) is stored once, and a second turn writes only its new blocks. Keys and values
-are the same bits whichever path computed them (service/model/forward.py), so a block written by
-any instance serves any other.
+video that starts there, the M-RoPE positions of its tokens — and the request's cache namespace (its
+tenant and cache_salt, an opaque keyed hash: service/api/tenants.py), which seeds the chain: one tenant's
+lookups never find another's files, and a file name holds a tenant only as a hash keyed with that hash
+(a header not at all). The name alone finds a prefix: a lookup hashes the prompt block by block and
+stats names until one is missing, so there is no index to rebuild or to keep consistent between
+instances, a prefix shared by conversations (a system prompt, a picture) is stored once, and a second
+turn writes only its new blocks. Keys and values are the same bits whichever path computed them
+(service/model/forward.py), so a block written by any instance serves any other.
 
 A file is written whole or not at all (temporary file, then rename) and read only after its header
 shows everything its name stands for as the request needs it (format version, fingerprint, KV layout,
@@ -116,6 +118,7 @@ class _Write:
     images: list[VisionSpan]
     limit: int
     owner: weakref.ref  # the cache it was queued from
+    namespace: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -217,14 +220,28 @@ class KVDiskStore:
                 digest.update(f"{span.start}-{span.end}:{span.key};".encode())
         return digest.digest()
 
+    def _seed_of(self, namespace: str) -> bytes:
+        """The chain's first key: the store's seed, keyed with a request's cache namespace if it has one
+        ("" keeps the store's own: the files of before namespaces)."""
+        if not namespace:
+            return self._seed
+        return hashlib.blake2b(namespace.encode(), digest_size=16, key=self._seed).digest()
+
     def _path(self, previous: bytes, key: bytes) -> Path:
         """A block's file: named by the chain before it, then its own key (the blocks that continue one
         prefix sit side by side, found by that first half)."""
         return self.root / previous.hex()[:2] / f"{previous.hex()}-{key.hex()}.kv"
 
-    def _full_blocks(self, token_ids: torch.Tensor, positions: torch.Tensor, images: list[VisionSpan], length: int):
-        """(Block, its own chain key) of each full block within `length` tokens, in order."""
-        previous = self._seed
+    def _full_blocks(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        images: list[VisionSpan],
+        length: int,
+        namespace: str = "",
+    ):
+        """(Block, its own chain key) of each full block within `length` tokens, in order, in `namespace`'s chain."""
+        previous = self._seed_of(namespace)
         for start in range(0, length - BLOCK_TOKENS + 1, BLOCK_TOKENS):
             key = self._chain(previous, token_ids, positions, start, start + BLOCK_TOKENS, images)
             yield Block(self._path(previous, key), start, start + BLOCK_TOKENS, previous), key
@@ -233,13 +250,19 @@ class KVDiskStore:
     # -- lookup -----------------------------------------------------------------------------------
 
     def stored_blocks(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, images: list[VisionSpan], limit: int
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        images: list[VisionSpan],
+        limit: int,
+        namespace: str = "",
     ) -> tuple[list[Block], bytes]:
-        """The full blocks of `token_ids`' first `limit` tokens on disk, up to the first missing one, and
-        the chain key after them. Hashes and stats only: no file is opened. Something other than a
-        regular file under a block's name is no block (removed when that touches nothing else)."""
-        blocks, after = [], self._seed
-        for block, key in self._full_blocks(token_ids, positions, images, limit):
+        """The full blocks of `token_ids`' first `limit` tokens on disk in `namespace`'s chain, up to the
+        first missing one, and the chain key after them (what `read` continues from, as its `stored`).
+        Hashes and stats only: no file is opened. Something other than a regular file under a block's
+        name is no block (removed when that touches nothing else)."""
+        blocks, after = [], self._seed_of(namespace)
+        for block, key in self._full_blocks(token_ids, positions, images, limit, namespace):
             kind = entry_kind(block.path)
             if kind != "file":
                 if kind is not None:
@@ -455,14 +478,17 @@ class KVDiskStore:
 
     # -- writes -----------------------------------------------------------------------------------
 
-    def save(self, cache, token_ids: torch.Tensor, positions: torch.Tensor, images: list[VisionSpan]) -> None:
-        """Queue a kept cache's keys and values (covering `token_ids`, at M-RoPE `positions`) for the
+    def save(
+        self, cache, token_ids: torch.Tensor, positions: torch.Tensor, images: list[VisionSpan], namespace: str = ""
+    ) -> None:
+        """Queue a kept cache's keys and values (covering `token_ids`, at M-RoPE `positions`, in `namespace`'s
+        chain) for the
         writer; returns at once."""
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         if not self.usable or not layers or layers[0][0].dtype != self.layout.dtype or len(token_ids) < self.min_tokens:
             return
         spans = [s for s in images if s.start < len(token_ids)]
-        job = _Write(layers, token_ids, positions, spans, len(token_ids), weakref.ref(cache))
+        job = _Write(layers, token_ids, positions, spans, len(token_ids), weakref.ref(cache), namespace)
         with self._pending_lock:
             self._pending.setdefault(cache, []).append(job)
         with self._idle:
@@ -536,8 +562,8 @@ class KVDiskStore:
         job.layers = []
 
     def _write(self, job: _Write) -> None:
-        length, previous, end = len(job.token_ids), self._seed, 0
-        for block, key in self._full_blocks(job.token_ids, job.positions, job.images, length):
+        length, previous, end = len(job.token_ids), self._seed_of(job.namespace), 0
+        for block, key in self._full_blocks(job.token_ids, job.positions, job.images, length, job.namespace):
             if not self._write_block(job, block):
                 return
             previous, end = key, block.end

@@ -50,19 +50,21 @@ class ConversationTiers:
         images: list[VisionSpan],
         conversation_id: str | None,
         capacity: int,
+        namespace: str = "",
     ) -> Generator[Future, None, KVReuse | None]:
-        """The cache of the longest reusable prefix of `token_ids` (at M-RoPE `positions`, 3 × tokens),
-        with room for `capacity` positions if it comes from disk; while the disk tier reads (on a
-        thread of its own) this yields the read in progress, and the scheduler decodes its other
-        sequences meanwhile; a read past its deadline counts as a miss.
+        """The cache of the longest reusable prefix of `token_ids` (at M-RoPE `positions`, 3 × tokens) in
+        `namespace` (a request's cache_namespace: nothing of another is found), with room for `capacity`
+        positions if it comes from disk; while the disk tier reads (on a thread of its own) this yields the
+        read in progress, and the scheduler decodes its other sequences meanwhile; a read past its deadline
+        counts as a miss.
 
         The disk is read only when it holds full blocks of the prompt (found by name, without
         reading: with none it holds nothing usable) beyond what memory holds — memory holds the
         latest turn of the conversations it has — so a new prompt never waits for the reader."""
-        in_memory = self.memory.reusable(token_ids, images, conversation_id)
+        in_memory = self.memory.reusable(token_ids, images, conversation_id, namespace)
         if self.disk is not None and self.disk.readable:
             limit = len(token_ids) - 1
-            stored = self.disk.stored_blocks(token_ids, positions, images, limit)  # by name: hashes, stats
+            stored = self.disk.stored_blocks(token_ids, positions, images, limit, namespace)  # by name: hashes, stats
             blocks = stored[0]
             if not blocks and not in_memory:
                 metrics.CACHE_MISSES.labels(cache=self.disk.name).inc()
@@ -89,7 +91,7 @@ class ConversationTiers:
                     metrics.CACHE_MISSES.labels(cache=self.memory.name).inc()
                     metrics.CACHE_REUSED_TOKENS.inc(reuse.tokens)
                     return reuse
-        reuse = self.memory.take(token_ids, images, conversation_id)
+        reuse = self.memory.take(token_ids, images, conversation_id, namespace)
         if reuse is not None and self.disk is not None:
             self.disk.truncate(reuse.cache, reuse.tokens)  # extended in place from there on: not written past it
         return reuse
@@ -102,9 +104,10 @@ class ConversationTiers:
         images: list[VisionSpan],
         prompt_tokens: int,
         cache,
+        namespace: str = "",
     ) -> None:
         """Keep a finished generation's cache (covering `token_ids`, at M-RoPE `positions`) in memory
-        and, behind, on disk."""
-        self.memory.put(conversation_id, token_ids, images, prompt_tokens, cache)
+        and, behind, on disk, in `namespace`."""
+        self.memory.put(conversation_id, token_ids, images, prompt_tokens, cache, namespace)
         if self.disk is not None:
-            self.disk.save(cache, token_ids.clone(), positions.clone(), images)
+            self.disk.save(cache, token_ids.clone(), positions.clone(), images, namespace)

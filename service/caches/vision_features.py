@@ -26,7 +26,9 @@ def vision_settings(ip) -> str:
 
 class VisionFeatureCache:
     """Vision-encoder outputs per picture, by its span's key (pixels and grid) within `namespace`
-    (the encoder backend and the processor settings), so a hit gives exactly what the encoder would."""
+    (the encoder backend and the processor settings), so a hit gives exactly what the encoder would;
+    and within a request's `cache_namespace` (its tenant and cache_salt), so a tenant never learns
+    from a hit that another sent the picture."""
 
     name = "vision"
 
@@ -38,17 +40,17 @@ class VisionFeatureCache:
     def enabled(self) -> bool:
         return self.entries.enabled
 
-    def get(self, key: str) -> VisionFeatures | None:
+    def get(self, key: str, cache_namespace: str = "") -> VisionFeatures | None:
         if not self.enabled:
             return None
-        features = self.entries.get(f"{self.namespace}:{key}")
+        features = self.entries.get(f"{self.namespace}:{cache_namespace}:{key}")
         (metrics.CACHE_HITS if features is not None else metrics.CACHE_MISSES).labels(cache=self.name).inc()
         return features
 
-    def put(self, key: str, features: VisionFeatures) -> bool:
+    def put(self, key: str, features: VisionFeatures, cache_namespace: str = "") -> bool:
         if not self.enabled:
             return False
         features = VisionFeatures(pooler=_compact(features.pooler), deepstack=[_compact(t) for t in features.deepstack])
         return self.entries.put(
-            f"{self.namespace}:{key}", features, tensor_bytes((features.pooler, *features.deepstack))
+            f"{self.namespace}:{cache_namespace}:{key}", features, tensor_bytes((features.pooler, *features.deepstack))
         )

@@ -85,6 +85,7 @@ class Deployment:
         """Start everything, print how to try it, keep it running; the exit code when it stops."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGHUP, self._reload_keys)
         try:
             if self.settings.proxy_read_timeout <= self.settings.queue_timeout:
                 log.warning(
@@ -117,6 +118,12 @@ class Deployment:
         if self._signals == 1:
             log.info("%s: stopping gracefully (again to stop at once)", signal.Signals(signum).name)
         self._stop.set()
+
+    def _reload_keys(self, signum, frame) -> None:
+        """SIGHUP: every instance re-reads API_KEYS_FILE (gunicorn.conf.py), nothing restarts."""
+        for slot in self.slots:
+            if slot.process is not None and slot.process.poll() is None:
+                slot.process.send_signal(signal.SIGHUP)
 
     def _start_instance(self, slot: _Slot) -> None:
         inst, threads = slot.instance, str(len(slot.instance.cores))
@@ -201,7 +208,7 @@ class Deployment:
     def _announce(self) -> None:
         url = client_url(self.settings.nginx_listen)
         _, ready = get_status(f"http://{self.slots[0].instance.address}/ready")
-        auth = " -H 'Authorization: Bearer <one of API_KEYS>'" if self.settings.api_key_list else ""
+        auth = " -H 'Authorization: Bearer <one of API_KEYS>'" if self.settings.keys_required else ""
         cores = " | ".join(s.instance.cpu_list for s in self.slots)
         print(
             f"\nServing {ready.get('model', 'the model')} on {url}: {len(self.slots)} instance(s), cores {cores}."

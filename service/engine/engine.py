@@ -109,7 +109,7 @@ class Engine:
         once the stream has ended or been closed and the scheduler has let go of it."""
         prepared = self.inputs.prepare(request)
         asked = time.perf_counter()
-        ticket = self.admission.acquire(request.priority, request.received_at)
+        ticket = self.admission.acquire(request.priority, request.received_at, tenant=request.tenant)
         try:
             sequence = self._sequence(request, prepared, ticket, time.perf_counter() - asked)
         except BaseException:
@@ -145,7 +145,7 @@ class Engine:
             prompt=prepared.prompt,
             max_new_tokens=prepared.max_new_tokens,
             deadline=request.received_at + self.settings.request_deadline,
-            prefill=self.prefiller.steps(prepared.prompt, request.conversation_id, marks),
+            prefill=self.prefiller.steps(prepared.prompt, request.conversation_id, marks, request.cache_namespace),
             sampler=Sampler(Sampling.resolve(request.params, self.model.generation_config), self.inputs.vocab_size),
             stream=TokenStream(self.processor.tokenizer),
             eos_token_ids=frozenset(self.loaded.eos_token_ids),
@@ -167,7 +167,10 @@ class Engine:
         covered = torch.tensor(sequence.token_ids[: cache.get_seq_length()])
         positions = covered_positions(self.model, prompt, len(covered))
         media = prompt.spans["image"] + prompt.spans["video"]
-        self.caches.kv.keep(sequence.request.conversation_id, covered, positions, media, prompt.num_tokens, cache)
+        request = sequence.request
+        self.caches.kv.keep(
+            request.conversation_id, covered, positions, media, prompt.num_tokens, cache, request.cache_namespace
+        )
 
     def _speculates(self, request: GenerationRequest) -> bool:
         """Guessed tokens for this request: SPECULATIVE on, the request not against, INT8 or 4-bit weights in

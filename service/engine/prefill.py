@@ -90,7 +90,9 @@ class Prefiller:
         and at the end. (service/model/forward.py computes every row alike: where a prompt is cut changes no bit.)"""
         return [*range(reused + self.chunk_tokens, length, self.chunk_tokens), length]
 
-    def _features(self, prompt: PreparedPrompt, reused: int) -> Generator[None, None, tuple[dict, int]]:
+    def _features(
+        self, prompt: PreparedPrompt, reused: int, cache_namespace: str
+    ) -> Generator[None, None, tuple[dict, int]]:
         """Features of each image and video after the first `reused` tokens (the rest are in the KV
         cache), by modality and index, from the vision cache or the encoder (run in steps); and how
         many came from the cache. One image (one video frame pair) per encoder call: a step stays
@@ -108,25 +110,27 @@ class Prefiller:
             for i, span in enumerate(prompt.spans[modality]):
                 if span.start < reused:
                     continue
-                cached = self.vision_cache.get(span.key)
+                cached = self.vision_cache.get(span.key, cache_namespace)
                 if cached is None:
                     cached = yield from encode(i)
-                    self.vision_cache.put(span.key, cached)
+                    self.vision_cache.put(span.key, cached, cache_namespace)
                 else:
                     hits += 1
                 features[modality][i] = cached
         return features, hits
 
     def steps(
-        self, prompt: PreparedPrompt, conversation_id: str | None, marks: PrefillMarks
+        self, prompt: PreparedPrompt, conversation_id: str | None, marks: PrefillMarks, cache_namespace: str = ""
     ) -> Generator[object, None, Prefilled]:
         """The prefill, a step per `yield` (which yields what it waits for, if it waits for a read);
-        records cache use and timings in `marks`."""
+        records cache use and timings in `marks`. The caches are those of `cache_namespace` only."""
         t0 = time.perf_counter()
         media = prompt.spans["image"] + prompt.spans["video"]  # what the KV cache matches: the same for both
         capacity = prompt.num_tokens + HEADROOM
         positions, _ = prompt_positions(self.model, prompt)  # what the disk tier's blocks are checked against
-        reuse = yield from self.kv_cache.lookup(prompt.input_ids[0], positions, media, conversation_id, capacity)
+        reuse = yield from self.kv_cache.lookup(
+            prompt.input_ids[0], positions, media, conversation_id, capacity, cache_namespace
+        )
         marks.reused = reuse.tokens if reuse else 0
         marks.reused_from = reuse.source if reuse else None
         # The request owns the cache: each piece extends it in place.
@@ -134,7 +138,7 @@ class Prefiller:
         marks.cache_lookup = time.perf_counter() - t0
         try:
             t1 = time.perf_counter()
-            features, marks.vision_hits = yield from self._features(prompt, marks.reused)
+            features, marks.vision_hits = yield from self._features(prompt, marks.reused, cache_namespace)
             marks.prefill_start = time.perf_counter()
             marks.vision_encode = marks.prefill_start - t1
             merged = {m: VisionFeatures.cat([f[i] for i in sorted(f)]) for m, f in features.items() if f}
@@ -153,7 +157,13 @@ class Prefiller:
                 cache.crop(marks.reused - cache.get_seq_length())
                 reused = marks.reused
                 self.kv_cache.keep(
-                    conversation_id, prompt.input_ids[0, :reused], positions[:, :reused], media, reused, cache
+                    conversation_id,
+                    prompt.input_ids[0, :reused],
+                    positions[:, :reused],
+                    media,
+                    reused,
+                    cache,
+                    cache_namespace,
                 )
             raise
         return Prefilled(cache=cache, logits=logits.float(), rope_delta=rows.rope_delta)

@@ -128,8 +128,9 @@ class Book:
                     continue
                 line.update(state=LEASED, worker=worker, lease_until=now + lease, attempts=line["attempts"] + 1)
                 tx.put_line(batch_id, index, line)
-                endpoint = tx.batch(batch_id)["endpoint"]
-                return Claim(batch_id, index, line["custom_id"], line["body"], worker, line["attempts"], endpoint)
+                batch = tx.batch(batch_id)
+                custom_id, body, attempt = line["custom_id"], line["body"], line["attempts"]
+                return Claim(batch_id, index, custom_id, body, worker, attempt, batch["endpoint"], batch["owner"])
         return None
 
     def renew(self, claim: Claim, lease: float) -> bool:
