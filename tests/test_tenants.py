@@ -187,7 +187,10 @@ def tenant_server(serve, tmp_path_factory):
         "API_KEYS_FILE": str(keys),
         "MAX_BATCH_SIZE": "4",
         "QUEUE_SIZE": "4",
-        "MAX_NEW_TOKENS": "1500",  # the embedded model decodes ~500 tokens a second: a burst of long answers
+        # The embedded model decodes ~1,000 tokens a second a sequence: a burst's answers must outlast
+        # its arrival on a loaded machine.
+        "MAX_NEW_TOKENS": "4000",
+        "CONTEXT_LIMIT": "8192",
         "KV_DISK_DIR": str(kv),
         "LOG_LEVEL": "debug",
         "ACCESS_LOG": "1",
@@ -288,7 +291,7 @@ def test_a_cache_salt_narrows_the_cache_within_a_tenant_on_both_endpoints(tenant
 def test_a_burst_from_one_tenant_leaves_another_its_share(tenant_server, no_end_of_turn):
     url, base = tenant_server[:2]
     refused_before = metric(base, "qwen3vl_tenant_refused_total", 'tenant="alice",limit="queue"')
-    long = {"prompt": "Tell a long story.", "max_tokens": 1200, "logit_bias": no_end_of_turn, "logprobs": False}
+    long = {"prompt": "Tell a long story.", "max_tokens": 4000, "logit_bias": no_end_of_turn, "logprobs": False}
     with ThreadPoolExecutor(12) as pool:
         burst = [pool.submit(chat, url, ALICE, **long) for _ in range(10)]
         deadline = time.monotonic() + 30
@@ -298,6 +301,7 @@ def test_a_burst_from_one_tenant_leaves_another_its_share(tenant_server, no_end_
             or metric(base, "qwen3vl_tenant_refused_total", 'tenant="alice",limit="queue"') - refused_before < 4
         ):
             time.sleep(0.01)
+        assert time.monotonic() < deadline, "the burst never filled alice's places and queue"
         started = time.monotonic()
         bobs = [pool.submit(chat, url, BOB, prompt=f"A quick question {i}.", max_tokens=16) for i in range(2)]
         bob_answers = [f.result() for f in bobs]
@@ -308,7 +312,7 @@ def test_a_burst_from_one_tenant_leaves_another_its_share(tenant_server, no_end_
         assert answer.json()["timings"]["queue_wait"] < 1.0
     ok = [a for a in alice_answers if a.status_code == 200]
     refused = [a for a in alice_answers if a.status_code != 200]
-    assert len(ok) == 6 and all(a.json()["usage"]["completion_tokens"] == 1200 for a in ok)  # 4 places + 2 queued
+    assert len(ok) == 6 and all(a.json()["usage"]["completion_tokens"] == 4000 for a in ok)  # 4 places + 2 queued
     assert len({a.json()["text"] for a in ok}) == 1  # paused or not, the same answer
     for answer in refused:
         assert answer.status_code == 429 and answer.headers["Retry-After"]

@@ -5,7 +5,8 @@ Urgency is a request's `priority` (lower first, default 0: vLLM's field) minus o
 seconds since it reached the server: a request of priority 10 outranks new priority-0 ones after
 10 × `aging` seconds, so no class waits forever. Equal urgency: first come, first served.
 
-Preemption: a request that finds every place held, one of them by a less urgent request, takes the
+Preemption: a request that finds every place held, one of them by a request less urgent by at least
+one whole priority level (a priority value one higher, or an arrival `aging` seconds later), takes the
 place of the least urgent holder (the latest to arrive among equals) at once. The scheduler pauses
 that holder at its next step, its whole state kept (service/engine/batching.py), and it waits here
 like any waiter — ahead of later arrivals of its urgency — for a place to resume in. Paused
@@ -179,7 +180,8 @@ class Admission:
                 return max(over, key=lambda t: t.rank(now))
         candidates = [t for t in self._holders if self._may_pause_for(t, ticket)]
         least = max(candidates, key=lambda t: t.rank(now), default=None)
-        if least is not None and least.urgency(now) > ticket.urgency(now):
+        # A whole level: requests of one priority that arrived moments apart never pause each other.
+        if least is not None and least.urgency(now) - ticket.urgency(now) >= 1:
             return least
         return None
 
