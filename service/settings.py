@@ -206,6 +206,11 @@ class Settings(BaseSettings):
 
     # Security and per-request limits
     api_keys: SecretStr = Field(SecretStr(""), description="comma-separated keys; empty = no authentication")
+    cors_origins: str = Field(
+        "",
+        description="comma-separated origins (https://app.example.com) whose pages may call the API from a "
+        "browser, or * for any; empty = none (CORS off)",
+    )
     max_images_per_request: int = Field(8, ge=0, description="images in one request, history included")
     max_messages: int = Field(64, ge=1, description="messages in one request, history included")
     max_prompt_tokens: int = Field(6144, ge=1, description="prompt tokens (clipped to CONTEXT_LIMIT - 1)")
@@ -221,6 +226,10 @@ class Settings(BaseSettings):
     def batch_upload_bytes(self) -> int:
         """The largest POST /v1/files body: a batch file and the multipart form around it."""
         return self.batch_max_file_bytes + 64 * 1024
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return [o.strip().rstrip("/") for o in self.cors_origins.split(",") if o.strip()]
 
     @property
     def api_key_list(self) -> list[str]:

@@ -87,7 +87,7 @@ def test_every_streamed_chunk_is_what_the_document_says(client, document, extra)
     events = sse_events(client.post("/v1/chat/completions", json=openai_body(stream=True, **extra)))
     chunk = ref(document, "/v1/chat/completions", "text/event-stream", "x-event-schema")
     assert len(events) > 2 and all(valid_against_one(document, chunk, e) for e in events)
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
 
 
 @pytest.mark.parametrize("extra", [{}, {"logprobs": True, "top_logprobs": 1}], ids=["plain", "logprobs"])
@@ -105,7 +105,10 @@ def test_every_native_line_and_answer_is_what_the_document_says(client, document
 
 def test_the_model_list_is_what_the_document_says(client, document):
     schema = response_schema(document, "/v1/models", "get", "application/json")
-    validator(document, schema).validate(client.get("/v1/models").json)
+    models = client.get("/v1/models").json
+    validator(document, schema).validate(models)
+    card = response_schema(document, "/v1/models/{model_id}", "get", "application/json")
+    validator(document, card).validate(client.get("/v1/models/" + models["data"][0]["id"]).json)
 
 
 def test_a_schema_check_catches_a_body_that_breaks_the_contract(document):

@@ -19,6 +19,7 @@ from ..settings import Settings
 from .auth import check_api_key
 from .batch_routes import batch_api
 from .batch_runner import start_batch_runner
+from .cors import allow_origin, preflight
 from .native_routes import native
 from .openai_routes import openai_api
 from .ops_routes import ops
@@ -57,6 +58,7 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
     app_state.on_serving.append(start_batch_runner)
     app.extensions["qwen3vl"] = app_state
     api_keys = settings.api_key_list
+    cors_origins = settings.cors_origin_list
     for blueprint in (openai_api, native, batch_api, ops, web):
         app.register_blueprint(blueprint)
 
@@ -65,7 +67,9 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
         incoming = request.headers.get("X-Request-Id", "")
         g.request_id = incoming if _SANE_REQUEST_ID.match(incoming) else "req-" + uuid.uuid4().hex[:24]
         g.received_at = time.perf_counter()
-
+        answer = preflight(cors_origins)
+        if answer is not None:
+            return answer
         check_api_key(api_keys)
 
     @app.after_request
@@ -73,7 +77,7 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
         response.headers["X-Request-Id"] = g.get("request_id", "")
         endpoint = request.url_rule.rule if request.url_rule else "unmatched"
         metrics.REQUESTS.labels(endpoint, str(response.status_code)).inc()
-        return response
+        return allow_origin(response, cors_origins)
 
     @app.errorhandler(ServiceError)
     def _service_error(exc: ServiceError):

@@ -86,6 +86,7 @@ def _document() -> dict:
     completion, chunk, models = (
         _schema(m, components) for m in (responses.ChatCompletion, responses.ChatCompletionChunk, responses.ModelList)
     )
+    card = _schema(responses.ModelCard, components)
     answer = _schema(responses.NativeAnswer, components)
     lines = [_schema(m, components) for m in (responses.NativeHead, responses.NativeDelta, responses.NativeDone)]
     chat_errors = _errors(400, 401, 413, 415, 422, 429, 503)
@@ -153,6 +154,16 @@ def _document() -> dict:
                     "responses": {
                         "200": {"description": "model list", "content": {"application/json": {"schema": models}}},
                         **_errors(401, 503),
+                    },
+                }
+            },
+            "/v1/models/{model_id}": {
+                "get": {
+                    "summary": "the loaded model by its id (another id: 404 model_not_found)",
+                    "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                    "responses": {
+                        "200": {"description": "the model", "content": {"application/json": {"schema": card}}},
+                        **_errors(401, 404, 503),
                     },
                 }
             },
