@@ -1,5 +1,6 @@
-"""The published contract is the one kept: every answer of both chat endpoints (whole, streamed,
-with tool calls and logprobs) and of /v1/models validates against the 200 schemas /openapi.json
+"""The published contract is the one kept: every answer of the chat APIs — OpenAI's, Anthropic's, the
+native one — (whole, streamed, with tool calls and logprobs), their errors, and /v1/models validate
+against the schemas /openapi.json
 publishes — the routes build their bodies from the same pydantic models (service/api/responses.py).
 The app in-process on the embedded model (Flask's test client: the schemas, not the transport)."""
 
@@ -101,6 +102,52 @@ def test_every_native_line_and_answer_is_what_the_document_says(client, document
     whole = client.post("/v1/chat", json={**body, "stream": False}).json
     validator(document, response_schema(document, "/v1/chat", "post", "application/json")).validate(whole)
     assert whole["done"] is True and whole["text"] == done["text"]
+
+
+ANTHROPIC_TOOL = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+
+
+def anthropic_body(**extra) -> dict:
+    picture = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PICTURE.split(",")[1]}}
+    content = [picture, {"type": "text", "text": "What is it?"}]
+    return {"model": "m", "max_tokens": 12, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def sse_typed_events(response) -> list[tuple[str, dict]]:
+    """(event name, data) of each `event:`/`data:` pair of an Anthropic stream."""
+    out = []
+    for block in response.get_data(as_text=True).split("\n\n"):
+        if block:
+            name, data = block.split("\n")
+            out.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "any"}, "max_tokens": 200}],
+    ids=["plain", "tool call"],
+)
+def test_an_anthropic_message_and_its_stream_are_what_the_document_says(client, document, extra):
+    whole = client.post("/v1/messages", json=anthropic_body(**extra)).json
+    validator(document, response_schema(document, "/v1/messages", "post", "application/json")).validate(whole)
+    events = sse_typed_events(client.post("/v1/messages", json=anthropic_body(stream=True, **extra)))
+    schemas = ref(document, "/v1/messages", "text/event-stream", "x-event-schemas")
+    assert all(name == data["type"] and valid_against_one(document, schemas, data) for name, data in events)
+    assert events[0][0] == "message_start" and events[-1][0] == "message_stop"
+    count = client.post("/v1/messages/count_tokens", json={"messages": anthropic_body()["messages"]}).json
+    validator(document, response_schema(document, "/v1/messages/count_tokens", "post", "application/json")).validate(
+        count
+    )
+
+
+def test_errors_are_in_the_shape_each_api_documents(client, document):
+    openai_error = client.post("/v1/chat/completions", json={"messages": []})
+    anthropic_error = client.post("/v1/messages", json={"messages": []})
+    for path, answer in (("/v1/chat/completions", openai_error), ("/v1/messages", anthropic_error)):
+        error_ref = document["paths"][path]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
+        assert answer.status_code == 400 and validator(document, error_ref).is_valid(answer.json)
+    assert anthropic_error.json["type"] == "error" and "type" not in openai_error.json
 
 
 def test_the_model_list_is_what_the_document_says(client, document):

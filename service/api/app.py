@@ -16,7 +16,8 @@ from werkzeug.exceptions import HTTPException
 from .. import metrics
 from ..errors import InternalError, ServiceError
 from ..settings import Settings
-from .auth import check_api_key
+from .anthropic_routes import anthropic_api
+from .auth import check_api_key, key_is_valid
 from .batch_routes import batch_api
 from .batch_runner import start_batch_runner
 from .cors import allow_origin, preflight
@@ -59,7 +60,7 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
     app.extensions["qwen3vl"] = app_state
     api_keys = settings.api_key_list
     cors_origins = settings.cors_origin_list
-    for blueprint in (openai_api, native, batch_api, ops, web):
+    for blueprint in (openai_api, anthropic_api, native, batch_api, ops, web):
         app.register_blueprint(blueprint)
 
     @app.before_request
@@ -70,7 +71,9 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
         answer = preflight(cors_origins)
         if answer is not None:
             return answer
-        check_api_key(api_keys)
+        anthropic_key = request.headers.get("X-Api-Key")  # how Anthropic's clients send the key
+        if anthropic_key is None or "Authorization" in request.headers or not key_is_valid(anthropic_key, api_keys):
+            check_api_key(api_keys)  # a bearer key, or the 401
 
     @app.after_request
     def _tag(response):

@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import threading
 
-from flask import current_app, jsonify
+from flask import current_app, jsonify, request
 from pydantic import ValidationError
 
 from .. import startup
 from ..engine.engine import Engine
 from ..errors import ServiceError, Unavailable
 from ..settings import Settings
+from .error_shapes import error_body
 
 log = logging.getLogger("service.api")
 
@@ -104,7 +105,8 @@ def validation_error(exc: ValidationError) -> ServiceError:
 
 
 def error_response(exc: ServiceError):
-    response = jsonify(exc.to_dict())
+    """The error as the API of the request's path shapes it (error_shapes.py), with its status and headers."""
+    response = jsonify(error_body(exc, request.path))
     response.status_code = exc.status
     for name, value in exc.headers.items():
         response.headers[name] = value

@@ -8,7 +8,7 @@ cache lookup, vision encoder, prompt pieces), then decode steps shared with the 
 events on the request's own thread. The model is called with explicit M-RoPE positions per
 sequence, never through `generate`, so transformers' per-model `rope_deltas` state plays no part.
 
-The HTTP layer uses `submit`, `limits` and `info` only; what `submit` returns (`Generation`) is the
+The HTTP layer uses `submit`, `count_tokens`, `limits` and `info` only; what `submit` returns (`Generation`) is the
 caller's handle on the request: its events, `cancel`, and its live state.
 """
 
@@ -133,6 +133,11 @@ class Engine:
             self.admission.release(ticket)
 
         return Generation(self.outputs.events(sequence), sequence, release)
+
+    def count_tokens(self, request: GenerationRequest) -> int:
+        """The tokens of the request's prompt, as `submit` would compute them (checked the same way);
+        nothing is generated."""
+        return self.inputs.prompt(request).num_tokens
 
     def generate(self, request: GenerationRequest) -> Iterator[TextDelta | Completion]:
         """`submit` as a plain generator (CLI, tests): admission happens on the first `next()`;
