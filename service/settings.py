@@ -183,6 +183,11 @@ class Settings(BaseSettings):
     conversation_history_max: int = Field(1024, ge=1, description="native-endpoint conversations remembered")
     conversation_history_ttl: float = Field(1800.0, gt=0, description="seconds an idle conversation is remembered")
     conversation_history_max_bytes: int = Field(512 * 1024**2, ge=0, description="bytes of remembered histories")
+    responses_max: int = Field(1024, ge=1, description="Responses API: stored responses kept (store: true)")
+    responses_ttl: float = Field(3600.0, gt=0, description="seconds an unused stored response is kept")
+    responses_max_bytes: int = Field(
+        256 * 1024**2, ge=0, description="bytes of stored responses and their conversations (pictures decoded)"
+    )
 
     # Deployment (python -m service.deploy): Nginx in front of instances on HOST:PORT, PORT+1, ...
     instances: int = Field(

@@ -1,7 +1,7 @@
-"""The published contract is the one kept: every answer of the chat APIs — OpenAI's, Anthropic's, the
-native one — (whole, streamed, with tool calls and logprobs), their errors, and /v1/models validate
-against the schemas /openapi.json
-publishes — the routes build their bodies from the same pydantic models (service/api/responses.py).
+"""The published contract is the one kept: every answer of the chat APIs — OpenAI's Chat Completions and
+Responses, Anthropic's Messages, the native one — (whole, streamed, with tool calls and logprobs), their
+errors, and /v1/models validate against the schemas /openapi.json publishes — the routes build their
+bodies from the same pydantic models (service/api/responses.py and each API's protocol module).
 The app in-process on the embedded model (Flask's test client: the schemas, not the transport)."""
 
 from __future__ import annotations
@@ -139,6 +139,26 @@ def test_an_anthropic_message_and_its_stream_are_what_the_document_says(client, 
     validator(document, response_schema(document, "/v1/messages/count_tokens", "post", "application/json")).validate(
         count
     )
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"tools": [{"type": "function", **WEATHER["function"]}], "tool_choice": "required", "max_output_tokens": 200}],
+    ids=["plain", "function call"],
+)
+def test_a_response_its_stream_and_its_stored_copy_are_what_the_document_says(client, document, extra):
+    picture = {"type": "input_image", "image_url": PICTURE}
+    body = {"input": [{"role": "user", "content": [picture, {"type": "input_text", "text": "What is it?"}]}]}
+    body = {**body, "max_output_tokens": 12, **extra}
+    schema = response_schema(document, "/v1/responses", "post", "application/json")
+    whole = client.post("/v1/responses", json=body).json
+    validator(document, schema).validate(whole)
+    events = sse_typed_events(client.post("/v1/responses", json={**body, "stream": True}))
+    schemas = ref(document, "/v1/responses", "text/event-stream", "x-event-schemas")
+    assert all(name == data["type"] and valid_against_one(document, schemas, data) for name, data in events)
+    validator(document, schema).validate(client.get(f"/v1/responses/{whole['id']}").json)
+    deleted = response_schema(document, "/v1/responses/{response_id}", "delete", "application/json")
+    validator(document, deleted).validate(client.delete(f"/v1/responses/{whole['id']}").json)
 
 
 def test_errors_are_in_the_shape_each_api_documents(client, document):

@@ -22,6 +22,7 @@ from .batch_routes import batch_api
 from .batch_runner import start_batch_runner
 from .cors import allow_origin, preflight
 from .native_routes import native
+from .openai_responses_routes import responses_api
 from .openai_routes import openai_api
 from .ops_routes import ops
 from .state import AppState, error_response, validation_error
@@ -60,7 +61,7 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
     app.extensions["qwen3vl"] = app_state
     api_keys = settings.api_key_list
     cors_origins = settings.cors_origin_list
-    for blueprint in (openai_api, anthropic_api, native, batch_api, ops, web):
+    for blueprint in (openai_api, responses_api, anthropic_api, native, batch_api, ops, web):
         app.register_blueprint(blueprint)
 
     @app.before_request

@@ -11,7 +11,8 @@ from ..caches.lru import BudgetedLRU
 from ..model.prompts import ChatMessage
 
 
-def _nbytes(messages: list[ChatMessage]) -> int:
+def messages_bytes(messages: list[ChatMessage]) -> int:
+    """What remembering `messages` costs: decoded pictures and clips, texts, reasoning, token ids."""
     return (
         sum(img.pixels.nbytes for m in messages for img in m.images)
         + sum(video.nbytes for m in messages for video in m.videos)
@@ -38,7 +39,7 @@ class HistoryStore:
     def save(self, conversation_id: str, messages: list[ChatMessage]) -> None:
         """Keep the conversation (replacing its earlier turns); one larger than the whole byte
         budget is not kept."""
-        self.entries.put(conversation_id, list(messages), _nbytes(messages))
+        self.entries.put(conversation_id, list(messages), messages_bytes(messages))
 
     @property
     def bytes(self) -> int:

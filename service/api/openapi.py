@@ -6,7 +6,7 @@ import copy
 from functools import lru_cache
 
 from ..limits import RequestLimits
-from . import anthropic_protocol, responses
+from . import anthropic_protocol, openai_responses_protocol, responses
 from .protocol import FORM_FIELDS, ChatCompletionRequest, NativeChatRequest
 
 _REF = "#/components/schemas/{model}"
@@ -84,6 +84,58 @@ _ANTHROPIC_ERROR_SCHEMA = {
 }
 
 
+def _responses_paths(components: dict) -> dict:
+    """OpenAI's Responses API: create (whole or its typed events), retrieve and delete a stored response."""
+    rp = openai_responses_protocol
+    request = _schema(rp.ResponsesRequest, components)
+    response = _schema(rp.Response, components)
+    deleted = _schema(rp.DeletedResponse, components)
+    events = [_schema(e, components) for e in rp.STREAM_EVENTS]
+    by_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    return {
+        "/v1/responses": {
+            "post": {
+                "summary": "OpenAI Responses (SSE events when stream is true); stored unless store is false",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                "responses": {
+                    "200": {
+                        "description": (
+                            "a response, or (stream: true) server-sent events, each `event: <type>` and `data: ` "
+                            "with one of x-event-schemas (response.created ... response.completed)"
+                        ),
+                        "content": {
+                            "application/json": {"schema": response},
+                            "text/event-stream": {
+                                "schema": {"type": "string", "description": "event: <type> / data: <event JSON>"},
+                                "x-event-schemas": events,
+                            },
+                        },
+                    },
+                    **_errors(400, 401, 404, 413, 415, 422, 429, 503),
+                },
+            }
+        },
+        "/v1/responses/{response_id}": {
+            "get": {
+                "summary": "a stored response",
+                "parameters": by_id,
+                "responses": {
+                    "200": {"description": "the response", "content": {"application/json": {"schema": response}}},
+                    **_errors(401, 404),
+                },
+            },
+            "delete": {
+                "summary": "forget a stored response",
+                "parameters": by_id,
+                "responses": {
+                    "200": {"description": "deleted", "content": {"application/json": {"schema": deleted}}},
+                    **_errors(401, 404),
+                },
+            },
+        },
+    }
+
+
 def _anthropic_paths(components: dict) -> dict:
     """Anthropic's Messages API: the request, the message, each stream event, the token count."""
     components["AnthropicError"] = _ANTHROPIC_ERROR_SCHEMA
@@ -156,12 +208,13 @@ def _document() -> dict:
     lines = [_schema(m, components) for m in (responses.NativeHead, responses.NativeDelta, responses.NativeDone)]
     chat_errors = _errors(400, 401, 413, 415, 422, 429, 503)
     anthropic_paths = _anthropic_paths(components)
+    responses_paths = _responses_paths(components)
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "Qwen3-VL CPU service",
             "version": "1.0.0",
-            "description": "OpenAI Chat Completions, Anthropic Messages and a curl-first JSON-lines API.",
+            "description": "OpenAI Chat Completions and Responses, Anthropic Messages, a curl-first JSON-lines API.",
         },
         "paths": {
             "/v1/chat/completions": {
@@ -214,6 +267,7 @@ def _document() -> dict:
                     },
                 }
             },
+            **responses_paths,
             **anthropic_paths,
             "/v1/models": {
                 "get": {

@@ -20,10 +20,12 @@ log = logging.getLogger("service.api")
 
 class AppState:
     """What the routes share: settings, the engine once loaded, the native endpoint's chat histories
-    (`histories`; the engine holds their keys and values in its conversation cache)."""
+    (`histories`) and the Responses API's stored responses (`responses`; the engine holds their keys and
+    values in its conversation cache)."""
 
     def __init__(self, settings: Settings):
         from .histories import HistoryStore
+        from .stored_responses import ResponseStore
 
         self.settings = settings
         self.engine: Engine | None = None
@@ -33,6 +35,7 @@ class AppState:
             settings.conversation_history_ttl,
             settings.conversation_history_max_bytes,
         )
+        self.responses = ResponseStore(settings.responses_max, settings.responses_ttl, settings.responses_max_bytes)
         self.loaded = threading.Event()
         self._jobs = None
         self._jobs_lock = threading.Lock()
