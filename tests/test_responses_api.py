@@ -192,3 +192,21 @@ def test_the_agents_sdk_runs_a_tool_loop_on_its_default_responses_model(shared_s
 
 class Noon(BaseModel):
     noon: bool
+
+
+def test_a_stored_response_outlives_a_restart_where_the_disk_tier_is_on(serve, tmp_path):
+    """Stopped and started again (the disk tier's folder kept), the server still has the response, its
+    conversation (a picture in it) and that conversation's keys and values."""
+    env = {"KV_DISK_DIR": str(tmp_path / "kv")}
+    picture = {"type": "input_image", "image_url": PICTURE}
+    question = [{"role": "user", "content": [picture, {"type": "input_text", "text": "What is it?"}]}]
+    with serve(env, "responses-restart") as (base, _):
+        first = openai_client(base).responses.create(model="m", input=question, max_output_tokens=6)
+    with serve(env, "responses-restart") as (base, _):
+        client = openai_client(base)
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+        second = client.responses.create(
+            model="m", input="And then?", previous_response_id=first.id, max_output_tokens=4
+        )
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens

@@ -25,6 +25,7 @@ class AppState:
 
     def __init__(self, settings: Settings):
         from .histories import HistoryStore
+        from .response_files import ResponseFiles
         from .stored_responses import ResponseStore
 
         self.settings = settings
@@ -35,7 +36,12 @@ class AppState:
             settings.conversation_history_ttl,
             settings.conversation_history_max_bytes,
         )
-        self.responses = ResponseStore(settings.responses_max, settings.responses_ttl, settings.responses_max_bytes)
+        on_disk = settings.cache_enabled and settings.kv_disk_mb != 0  # where the KV disk tier is on
+        folder = settings.cache_dir / "responses"
+        files = ResponseFiles(folder, settings.responses_max, settings.responses_ttl) if on_disk else None
+        self.responses = ResponseStore(
+            settings.responses_max, settings.responses_ttl, settings.responses_max_bytes, files
+        )
         self.loaded = threading.Event()
         self._jobs = None
         self._jobs_lock = threading.Lock()

@@ -2,7 +2,8 @@
 conversation it ends — its input and output as the engine's messages, pictures decoded and the
 answer's own token ids — so `previous_response_id` continues it and the KV cache finds it whole.
 Bounded in count, bytes and idle time (RESPONSES_MAX, RESPONSES_MAX_BYTES, RESPONSES_TTL), evictions
-counted like the caches' (cache="responses")."""
+counted like the caches' (cache="responses"); where the disk tier is on, a copy on disk
+(response_files.py) outlives an eviction and a restart."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from ..caches.lru import BudgetedLRU
 from ..model.prompts import ChatMessage
 from .histories import messages_bytes
+from .response_files import ResponseFiles
 
 
 @dataclass(frozen=True)
@@ -23,28 +25,42 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """response id → StoredResponse."""
+    """response id → StoredResponse, in memory and (`files`, where the disk tier is on) on disk."""
 
-    def __init__(self, max_responses: int, ttl_seconds: float, max_bytes: int):
+    def __init__(self, max_responses: int, ttl_seconds: float, max_bytes: int, files: ResponseFiles | None = None):
         self.entries: BudgetedLRU[StoredResponse] = BudgetedLRU("responses", max_bytes, max_responses, ttl_seconds)
+        self.files = files
 
     @staticmethod
     def new_id() -> str:
         return "resp_" + uuid.uuid4().hex
 
     def get(self, response_id: str) -> StoredResponse | None:
-        """The stored response, or None (unknown, expired, evicted or deleted)."""
-        return self.entries.get(response_id)
+        """The stored response, from memory or else from disk, or None (unknown, expired, evicted
+        without a disk copy, or deleted)."""
+        stored = self.entries.get(response_id)
+        if stored is None and self.files is not None:
+            found = self.files.read(response_id)
+            if found is not None:
+                stored = StoredResponse(*found)
+                self._keep(stored)
+        return stored
 
     def save(self, stored: StoredResponse) -> None:
-        """Keep it (one larger than the whole byte budget is not kept)."""
+        """Keep it (in memory unless larger than the whole byte budget; on disk where it is on)."""
+        self._keep(stored)
+        if self.files is not None:
+            self.files.write(stored.body, stored.messages, stored.conversation_id)
+
+    def _keep(self, stored: StoredResponse) -> None:
         size = messages_bytes(stored.messages) + len(json.dumps(stored.body))
         self.entries.put(stored.body["id"], stored, size)
 
     def delete(self, response_id: str) -> bool:
-        """Forget it; False if it was not there."""
+        """Forget it, in memory and on disk; False if it was in neither."""
         with self.entries.lock:
-            if self.entries.peek(response_id) is None:
-                return False
-            self.entries.pop(response_id)
-            return True
+            in_memory = self.entries.peek(response_id) is not None
+            if in_memory:
+                self.entries.pop(response_id)
+        on_disk = self.files is not None and self.files.remove(response_id)
+        return in_memory or on_disk
