@@ -58,7 +58,8 @@ def _assistant_message(content: list, param: str) -> ChatMessage:
         if isinstance(block, ap.TextBlock):
             texts.append(checked_text(block.text, where))
         elif isinstance(block, ap.ToolUseBlock):
-            calls.append(ToolCall(block.name, json.dumps(block.input, ensure_ascii=False), block.id))
+            arguments = checked_text(json.dumps(block.input, ensure_ascii=False), f"{where}.input")
+            calls.append(ToolCall(block.name, arguments, block.id))
         elif isinstance(block, ap.ThinkingBlock):
             reasoning = checked_text(block.thinking, where)
         else:
