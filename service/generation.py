@@ -174,6 +174,7 @@ class Completion:
     video_tokens: tuple[int, ...] = ()  # and each clip (its frames' tokens, timestamps apart)
     reasoning_tokens: int = 0  # of completion_tokens, those before the answer (tags and separator included)
     preempted: int = 0  # times it was paused for a more urgent request
+    stop_string: str | None = None  # the request's stop string that ended the answer, if one did
 
 
 class Tracked(Protocol):
@@ -181,6 +182,9 @@ class Tracked(Protocol):
 
     @property
     def answer_ids(self) -> list[int]: ...
+
+    @property
+    def prompt(self): ...  # its PreparedPrompt (num_tokens)
 
     @property
     def status(self) -> Enum: ...
@@ -208,6 +212,11 @@ class Generation:
     def token_ids(self) -> list[int]:
         """The tokens generated so far (all of them once the stream has ended)."""
         return self._tracked.answer_ids
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's tokens, known once submitted (before any is computed)."""
+        return self._tracked.prompt.num_tokens
 
     @property
     def generated_tokens(self) -> int:

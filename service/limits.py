@@ -18,7 +18,7 @@ class RequestLimits:
     video: VideoLimits
     max_stop_strings: int
     default_max_tokens: int
-    max_new_tokens: int  # a request's max_tokens is clipped to this (and to the room the context leaves)
+    max_new_tokens: int  # the most a request's max_tokens may ask (HTTP: a 400 beyond); clipped to the context's room
 
     @classmethod
     def build(cls, settings: Settings, processor) -> RequestLimits:

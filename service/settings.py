@@ -189,6 +189,11 @@ class Settings(BaseSettings):
     conversation_history_max: int = Field(1024, ge=1, description="native-endpoint conversations remembered")
     conversation_history_ttl: float = Field(1800.0, gt=0, description="seconds an idle conversation is remembered")
     conversation_history_max_bytes: int = Field(512 * 1024**2, ge=0, description="bytes of remembered histories")
+    responses_max: int = Field(1024, ge=1, description="Responses API: stored responses kept (store: true)")
+    responses_ttl: float = Field(3600.0, gt=0, description="seconds an unused stored response is kept")
+    responses_max_bytes: int = Field(
+        256 * 1024**2, ge=0, description="bytes of stored responses and their conversations (pictures decoded)"
+    )
 
     # Deployment (python -m service.deploy): Nginx in front of instances on HOST:PORT, PORT+1, ...
     instances: int = Field(
@@ -233,6 +238,11 @@ class Settings(BaseSettings):
         description="queue places one tenant's requests may take when there are several tenants; "
         "unset = half of QUEUE_SIZE (at least 1)",
     )
+    cors_origins: str = Field(
+        "",
+        description="comma-separated origins (https://app.example.com) whose pages may call the API from a "
+        "browser, or * for any; empty = none (CORS off)",
+    )
     max_images_per_request: int = Field(8, ge=0, description="images in one request, history included")
     max_messages: int = Field(64, ge=1, description="messages in one request, history included")
     max_prompt_tokens: int = Field(6144, ge=1, description="prompt tokens (clipped to CONTEXT_LIMIT - 1)")
@@ -253,6 +263,10 @@ class Settings(BaseSettings):
     def keys_required(self) -> bool:
         """Whether requests need an API key (API_KEYS or API_KEYS_FILE set)."""
         return bool(self.api_keys.get_secret_value().strip(" ,")) or self.api_keys_file is not None
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return [o.strip().rstrip("/") for o in self.cors_origins.split(",") if o.strip()]
 
     @field_validator("model_path")
     @classmethod

@@ -1,6 +1,7 @@
-"""The published contract is the one kept: every answer of both chat endpoints (whole, streamed,
-with tool calls and logprobs) and of /v1/models validates against the 200 schemas /openapi.json
-publishes — the routes build their bodies from the same pydantic models (service/api/responses.py).
+"""The published contract is the one kept: every answer of the chat APIs — OpenAI's Chat Completions and
+Responses, Anthropic's Messages, the native one — (whole, streamed, with tool calls and logprobs), their
+errors, and /v1/models validate against the schemas /openapi.json publishes — the routes build their
+bodies from the same pydantic models (service/api/responses.py and each API's protocol module).
 The app in-process on the embedded model (Flask's test client: the schemas, not the transport)."""
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def test_every_streamed_chunk_is_what_the_document_says(client, document, extra)
     events = sse_events(client.post("/v1/chat/completions", json=openai_body(stream=True, **extra)))
     chunk = ref(document, "/v1/chat/completions", "text/event-stream", "x-event-schema")
     assert len(events) > 2 and all(valid_against_one(document, chunk, e) for e in events)
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
 
 
 @pytest.mark.parametrize("extra", [{}, {"logprobs": True, "top_logprobs": 1}], ids=["plain", "logprobs"])
@@ -103,9 +104,78 @@ def test_every_native_line_and_answer_is_what_the_document_says(client, document
     assert whole["done"] is True and whole["text"] == done["text"]
 
 
+ANTHROPIC_TOOL = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+
+
+def anthropic_body(**extra) -> dict:
+    picture = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PICTURE.split(",")[1]}}
+    content = [picture, {"type": "text", "text": "What is it?"}]
+    return {"model": "m", "max_tokens": 12, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def sse_typed_events(response) -> list[tuple[str, dict]]:
+    """(event name, data) of each `event:`/`data:` pair of an Anthropic stream."""
+    out = []
+    for block in response.get_data(as_text=True).split("\n\n"):
+        if block:
+            name, data = block.split("\n")
+            out.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "any"}, "max_tokens": 200}],
+    ids=["plain", "tool call"],
+)
+def test_an_anthropic_message_and_its_stream_are_what_the_document_says(client, document, extra):
+    whole = client.post("/v1/messages", json=anthropic_body(**extra)).json
+    validator(document, response_schema(document, "/v1/messages", "post", "application/json")).validate(whole)
+    events = sse_typed_events(client.post("/v1/messages", json=anthropic_body(stream=True, **extra)))
+    schemas = ref(document, "/v1/messages", "text/event-stream", "x-event-schemas")
+    assert all(name == data["type"] and valid_against_one(document, schemas, data) for name, data in events)
+    assert events[0][0] == "message_start" and events[-1][0] == "message_stop"
+    count = client.post("/v1/messages/count_tokens", json={"messages": anthropic_body()["messages"]}).json
+    validator(document, response_schema(document, "/v1/messages/count_tokens", "post", "application/json")).validate(
+        count
+    )
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"tools": [{"type": "function", **WEATHER["function"]}], "tool_choice": "required", "max_output_tokens": 200}],
+    ids=["plain", "function call"],
+)
+def test_a_response_its_stream_and_its_stored_copy_are_what_the_document_says(client, document, extra):
+    picture = {"type": "input_image", "image_url": PICTURE}
+    body = {"input": [{"role": "user", "content": [picture, {"type": "input_text", "text": "What is it?"}]}]}
+    body = {**body, "max_output_tokens": 12, **extra}
+    schema = response_schema(document, "/v1/responses", "post", "application/json")
+    whole = client.post("/v1/responses", json=body).json
+    validator(document, schema).validate(whole)
+    events = sse_typed_events(client.post("/v1/responses", json={**body, "stream": True}))
+    schemas = ref(document, "/v1/responses", "text/event-stream", "x-event-schemas")
+    assert all(name == data["type"] and valid_against_one(document, schemas, data) for name, data in events)
+    validator(document, schema).validate(client.get(f"/v1/responses/{whole['id']}").json)
+    deleted = response_schema(document, "/v1/responses/{response_id}", "delete", "application/json")
+    validator(document, deleted).validate(client.delete(f"/v1/responses/{whole['id']}").json)
+
+
+def test_errors_are_in_the_shape_each_api_documents(client, document):
+    openai_error = client.post("/v1/chat/completions", json={"messages": []})
+    anthropic_error = client.post("/v1/messages", json={"messages": []})
+    for path, answer in (("/v1/chat/completions", openai_error), ("/v1/messages", anthropic_error)):
+        error_ref = document["paths"][path]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
+        assert answer.status_code == 400 and validator(document, error_ref).is_valid(answer.json)
+    assert anthropic_error.json["type"] == "error" and "type" not in openai_error.json
+
+
 def test_the_model_list_is_what_the_document_says(client, document):
     schema = response_schema(document, "/v1/models", "get", "application/json")
-    validator(document, schema).validate(client.get("/v1/models").json)
+    models = client.get("/v1/models").json
+    validator(document, schema).validate(models)
+    card = response_schema(document, "/v1/models/{model_id}", "get", "application/json")
+    validator(document, card).validate(client.get("/v1/models/" + models["data"][0]["id"]).json)
 
 
 def test_a_schema_check_catches_a_body_that_breaks_the_contract(document):

@@ -83,8 +83,13 @@ def _complete_stream(content_type: str, text: str) -> None:
         assert lines and lines[-1].get("done") is True and "error" not in lines[-1], text[-300:]
     elif content_type.startswith("text/event-stream"):
         events = [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
-        assert events and events[-1] == "[DONE]", text[-300:]
-        assert not any("error" in json.loads(e) for e in events[:-1]), text[-300:]
+        assert events, text[-300:]
+        if events[-1] == "[DONE]":  # Chat Completions
+            assert not any("error" in json.loads(e) for e in events[:-1]), text[-300:]
+            return
+        kinds = [json.loads(e)["type"] for e in events]  # the typed streams: Anthropic's, Responses'
+        assert kinds[-1] in ("message_stop", "response.completed", "response.incomplete"), text[-300:]
+        assert "error" not in kinds, text[-300:]
 
 
 def _no_server_error(response: requests.Response) -> None:

@@ -399,3 +399,26 @@ def test_no_key_tenant_or_salt_is_in_a_block_file_or_the_log(tenant_server):
         assert not any(word.encode() in header for word in ("alice", "bob", "salt-one", "s-1"))
         assert not any(key.encode() in data for key in SECRETS)
     assert not any(key in log.read_text() for key in SECRETS)
+
+
+def test_a_stored_response_is_its_tenants_alone(tenant_server):
+    """Responses API: another tenant's GET, DELETE and previous_response_id find nothing (the 404 of an
+    unknown id), and the x-api-key header names the same tenant as the bearer key."""
+    url = tenant_server[0]
+    alice, bob = openai_client(url, api_key=ALICE), openai_client(url, api_key=BOB)
+    first = alice.responses.create(model="m", input="Remember this picture of mine.", max_output_tokens=4)
+    unknown = "resp_" + "0" * 32
+    for response_id in (first.id, unknown):
+        with pytest.raises(openai.NotFoundError) as got:
+            bob.responses.retrieve(response_id)
+        assert response_id in got.value.message
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.create(model="m", input="And then?", previous_response_id=response_id, max_output_tokens=4)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.delete(response_id)
+    assert alice.responses.retrieve(first.id).id == first.id  # still hers
+    headers = {"x-api-key": ALICE, "anthropic-version": "2023-06-01"}
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    assert requests.post(url + "/v1/messages", json=body, headers=headers, timeout=60).status_code == 200
+    bad = requests.post(url + "/v1/messages", json=body, headers={**headers, "x-api-key": "sk-nobody"}, timeout=60)
+    assert bad.status_code == 401 and "sk-nobody" not in bad.text

@@ -55,6 +55,37 @@ def json_rule(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE}, ensure_ascii=False)
 
 
+# Where a JSON Schema holds further schemas: one, a list of them, or a map of names to them.
+_SUBSCHEMA = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames")
+_SUBSCHEMA += ("unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema):
+    """OpenAI's strict mode: `schema` with every object schema that does not say otherwise
+    allowing no keys beyond its properties (JSON Schema's own default allows any, and a grammar
+    following it lets a model open extra keys it may never close)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
+    open_keys = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+    if is_object and not any(key in out for key in open_keys):
+        out["additionalProperties"] = False
+    return out
+
+
 def json_grammar(schema: dict, param: str) -> OutputGrammar:
     """Answers that are JSON valid against `schema`."""
     return OutputGrammar(f"start: {json_rule(schema)}\n", param)

@@ -10,7 +10,7 @@ from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 
 from ..answer.grounding import GROUNDING_SCHEMA
-from ..answer.structured import OutputGrammar, json_grammar, json_rule
+from ..answer.structured import OutputGrammar, closed_objects, json_grammar, json_rule
 from ..answer.tools import call_rules
 from ..errors import BadRequest
 from .protocol import NamedToolChoice, ResponseFormat, Tool
@@ -51,7 +51,8 @@ def answer_schema(response_format: ResponseFormat | None) -> dict | None:
     spec = response_format.json_schema
     if response_format.type == "json_object" or spec is None or spec.schema_ is None:
         return {"type": "object"}
-    return checked_schema(spec.schema_, "response_format.json_schema.schema")
+    schema = checked_schema(spec.schema_, "response_format.json_schema.schema")
+    return closed_objects(schema) if spec.strict else schema
 
 
 def answer_shape(
@@ -94,8 +95,9 @@ def answer_shape(
 
 def _function(tool: Tool, index: int) -> dict:
     """The function as the prompt shows it: name, description, parameters (a checked schema)."""
-    function = tool.function.model_dump(exclude_none=True, exclude={"strict"})  # strict: always, here
-    function["parameters"] = checked_schema(
+    function = tool.function.model_dump(exclude_none=True, exclude={"strict"})
+    parameters = checked_schema(
         tool.function.parameters or {"type": "object", "properties": {}}, f"tools[{index}].function.parameters"
     )
+    function["parameters"] = closed_objects(parameters) if tool.function.strict else parameters
     return function  # its declared strings pydantic has checked; the schema, checked_schema

@@ -16,10 +16,13 @@ from werkzeug.exceptions import HTTPException
 from .. import metrics
 from ..errors import InternalError, ServiceError
 from ..settings import Settings
+from .anthropic_routes import anthropic_api
 from .auth import authenticate
 from .batch_routes import batch_api
 from .batch_runner import start_batch_runner
+from .cors import allow_origin, preflight
 from .native_routes import native
+from .openai_responses_routes import responses_api
 from .openai_routes import openai_api
 from .ops_routes import ops
 from .state import AppState, error_response, validation_error
@@ -56,7 +59,8 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
     app_state = AppState(settings)
     app_state.on_serving.append(start_batch_runner)
     app.extensions["qwen3vl"] = app_state
-    for blueprint in (openai_api, native, batch_api, ops, web):
+    cors_origins = settings.cors_origin_list
+    for blueprint in (openai_api, responses_api, anthropic_api, native, batch_api, ops, web):
         app.register_blueprint(blueprint)
 
     @app.before_request
@@ -64,7 +68,9 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
         incoming = request.headers.get("X-Request-Id", "")
         g.request_id = incoming if _SANE_REQUEST_ID.match(incoming) else "req-" + uuid.uuid4().hex[:24]
         g.received_at = time.perf_counter()
-
+        answer = preflight(cors_origins)
+        if answer is not None:
+            return answer
         g.tenant = authenticate(app_state.tenants)
 
     @app.after_request
@@ -75,7 +81,7 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
         tenant = g.get("tenant")
         if tenant is not None and tenant.name:
             metrics.TENANT_REQUESTS.labels(metrics.tenant_label(tenant.name), str(response.status_code)).inc()
-        return response
+        return allow_origin(response, cors_origins)
 
     @app.errorhandler(ServiceError)
     def _service_error(exc: ServiceError):

@@ -1,5 +1,6 @@
-"""Optional API keys (API_KEYS, API_KEYS_FILE): `Authorization: Bearer <key>`, resolved once per request
-to its tenant (service/api/tenants.py), which the routes carry as `g.tenant`.
+"""Optional API keys (API_KEYS, API_KEYS_FILE): `Authorization: Bearer <key>` (or `x-api-key: <key>`, as
+Anthropic's clients send it), resolved once per request to its tenant (service/api/tenants.py), which
+the routes carry as `g.tenant`.
 
 Open without a key: /health and /ready (liveness and readiness probes carry none; they reveal only
 whether the server is up and loaded, and the model's name) and the static page (it only asks for
@@ -23,8 +24,10 @@ class Unauthorized(ServiceError):
 
 
 def presented_key() -> str:
-    """The request's bearer token ("" if none)."""
-    header = request.headers.get("Authorization", "")
+    """The request's bearer token, else its x-api-key header ("" if neither)."""
+    header = request.headers.get("Authorization")
+    if header is None:
+        return request.headers.get("X-Api-Key", "").strip()
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
 

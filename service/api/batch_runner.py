@@ -149,7 +149,7 @@ class BatchRunner:
         if done is None or done.finish_reason == "cancelled":  # its batch cancelled, or the instance stopping
             self.store.release(claim)
             return False, None
-        return True, result_line(claim.custom_id, 200, completion_body(request_id, self.engine.info.name, done, shape))
+        return True, result_line(claim.custom_id, 200, completion_body(request_id, self.engine.info, done, shape))
 
 
 def start_batch_runner(app_state) -> None:

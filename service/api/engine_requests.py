@@ -11,6 +11,7 @@ from flask import g, request
 
 from ..errors import BadRequest, UnsupportedMediaType
 from ..generation import GenerationRequest, SamplingParams, TenantShare
+from ..limits import RequestLimits
 from ..model.prompts import ChatMessage
 from .answer_shapes import AnswerShape
 from .protocol import CONVERSATION_ID_PATTERN
@@ -28,6 +29,18 @@ def json_body() -> dict:
     if not isinstance(body, dict):
         raise BadRequest("the JSON body must be an object", code="invalid_json")
     return body
+
+
+def checked_max_tokens(value: int | None, limits: RequestLimits, param: str) -> int | None:
+    """A request's token limit, if within the server's cap (MAX_NEW_TOKENS); else a 400 naming the cap,
+    as OpenAI answers a max_tokens beyond the model's."""
+    if value is not None and value > limits.max_new_tokens:
+        raise BadRequest(
+            f"{param} is {value}; this server generates at most {limits.max_new_tokens} tokens (MAX_NEW_TOKENS)",
+            param=param,
+            code="max_tokens_too_large",
+        )
+    return value
 
 
 def generation_request(

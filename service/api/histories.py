@@ -13,7 +13,8 @@ from ..caches.lru import BudgetedLRU
 from ..model.prompts import ChatMessage
 
 
-def _nbytes(messages: list[ChatMessage]) -> int:
+def messages_bytes(messages: list[ChatMessage]) -> int:
+    """What remembering `messages` costs: decoded pictures and clips, texts, reasoning, token ids."""
     return (
         sum(img.pixels.nbytes for m in messages for img in m.images)
         + sum(video.nbytes for m in messages for video in m.videos)
@@ -46,7 +47,7 @@ class HistoryStore:
     def save(self, conversation_id: str, messages: list[ChatMessage], owner: str = "") -> None:
         """Keep `owner`'s conversation (replacing its earlier turns); one larger than the whole byte
         budget is not kept."""
-        self.entries.put(_key(owner, conversation_id), list(messages), _nbytes(messages))
+        self.entries.put(_key(owner, conversation_id), list(messages), messages_bytes(messages))
 
     @property
     def bytes(self) -> int:

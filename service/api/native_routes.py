@@ -21,7 +21,7 @@ from ..media.video import VideoLimits
 from ..model.prompts import ChatMessage, TextPart
 from . import protocol, responses
 from .answer_shapes import answer_shape
-from .engine_requests import conversation_header, generation_request, json_body, tenant_fields
+from .engine_requests import checked_max_tokens, conversation_header, generation_request, json_body, tenant_fields
 from .inputs import (
     clip_limits,
     decode_file,
@@ -167,7 +167,7 @@ def chat():
     if history and new_messages[0].role == "system":
         raise BadRequest("a system message can only open a conversation", param="messages")
     messages = history + new_messages
-    params = body.sampling()
+    params = body.sampling(checked_max_tokens(body.max_tokens, engine.limits, "max_tokens"))
     gen_request = generation_request(
         messages,
         params,

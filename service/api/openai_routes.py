@@ -10,11 +10,12 @@ from collections.abc import Iterator
 from flask import Blueprint, Response, g, jsonify, request
 
 from ..answer.tools import ToolCallDelta, ToolCallParser, split_tool_calls
+from ..engine.engine import ModelInfo
 from ..errors import ServiceError
 from ..generation import Completion, GenerationRequest, TenantShare, TextDelta
 from . import protocol, responses
 from .answer_shapes import AnswerShape, answer_shape
-from .engine_requests import conversation_header, generation_request, json_body, tenant_fields
+from .engine_requests import checked_max_tokens, conversation_header, generation_request, json_body, tenant_fields
 from .inputs import clip_limits, picture_limits, to_chat_messages
 from .serving import EventStream, collect
 from .state import state
@@ -35,15 +36,17 @@ class OpenAIChunks:
     tool-call chunks per text delta, the finishing chunk (and the usage chunk when asked) then
     `[DONE]`, or an error event then `[DONE]`."""
 
-    def __init__(self, request_id: str, model: str, include_usage: bool, logprobs: bool, parser: ToolCallParser | None):
-        self.request_id, self.model, self.created = request_id, model, int(time.time())
+    def __init__(
+        self, request_id: str, info: ModelInfo, include_usage: bool, logprobs: bool, parser: ToolCallParser | None
+    ):
+        self.request_id, self.info, self.created = request_id, info, int(time.time())
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.parser = parser
         self.pending: list = []  # logprob records of text the tool-call parser still holds
 
     def head(self) -> Iterator[bytes]:
-        yield self._chunk(responses.Delta(role="assistant", content=""))
+        yield self._chunk(responses.Delta(role="assistant", content="", refusal=None))
 
     def delta(self, event: TextDelta) -> Iterator[bytes]:
         if event.reasoning:  # reasoning_content (vLLM's and DeepSeek's name) and `reasoning`, its alias
@@ -69,7 +72,8 @@ class OpenAIChunks:
         yield _END
 
     def _chunk(self, delta: responses.Delta | None, **kwargs) -> bytes:
-        return _sse(responses.chat_chunk(self.request_id, self.model, self.created, delta, **kwargs))
+        info = self.info
+        return _sse(responses.chat_chunk(self.request_id, info.name, info.fingerprint, self.created, delta, **kwargs))
 
     def _pieces(self, event: TextDelta | Completion) -> Iterator[bytes]:
         """Content and tool-call chunks, each with the logprobs of the tokens behind it (so the
@@ -108,9 +112,12 @@ def chat_request(
     limits = engine.limits
     pictures = picture_limits(limits.image, grounding=body.grounding)
     messages = to_chat_messages(body.messages, limits, pictures, clip_limits(limits.video, *body.clip_sampling()))
+    max_tokens = checked_max_tokens(body.max_completion_tokens, limits, "max_completion_tokens") or checked_max_tokens(
+        body.max_tokens, limits, "max_tokens"
+    )
     gen_request = generation_request(
         messages,
-        body.sampling(body.max_completion_tokens or body.max_tokens),
+        body.sampling(max_tokens),
         conversation_id,
         remembered=0,
         shape=shape,
@@ -125,11 +132,12 @@ def chat_request(
     return gen_request, shape
 
 
-def completion_body(request_id: str, model: str, done: Completion, shape: AnswerShape) -> dict:
+def completion_body(request_id: str, info: ModelInfo, done: Completion, shape: AnswerShape) -> dict:
     """The non-streamed answer: OpenAI's chat.completion object."""
     content, calls = split_tool_calls(done.text, shape.max_calls) if shape.parse_tool_calls else (done.text, [])
     content = content if content or not calls else None
-    return responses.chat_completion(request_id, model, done, content, calls, responses.logprob_entries(done.logprobs))
+    logprobs = responses.logprob_entries(done.logprobs)
+    return responses.chat_completion(request_id, info.name, info.fingerprint, done, content, calls, logprobs)
 
 
 @openai_api.post(ENDPOINT)
@@ -141,16 +149,15 @@ def chat_completions():
     conversation = conversation_header() or body.user
     gen_request, shape = chat_request(body, engine, conversation, **tenant_fields(body.cache_salt))
     generation = engine.submit(gen_request)
-    model = engine.info.name
 
     spend = app_state.rates.spender(g.tenant)
     if not body.stream:
         done = collect(generation, gen_request, ENDPOINT, spend)
-        return jsonify(completion_body(g.request_id, model, done, shape))
+        return jsonify(completion_body(g.request_id, engine.info, done, shape))
 
     chunks = OpenAIChunks(
         g.request_id,
-        model,
+        engine.info,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         logprobs=gen_request.params.logprobs is not None,
         parser=ToolCallParser(shape.max_calls) if shape.parse_tool_calls else None,

@@ -6,7 +6,7 @@ import copy
 from functools import lru_cache
 
 from ..limits import RequestLimits
-from . import responses
+from . import anthropic_protocol, openai_responses_protocol, responses
 from .protocol import FORM_FIELDS, ChatCompletionRequest, NativeChatRequest
 
 _REF = "#/components/schemas/{model}"
@@ -65,6 +65,123 @@ def _errors(*codes: int) -> dict:
     return {str(c): _ERROR for c in codes}
 
 
+def _anthropic_errors(*codes: int) -> dict:
+    error = {"content": {"application/json": {"schema": {"$ref": _REF.format(model="AnthropicError")}}}}
+    return {str(c): {"description": "error, in Anthropic's shape", **error} for c in codes}
+
+
+_ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+
+
+def _responses_paths(components: dict) -> dict:
+    """OpenAI's Responses API: create (whole or its typed events), retrieve and delete a stored response."""
+    rp = openai_responses_protocol
+    request = _schema(rp.ResponsesRequest, components)
+    response = _schema(rp.Response, components)
+    deleted = _schema(rp.DeletedResponse, components)
+    events = [_schema(e, components) for e in rp.STREAM_EVENTS]
+    by_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    return {
+        "/v1/responses": {
+            "post": {
+                "summary": "OpenAI Responses (SSE events when stream is true); stored unless store is false",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                "responses": {
+                    "200": {
+                        "description": (
+                            "a response, or (stream: true) server-sent events, each `event: <type>` and `data: ` "
+                            "with one of x-event-schemas (response.created ... response.completed)"
+                        ),
+                        "content": {
+                            "application/json": {"schema": response},
+                            "text/event-stream": {
+                                "schema": {"type": "string", "description": "event: <type> / data: <event JSON>"},
+                                "x-event-schemas": events,
+                            },
+                        },
+                    },
+                    **_errors(400, 401, 404, 413, 415, 422, 429, 503),
+                },
+            }
+        },
+        "/v1/responses/{response_id}": {
+            "get": {
+                "summary": "a stored response",
+                "parameters": by_id,
+                "responses": {
+                    "200": {"description": "the response", "content": {"application/json": {"schema": response}}},
+                    **_errors(401, 404),
+                },
+            },
+            "delete": {
+                "summary": "forget a stored response",
+                "parameters": by_id,
+                "responses": {
+                    "200": {"description": "deleted", "content": {"application/json": {"schema": deleted}}},
+                    **_errors(401, 404),
+                },
+            },
+        },
+    }
+
+
+def _anthropic_paths(components: dict) -> dict:
+    """Anthropic's Messages API: the request, the message, each stream event, the token count."""
+    components["AnthropicError"] = _ANTHROPIC_ERROR_SCHEMA
+    request = _schema(anthropic_protocol.MessagesRequest, components)
+    count_request = _schema(anthropic_protocol.CountTokensRequest, components)
+    message = _schema(anthropic_protocol.MessageOut, components)
+    count = _schema(anthropic_protocol.CountTokensOut, components)
+    events = [_schema(e, components) for e in anthropic_protocol.STREAM_EVENTS]
+    errors = _anthropic_errors(400, 401, 413, 415, 422, 429, 503)
+    return {
+        "/v1/messages": {
+            "post": {
+                "summary": "Anthropic Messages (SSE events when stream is true); x-api-key or a bearer key",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                "responses": {
+                    "200": {
+                        "description": (
+                            "a message, or (stream: true) server-sent events, each `event: <type>` and `data: ` "
+                            "with one of x-event-schemas: message_start, content_block_start/delta/stop, "
+                            "message_delta, message_stop (and ping)"
+                        ),
+                        "content": {
+                            "application/json": {"schema": message},
+                            "text/event-stream": {
+                                "schema": {"type": "string", "description": "event: <type> / data: <event JSON>"},
+                                "x-event-schemas": events,
+                            },
+                        },
+                    },
+                    **errors,
+                },
+            }
+        },
+        "/v1/messages/count_tokens": {
+            "post": {
+                "summary": "the prompt's tokens, as a Messages request with this body would have them",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": count_request}}},
+                "responses": {
+                    "200": {"description": "the count", "content": {"application/json": {"schema": count}}},
+                    **errors,
+                },
+            }
+        },
+    }
+
+
 def openapi_document(limits: RequestLimits) -> dict:
     """The document for this server: the request schemas, and its limits (`x-limits`; the stop
     strings a request may carry also as maxItems)."""
@@ -86,15 +203,18 @@ def _document() -> dict:
     completion, chunk, models = (
         _schema(m, components) for m in (responses.ChatCompletion, responses.ChatCompletionChunk, responses.ModelList)
     )
+    card = _schema(responses.ModelCard, components)
     answer = _schema(responses.NativeAnswer, components)
     lines = [_schema(m, components) for m in (responses.NativeHead, responses.NativeDelta, responses.NativeDone)]
     chat_errors = _errors(400, 401, 413, 415, 422, 429, 503)
+    anthropic_paths = _anthropic_paths(components)
+    responses_paths = _responses_paths(components)
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "Qwen3-VL CPU service",
             "version": "1.0.0",
-            "description": "OpenAI-compatible chat completions and a curl-first JSON-lines endpoint.",
+            "description": "OpenAI Chat Completions and Responses, Anthropic Messages, a curl-first JSON-lines API.",
         },
         "paths": {
             "/v1/chat/completions": {
@@ -147,12 +267,24 @@ def _document() -> dict:
                     },
                 }
             },
+            **responses_paths,
+            **anthropic_paths,
             "/v1/models": {
                 "get": {
                     "summary": "the loaded model",
                     "responses": {
                         "200": {"description": "model list", "content": {"application/json": {"schema": models}}},
                         **_errors(401, 503),
+                    },
+                }
+            },
+            "/v1/models/{model_id}": {
+                "get": {
+                    "summary": "the loaded model by its id (another id: 404 model_not_found)",
+                    "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                    "responses": {
+                        "200": {"description": "the model", "content": {"application/json": {"schema": card}}},
+                        **_errors(401, 404, 503),
                     },
                 }
             },
@@ -170,6 +302,12 @@ def _document() -> dict:
                 }
             },
         },
-        "components": {"schemas": components, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-        "security": [{}, {"bearer": []}],
+        "components": {
+            "schemas": components,
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
+        },
+        "security": [{}, {"bearer": []}, {"x-api-key": []}],
     }

@@ -37,9 +37,7 @@ def ready():
     return jsonify(body)
 
 
-@ops.get("/v1/models")
-def models():
-    info = state().require_engine().info
+def _card(info) -> responses.ModelCard:
     card = responses.ModelCard(
         id=info.name,
         object="model",
@@ -52,7 +50,27 @@ def models():
     )
     if info.is_random:
         card.warning = RANDOM_MODEL_WARNING
+    return card
+
+
+@ops.get("/v1/models")
+def models():
+    card = _card(state().require_engine().info)
     return jsonify(responses.dump(responses.ModelList(object="list", data=[card])))
+
+
+@ops.get("/v1/models/<path:model_id>")
+def model(model_id: str):
+    """The loaded model's card by its id; any other id is a 404, as OpenAI answers an unknown model."""
+    info = state().require_engine().info
+    if model_id != info.name:
+        raise ServiceError(
+            f"the model {model_id[:128]!r} does not exist here: this server serves {info.name!r}",
+            param="model",
+            code="model_not_found",
+            status=404,
+        )
+    return jsonify(responses.dump(_card(info)))
 
 
 @ops.get("/openapi.json")

@@ -62,6 +62,18 @@ class VideoURLPart(_Lenient):
 
 
 ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
+CONTENT_PART_TYPES = ("text", "image_url", "video_url")
+
+
+def known_part_types(parts, kinds: tuple[str, ...], what: str = "content part"):
+    """A list of content parts (or items) unchanged, or a ValueError naming the first one's type not in
+    `kinds` (pydantic's own message for a union names every member it tried instead)."""
+    if isinstance(parts, list):
+        for part in parts:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in kinds:
+                raise ValueError(f"{what} type {kind[:64]!r} is not supported here: {', '.join(kinds)}")
+    return parts
 
 
 class FunctionCall(_Lenient):
@@ -88,12 +100,21 @@ class Message(_Lenient):
     )
     reasoning: Annotated[str, StringConstraints(max_length=MAX_TEXT)] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known_parts(cls, value):
+        return known_part_types(value, CONTENT_PART_TYPES)
+
 
 class JSONSchemaFormat(_Lenient):
     name: FunctionName = "response"
     description: str | None = None
     schema_: JSONSchema | None = Field(None, alias="schema", description="the answer's schema (none: any JSON object)")
-    strict: bool | None = Field(None, description="always enforced here: the answer follows the schema")
+    strict: bool | None = Field(
+        None,
+        description="the answer always follows the schema here; strict also closes every object that does not "
+        "say otherwise (no keys beyond its properties), as OpenAI's strict mode does",
+    )
 
 
 class ResponseFormat(_Lenient):
@@ -114,7 +135,9 @@ class FunctionDefinition(_Lenient):
     name: FunctionName
     description: Annotated[str, StringConstraints(max_length=MAX_TEXT)] | None = None
     parameters: JSONSchema | None = None
-    strict: bool | None = None
+    strict: bool | None = Field(
+        None, description="as json_schema's strict: objects allow no keys beyond their properties"
+    )
 
 
 class Tool(_Lenient):
@@ -259,6 +282,32 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="default true")
+    # Fields that would change the answer and are not supported: refused, never ignored.
+    functions: list | None = Field(None, description="the deprecated form of tools: refused, send tools")
+    function_call: str | dict | None = Field(None, description="the deprecated form of tool_choice: refused")
+    modalities: list[str] | None = Field(None, description='only ["text"]: this model answers in text')
+    audio: dict | None = Field(None, description="refused: this model answers in text")
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_functions(cls, value, info: ValidationInfo):
+        if value is not None:
+            raise ValueError(f"{info.field_name} is the deprecated form of tools: send tools and tool_choice")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value):
+        if value is not None and set(value) - {"text"}:
+            raise ValueError('this model answers in text only: modalities may be ["text"]')
+        return value
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value):
+        if value is not None:
+            raise ValueError("audio output is not supported: this model answers in text")
+        return value
 
 
 class NativeChatRequest(_Sampling):

@@ -100,11 +100,16 @@ class PromptTokensDetails(BaseModel):
 
 
 class CompletionTokensDetails(BaseModel):
-    """OpenAI's names for predicted tokens: here the guesses of exact speculative decoding."""
-
-    accepted_prediction_tokens: int = Field(description="guessed tokens the model made too")
-    rejected_prediction_tokens: int = Field(description="guessed tokens it did not (their rows were discarded)")
+    accepted_prediction_tokens: int = Field(0, description="OpenAI's Predicted Outputs, which this server has not: 0")
+    rejected_prediction_tokens: int = Field(0, description="OpenAI's Predicted Outputs, which this server has not: 0")
     reasoning_tokens: int = Field(description="a thinking model's tokens before its answer (tags included)")
+
+
+class Speculation(BaseModel):
+    """An extension: the guesses of exact speculative decoding (the answer is the same bits without)."""
+
+    drafted_tokens: int = Field(description="tokens guessed and verified")
+    accepted_tokens: int = Field(description="of them, the ones the model made too")
 
 
 class Usage(BaseModel):
@@ -113,6 +118,7 @@ class Usage(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     completion_tokens_details: CompletionTokensDetails
+    speculation: Speculation
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -148,6 +154,7 @@ _REASONING = "a thinking model's reasoning (only from thinking checkpoints)"
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    refusal: None = Field(description="always null: this server never answers with a refusal of its own")
     reasoning_content: str | None = Field(None, description=_REASONING)
     reasoning: str | None = Field(None, description="the same as reasoning_content")
     tool_calls: list[ToolCallOut] | None = None
@@ -168,6 +175,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str = Field(description="the checkpoint, quantization and kernels that computed it")
     choices: list[Choice]
     usage: Usage
 
@@ -175,6 +183,7 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    refusal: None = Field(None, description="null on the first chunk, as OpenAI sends it")
     reasoning_content: str | None = Field(None, description=_REASONING)
     reasoning: str | None = Field(None, description="the same as reasoning_content")
     tool_calls: list[ToolCallDeltaOut] | None = None
@@ -196,6 +205,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str = Field(description="the checkpoint, quantization and kernels that computed it")
     choices: list[ChunkChoice]
     usage: Usage | None = None
 
@@ -207,10 +217,9 @@ def usage(done: Completion) -> Usage:
         total_tokens=done.prompt_tokens + done.completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=done.cached_tokens),
         completion_tokens_details=CompletionTokensDetails(
-            accepted_prediction_tokens=done.accepted_tokens,
-            rejected_prediction_tokens=done.drafted_tokens - done.accepted_tokens,
-            reasoning_tokens=done.reasoning_tokens,
+            accepted_prediction_tokens=0, rejected_prediction_tokens=0, reasoning_tokens=done.reasoning_tokens
         ),
+        speculation=Speculation(drafted_tokens=done.drafted_tokens, accepted_tokens=done.accepted_tokens),
     )
 
 
@@ -239,12 +248,13 @@ def tool_call_delta(delta: ToolCallDelta) -> ToolCallDeltaOut:
 def chat_completion(
     request_id: str,
     model: str,
+    fingerprint: str,
     done: Completion,
     content: str | None,
     tool_calls: list[ToolCall],
     logprobs: list[LogprobEntry] | None,
 ) -> dict:
-    message = AssistantMessage(role="assistant", content=content)
+    message = AssistantMessage(role="assistant", content=content, refusal=None)
     if done.reasoning is not None:
         message.reasoning_content = message.reasoning = done.reasoning
     if tool_calls:
@@ -262,6 +272,7 @@ def chat_completion(
         object="chat.completion",
         created=int(time.time()),
         model=model,
+        system_fingerprint=fingerprint,
         choices=[choice],
         usage=usage(done),
     )
@@ -271,6 +282,7 @@ def chat_completion(
 def chat_chunk(
     request_id: str,
     model: str,
+    fingerprint: str,
     created: int,
     delta: Delta | None,
     finish_reason: FinishReason | None = None,
@@ -282,7 +294,12 @@ def chat_chunk(
     if delta is not None:
         choices = [ChunkChoice(index=0, delta=delta, logprobs=_choice_logprobs(logprobs), finish_reason=finish_reason)]
     chunk = ChatCompletionChunk(
-        id=request_id, object="chat.completion.chunk", created=created, model=model, choices=choices
+        id=request_id,
+        object="chat.completion.chunk",
+        created=created,
+        model=model,
+        system_fingerprint=fingerprint,
+        choices=choices,
     )
     if usage_ is not None:
         chunk.usage = usage_

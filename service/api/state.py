@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import threading
 
-from flask import current_app, jsonify
+from flask import current_app, jsonify, request
 from pydantic import ValidationError
 
 from .. import startup
 from ..engine.engine import Engine
 from ..errors import ServiceError, Unavailable
 from ..settings import Settings
+from .error_shapes import error_body
 from .rate_limits import TenantRates
 from .tenants import Tenants
 
@@ -21,11 +22,13 @@ log = logging.getLogger("service.api")
 
 class AppState:
     """What the routes share: settings, the engine once loaded, the tenants of the API keys and their
-    rates, the native endpoint's chat histories (`histories`; the engine holds their keys and values in
-    its conversation cache)."""
+    rates, the native endpoint's chat histories (`histories`) and the Responses API's stored responses
+    (`responses`; the engine holds their keys and values in its conversation cache)."""
 
     def __init__(self, settings: Settings):
         from .histories import HistoryStore
+        from .response_files import ResponseFiles
+        from .stored_responses import ResponseStore
 
         self.settings = settings
         self.tenants = Tenants(settings)
@@ -36,6 +39,12 @@ class AppState:
             settings.conversation_history_max,
             settings.conversation_history_ttl,
             settings.conversation_history_max_bytes,
+        )
+        on_disk = settings.cache_enabled and settings.kv_disk_mb != 0  # where the KV disk tier is on
+        folder = settings.cache_dir / "responses"
+        files = ResponseFiles(folder, settings.responses_max, settings.responses_ttl) if on_disk else None
+        self.responses = ResponseStore(
+            settings.responses_max, settings.responses_ttl, settings.responses_max_bytes, files
         )
         self.loaded = threading.Event()
         self._jobs = None
@@ -109,7 +118,8 @@ def validation_error(exc: ValidationError) -> ServiceError:
 
 
 def error_response(exc: ServiceError):
-    response = jsonify(exc.to_dict())
+    """The error as the API of the request's path shapes it (error_shapes.py), with its status and headers."""
+    response = jsonify(error_body(exc, request.path))
     response.status_code = exc.status
     for name, value in exc.headers.items():
         response.headers[name] = value

@@ -8,7 +8,7 @@ cache lookup, vision encoder, prompt pieces), then decode steps shared with the 
 events on the request's own thread. The model is called with explicit M-RoPE positions per
 sequence, never through `generate`, so transformers' per-model `rope_deltas` state plays no part.
 
-The HTTP layer uses `submit`, `limits` and `info` only; what `submit` returns (`Generation`) is the
+The HTTP layer uses `submit`, `count_tokens`, `limits` and `info` only; what `submit` returns (`Generation`) is the
 caller's handle on the request: its events, `cancel`, and its live state.
 """
 
@@ -28,6 +28,7 @@ from ..limits import RequestLimits
 from ..memory import MemoryGuard
 from ..model.attention import ExactAttention
 from ..model.forward import TextForward
+from ..model.identity import serving_fingerprint
 from ..model.loading import LoadedModel
 from ..settings import Settings
 from ..vision.encoders import make_vision_encoder
@@ -57,6 +58,7 @@ class ModelInfo:
     image_max_pixels: int  # clients may downscale pictures to this before uploading
     int8_kernels: dict | None = None  # the KernelChoice serving INT8 weights, as a dict
     thinking: bool = False  # a thinking checkpoint: its reasoning comes apart from its answer
+    fingerprint: str = ""  # OpenAI's system_fingerprint: the checkpoint and what computes with it
 
 
 class Engine:
@@ -87,8 +89,16 @@ class Engine:
         self.caches = Caches.from_settings(settings, loaded, self.memory, self.vision_encoder.name, kv_dtype)
         self.inputs = InputProcessor(loaded, self.limits, self.memory, kv_dtype.itemsize)
         thinking = self.inputs.thinking is not None
+        serving_kernels = kernels and {part: kernels[part] for part in ("decoder", "vision")}  # not their timings
+        fingerprint = serving_fingerprint(loaded.path, loaded.quantization, serving_kernels, settings.kv_dtype)
         self.info = ModelInfo(
-            loaded.name, loaded.quantization, loaded.is_random, self.limits.image.max_pixels, kernels, thinking
+            loaded.name,
+            loaded.quantization,
+            loaded.is_random,
+            self.limits.image.max_pixels,
+            kernels,
+            thinking,
+            fingerprint,
         )
         if thinking:
             log.info("%s is a thinking checkpoint: its reasoning is reported apart from its answer", loaded.name)
@@ -123,6 +133,11 @@ class Engine:
             self.admission.release(ticket)
 
         return Generation(self.outputs.events(sequence), sequence, release)
+
+    def count_tokens(self, request: GenerationRequest) -> int:
+        """The tokens of the request's prompt, as `submit` would compute them (checked the same way);
+        nothing is generated."""
+        return self.inputs.prompt(request).num_tokens
 
     def generate(self, request: GenerationRequest) -> Iterator[TextDelta | Completion]:
         """`submit` as a plain generator (CLI, tests): admission happens on the first `next()`;

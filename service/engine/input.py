@@ -49,15 +49,20 @@ class InputProcessor:
             raise BadRequest(f"logit_bias keys must be token ids from 0 to {self.vocab_size - 1}", param="logit_bias")
         if request.max_thinking_tokens is not None and request.max_thinking_tokens < 0:
             raise BadRequest("max_thinking_tokens must be 0 or more", param="max_thinking_tokens")
-        if request.tools and not self.renders_tools:
-            raise BadRequest("this checkpoint's chat template does not render tools", param="tools")
-        switch_off = self.thinking is not None and self.thinking.has_switch and not request.enable_thinking
-        template_kwargs = {SWITCH: False} if switch_off else None
-        prompt = prepare_prompt(self.processor, request.messages, self.limits.prompt, request.tools, template_kwargs)
+        prompt = self.prompt(request)
         max_new_tokens = self._max_new_tokens(prompt, params.max_tokens)
         constraint = self.grammars.constraint(request.grammar) if request.grammar else None
         self._check_memory(prompt, max_new_tokens)
         return Prepared(prompt, max_new_tokens, constraint, self._reasoning(request, prompt))
+
+    def prompt(self, request: GenerationRequest) -> PreparedPrompt:
+        """The request's prompt: its chat template rendered (tools, the thinking switch), tokenized,
+        its pictures and clips patchified."""
+        if request.tools and not self.renders_tools:
+            raise BadRequest("this checkpoint's chat template does not render tools", param="tools")
+        switch_off = self.thinking is not None and self.thinking.has_switch and not request.enable_thinking
+        template_kwargs = {SWITCH: False} if switch_off else None
+        return prepare_prompt(self.processor, request.messages, self.limits.prompt, request.tools, template_kwargs)
 
     def _reasoning(self, request: GenerationRequest, prompt: PreparedPrompt) -> tuple[Opening, int | None] | None:
         """How a thinking model's answer opens, and its thinking budget: thinking switched off where

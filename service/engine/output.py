@@ -64,10 +64,15 @@ class OutputProcessor:
             # Client gone (GeneratorExit) or error: the sequence leaves the batch at the next step.
             sequence.cancel()
             sequence.done.wait()
-        yield self._completion(sequence, "".join(parts), split.text, logprobs.reported)
+        yield self._completion(sequence, "".join(parts), split.text, logprobs.reported, stopper.matched)
 
     def _completion(
-        self, sequence: Sequence, text: str, reasoning: str | None, logprobs: list[TokenLogprob] | None
+        self,
+        sequence: Sequence,
+        text: str,
+        reasoning: str | None,
+        logprobs: list[TokenLogprob] | None,
+        stop_string: str | None,
     ) -> Completion:
         ids, prompt, marks, phase = sequence.stream.token_ids, sequence.prompt, sequence.marks, sequence.reasoning
         answer_ids = ids if phase is None else ids[phase.answer_start :] if phase.answering else []
@@ -94,6 +99,7 @@ class OutputProcessor:
             image_tokens=image_tokens,
             video_tokens=video_tokens,
             preempted=sequence.ticket.preempted,
+            stop_string=stop_string,
         )
 
     @staticmethod

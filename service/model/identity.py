@@ -4,6 +4,7 @@ KV disk tier) are only valid for the weights that made them."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 SAMPLE_BYTES = 64 * 1024
@@ -25,3 +26,10 @@ def checkpoint_identity(path: Path) -> str:
                 f.seek(offset)
                 digest.update(f.read(SAMPLE_BYTES))
     return digest.hexdigest()
+
+
+def serving_fingerprint(path: Path, *computed_with) -> str:
+    """OpenAI's `system_fingerprint`: "fp_" and a digest of the checkpoint's identity and of what
+    computes with it (quantization, kernels, KV dtype): instances serving the same bits show the same."""
+    parts = json.dumps([checkpoint_identity(path), *computed_with], sort_keys=True, default=str)
+    return "fp_" + hashlib.blake2b(parts.encode(), digest_size=6).hexdigest()

@@ -1,0 +1,91 @@
+"""OpenAI's Responses API: POST /v1/responses (its typed SSE events when streamed), and a stored
+response by id — GET, DELETE. Stateful when `store` is on (the default): `previous_response_id`
+continues the stored conversation, and its KV cache (keyed by the chain's first response id)."""
+
+from __future__ import annotations
+
+from flask import Blueprint, Response, g, jsonify, request
+
+from ..answer.tools import ToolCall, ToolCallParser
+from ..errors import ServiceError
+from ..generation import Completion
+from . import openai_responses_protocol as rp
+from .engine_requests import json_body
+from .openai_responses_serving import (
+    ResponseHead,
+    ResponsesEvents,
+    answer_message,
+    responses_request,
+    whole_response,
+)
+from .serving import EventStream, collect
+from .state import state
+from .stored_responses import StoredResponse
+
+responses_api = Blueprint("responses", __name__)
+ENDPOINT = "/v1/responses"
+
+
+def _not_stored(response_id: str, param: str | None = None) -> ServiceError:
+    return ServiceError(
+        f"response {response_id!r} is not stored here (store: false, expired, evicted or deleted)",
+        param=param,
+        code="response_not_found",
+        status=404,
+    )
+
+
+def _json(response: rp.Response | rp.DeletedResponse) -> dict:
+    return response.model_dump(mode="json", by_alias=True)
+
+
+@responses_api.post(ENDPOINT)
+def create():
+    app_state = state()
+    app_state.rates.admit(g.tenant)
+    body = rp.ResponsesRequest.model_validate(json_body())
+    engine = app_state.require_engine()
+    store = app_state.responses
+    response_id = store.new_id()
+    history, chain = [], response_id
+    if body.previous_response_id is not None:
+        previous = store.get(body.previous_response_id, g.tenant.owner)
+        if previous is None:
+            raise _not_stored(body.previous_response_id, "previous_response_id")
+        history, chain = previous.messages, previous.conversation_id
+    gen_request, shape, conversation = responses_request(body, engine.limits, history, chain)
+    generation = engine.submit(gen_request)
+    head = ResponseHead(response_id, engine.info.name, body)
+
+    def remember(response: rp.Response, done: Completion, calls: list[ToolCall]) -> None:
+        if body.store:
+            answer = answer_message(done, calls, response.output)
+            store.save(StoredResponse(_json(response), conversation + [answer], chain, g.tenant.owner))
+
+    spend = app_state.rates.spender(g.tenant)
+    if not body.stream:
+        done = collect(generation, gen_request, ENDPOINT, spend)
+        response, calls = whole_response(head, done, shape)
+        remember(response, done, calls)
+        return jsonify(_json(response))
+    parser = ToolCallParser(shape.max_calls) if shape.parse_tool_calls else None
+    events = ResponsesEvents(head, parser, remember)
+    stream = EventStream(generation, gen_request, request.environ, ENDPOINT, events, spend)
+    return Response(
+        stream, mimetype="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+
+
+@responses_api.get(ENDPOINT + "/<response_id>")
+def retrieve(response_id: str):
+    stored = state().responses.get(response_id, g.tenant.owner)
+    if stored is None:
+        raise _not_stored(response_id)
+    return jsonify(stored.body)
+
+
+@responses_api.delete(ENDPOINT + "/<response_id>")
+def delete(response_id: str):
+    if not state().responses.delete(response_id, g.tenant.owner):
+        raise _not_stored(response_id)
+    return jsonify(_json(rp.DeletedResponse(id=response_id)))

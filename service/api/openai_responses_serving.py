@@ -1,0 +1,376 @@
+"""OpenAI's Responses API onto the one engine path: its input items (and a stored conversation it
+continues) as the engine's GenerationRequest; the engine's events as output items — reasoning,
+message, function calls — whole or as the typed events of its stream (serving.StreamEncoder)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+from ..answer.tools import ToolCall, ToolCallDelta, ToolCallParser
+from ..errors import ServiceError
+from ..generation import Completion, GenerationRequest, SamplingParams, TextDelta
+from ..limits import RequestLimits
+from ..model.prompts import ChatMessage, ImagePart, TextPart
+from . import openai_responses_protocol as rp
+from .answer_shapes import AnswerShape, answer_shape
+from .engine_requests import checked_max_tokens, generation_request, tenant_fields
+from .inputs import checked_text, decode_data_url, detail_budget
+from .protocol import FunctionDefinition, JSONSchemaFormat, NamedFunction, NamedToolChoice, ResponseFormat, Tool
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+# -- in: input items as the engine's messages ------------------------------------------------------
+
+
+def _message(item: rp.InputMessageItem, limits: RequestLimits, param: str) -> ChatMessage:
+    role = "system" if item.role == "developer" else item.role
+    if isinstance(item.content, str):
+        return ChatMessage(role, [TextPart(checked_text(item.content, f"{param}.content"))])
+    parts = []
+    for j, part in enumerate(item.content):
+        where = f"{param}.content[{j}]"
+        if isinstance(part, rp.InputImagePart):
+            parts.append(
+                ImagePart(decode_data_url(part.image_url, detail_budget(limits.image, part.detail, where), where))
+            )
+        else:
+            parts.append(TextPart(checked_text(part.text, where)))
+    return ChatMessage(role, parts)
+
+
+def input_messages(body: rp.ResponsesRequest, limits: RequestLimits) -> list[ChatMessage]:
+    """The request's input as messages: calls join the assistant message before them (or make one),
+    a call's output is a tool message, reasoning goes with the assistant message after it."""
+    if isinstance(body.input, str):
+        return [ChatMessage("user", [TextPart(checked_text(body.input, "input"))])]
+    out: list[ChatMessage] = []
+    reasoning = None
+    for i, item in enumerate(body.input):
+        param = f"input[{i}]"
+        if isinstance(item, rp.ReasoningItem):
+            reasoning = "".join(c.text for c in item.content or ())
+        elif isinstance(item, rp.FunctionCallItem):
+            call = ToolCall(item.name, checked_text(item.arguments, f"{param}.arguments"), item.call_id)
+            last = out[-1] if out and out[-1].role == "assistant" else None
+            if last is None:
+                out.append(ChatMessage("assistant", [TextPart("")], tool_calls=(call,), reasoning=reasoning))
+            else:
+                out[-1] = ChatMessage(
+                    "assistant", last.parts, tool_calls=(*last.tool_calls, call), reasoning=last.reasoning
+                )
+            reasoning = None
+        elif isinstance(item, rp.FunctionCallOutputItem):
+            text = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
+            out.append(ChatMessage("tool", [TextPart(checked_text(text, f"{param}.output"))]))
+        else:
+            message = _message(item, limits, param)
+            if message.role == "assistant" and reasoning is not None:
+                message = ChatMessage("assistant", message.parts, reasoning=reasoning)
+                reasoning = None
+            out.append(message)
+    return out
+
+
+def _shape(body: rp.ResponsesRequest) -> AnswerShape:
+    fmt = body.text.format if body.text else None
+    response_format = None
+    if fmt is not None and fmt.type != "text":
+        schema = JSONSchemaFormat(name=fmt.name, schema=fmt.schema_, strict=fmt.strict) if fmt.schema_ else None
+        response_format = ResponseFormat(type=fmt.type, json_schema=schema)
+    tools = [
+        Tool(
+            type="function",
+            function=FunctionDefinition(
+                name=t.name, description=t.description, parameters=t.parameters, strict=t.strict is not False
+            ),
+        )
+        for t in body.tools or ()
+    ]
+    choice = body.tool_choice
+    if isinstance(choice, rp.FunctionChoice):
+        choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+    return answer_shape(response_format, tools or None, choice, body.parallel_tool_calls is not False)
+
+
+def responses_request(
+    body: rp.ResponsesRequest, limits: RequestLimits, history: list[ChatMessage], conversation_id: str
+) -> tuple[GenerationRequest, AnswerShape, list[ChatMessage]]:
+    """The engine's request for `body` continuing `history` (a stored conversation, or none), its
+    answer shape, and the conversation without the instructions (what a stored response keeps)."""
+    shape = _shape(body)
+    conversation = history + input_messages(body, limits)
+    instructions = body.instructions
+    prefix = [ChatMessage("system", [TextPart(checked_text(instructions, "instructions"))])] if instructions else []
+    params = SamplingParams(
+        max_tokens=checked_max_tokens(body.max_output_tokens, limits, "max_output_tokens"),
+        temperature=body.temperature,
+        top_p=body.top_p,
+    )
+    request = generation_request(
+        prefix + conversation,
+        params,
+        conversation_id,
+        remembered=len(prefix) + len(history),
+        shape=shape,
+        **body.thinking(),
+        **tenant_fields(None),
+    )
+    return request, shape, conversation
+
+
+# -- out: the engine's events as output items -------------------------------------------------------
+
+
+class OutputItems:
+    """Builds the response's output items from reasoning, text and call pieces, returning the stream
+    events each step makes (a whole answer is fed the same way and its events dropped)."""
+
+    def __init__(self, parser: ToolCallParser | None):
+        self.parser = parser
+        self.items: list[rp.ResponseReasoning | rp.ResponseOutputMessage | rp.ResponseFunctionCall] = []
+        self.open = False  # the last item is still being written
+
+    def reasoning(self, text: str) -> list:
+        events = self._open_item("reasoning") if not self._open_is("reasoning") else []
+        item = self.items[-1]
+        item.content[0].text += text
+        return events + [_reasoning_delta(item.id, len(self.items) - 1, text)]
+
+    def text(self, text: str) -> list:
+        return self._pieces(self.parser.feed(text) if self.parser else [text])
+
+    def finish(self, status: str) -> list:
+        events = self._pieces(self.parser.flush() if self.parser else [])
+        events += self._close(status)
+        if not self.items:  # an empty answer is still a message, as OpenAI's
+            events += self._open_item("message") + self._close(status)
+        return events
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.parser.calls if self.parser else []
+
+    def _pieces(self, pieces: list) -> list:
+        events = []
+        for piece in pieces:
+            if isinstance(piece, ToolCallDelta):
+                if piece.name is not None:
+                    events += self._close("completed") + self._open_item("function_call", piece)
+                if piece.arguments:
+                    item = self.items[-1]
+                    item.arguments += piece.arguments
+                    events.append(
+                        rp.ResponseArgumentsDeltaEvent(
+                            item_id=item.id, output_index=len(self.items) - 1, delta=piece.arguments
+                        )
+                    )
+            elif piece:
+                if not self._open_is("message"):
+                    events += self._close("completed") + self._open_item("message")
+                item = self.items[-1]
+                item.content[0].text += piece
+                index = len(self.items) - 1
+                events.append(
+                    rp.ResponseTextDeltaEvent(item_id=item.id, output_index=index, content_index=0, delta=piece)
+                )
+        return events
+
+    def _open_is(self, kind: str) -> bool:
+        return self.open and self.items[-1].type == kind
+
+    def _open_item(self, kind: str, call: ToolCallDelta | None = None) -> list:
+        events = self._close("completed")
+        index = len(self.items)
+        if kind == "reasoning":
+            item = rp.ResponseReasoning(id=_item_id("rs"), content=[])
+            added = item.model_copy(deep=True)
+            item.content = [rp.ResponseReasoningText(text="")]
+            self.items.append(item)
+            self.open = True
+            return events + [
+                rp.ResponseOutputItemEvent(type="response.output_item.added", output_index=index, item=added)
+            ]
+        if kind == "function_call":
+            item = rp.ResponseFunctionCall(
+                id=_item_id("fc"), call_id=call.id, name=call.name, arguments="", status="in_progress"
+            )
+            self.items.append(item)
+            self.open = True
+            return events + [
+                rp.ResponseOutputItemEvent(
+                    type="response.output_item.added", output_index=index, item=item.model_copy()
+                )
+            ]
+        item = rp.ResponseOutputMessage(id=_item_id("msg"), status="in_progress", content=[])
+        added = item.model_copy(deep=True)
+        part = rp.ResponseOutputText(text="")
+        item.content = [part]
+        self.items.append(item)
+        self.open = True
+        return events + [
+            rp.ResponseOutputItemEvent(type="response.output_item.added", output_index=index, item=added),
+            rp.ResponseContentPartEvent(
+                type="response.content_part.added",
+                item_id=item.id,
+                output_index=index,
+                content_index=0,
+                part=part.model_copy(),
+            ),
+        ]
+
+    def _close(self, status: str) -> list:
+        if not self.open:
+            return []
+        self.open = False
+        item, index = self.items[-1], len(self.items) - 1
+        events: list = []
+        if item.type == "reasoning":
+            text = item.content[0].text
+            events.append(
+                rp.ResponseReasoningDoneEvent(item_id=item.id, output_index=index, content_index=0, text=text)
+            )
+        elif item.type == "function_call":
+            item.status = status
+            events.append(
+                rp.ResponseArgumentsDoneEvent(
+                    item_id=item.id, output_index=index, name=item.name, arguments=item.arguments
+                )
+            )
+        else:
+            item.status = status
+            part = item.content[0]
+            events.append(
+                rp.ResponseTextDoneEvent(item_id=item.id, output_index=index, content_index=0, text=part.text)
+            )
+            events.append(
+                rp.ResponseContentPartEvent(
+                    type="response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part
+                )
+            )
+        return events + [rp.ResponseOutputItemEvent(type="response.output_item.done", output_index=index, item=item)]
+
+
+def _reasoning_delta(item_id: str, index: int, text: str) -> rp.ResponseReasoningDeltaEvent:
+    return rp.ResponseReasoningDeltaEvent(item_id=item_id, output_index=index, content_index=0, delta=text)
+
+
+def usage(done: Completion) -> rp.ResponseUsage:
+    return rp.ResponseUsage(
+        input_tokens=done.prompt_tokens,
+        input_tokens_details=rp.InputTokensDetails(cached_tokens=done.cached_tokens),
+        output_tokens=done.completion_tokens,
+        output_tokens_details=rp.OutputTokensDetails(reasoning_tokens=done.reasoning_tokens),
+        total_tokens=done.prompt_tokens + done.completion_tokens,
+    )
+
+
+class ResponseHead:
+    """What a response says of its request, whatever its output: the fields OpenAI echoes."""
+
+    def __init__(self, response_id: str, model: str, body: rp.ResponsesRequest):
+        self.id, self.model, self.body, self.created_at = response_id, model, body, int(time.time())
+
+    def response(self, status: str, items: list, done: Completion | None) -> rp.Response:
+        body, choice = self.body, self.body.tool_choice
+        fmt = body.text.format if body.text and body.text.format else rp.ResponseTextFormat(type="text")
+        return rp.Response(
+            id=self.id,
+            created_at=self.created_at,
+            status=status,
+            incomplete_details=rp.IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
+            instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens,
+            model=self.model,
+            output=items,
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+            previous_response_id=body.previous_response_id,
+            reasoning={"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
+            store=body.store,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            text={"format": fmt.model_dump(mode="json", by_alias=True, exclude_none=True)},
+            tool_choice=choice.model_dump() if isinstance(choice, rp.FunctionChoice) else choice or "auto",
+            tools=[t.model_dump(exclude_none=True) for t in body.tools or ()],
+            usage=usage(done) if done is not None else None,
+            user=body.user,
+            metadata=body.metadata or {},
+        )
+
+
+def status_of(done: Completion) -> str:
+    return "incomplete" if done.finish_reason in ("length", "deadline") else "completed"
+
+
+def whole_response(head: ResponseHead, done: Completion, shape: AnswerShape) -> tuple[rp.Response, list[ToolCall]]:
+    """The non-streamed response (and the calls in it), built as the stream builds it."""
+    output = OutputItems(ToolCallParser(shape.max_calls) if shape.parse_tool_calls else None)
+    if done.reasoning is not None:
+        output.reasoning(done.reasoning)
+    output.text(done.text)
+    status = status_of(done)
+    output.finish(status)
+    return head.response(status, output.items, done), output.calls
+
+
+def _sse(event) -> bytes:
+    return f"event: {event.type}\ndata: ".encode() + event.model_dump_json(by_alias=True).encode() + b"\n\n"
+
+
+class ResponsesEvents:
+    """The Responses stream (serving.StreamEncoder): response.created and response.in_progress, each
+    output item added, filled by its deltas and done, then response.completed (or .incomplete) with the
+    whole response — remembered first when stored; or an error event."""
+
+    def __init__(
+        self,
+        head: ResponseHead,
+        parser: ToolCallParser | None,
+        remember: Callable[[rp.Response, Completion, list[ToolCall]], None],
+    ):
+        self.response_head, self.output, self.remember = head, OutputItems(parser), remember
+        self.sequence = 0
+
+    def head(self) -> Iterator[bytes]:
+        snapshot = self.response_head.response("in_progress", [], None)
+        yield from self._emit(
+            [
+                rp.ResponseLifecycleEvent(type="response.created", response=snapshot),
+                rp.ResponseLifecycleEvent(type="response.in_progress", response=snapshot),
+            ]
+        )
+
+    def delta(self, event: TextDelta) -> Iterator[bytes]:
+        yield from self._emit(self.output.reasoning(event.text) if event.reasoning else self.output.text(event.text))
+
+    def done(self, event: Completion) -> Iterator[bytes]:
+        status = status_of(event)
+        yield from self._emit(self.output.finish(status))
+        response = self.response_head.response(status, self.output.items, event)
+        self.remember(response, event, self.output.calls)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        yield from self._emit([rp.ResponseLifecycleEvent(type=kind, response=response)])
+
+    def error(self, exc: ServiceError) -> Iterator[bytes]:
+        yield from self._emit([rp.ResponseErrorEvent(code=exc.code, message=exc.message, param=exc.param)])
+
+    def _emit(self, events: list) -> Iterator[bytes]:
+        for event in events:
+            event.sequence_number = self.sequence
+            self.sequence += 1
+            yield _sse(event)
+
+
+def answer_message(done: Completion, calls: list[ToolCall], items: list) -> ChatMessage:
+    """The answer as a stored conversation keeps it: with its generated ids, so the next turn's prompt
+    extends this one's KV cache token for token; with calls, as the template renders them back."""
+    if not calls:
+        return ChatMessage(
+            "assistant", [TextPart(done.text)], token_ids=done.answer_token_ids, reasoning=done.reasoning
+        )
+    text = "".join(i.content[0].text for i in items if i.type == "message")
+    return ChatMessage("assistant", [TextPart(text)], tool_calls=tuple(calls), reasoning=done.reasoning)
