@@ -41,7 +41,7 @@ def _json(response: rp.Response | rp.DeletedResponse) -> dict:
 
 @responses_api.post(ENDPOINT)
 def create():
-    app_state = state()
+    app_state, owner = state(), g.tenant.owner  # `remember` runs after the request's context (a stream)
     app_state.rates.admit(g.tenant)
     body = rp.ResponsesRequest.model_validate(json_body())
     engine = app_state.require_engine()
@@ -49,7 +49,7 @@ def create():
     response_id = store.new_id()
     history, chain = [], response_id
     if body.previous_response_id is not None:
-        previous = store.get(body.previous_response_id, g.tenant.owner)
+        previous = store.get(body.previous_response_id, owner)
         if previous is None:
             raise _not_stored(body.previous_response_id, "previous_response_id")
         history, chain = previous.messages, previous.conversation_id
@@ -60,7 +60,7 @@ def create():
     def remember(response: rp.Response, done: Completion, calls: list[ToolCall]) -> None:
         if body.store:
             answer = answer_message(done, calls, response.output)
-            store.save(StoredResponse(_json(response), conversation + [answer], chain, g.tenant.owner))
+            store.save(StoredResponse(_json(response), conversation + [answer], chain, owner))
 
     spend = app_state.rates.spender(g.tenant)
     if not body.stream:
