@@ -15,6 +15,7 @@ from .engine_requests import json_body
 from .state import state
 
 batch_api = Blueprint("batches", __name__)
+DRAIN_BYTES = 16 * 2**20  # a refused upload up to this size is read first (_drain)
 
 
 def _owner() -> str:
@@ -36,6 +37,7 @@ def upload_file():
     settings = state().settings
     limit = settings.batch_max_file_bytes
     if request.content_length is not None and request.content_length > settings.batch_upload_bytes:
+        _drain(request.content_length)
         raise TooLarge(f"the upload is {request.content_length} bytes; BATCH_MAX_FILE_BYTES is {limit}", param="file")
     request.max_content_length = settings.batch_upload_bytes
     if request.mimetype != "multipart/form-data":
@@ -48,6 +50,14 @@ def upload_file():
         state().jobs, settings, _owner(), upload.filename or "", request.form.get("purpose", ""), content
     )
     return jsonify(stored.public())
+
+
+def _drain(length: int) -> None:
+    """Read a refused body of up to DRAIN_BYTES before answering: a client still sending it would
+    otherwise meet a closed connection instead of the 413 that names the limit."""
+    if length <= DRAIN_BYTES:
+        while request.stream.read(64 * 1024):
+            pass
 
 
 @batch_api.get("/v1/files")
