@@ -197,14 +197,14 @@ def test_paused_requests_do_not_count_against_the_queue(cache_dir, loaded_model,
 
 def test_requests_of_one_priority_arriving_moments_apart_never_pause_each_other():
     """An older request of the same priority that reaches admission after a younger one (its picture
-    took longer to decode) waits: only a whole level of urgency takes a running request's place."""
+    took longer to decode) waits: only a less urgent priority gives up a running request's place."""
     admission = Admission(queue_size=1, timeout=1, slots=1, aging=30.0)
     now = time.perf_counter()
     younger = admission.acquire(0, now)
     with pytest.raises(Unavailable):
         admission.acquire(0, now - 0.5)  # half a second older: waits for the place, then times out
     assert younger.holds and not younger.paused and younger.preempted == 0
-    assert admission.acquire(-1, now).holds and younger.paused  # one level more urgent: takes it
+    assert admission.acquire(-1).holds and younger.paused  # one level more urgent: takes it
 
 
 def test_nothing_waits_forever_a_request_grows_more_urgent_as_it_waits():

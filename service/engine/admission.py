@@ -5,13 +5,12 @@ Urgency is a request's `priority` (lower first, default 0: vLLM's field) minus o
 seconds since it reached the server: a request of priority 10 outranks new priority-0 ones after
 10 × `aging` seconds, so no class waits forever. Equal urgency: first come, first served.
 
-Preemption: a request that finds every place held, one of them by a request less urgent by at least
-one whole priority level (a priority value one higher, or an arrival `aging` seconds later), takes the
-place of the least urgent holder (the latest to arrive among equals) at once. The scheduler pauses
-that holder at its next step, its whole state kept (service/engine/batching.py), and it waits here
-like any waiter — ahead of later arrivals of its urgency — for a place to resume in. Paused
-requests are admitted already: they do not count against the queue's bound and never time out
-(REQUEST_DEADLINE still ends them).
+Preemption: a request that finds every place held, one of them by a request of a less urgent priority (a
+higher value) that is still less urgent once aged, takes the place of the least urgent such holder (the
+latest to arrive among equals) at once. The scheduler pauses that holder at its next step, its whole
+state kept (service/engine/batching.py), and it waits here like any waiter — ahead of later arrivals of
+its urgency — for a place to resume in. Paused requests are admitted already: they do not count against
+the queue's bound and never time out (REQUEST_DEADLINE still ends them).
 
 Fair share between tenants (a request's `TenantShare`, service/api/tenants.py): while another
 tenant's request waits, a tenant's requests hold at most its `slots` places — the waiters of tenants
@@ -178,10 +177,11 @@ class Admission:
             over = [t for t in self._holders if t.tenant.name != ticket.tenant.name and self._over_share(t)]
             if over:
                 return max(over, key=lambda t: t.rank(now))
-        candidates = [t for t in self._holders if self._may_pause_for(t, ticket)]
+        # Only a less urgent priority: requests of one priority that arrived moments apart never pause
+        # each other (aging orders waiters; it does not make a running request give way).
+        candidates = [t for t in self._holders if t.priority > ticket.priority and self._may_pause_for(t, ticket)]
         least = max(candidates, key=lambda t: t.rank(now), default=None)
-        # A whole level: requests of one priority that arrived moments apart never pause each other.
-        if least is not None and least.urgency(now) - ticket.urgency(now) >= 1:
+        if least is not None and least.urgency(now) > ticket.urgency(now):
             return least
         return None
 
