@@ -19,13 +19,12 @@ ENDPOINT = "/v1/messages"
 @anthropic_api.post(ENDPOINT)
 def messages():
     app_state = state()
-    app_state.rates.admit(g.tenant)
+    spend = app_state.rates.admit(g.tenant)
     body = ap.MessagesRequest.model_validate(json_body())
     engine = app_state.require_engine()
     gen_request, shape = messages_request(body, engine.limits)
     generation = engine.submit(gen_request)
     message_id, model = new_message_id(), engine.info.name
-    spend = app_state.rates.spender(g.tenant)
     if not body.stream:
         done = collect(generation, gen_request, ENDPOINT, spend)
         return jsonify(message_body(message_id, model, done, shape))

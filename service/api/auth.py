@@ -42,7 +42,7 @@ def authenticate(tenants: Tenants) -> Tenant | None:
     tenant = tenants.resolve(presented_key())
     if tenant is None:
         raise Unauthorized(
-            "missing or invalid API key: send Authorization: Bearer <key>",
+            "missing or invalid API key: send Authorization: Bearer <key> (or x-api-key: <key>)",
             headers={"WWW-Authenticate": 'Bearer realm="qwen3vl"'},
         )
     return tenant

@@ -151,7 +151,7 @@ def chat():
     app_state = state()
     engine = app_state.require_engine()
     tenant = g.tenant
-    app_state.rates.admit(tenant)
+    spend = app_state.rates.admit(tenant)
     if request.mimetype in ("multipart/form-data", "application/x-www-form-urlencoded"):
         body, new_messages = _from_form(engine.limits)
     elif request.is_json:
@@ -194,7 +194,6 @@ def chat():
         )
         app_state.histories.save(conversation_id, messages + [answer], tenant.owner)
 
-    spend = app_state.rates.spender(tenant)
     if not body.stream:
         done = collect(generation, gen_request, ENDPOINT, spend)
         remember(done)

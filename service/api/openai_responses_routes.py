@@ -42,7 +42,7 @@ def _json(response: rp.Response | rp.DeletedResponse) -> dict:
 @responses_api.post(ENDPOINT)
 def create():
     app_state, owner = state(), g.tenant.owner  # `remember` runs after the request's context (a stream)
-    app_state.rates.admit(g.tenant)
+    spend = app_state.rates.admit(g.tenant)
     body = rp.ResponsesRequest.model_validate(json_body())
     engine = app_state.require_engine()
     store = app_state.responses
@@ -62,7 +62,6 @@ def create():
             answer = answer_message(done, calls, response.output)
             store.save(StoredResponse(_json(response), conversation + [answer], chain, owner))
 
-    spend = app_state.rates.spender(g.tenant)
     if not body.stream:
         done = collect(generation, gen_request, ENDPOINT, spend)
         response, calls = whole_response(head, done, shape)

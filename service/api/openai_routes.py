@@ -143,14 +143,13 @@ def completion_body(request_id: str, info: ModelInfo, done: Completion, shape: A
 @openai_api.post(ENDPOINT)
 def chat_completions():
     app_state = state()
-    app_state.rates.admit(g.tenant)
+    spend = app_state.rates.admit(g.tenant)
     body = protocol.ChatCompletionRequest.model_validate(json_body())
     engine = app_state.require_engine()
     conversation = conversation_header() or body.user
     gen_request, shape = chat_request(body, engine, conversation, **tenant_fields(body.cache_salt))
     generation = engine.submit(gen_request)
 
-    spend = app_state.rates.spender(g.tenant)
     if not body.stream:
         done = collect(generation, gen_request, ENDPOINT, spend)
         return jsonify(completion_body(g.request_id, engine.info, done, shape))

@@ -51,10 +51,11 @@ class TenantRates:
         self._requests: dict[str, _Window] = defaultdict(_Window)
         self._tokens: dict[str, _Window] = defaultdict(_Window)
 
-    def admit(self, tenant: Tenant) -> None:
-        """Count a request of `tenant`, or raise 429 naming the limit it is over."""
+    def admit(self, tenant: Tenant) -> Callable[[int], None] | None:
+        """Count a request of `tenant`, or raise 429 naming the limit it is over; what counts its tokens
+        once it has ended (None: no tokens limit) — one call, so no route counts requests but not tokens."""
         if tenant.rpm is None and tenant.tpm is None:
-            return
+            return None
         now = time.monotonic()
         with self._lock:
             requests, tokens = self._requests[tenant.name], self._tokens[tenant.name]
@@ -65,9 +66,6 @@ class TenantRates:
             if tenant.tpm is not None and tokens.total >= tenant.tpm:
                 self._refuse(tenant, "tpm", f"{tokens.total} tokens", tenant.tpm, tokens, now)
             requests.add(now, 1)
-
-    def spender(self, tenant: Tenant) -> Callable[[int], None] | None:
-        """What counts the tokens of a request of `tenant` once it ended (None: no tokens limit)."""
         if tenant.tpm is None:
             return None
 
