@@ -244,27 +244,44 @@ def awq_tensors(name, values, zeros, scales) -> dict[str, torch.Tensor]:
 def write_published(tiny_dir, dst, method: str, group=32, act_order=False) -> dict[str, tuple]:
     """The tiny checkpoint with every text-decoder Linear 4-bit in a published layout (vision tower
     and embedding left as they are, as publishers do); returns each Linear's (values, zeros, scales)."""
-    from safetensors import safe_open
-
-    shutil.copytree(tiny_dir, dst, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
-    tensors, quantized = {}, {}
-    for file in sorted(tiny_dir.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+    tensors, quantized = copied_without_weights(tiny_dir, dst), {}
     for key in [k for k in tensors if k.startswith("model.language_model.layers.") and k.endswith("proj.weight")]:
         name = key[: -len(".weight")]
-        values, zeros, scales = quantize_groups(tensors.pop(key), group)
-        zeros = zeros.clamp(min=1)  # GPTQ v1 cannot store a zero point of 0 (it keeps zero − 1 in 4 bits)
-        quantized[name] = (values, zeros, scales)
-        if method == "awq":
-            tensors.update(awq_tensors(name, values, zeros, scales))
-        else:
-            g_idx = None
-            if act_order:
-                g_idx = torch.arange(values.shape[1], dtype=torch.int32) // group
-                g_idx = g_idx[torch.randperm(len(g_idx), generator=torch.Generator().manual_seed(0))]
-            tensors.update(gptq_tensors(name, values, zeros, scales, v1=method == "gptq", g_idx=g_idx))
+        quantized[name] = publish_linear(tensors, name, tensors.pop(key), method, group, act_order)
+    save_published(dst, tensors, method, group, act_order)
+    return quantized
+
+
+def copied_without_weights(src, dst) -> dict[str, torch.Tensor]:
+    """dst: src's files but its weights, which are returned (to be written back in another layout)."""
+    from safetensors import safe_open
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
+    tensors = {}
+    for file in sorted(src.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys()})
+    return tensors
+
+
+def publish_linear(tensors: dict, name: str, weight: torch.Tensor, method: str, group=32, act_order=False) -> tuple:
+    """`weight` (out × in) added to `tensors` as the published 4-bit Linear `name`; returns its
+    (values, zeros, scales)."""
+    values, zeros, scales = quantize_groups(weight, group)
+    zeros = zeros.clamp(min=1)  # GPTQ v1 cannot store a zero point of 0 (it keeps zero − 1 in 4 bits)
+    if method == "awq":
+        tensors.update(awq_tensors(name, values, zeros, scales))
+    else:
+        g_idx = None
+        if act_order:
+            g_idx = torch.arange(values.shape[1], dtype=torch.int32) // group
+            g_idx = g_idx[torch.randperm(len(g_idx), generator=torch.Generator().manual_seed(0))]
+        tensors.update(gptq_tensors(name, values, zeros, scales, v1=method == "gptq", g_idx=g_idx))
+    return values, zeros, scales
+
+
+def save_published(dst, tensors: dict, method: str, group=32, act_order=False) -> None:
+    """`tensors` as dst's weights, and its config.json's quantization_config for `method`."""
     save_file(tensors, dst / "model.safetensors")
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = (
@@ -280,7 +297,6 @@ def write_published(tiny_dir, dst, method: str, group=32, act_order=False) -> di
         }
     )
     (dst / "config.json").write_text(json.dumps(config))
-    return quantized
 
 
 @pytest.mark.parametrize("method", ["gptq", "gptq_v2", "awq"])

@@ -27,7 +27,7 @@ from test_forward import (
     same_kv,
     transformers_greedy,
 )
-from test_int4 import greedy
+from test_int4 import copied_without_weights, greedy, publish_linear, save_published
 
 from service.engine.engine import Engine, GenerationRequest
 from service.model.attention import ExactAttention
@@ -36,7 +36,8 @@ from service.model.loading import load_model
 from service.model.moe import MixtureOfExperts, router_logits
 from service.model.prompts import ChatMessage, ImagePart, TextPart
 from service.model.skeleton import Experts
-from service.quant.int4_linear import Int4Linear
+from service.quant import published
+from service.quant.int4_linear import Int4Linear, pack
 from service.quant.int8_linear import Int8Embedding, Int8Linear
 
 from conftest import in_a_mapping_of, make_settings, prepared, transformers_model
@@ -363,3 +364,79 @@ def test_4bit_experts_over_the_budget_are_computed_from_the_mapped_file_with_the
     a = greedy(Engine(mapped, settings), "Tell me about a red square.")
     b = greedy(engines("int4"), "Tell me about a red square.")
     assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+# -- published GPTQ / AWQ mixtures of experts ----------------------------------------------------
+
+
+def write_published_moe(tiny_moe_dir, dst, method: str) -> dict[str, tuple]:
+    """tiny-moe as GPTQModel / AutoAWQ publish a Qwen3-VL MoE: each expert its own 4-bit Linears
+    (`experts.E.gate_proj`, `up_proj`, `down_proj`), attention and the dense MLP 4-bit, and (AWQ) the
+    router 4-bit too; the vision tower, embedding and lm_head left as they were. Returns each published
+    Linear's (values, zeros, scales)."""
+    tensors, quantized = copied_without_weights(tiny_moe_dir, dst), {}
+    for key in [k for k in tensors if k.startswith("model.language_model.layers.")]:
+        name = key.rpartition(".")[0]
+        if key.endswith("proj.weight") or (method == "awq" and key.endswith("mlp.gate.weight")):
+            quantized[name] = publish_linear(tensors, name, tensors.pop(key), method)
+        elif key.endswith("experts.gate_up_proj"):  # [experts, hidden, 2 × width]: gate columns, then up
+            for e, both in enumerate(tensors.pop(key)):
+                for part, weight in zip(("gate_proj", "up_proj"), both.t().chunk(2)):
+                    quantized[f"{name}.{e}.{part}"] = publish_linear(tensors, f"{name}.{e}.{part}", weight, method)
+        elif key.endswith("experts.down_proj"):  # [experts, width, hidden]
+            for e, weight in enumerate(tensors.pop(key)):
+                expert = f"{name}.{e}.down_proj"
+                quantized[expert] = publish_linear(tensors, expert, weight.t(), method)
+    save_published(dst, tensors, method)
+    return quantized
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_published_mixture_of_experts_loads_with_exactly_its_weights_and_answers(
+    cache_dir, tiny_moe_dir, tmp_path, method
+):
+    """MODEL_PATH at a GPTQ or AWQ mixture of experts: every expert holds exactly the published values,
+    zero points and scales (gate and up side by side as the forward fuses them), a published router is
+    its exact float matrix, and it answers. (The converted checkpoint is in the 4-bit format whose
+    exactness the tests above prove.)"""
+    from safetensors import safe_open
+
+    src = tmp_path / method
+    quantized = write_published_moe(tiny_moe_dir, src, method)
+    settings = make_settings(cache_dir, model_path=src)
+    loaded = load_model(settings)
+    assert loaded.quantization == "int4"
+    prefix = "model.language_model.layers.0.mlp"
+    mlp = loaded.model.get_submodule(prefix)
+    for e in range(8):
+        parts = [quantized[f"{prefix}.experts.{e}.{p}"] for p in ("gate_proj", "up_proj")]
+        for module, values in [
+            (mlp.experts.gate_up[e], [torch.cat([part[i] for part in parts]) for i in range(3)]),
+            (mlp.experts.down[e], quantized[f"{prefix}.experts.{e}.down_proj"]),
+        ]:
+            assert isinstance(module, Int4Linear)
+            for name, tensor in pack(*values).items():
+                assert torch.equal(getattr(module, name), tensor), (e, name)
+    if method == "awq":
+        assert torch.equal(mlp.gate.weight, published.dequantized(*quantized[f"{prefix}.gate"]))
+    else:
+        with safe_open(tiny_moe_dir / "model.safetensors", "pt") as f:
+            assert torch.equal(mlp.gate.weight, f.get_tensor(f"{prefix}.gate.weight").float())
+    assert greedy(Engine(loaded, settings), "Hello there.").completion_tokens == 16
+
+
+def test_a_published_mixture_with_an_expert_left_unquantized_is_refused_by_name(cache_dir, tiny_moe_dir, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src = tmp_path / "gptq"
+    write_published_moe(tiny_moe_dir, src, "gptq")
+    with safe_open(src / "model.safetensors", "pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    expert = "model.language_model.layers.2.mlp.experts.5.up_proj"
+    for part in ("qweight", "qzeros", "scales", "g_idx"):
+        del tensors[f"{expert}.{part}"]
+    tensors[f"{expert}.weight"] = torch.zeros(96, 64)
+    save_file(tensors, src / "model.safetensors")
+    with pytest.raises(published.UnsupportedCheckpoint, match=expert.replace(".", r"\.")):
+        load_model(make_settings(cache_dir, model_path=src))

@@ -10,6 +10,10 @@ the form of service/quant/int4_linear.py, so the conversion is exact (no roundin
 - AWQ (`quant_method: awq`, version "gemm"; AutoAWQ): `qweight` [in, out/8] and `qzeros`
   [groups, out/8] pack along the outputs, in the interleaved order 0 2 4 6 1 3 5 7.
 
+A mixture of experts is read the same way when each expert is stored as its own Linears
+(`mlp.experts.E.gate_proj`, `up_proj`, `down_proj`: GPTQModel's and AutoAWQ's layout, the one vLLM
+reads); a quantized router (`mlp.gate`) is read back as its float matrix (`dequantized`).
+
 What does not fit that form is refused with a clear error: other bit widths, act-order GPTQ
 (`g_idx` not in input order), AWQ's GEMV layout, other quantization methods.
 """
@@ -82,6 +86,14 @@ def unpack(tensors: dict[str, torch.Tensor], qc: dict, name: str) -> tuple[torch
     out_features = scales.shape[1]
     values, zeros = values[:out_features], zeros[:, :out_features]
     return values.contiguous(), zeros.T.contiguous(), scales.T.to(torch.float16).contiguous()
+
+
+def dequantized(values: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [out, in]: scale·(value − zero) per group, exact (a 5-bit integer times an fp16 scale needs
+    at most 16 of fp32's 24 bits)."""
+    group = values.shape[1] // zeros.shape[1]
+    offsets = values.to(torch.float32) - zeros.to(torch.float32).repeat_interleave(group, dim=1)
+    return offsets * scales.to(torch.float32).repeat_interleave(group, dim=1)
 
 
 def quantized_linears(names) -> set[str]:

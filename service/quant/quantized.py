@@ -296,6 +296,44 @@ def _expert_weights(source, prefix: str, experts: nn.Module):
             yield f"{prefix}.{part}.{e}", weight.t() if turned else weight
 
 
+PUBLISHED_EXPERT_PARTS = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
+
+def _expert_tensors(source, scheme: dict | None, prefix: str, experts: nn.Module, spec: dict):
+    """(model Linear name, its tensors: 4-bit or INT8) of each expert of one layer. A published GPTQ/AWQ
+    mixture of experts stores each expert as its own Linears (`prefix.E.gate_proj`, `up_proj`, `down_proj`,
+    as GPTQModel, AutoAWQ and vLLM name them): those convert exactly, as the dense ones do. Otherwise the
+    layer's 3-D tensors are quantized an expert at a time (`spec`: 4-bit where it says so, else INT8)."""
+    if scheme is not None and f"{prefix}.0.down_proj" in source.published:
+        for e in range(getattr(experts, EXPERT_TENSORS[0]).shape[0]):
+            for part, names in PUBLISHED_EXPERT_PARTS.items():
+                parts = [f"{prefix}.{e}.{n}" for n in names]
+                packed = _four_bit(source, scheme, f"{prefix}.{part}.{e}", parts, [], spec)
+                if packed is None:
+                    missing = [p for p in parts if p not in source.published]
+                    raise published.UnsupportedCheckpoint(f"{missing[0]}: an expert left unquantized in a 4-bit one")
+                yield f"{prefix}.{part}.{e}", packed
+        return
+    for expert, weight in _expert_weights(source, prefix, experts):
+        packed = _four_bit_weight(weight, expert, spec)
+        if packed is None:
+            packed = packing.native_int8_tensors(expert, *quantize_rows(weight), None)
+        yield expert, packed
+
+
+def _resident_tensors(source, scheme: dict | None, names: list[str]) -> dict[str, torch.Tensor]:
+    """The float tensors kept as they are (norms, the MoE router, biases), fp32. A published checkpoint
+    may store the router 4-bit (AWQ quantizes `mlp.gate` too): its weight is then scale·(value − zero),
+    exact in fp32, which is the matrix its publisher's kernels multiply by."""
+    quantized = [n for n in names if n.endswith(".weight") and n[: -len(".weight")] in source.published]
+    out = {n: t.to(torch.float32, copy=True) for n, t in source.read([n for n in names if n not in quantized]).items()}
+    for n in quantized:
+        linear = n[: -len(".weight")]
+        keys = [f"{linear}.{t}" for t in ("qweight", "qzeros", "scales", "g_idx") if f"{linear}.{t}" in source]
+        out[n] = published.dequantized(*published.unpack(source.read(keys), scheme, linear))
+    return out
+
+
 def _four_bit_weight(weight: torch.Tensor, name: str, spec: dict) -> dict | None:
     """The 4-bit tensors of one unquantized Linear weight, or None when it stays INT8 (as `_four_bit`)."""
     if spec["bits"] != 4 or name.startswith(spec["keep_8bit"]):
@@ -340,8 +378,6 @@ def write_quantized(
         raise ValueError(f"{src} is a {scheme['quant_method'].upper()} 4-bit checkpoint: convert it with --bits 4")
     check_empty(dst)
     config = AutoConfig.from_pretrained(src)
-    if scheme is not None and model_class(config).__name__.startswith("Qwen3VLMoe"):
-        raise published.UnsupportedCheckpoint(f"{src}: a {scheme['quant_method'].upper()} mixture of experts")
     if scheme is not None:  # transformers would try to set up GPTQ/AWQ kernels from it; the skeleton needs none
         for holder in (config, getattr(config, "text_config", None)):
             if holder is not None and hasattr(holder, "quantization_config"):
@@ -482,16 +518,13 @@ def write_quantized_tensors(
             linear_params.update(f"{p}.{t}" for p in parts for t in ("weight", "bias"))
         mlp = getattr(block, "mlp", None)
         if mlp is not None and is_moe_block(mlp):
-            for expert, weight in _expert_weights(source, f"{name}.mlp.experts", mlp.experts):
-                packed = _four_bit_weight(weight, expert, spec)
-                if packed is not None:
+            for expert, packed in _expert_tensors(source, scheme, f"{name}.mlp.experts", mlp.experts, spec):
+                if f"{expert}.qweight" in packed:
                     four_bit.append(expert)
-                    four_bit_parts += 1
                 else:
-                    packed = packing.native_int8_tensors(expert, *quantize_rows(weight), None)
                     expert_int8 += 1
                 shards.add(packed)
-                del weight, packed
+                del packed
             linear_params.update(f"{name}.mlp.experts.{t}" for t in EXPERT_TENSORS)
         release_memory()
     shards.flush()
@@ -499,7 +532,7 @@ def write_quantized_tensors(
         rows, scales = _in_row_chunks(source, f"{embed_name}.weight", quantize_rows)
         embedding = {f"{embed_name}.weight": rows, f"{embed_name}{SCALE}": scales}
     rest = [n for n, _ in model.named_parameters() if n not in linear_params and not n.startswith(embed_name + ".")]
-    resident = {n: t.to(torch.float32, copy=True) for n, t in source.read(rest).items()}
+    resident = _resident_tensors(source, scheme, rest)
     packing.write_aligned_safetensors({**embedding, **resident}, dst / RESIDENT_FILE)
     bar.close()
     del embedding, resident
@@ -508,7 +541,7 @@ def write_quantized_tensors(
     if bits == 4:
         marker.update(
             int4_linears=len(four_bit),
-            int8_linears=sum(1 for n in linear_params if n.endswith(".weight")) + expert_int8 - four_bit_parts,
+            int8_linears=sum(1 for n in linear_params if n.endswith(".weight")) - four_bit_parts + expert_int8,
         )
     return marker
 
