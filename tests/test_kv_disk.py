@@ -391,3 +391,23 @@ def test_what_is_no_block_under_a_blocks_name_is_swept_and_everything_else_left(
     for entry in (fifo, link, holding):
         with pytest.raises(NotABlock):  # at once: a FIFO's open does not wait for a writer
             open_block(entry)
+
+
+@pytest.mark.parametrize("engine", ["int8"], indirect=True)
+def test_a_stray_file_where_a_subfolder_goes_leaves_the_tier_on(engine, cache_dir, tmp_path, caplog):
+    """Every block's subfolder name taken by a file: its writes fail and are logged, but the folder itself
+    is usable, so the tier stays on (and answers come from memory, the same bits)."""
+    folder = tmp_path / "kv"
+    e = tiered(engine, cache_dir, folder)
+    for prefix in range(256):
+        (folder / f"{prefix:02x}").write_text("someone else's file")
+    history = [user(image(e, seed=7), QUESTION)]
+    with caplog.at_level(logging.WARNING, logger="service.caches.kv_disk"):
+        ids, done = turn(e, history, "A")
+        assert e.caches.kv.disk.flush(30)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("KV disk tier: writing a block: ") for m in messages)
+    assert not any("KV disk tier off" in m for m in messages)
+    assert e.caches.kv.disk.usable and REGISTRY.get_sample_value("qwen3vl_kv_disk_usable") == 1
+    plain_ids, expected = turn(tiered(engine, cache_dir, tmp_path / "off", cache_enabled=False), history)
+    assert ids == plain_ids and done.logprobs == expected.logprobs

@@ -29,7 +29,6 @@ or when a write meets it.
 from __future__ import annotations
 
 import atexit
-import errno
 import fcntl
 import hashlib
 import json
@@ -70,8 +69,6 @@ STALE_TEMPORARY_SECONDS = 3600.0  # a writer's unfinished file older than this w
 FLUSH_SECONDS = 10.0  # at exit, waiting for queued writes
 MAX_CANDIDATES = 64  # blocks stored after one prefix whose headers a lookup reads, at most
 READERS = 4  # reads at once: one stuck on a hung device leaves the others free
-# A write failing so means the folder, not one file, is unusable (read-only, not a folder, not ours): off.
-UNUSABLE_FOLDER = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST})
 
 
 @dataclass(frozen=True)
@@ -199,6 +196,17 @@ class KVDiskStore:
             self.usable = False
             metrics.KV_DISK_USABLE.set(0)
             log.warning("KV disk tier off: %s is unusable (%s); conversations are kept in memory only", self.root, why)
+
+    def _failed(self, what: str, exc: OSError) -> None:
+        """A write that failed turns the tier off only if the folder itself is unusable (read-only,
+        gone, replaced by a file); a full disk, a stray entry in one subfolder or another user's file
+        is logged, and the tier stays on."""
+        try:
+            check_writable(self.root)
+        except OSError:
+            self._turn_off(f"{what}: {exc.strerror}")
+        else:
+            log.warning("KV disk tier: %s: %s", what, exc)
 
     # -- names ------------------------------------------------------------------------------------
 
@@ -615,10 +623,7 @@ class KVDiskStore:
             os.replace(temporary, path)
         except OSError as exc:  # a full disk: the conversation stays in memory only
             remove_entry(temporary)
-            if exc.errno in UNUSABLE_FOLDER:
-                self._turn_off(f"writing a block: {exc.strerror}")
-            else:
-                log.warning("KV disk tier: could not write %s: %s", path, exc)
+            self._failed("writing a block", exc)
             return False
         written = _HEAD.size + len(header) + data.nbytes + _TRAILER.size
         self._written_since_scan += written
@@ -637,10 +642,7 @@ class KVDiskStore:
         try:
             lock = os.open(self.root / ".lock", os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
-            if exc.errno in UNUSABLE_FOLDER - {errno.EACCES}:  # .lock alone unwritable: another user's lock file
-                self._turn_off(f"its lock file: {exc.strerror}")
-            else:
-                log.warning("KV disk tier: cannot open %s: %s; files not counted", self.root / ".lock", exc)
+            self._failed("its lock file (files not counted)", exc)
             return
         try:
             try:
