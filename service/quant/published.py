@@ -12,7 +12,8 @@ the form of service/quant/int4_linear.py, so the conversion is exact (no roundin
 
 A mixture of experts is read the same way when each expert is stored as its own Linears
 (`mlp.experts.E.gate_proj`, `up_proj`, `down_proj`: GPTQModel's and AutoAWQ's layout, the one vLLM
-reads); a quantized router (`mlp.gate`) is read back as its float matrix (`dequantized`).
+reads); a quantized router (`mlp.gate`) is read back as its float matrix (int4_linear.dequantize: exact,
+a 5-bit integer times an fp16 scale needs at most 16 of fp32's 24 bits).
 
 What does not fit that form is refused with a clear error: other bit widths, act-order GPTQ
 (`g_idx` not in input order), AWQ's GEMV layout, other quantization methods.
@@ -86,14 +87,6 @@ def unpack(tensors: dict[str, torch.Tensor], qc: dict, name: str) -> tuple[torch
     out_features = scales.shape[1]
     values, zeros = values[:out_features], zeros[:, :out_features]
     return values.contiguous(), zeros.T.contiguous(), scales.T.to(torch.float16).contiguous()
-
-
-def dequantized(values: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """fp32 [out, in]: scale·(value − zero) per group, exact (a 5-bit integer times an fp16 scale needs
-    at most 16 of fp32's 24 bits)."""
-    group = values.shape[1] // zeros.shape[1]
-    offsets = values.to(torch.float32) - zeros.to(torch.float32).repeat_interleave(group, dim=1)
-    return offsets * scales.to(torch.float32).repeat_interleave(group, dim=1)
 
 
 def quantized_linears(names) -> set[str]:

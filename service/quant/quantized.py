@@ -36,7 +36,7 @@ from torch import nn
 from ..memory import MIB, MemoryGuard, release_memory
 from . import packing, published
 from .fusion import is_moe_block, model_class
-from .int4_linear import GROUP_SIZES, group_for, pack, quantize_groups
+from .int4_linear import GROUP_SIZES, dequantize, group_for, pack, quantize_groups
 from .int8_linear import Int8Embedding, Int8Linear, MappedInt8Linear, quantize_rows
 from .packing import (
     COLUMN_SUMS,
@@ -254,8 +254,7 @@ def _four_bit(
     None when it stays INT8: a published 4-bit Linear converts exactly; an unquantized one is
     quantized in groups (int4_linear.group_for) unless `spec["keep_8bit"]` names it or no group fits."""
     if scheme is not None and all(p in source.published for p in parts):
-        keys = [f"{p}.{t}" for p in parts for t in ("qweight", "qzeros", "scales", "g_idx") if f"{p}.{t}" in source]
-        tensors = source.read(keys)
+        tensors = source.read([key for p in parts for key in _published_keys(source, p)])
         pieces = [published.unpack(tensors, scheme, p) for p in parts]
     elif scheme is not None or spec["bits"] != 4 or name.startswith(spec["keep_8bit"]):
         return None  # (a published checkpoint's unquantized Linears were left so by its publisher: INT8)
@@ -324,14 +323,18 @@ def _expert_tensors(source, scheme: dict | None, prefix: str, experts: nn.Module
 def _resident_tensors(source, scheme: dict | None, names: list[str]) -> dict[str, torch.Tensor]:
     """The float tensors kept as they are (norms, the MoE router, biases), fp32. A published checkpoint
     may store the router 4-bit (AWQ quantizes `mlp.gate` too): its weight is then scale·(value − zero),
-    exact in fp32, which is the matrix its publisher's kernels multiply by."""
+    exact in fp32 (int4_linear.dequantize), which is the matrix its publisher's kernels multiply by."""
     quantized = [n for n in names if n.endswith(".weight") and n[: -len(".weight")] in source.published]
     out = {n: t.to(torch.float32, copy=True) for n, t in source.read([n for n in names if n not in quantized]).items()}
     for n in quantized:
         linear = n[: -len(".weight")]
-        keys = [f"{linear}.{t}" for t in ("qweight", "qzeros", "scales", "g_idx") if f"{linear}.{t}" in source]
-        out[n] = published.dequantized(*published.unpack(source.read(keys), scheme, linear))
+        out[n] = dequantize(*published.unpack(source.read(_published_keys(source, linear)), scheme, linear))
     return out
+
+
+def _published_keys(source, linear: str) -> list[str]:
+    """The tensors of one published 4-bit Linear in `source` (g_idx only where GPTQ stores it)."""
+    return [f"{linear}.{t}" for t in ("qweight", "qzeros", "scales", "g_idx") if f"{linear}.{t}" in source]
 
 
 def _four_bit_weight(weight: torch.Tensor, name: str, spec: dict) -> dict | None:
