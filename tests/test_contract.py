@@ -156,6 +156,7 @@ def test_a_response_its_stream_and_its_stored_copy_are_what_the_document_says(cl
     events = sse_typed_events(client.post("/v1/responses", json={**body, "stream": True}))
     schemas = ref(document, "/v1/responses", "text/event-stream", "x-event-schemas")
     assert all(name == data["type"] and valid_against_one(document, schemas, data) for name, data in events)
+    assert events and events[-1][0] in ("response.completed", "response.incomplete")
     validator(document, schema).validate(client.get(f"/v1/responses/{whole['id']}").json)
     deleted = response_schema(document, "/v1/responses/{response_id}", "delete", "application/json")
     validator(document, deleted).validate(client.delete(f"/v1/responses/{whole['id']}").json)

@@ -143,3 +143,5 @@ def test_cors_lets_an_allowed_origin_preflight_and_read_but_keeps_the_key(cors_a
     assert keyed.status_code == 200 and "X-Request-Id" in keyed.headers["Access-Control-Expose-Headers"]
     other = cors_app.options("/v1/chat/completions", headers={"Origin": "https://evil.example", **asked})
     assert other.status_code == 401 and "Access-Control-Allow-Origin" not in other.headers
+    refused = cors_app.get("/v1/models", headers={"Origin": "https://evil.example", "Authorization": "Bearer sk-cors"})
+    assert "Access-Control-Allow-Origin" not in refused.headers and "Origin" in refused.headers["Vary"]

@@ -114,7 +114,7 @@ def test_the_stream_sends_the_typed_events_and_the_same_response(client):
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
     assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
-    assert kinds[-1] == "response.incomplete" if whole.status == "incomplete" else "response.completed"
+    assert kinds[-1] == ("response.incomplete" if whole.status == "incomplete" else "response.completed")
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == whole.output_text == events[-1].response.output_text

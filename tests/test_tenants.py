@@ -418,6 +418,8 @@ def test_a_stored_response_is_its_tenants_alone(tenant_server):
             bob.responses.delete(response_id)
     assert alice.responses.retrieve(first.id).id == first.id  # still hers
     headers = {"x-api-key": ALICE, "anthropic-version": "2023-06-01"}
+    mine = requests.get(f"{url}/v1/responses/{first.id}", headers={"x-api-key": ALICE}, timeout=60)
+    assert mine.status_code == 200 and mine.json()["id"] == first.id  # the same tenant as her bearer key
     body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     assert requests.post(url + "/v1/messages", json=body, headers=headers, timeout=60).status_code == 200
     bad = requests.post(url + "/v1/messages", json=body, headers={**headers, "x-api-key": "sk-nobody"}, timeout=60)

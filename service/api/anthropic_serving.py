@@ -17,7 +17,15 @@ from .answer_shapes import AnswerShape, answer_shape
 from .engine_requests import checked_max_tokens, generation_request, tenant_fields
 from .error_shapes import anthropic_error
 from .inputs import checked_text, decode_base64_image, decode_data_url
-from .protocol import FunctionDefinition, JSONSchemaFormat, NamedFunction, NamedToolChoice, ResponseFormat, Tool
+from .protocol import (
+    REASONING_EFFORT,
+    FunctionDefinition,
+    JSONSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+)
 
 
 def new_message_id() -> str:
@@ -108,16 +116,13 @@ def _shape(body: ap.CountTokensRequest) -> AnswerShape:
     return answer_shape(response_format, tools or None, mapped, not choice.disable_parallel_tool_use)
 
 
-EFFORT_BUDGETS = {"low": 256, "medium": 1024}  # higher efforts: no thinking budget but max_tokens
-
-
 def _thinking(body: ap.CountTokensRequest) -> dict:
     if body.thinking is not None and body.thinking.type == "disabled":
         return {"enable_thinking": False}
     if body.thinking is not None and body.thinking.type == "enabled":
         return {"max_thinking_tokens": body.thinking.budget_tokens}
     effort = body.output_config.effort if body.output_config else None
-    return {"max_thinking_tokens": EFFORT_BUDGETS.get(effort)}
+    return {"max_thinking_tokens": REASONING_EFFORT.get(effort)}  # high and max: no budget but max_tokens
 
 
 def messages_request(body: ap.CountTokensRequest, limits: RequestLimits) -> tuple[GenerationRequest, AnswerShape]:

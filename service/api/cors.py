@@ -42,5 +42,6 @@ def allow_origin(response: Response, origins: list[str]) -> Response:
     if allowed is not None:
         response.headers["Access-Control-Allow-Origin"] = allowed
         response.headers["Access-Control-Expose-Headers"] = EXPOSED
+    if origins and "*" not in origins:  # the answer depends on the origin, allowed or not: caches must know
         response.headers.add("Vary", "Origin")
     return response
