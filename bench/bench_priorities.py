@@ -37,6 +37,7 @@ from bench.core.harness import parse, parser
 from bench.core.inputs import QUESTION, photo_url, user
 from bench.core.results import markdown_table, report
 from bench.core.servers import gunicorn_server, metric
+from bench.load import percentile
 
 LINES = 40
 HTTP_SENDERS = 8
@@ -92,10 +93,10 @@ def settle(base: str, timeout: float = 300) -> None:
         time.sleep(0.2)
 
 
-def ask(base: str, seed: int, priority: int = 0) -> float:
-    """One interactive question; its first-token time, from its arrival at the server."""
+def ask(base: str, seed: int) -> float:
+    """One interactive question (priority 0); its first-token time, from its arrival at the server."""
     body = {"prompt": QUESTION, "images": [photo_url(seed=seed)], "max_tokens": 8, "temperature": 0}
-    return chat(base, {**body, "priority": priority}, timeout=600).ttft
+    return chat(base, {**body, "priority": 0}, timeout=600).ttft
 
 
 def questions(base: str, first_seed: int, bar: tqdm, busy=lambda: True) -> tuple[list[float], list[float]]:
@@ -125,7 +126,7 @@ class HttpLoad:
         self.todo: queue.Queue = queue.Queue()
         for body in bodies:
             self.todo.put(body)
-        self.bodies, self.stop, self.tokens = bodies, threading.Event(), []
+        self.stop, self.tokens = threading.Event(), []
         self.threads = [threading.Thread(target=self._send, daemon=True) for _ in range(HTTP_SENDERS)]
 
     def _send(self) -> None:
@@ -176,10 +177,6 @@ class BatchLoad:
         for b in self.batches:
             if self.client.batches.retrieve(b.id).status not in ENDED:
                 self.client.batches.cancel(b.id)
-
-
-def percentile(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def main(argv=None) -> None:
