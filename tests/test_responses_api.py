@@ -6,12 +6,14 @@ typed stream and `responses.stream`, GET and DELETE. The model is random: shapes
 from __future__ import annotations
 
 import json
+import logging
 
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from conftest import app_on, make_settings
 from imaging import data_url, encode, pattern
 from servers import openai_client
 
@@ -210,3 +212,17 @@ def test_a_stored_response_outlives_a_restart_where_the_disk_tier_is_on(serve, t
         )
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
+def test_a_responses_folder_the_disk_refuses_keeps_them_in_memory(tmp_path, loaded_model, caplog):
+    """CACHE_DIR/responses taken by a file: the server starts, stores each response in memory with a
+    warning, and serves it back — a disk that fails the folder is never an error to a client."""
+    (tmp_path / "responses").write_text("not a folder")
+    settings = make_settings(tmp_path, kv_disk_dir=tmp_path / "kv")
+    client = app_on(loaded_model("int8"), settings).test_client()
+    with caplog.at_level(logging.WARNING, logger="service.api.response_files"):
+        made = client.post("/v1/responses", json={"model": "m", "input": "Hello.", "max_output_tokens": 4})
+    assert made.status_code == 200
+    assert any("not written" in r.getMessage() for r in caplog.records)
+    again = client.get(f"/v1/responses/{made.json['id']}")
+    assert again.status_code == 200 and again.json["output"] == made.json["output"]

@@ -6,7 +6,9 @@ each kept RESPONSES_TTL seconds after it was last stored or read."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import time
@@ -20,6 +22,8 @@ from ..media.images import DecodedImage
 from ..media.video import DecodedVideo
 from ..model.prompts import ChatMessage, ImagePart, TextPart, VideoPart
 from .openai_responses_protocol import RESPONSE_ID_PATTERN
+
+log = logging.getLogger(__name__)
 
 
 def _encode(messages: list[ChatMessage]) -> tuple[list[dict], dict[str, np.ndarray]]:
@@ -74,11 +78,11 @@ def _decode(messages: list[dict], arrays) -> list[ChatMessage]:
 
 
 class ResponseFiles:
-    """The folder of stored responses: write, read, remove by response id."""
+    """The folder of stored responses: write, read, remove by response id. The folder is a convenience
+    (responses outlive a restart): a disk that fails it leaves the responses in memory, never an error."""
 
     def __init__(self, folder: Path, max_files: int, ttl_seconds: float):
         self.folder, self.max_files, self.ttl = Path(folder), max_files, ttl_seconds
-        self.folder.mkdir(parents=True, exist_ok=True)
 
     def _paths(self, response_id: str) -> tuple[Path, Path] | None:
         if not re.fullmatch(RESPONSE_ID_PATTERN, response_id):  # never a path of the client's choosing
@@ -93,32 +97,39 @@ class ResponseFiles:
             return
         encoded, arrays = _encode(messages)
         document = {"body": body, "conversation_id": conversation_id, "owner": owner, "messages": encoded}
-        for path, write in (
-            (paths[1], lambda f: np.savez(f, **arrays)),
-            (paths[0], lambda f: f.write(json.dumps(document).encode())),
-        ):
-            partial = path.with_name(path.name + f".{os.getpid()}.partial")
-            with open(partial, "wb") as f:
-                write(f)
-            os.replace(partial, path)
+        partials = [path.with_name(path.name + f".{os.getpid()}.partial") for path in paths]
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            writers = (lambda f: f.write(json.dumps(document).encode()), lambda f: np.savez(f, **arrays))
+            for partial, write in zip(partials, writers):
+                with open(partial, "wb") as f:
+                    write(f)
+            os.replace(partials[1], paths[1])  # the pictures first: a reader finds them once the JSON is there
+            os.replace(partials[0], paths[0])
+        except OSError as exc:  # a full or read-only disk: this response is kept in memory only
+            log.warning("stored response %s not written to %s: %s", body["id"], self.folder, exc)
+            for partial in partials:
+                with contextlib.suppress(OSError):
+                    partial.unlink()
+            return
         self._bound()
 
     def read(self, response_id: str) -> tuple[dict, list[ChatMessage], str, str] | None:
         """(body, messages, conversation id, owner) of a stored response, or None (unknown, expired,
         unreadable)."""
         paths = self._paths(response_id)
-        if paths is None or not paths[0].exists():
-            return None
-        if time.time() - paths[0].stat().st_mtime > self.ttl:
-            self.remove(response_id)
+        if paths is None:
             return None
         try:
+            if time.time() - paths[0].stat().st_mtime > self.ttl:
+                self.remove(response_id)
+                return None
             document = json.loads(paths[0].read_text())
             with np.load(paths[1], allow_pickle=False) as arrays:
                 messages = _decode(document["messages"], {k: arrays[k] for k in arrays.files})
+            os.utime(paths[0])  # read: kept another TTL
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        os.utime(paths[0])  # read: kept another TTL
         return document["body"], messages, document["conversation_id"], document.get("owner", "")
 
     def remove(self, response_id: str) -> bool:
