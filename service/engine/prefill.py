@@ -43,8 +43,15 @@ class PromptRows:
     vision features (`features`: each modality's, for its placeholders after the first `reused`
     tokens — the rest are in the KV cache — in order) that fill its placeholders."""
 
-    def __init__(self, model, prompt: PreparedPrompt, features: dict[str, VisionFeatures], reused: int):
-        self.positions, self.rope_delta = prompt_positions(model, prompt)
+    def __init__(
+        self,
+        model,
+        prompt: PreparedPrompt,
+        features: dict[str, VisionFeatures],
+        reused: int,
+        positions: tuple[torch.Tensor, int] | None = None,  # prompt_positions', when the caller has them
+    ):
+        self.positions, self.rope_delta = positions or prompt_positions(model, prompt)
         self.ids = prompt.input_ids[0]
         self.types = prompt.mm_token_type_ids[0]
         self.features = features
@@ -127,9 +134,11 @@ class Prefiller:
         t0 = time.perf_counter()
         media = prompt.spans["image"] + prompt.spans["video"]  # what the KV cache matches: the same for both
         capacity = prompt.num_tokens + HEADROOM
-        positions, _ = prompt_positions(self.model, prompt)  # what the disk tier's blocks are checked against
+        rope = prompt_positions(
+            self.model, prompt
+        )  # the disk tier's blocks are checked against them, and rows use them
         reuse = yield from self.kv_cache.lookup(
-            prompt.input_ids[0], positions, media, conversation_id, capacity, cache_namespace
+            prompt.input_ids[0], rope[0], media, conversation_id, capacity, cache_namespace
         )
         marks.reused = reuse.tokens if reuse else 0
         marks.reused_from = reuse.source if reuse else None
@@ -142,7 +151,7 @@ class Prefiller:
             marks.prefill_start = time.perf_counter()
             marks.vision_encode = marks.prefill_start - t1
             merged = {m: VisionFeatures.cat([f[i] for i in sorted(f)]) for m, f in features.items() if f}
-            rows = PromptRows(self.model, prompt, merged, marks.reused)
+            rows = PromptRows(self.model, prompt, merged, marks.reused, rope)
             cache.reserve(capacity)
             start, computing = marks.reused, 0.0
             for end in self.piece_ends(prompt.num_tokens, marks.reused):
@@ -159,7 +168,7 @@ class Prefiller:
                 self.kv_cache.keep(
                     conversation_id,
                     prompt.input_ids[0, :reused],
-                    positions[:, :reused],
+                    rope[0][:, :reused],
                     media,
                     reused,
                     cache,
