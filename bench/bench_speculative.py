@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
     from service.answer.structured import json_grammar
     from service.api.answer_shapes import answer_shape
-    from service.api.protocol import Tool
+    from service.api.schemas import Tool
     from service.engine import drafts as drafts_module
 
     on = Session(model_path, args.threads, speculative="on", speculative_tokens=8)

@@ -66,7 +66,7 @@ class QueueFull(ServiceError):
 
 
 class RateLimited(ServiceError):
-    """A tenant over its requests or tokens a minute (service/api/rate_limits.py)."""
+    """A tenant over its requests or tokens a minute (service/api/access/rates.py)."""
 
     status, type, code = 429, "rate_limit_error", "rate_limited"
 

@@ -18,7 +18,7 @@ from .answer.structured import OutputGrammar
 from .metrics import PRIORITY_CLASSES
 from .model.prompts import ChatMessage
 
-# Bounds of each sampling parameter: the engine's and the HTTP schemas' (service/api/protocol.py).
+# Bounds of each sampling parameter: the engine's and the HTTP schemas' (service/api/schemas.py).
 MaxTokens = Annotated[int, Field(ge=1)]
 Temperature = Annotated[float, Field(ge=0, le=2, description="0 = greedy")]
 TopP = Annotated[float, Field(gt=0, le=1)]
@@ -65,7 +65,7 @@ class SamplingParams(BaseModel):
     logit_bias: LogitBias | None = None  # token id -> added to its logit
 
 
-# The SamplingParams fields the HTTP endpoints take as they are (service/api/protocol.py derives its
+# The SamplingParams fields the HTTP endpoints take as they are (service/api/schemas.py derives its
 # schema from them; `stop` and `logprobs` it takes in OpenAI's forms).
 SHARED_SAMPLING = (
     "max_tokens",
@@ -84,7 +84,7 @@ SHARED_SAMPLING = (
 class TenantShare:
     """Whose a request is, as the engine's admission sees it: the tenant's name (its metrics label too),
     and the most batch places its requests may hold while another tenant's wait (`slots`) and queue
-    places they may take (`queue`); None: no bound (one tenant, or none: service/api/tenants.py)."""
+    places they may take (`queue`); None: no bound (one tenant, or none: service/api/access/tenants.py)."""
 
     name: str = ""
     slots: int | None = None
@@ -111,7 +111,7 @@ class GenerationRequest:
     priority: int = 0  # lower first (service/engine/admission.py)
     tenant: TenantShare = field(default_factory=TenantShare)  # fair share in admission
     # The caches' namespace: a request reuses only what requests of the same namespace left (an opaque
-    # keyed hash of its tenant and cache_salt, service/api/tenants.py; "" = the one of no keys and no salt).
+    # keyed hash of its tenant and cache_salt, service/api/access/tenants.py; "" = the one of no keys and no salt).
     cache_namespace: str = ""
 
     @property

@@ -155,7 +155,7 @@ KV_DISK_BYTES = Gauge(
 )
 
 
-# Tenants (service/api/tenants.py): by tenant name, a bounded set — the first MAX_TENANT_LABELS names of
+# Tenants (service/api/access/tenants.py): by tenant name, a bounded set — the first MAX_TENANT_LABELS names of
 # the keys in force, sorted; any other is counted as "other" ("" without keys).
 MAX_TENANT_LABELS = 64
 _tenant_labels: frozenset[str] = frozenset()

@@ -219,7 +219,7 @@ class Settings(BaseSettings):
     api_keys: SecretStr = Field(
         SecretStr(""),
         description="comma-separated keys, each optionally named `name:key` (a name is a tenant: "
-        "service/api/tenants.py); empty = no authentication",
+        "service/api/access/tenants.py); empty = no authentication",
     )
     api_keys_file: Path | None = Field(
         None,

@@ -1,7 +1,7 @@
 """The published contract is the one kept: every answer of the chat APIs — OpenAI's Chat Completions and
 Responses, Anthropic's Messages, the native one — (whole, streamed, with tool calls and logprobs), their
 errors, and /v1/models validate against the schemas /openapi.json publishes — the routes build their
-bodies from the same pydantic models (service/api/responses.py and each API's protocol module).
+bodies from the same pydantic models (each API's protocol module under service/api/).
 The app in-process on the embedded model (Flask's test client: the schemas, not the transport)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The native endpoint's chat histories (service/api/histories.py): bounded by count, bytes and idle time."""
+"""The native endpoint's chat histories (service/api/native/histories.py): bounded by count, bytes and idle time."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from service.api.histories import HistoryStore
+from service.api.native.histories import HistoryStore
 from service.media.images import DecodedImage
 from service.model.prompts import ChatMessage, ImagePart, TextPart
 

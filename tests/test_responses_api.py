@@ -220,7 +220,7 @@ def test_a_responses_folder_the_disk_refuses_keeps_them_in_memory(tmp_path, load
     (tmp_path / "responses").write_text("not a folder")
     settings = make_settings(tmp_path, kv_disk_dir=tmp_path / "kv")
     client = app_on(loaded_model("int8"), settings).test_client()
-    with caplog.at_level(logging.WARNING, logger="service.api.response_files"):
+    with caplog.at_level(logging.WARNING, logger="service.api.responses.files"):
         made = client.post("/v1/responses", json={"model": "m", "input": "Hello.", "max_output_tokens": 4})
     assert made.status_code == 200
     assert any("not written" in r.getMessage() for r in caplog.records)

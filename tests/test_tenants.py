@@ -1,4 +1,4 @@
-"""Tenants (service/api/tenants.py): what one API key's users sent stays theirs — conversations, caches
+"""Tenants (service/api/access/tenants.py): what one API key's users sent stays theirs — conversations, caches
 and limits per tenant — on a real Gunicorn behind a real Nginx, with hostile clients: guessed and
 known conversation ids, a known history resent by another tenant, a wrong cache_salt, one tenant's
 burst while another's requests are served, the keys file reloaded under load."""
@@ -20,7 +20,7 @@ import pytest
 import requests
 from test_caches import image
 
-from service.api.tenants import Tenants, build_table
+from service.api.access.tenants import Tenants, build_table
 from service.engine.admission import Admission
 from service.engine.engine import Engine
 from service.errors import QueueFull

@@ -11,9 +11,9 @@ from jsonschema.validators import validator_for
 
 from ..answer.grounding import GROUNDING_SCHEMA
 from ..answer.structured import OutputGrammar, closed_objects, json_grammar, json_rule
-from ..answer.tools import call_rules
+from ..answer.tools import ToolCallParser, call_rules
 from ..errors import BadRequest
-from .protocol import NamedToolChoice, ResponseFormat, Tool
+from .schemas import NamedToolChoice, ResponseFormat, Tool
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,10 @@ class AnswerShape:
     @property
     def parse_tool_calls(self) -> bool:
         return self.prompt_tools is not None
+
+    def tool_call_parser(self) -> ToolCallParser | None:
+        """What finds the calls in a streamed answer (None: the answer holds none)."""
+        return ToolCallParser(self.max_calls) if self.parse_tool_calls else None
 
 
 def checked_schema(schema: dict, param: str) -> dict:

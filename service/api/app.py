@@ -1,4 +1,6 @@
-"""The Flask app factory: state, request ids, the one error handler, and the blueprints."""
+"""The Flask app factory: each API's state built by its package and handed to the app's state, each
+request's id and context (the one place an HTTP request's context is built), the one error handler,
+and every API's blueprint."""
 
 from __future__ import annotations
 
@@ -16,17 +18,24 @@ from werkzeug.exceptions import HTTPException
 from .. import metrics
 from ..errors import InternalError, ServiceError
 from ..settings import Settings
-from .anthropic_routes import anthropic_api
-from .auth import authenticate
-from .batch_routes import batch_api
-from .batch_runner import start_batch_runner
-from .cors import allow_origin, preflight
-from .native_routes import native
-from .openai_responses_routes import responses_api
-from .openai_routes import openai_api
-from .ops_routes import ops
-from .state import AppState, error_response, validation_error
-from .web_routes import web
+from .access.auth import authenticate
+from .access.cors import allow_origin, preflight
+from .access.rates import TenantRates
+from .access.tenants import Tenants
+from .anthropic.routes import anthropic_api
+from .batches.routes import batch_api
+from .batches.serving import Batches
+from .chat.routes import chat_api
+from .context import context_for
+from .error_shapes import validation_error
+from .http_io import error_response
+from .native.histories import HistoryStore
+from .native.routes import native_api
+from .ops.routes import ops_api
+from .ops.web import web_api
+from .responses.routes import responses_api
+from .responses.store import ResponseStore
+from .state import EXTENSION, AppState
 
 log = logging.getLogger("service.api")
 _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
@@ -51,36 +60,49 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
         raise ValueError(f"unknown load mode {load!r}")
     if not logging.getLogger().handlers:
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = Flask("service", static_folder=None)  # web_routes serves the page's files
+    app = Flask("service", static_folder=None)  # ops/web.py serves the page's files
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config["MAX_FORM_MEMORY_SIZE"] = settings.max_body_bytes
     app.json.sort_keys = False
     app.json.ensure_ascii = False
-    app_state = AppState(settings)
-    app_state.on_serving.append(start_batch_runner)
-    app.extensions["qwen3vl"] = app_state
+    tenants = Tenants(settings)
+    batches = Batches(settings, tenants)
+    app_state = AppState(
+        settings,
+        tenants=tenants,
+        rates=TenantRates(),
+        histories=HistoryStore.from_settings(settings),
+        stored_responses=ResponseStore.from_settings(settings),
+        batches=batches,
+    )
+    app_state.on_serving.append(batches.start_runner)
+    app.extensions[EXTENSION] = app_state
     cors_origins = settings.cors_origin_list
-    for blueprint in (openai_api, responses_api, anthropic_api, native, batch_api, ops, web):
+    for blueprint in (chat_api, responses_api, anthropic_api, native_api, batch_api, ops_api, web_api):
         app.register_blueprint(blueprint)
 
     @app.before_request
-    def _request_id():
+    def _begin():
+        """The request's id, then (a CORS preflight answered first, keyless) its tenant and context."""
         incoming = request.headers.get("X-Request-Id", "")
         g.request_id = incoming if _SANE_REQUEST_ID.match(incoming) else "req-" + uuid.uuid4().hex[:24]
-        g.received_at = time.perf_counter()
+        received_at = time.perf_counter()
         answer = preflight(cors_origins)
         if answer is not None:
             return answer
-        g.tenant = authenticate(app_state.tenants)
+        tenant = authenticate(tenants)
+        if tenant is not None:  # None: an open path (/health, the page) when keys are required
+            g.context = context_for(tenants, tenant, g.request_id, received_at)
 
     @app.after_request
     def _tag(response):
         response.headers["X-Request-Id"] = g.get("request_id", "")
         endpoint = request.url_rule.rule if request.url_rule else "unmatched"
         metrics.REQUESTS.labels(endpoint, str(response.status_code)).inc()
-        tenant = g.get("tenant")
-        if tenant is not None and tenant.name:
-            metrics.TENANT_REQUESTS.labels(metrics.tenant_label(tenant.name), str(response.status_code)).inc()
+        context = g.get("context")
+        if context is not None and context.tenant.name:
+            label = metrics.tenant_label(context.tenant.name)
+            metrics.TENANT_REQUESTS.labels(label, str(response.status_code)).inc()
         return allow_origin(response, cors_origins)
 
     @app.errorhandler(ServiceError)

@@ -1,8 +1,11 @@
 """One error type (service/errors.py), each API's error body: OpenAI's `{"error": {message, type,
 param, code}}` everywhere but Anthropic's Messages API, which gets its own `{"type": "error", "error":
-{type, message}}` — the status is the same, the type named as Anthropic names it."""
+{type, message}}` — the status is the same, the type named as Anthropic names it. A schema violation
+is a ServiceError too (`validation_error`)."""
 
 from __future__ import annotations
+
+from pydantic import ValidationError
 
 from ..errors import ServiceError
 
@@ -28,3 +31,12 @@ def error_body(exc: ServiceError, path: str) -> dict:
     if path.startswith(ANTHROPIC_PATHS):
         return anthropic_error(exc)
     return exc.to_dict()
+
+
+def validation_error(exc: ValidationError) -> ServiceError:
+    """A request body's first schema violation as a 400 naming the field."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return ServiceError(
+        f"{where}: {first['msg']}" if where else first["msg"], param=where or None, code="invalid_field"
+    )

@@ -13,7 +13,7 @@ from ..limits import RequestLimits
 from ..media.images import DecodedImage, ImageLimits, decode_image
 from ..media.video import DecodedVideo, VideoLimits, decode_video
 from ..model.prompts import ChatMessage, ImagePart, TextPart, VideoPart
-from .protocol import ImageURLPart, Message, VideoURLPart
+from .schemas import ImageURLPart, Message, VideoURLPart
 
 _WHITESPACE = re.compile(rb"\s+")
 

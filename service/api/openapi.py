@@ -6,8 +6,11 @@ import copy
 from functools import lru_cache
 
 from ..limits import RequestLimits
-from . import anthropic_protocol, openai_responses_protocol, responses
-from .protocol import FORM_FIELDS, ChatCompletionRequest, NativeChatRequest
+from .anthropic import protocol as anthropic_protocol
+from .chat.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
+from .native.protocol import FORM_FIELDS, NativeAnswer, NativeChatRequest, NativeDelta, NativeDone, NativeHead
+from .ops.protocol import ModelCard, ModelList
+from .responses import protocol as responses_protocol
 
 _REF = "#/components/schemas/{model}"
 
@@ -86,11 +89,10 @@ _ANTHROPIC_ERROR_SCHEMA = {
 
 def _responses_paths(components: dict) -> dict:
     """OpenAI's Responses API: create (whole or its typed events), retrieve and delete a stored response."""
-    rp = openai_responses_protocol
-    request = _schema(rp.ResponsesRequest, components)
-    response = _schema(rp.Response, components)
-    deleted = _schema(rp.DeletedResponse, components)
-    events = [_schema(e, components) for e in rp.STREAM_EVENTS]
+    request = _schema(responses_protocol.ResponsesRequest, components)
+    response = _schema(responses_protocol.Response, components)
+    deleted = _schema(responses_protocol.DeletedResponse, components)
+    events = [_schema(e, components) for e in responses_protocol.STREAM_EVENTS]
     by_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     return {
         "/v1/responses": {
@@ -200,12 +202,10 @@ def _document() -> dict:
     components: dict = {"Error": _ERROR_SCHEMA}
     openai_ref = _schema(ChatCompletionRequest, components)
     native_ref = _schema(NativeChatRequest, components)
-    completion, chunk, models = (
-        _schema(m, components) for m in (responses.ChatCompletion, responses.ChatCompletionChunk, responses.ModelList)
-    )
-    card = _schema(responses.ModelCard, components)
-    answer = _schema(responses.NativeAnswer, components)
-    lines = [_schema(m, components) for m in (responses.NativeHead, responses.NativeDelta, responses.NativeDone)]
+    completion, chunk, models = (_schema(m, components) for m in (ChatCompletion, ChatCompletionChunk, ModelList))
+    card = _schema(ModelCard, components)
+    answer = _schema(NativeAnswer, components)
+    lines = [_schema(m, components) for m in (NativeHead, NativeDelta, NativeDone)]
     chat_errors = _errors(400, 401, 413, 415, 422, 429, 503)
     anthropic_paths = _anthropic_paths(components)
     responses_paths = _responses_paths(components)

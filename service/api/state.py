@@ -1,67 +1,51 @@
-"""What the routes share: the app's state (settings, the engine once loaded, the native endpoint's
-chat histories) and the one way a ServiceError becomes a JSON response."""
+"""What the routes share: the app's state — the settings, the engine once loaded, and each API's own
+state, which its package builds and the app factory (app.py) hands in."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
-from flask import current_app, jsonify, request
-from pydantic import ValidationError
+from flask import Flask, current_app
 
 from .. import startup
 from ..engine.engine import Engine
-from ..errors import ServiceError, Unavailable
+from ..errors import Unavailable
 from ..settings import Settings
-from .error_shapes import error_body
-from .rate_limits import TenantRates
-from .tenants import Tenants
+from .access.rates import TenantRates
+from .access.tenants import Tenants
+from .batches.serving import Batches
+from .native.histories import HistoryStore
+from .responses.store import ResponseStore
 
 log = logging.getLogger("service.api")
+EXTENSION = "qwen3vl"  # the app's key for its AppState in Flask's app.extensions
 
 
 class AppState:
-    """What the routes share: settings, the engine once loaded, the tenants of the API keys and their
-    rates, the native endpoint's chat histories (`histories`) and the Responses API's stored responses
-    (`responses`; the engine holds their keys and values in its conversation cache)."""
+    """The settings, the engine once loaded (`load`, `require_engine`), and the APIs' state: the tenants
+    of the API keys and their rates (access/), the native endpoint's chat histories (native/histories.py),
+    the Responses API's stored responses (responses/store.py; the engine holds their keys and values in
+    its conversation cache), the Batch API's job store and runner (batches/serving.py)."""
 
-    def __init__(self, settings: Settings):
-        from .histories import HistoryStore
-        from .response_files import ResponseFiles
-        from .stored_responses import ResponseStore
-
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        tenants: Tenants,
+        rates: TenantRates,
+        histories: HistoryStore,
+        stored_responses: ResponseStore,
+        batches: Batches,
+    ):
         self.settings = settings
-        self.tenants = Tenants(settings)
-        self.rates = TenantRates()
+        self.tenants, self.rates = tenants, rates
+        self.histories, self.stored_responses, self.batches = histories, stored_responses, batches
         self.engine: Engine | None = None
         self.load_error: str | None = None
-        self.histories = HistoryStore(
-            settings.conversation_history_max,
-            settings.conversation_history_ttl,
-            settings.conversation_history_max_bytes,
-        )
-        on_disk = settings.cache_enabled and settings.kv_disk_mb != 0  # where the KV disk tier is on
-        folder = settings.cache_dir / "responses"
-        files = ResponseFiles(folder, settings.responses_max, settings.responses_ttl) if on_disk else None
-        self.responses = ResponseStore(
-            settings.responses_max, settings.responses_ttl, settings.responses_max_bytes, files
-        )
         self.loaded = threading.Event()
-        self._jobs = None
-        self._jobs_lock = threading.Lock()
-        self.batch_runner = None
-        self.on_serving: list = []  # called with this state in the serving process once warm (app.py)
-
-    @property
-    def jobs(self):
-        """The job store of the Batch API (service/jobs/), opened on first use."""
-        with self._jobs_lock:
-            if self._jobs is None:
-                from ..jobs import open_store
-
-                s = self.settings
-                self._jobs = open_store(s.job_store_url, s.cache_dir, s.batch_max_attempts)
-            return self._jobs
+        self.on_serving: list[Callable[[Engine], None]] = []  # called in the serving process once warm
 
     def load(self, threads: int | None = None, before_fork: bool = False) -> None:
         from ..model import prefault
@@ -88,11 +72,7 @@ class AppState:
 
         warm_up(self.engine.loaded)
         for hook in self.on_serving:
-            hook(self)
-
-    def wake_batch_runner(self) -> None:
-        if self.batch_runner is not None:
-            self.batch_runner.wake()
+            hook(self.engine)
 
     def require_engine(self) -> Engine:
         if self.engine is not None:
@@ -104,23 +84,11 @@ class AppState:
         )
 
 
+def app_state(app: Flask) -> AppState:
+    """The state of an app made by create_app (what gunicorn.conf.py's hooks reach)."""
+    return app.extensions[EXTENSION]
+
+
 def state() -> AppState:
-    return current_app.extensions["qwen3vl"]
-
-
-def validation_error(exc: ValidationError) -> ServiceError:
-    """A request body's first schema violation as a 400 naming the field."""
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
-    return ServiceError(
-        f"{where}: {first['msg']}" if where else first["msg"], param=where or None, code="invalid_field"
-    )
-
-
-def error_response(exc: ServiceError):
-    """The error as the API of the request's path shapes it (error_shapes.py), with its status and headers."""
-    response = jsonify(error_body(exc, request.path))
-    response.status_code = exc.status
-    for name, value in exc.headers.items():
-        response.headers[name] = value
-    return response
+    """The state of the app serving this request."""
+    return app_state(current_app)

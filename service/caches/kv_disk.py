@@ -6,7 +6,7 @@ tokens (and a shorter tail at its end); a block's file is named by a hash chaine
 its keys and values depend on — the store's fingerprint (checkpoint, quantization, vision encoder,
 KV layout), every token before and in it, and the picture (pixels and grid) behind each image or
 video that starts there, the M-RoPE positions of its tokens — and the request's cache namespace (its
-tenant and cache_salt, an opaque keyed hash: service/api/tenants.py), which seeds the chain: one tenant's
+tenant and cache_salt, an opaque keyed hash: service/api/access/tenants.py), which seeds the chain: one tenant's
 lookups never find another's files, and a file name holds a tenant only as a hash keyed with that hash
 (a header not at all). The name alone finds a prefix: a lookup hashes the prompt block by block and
 stats names until one is missing, so there is no index to rebuild or to keep consistent between

@@ -12,7 +12,7 @@ state kept (service/engine/batching.py), and it waits here like any waiter — a
 its urgency — for a place to resume in. Paused requests are admitted already: they do not count against
 the queue's bound and never time out (REQUEST_DEADLINE still ends them).
 
-Fair share between tenants (a request's `TenantShare`, service/api/tenants.py): while another
+Fair share between tenants (a request's `TenantShare`, service/api/access/tenants.py): while another
 tenant's request waits, a tenant's requests hold at most its `slots` places — the waiters of tenants
 under their share go first, and a request of a tenant under its share takes the place of a holder of a
 tenant over its own at once (the same pause). A tenant's requests wait in at most its `queue` places:

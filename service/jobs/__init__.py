@@ -2,7 +2,7 @@
 line's state with a lease (`store`: the contract, ids and line formats; `sqlite`: the embedded
 default under CACHE_DIR, shared by a machine's instances; `redis`: one store for many machines),
 `open_store` choosing one from JOB_STORE_URL. What runs a line (the engine, at batch priority) lives
-in the HTTP layer (service/api/batch_runner.py). May import the basic top-level modules only.
+in the HTTP layer (service/api/batches/runner.py). May import the basic top-level modules only.
 """
 
 from __future__ import annotations

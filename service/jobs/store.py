@@ -86,7 +86,7 @@ class Claim:
     worker: str
     attempt: int
     endpoint: str = "/v1/chat/completions"
-    owner: str = ""  # the batch's: its tenant's fair share and caches (service/api/tenants.py)
+    owner: str = ""  # the batch's: its tenant's fair share and caches (service/api/access/tenants.py)
 
 
 @dataclass

@@ -2,15 +2,16 @@
 and a `conversation_id`: the messages, not their keys and values (those are the engine's
 conversation cache, service/caches/). Bounded in count, bytes (decoded images dominate) and idle
 time, with evictions counted like the caches' (cache="history"). A conversation belongs to its tenant
-(`owner`, service/api/tenants.py): another tenant's same id is another conversation, and finds
+(`owner`, service/api/access/tenants.py): another tenant's same id is another conversation, and finds
 nothing of this one — exactly as an id never used."""
 
 from __future__ import annotations
 
 import uuid
 
-from ..caches.lru import BudgetedLRU
-from ..model.prompts import ChatMessage
+from ...caches.lru import BudgetedLRU
+from ...model.prompts import ChatMessage
+from ...settings import Settings
 
 
 def messages_bytes(messages: list[ChatMessage]) -> int:
@@ -34,6 +35,12 @@ class HistoryStore:
 
     def __init__(self, max_histories: int, ttl_seconds: float, max_bytes: int):
         self.entries: BudgetedLRU[list[ChatMessage]] = BudgetedLRU("history", max_bytes, max_histories, ttl_seconds)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HistoryStore:
+        """Bounded by CONVERSATION_HISTORY_MAX, CONVERSATION_HISTORY_MAX_BYTES and CONVERSATION_HISTORY_TTL."""
+        s = settings
+        return cls(s.conversation_history_max, s.conversation_history_ttl, s.conversation_history_max_bytes)
 
     @staticmethod
     def new_id() -> str:

@@ -1,17 +1,22 @@
 """OpenAI's Batch API over the job store (service/jobs/): uploaded files checked against their limits,
 a batch file's lines read (a bad line fails that line, in the error file, never the batch), batches
-created within each key's limits. The routes are service/api/batch_routes.py; the lines run in
-service/api/batch_runner.py."""
+created within each key's limits; and the API's state (`Batches`): the job store and this instance's
+runner (runner.py), which runs the lines."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
-from ..errors import BadRequest, QueueFull, ServiceError, TooLarge
-from ..jobs.store import JobStore, Line, NewBatch, StoredFile, failed_line, new_id
-from ..settings import Settings
+from ...engine.engine import Engine
+from ...errors import BadRequest, QueueFull, ServiceError, TooLarge
+from ...jobs import open_store
+from ...jobs.store import JobStore, Line, NewBatch, StoredFile, failed_line, new_id
+from ...settings import Settings
+from ..access.tenants import Tenants
+from .runner import BatchRunner
 
 ENDPOINTS = ("/v1/chat/completions",)
 PURPOSES = ("batch", "user_data", "vision")  # what uploads may say; only `batch` files make batches
@@ -22,6 +27,37 @@ MAX_METADATA = 16
 
 class NotFound(ServiceError):
     status, code = 404, "not_found"
+
+
+class Batches:
+    """The Batch API's state: the job store (service/jobs/), opened on first use, and this instance's
+    runner, started once the model serves (unless BATCH_RUNNER is off)."""
+
+    def __init__(self, settings: Settings, tenants: Tenants):
+        self.settings, self.tenants = settings, tenants
+        self._jobs: JobStore | None = None
+        self._jobs_lock = threading.Lock()
+        self.runner: BatchRunner | None = None
+
+    @property
+    def jobs(self) -> JobStore:
+        """The job store of JOB_STORE_URL (service/jobs/)."""
+        with self._jobs_lock:
+            if self._jobs is None:
+                s = self.settings
+                self._jobs = open_store(s.job_store_url, s.cache_dir, s.batch_max_attempts)
+            return self._jobs
+
+    def start_runner(self, engine: Engine) -> None:
+        """An AppState `on_serving` hook: this instance's runner, on `engine`."""
+        if self.settings.batch_runner:
+            self.runner = BatchRunner(engine, self.jobs, self.settings, self.tenants)
+            self.runner.start()
+
+    def wake_runner(self) -> None:
+        """A batch was made here: its lines may start at once."""
+        if self.runner is not None:
+            self.runner.wake()
 
 
 def upload(store: JobStore, settings: Settings, owner: str, filename: str, purpose: str, content: bytes) -> StoredFile:

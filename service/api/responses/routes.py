@@ -4,23 +4,17 @@ continues the stored conversation, and its KV cache (keyed by the chain's first 
 
 from __future__ import annotations
 
-from flask import Blueprint, Response, g, jsonify, request
+from flask import Blueprint, jsonify
 
-from ..answer.tools import ToolCall, ToolCallParser
-from ..errors import ServiceError
-from ..generation import Completion
-from . import openai_responses_protocol as rp
-from .engine_requests import json_body
-from .openai_responses_serving import (
-    ResponseHead,
-    ResponsesEvents,
-    answer_message,
-    responses_request,
-    whole_response,
-)
-from .serving import EventStream, collect
-from .state import state
-from .stored_responses import StoredResponse
+from ...answer.tools import ToolCall
+from ...errors import ServiceError
+from ...generation import Completion
+from ..http_io import json_body, request_context, stream_response
+from ..state import state
+from ..streaming import collect
+from . import protocol as rp
+from .serving import ResponseHead, ResponsesEvents, answer_message, responses_request, whole_response
+from .store import StoredResponse
 
 responses_api = Blueprint("responses", __name__)
 ENDPOINT = "/v1/responses"
@@ -41,11 +35,11 @@ def _json(response: rp.Response | rp.DeletedResponse) -> dict:
 
 @responses_api.post(ENDPOINT)
 def create():
-    app_state, owner = state(), g.tenant.owner  # `remember` runs after the request's context (a stream)
-    spend = app_state.rates.admit(g.tenant)
+    app_state, context = state(), request_context()
+    spend = app_state.rates.admit(context.tenant)
     body = rp.ResponsesRequest.model_validate(json_body())
     engine = app_state.require_engine()
-    store = app_state.responses
+    store, owner = app_state.stored_responses, context.owner
     response_id = store.new_id()
     history, chain = [], response_id
     if body.previous_response_id is not None:
@@ -53,7 +47,7 @@ def create():
         if previous is None:
             raise _not_stored(body.previous_response_id, "previous_response_id")
         history, chain = previous.messages, previous.conversation_id
-    gen_request, shape, conversation = responses_request(body, engine.limits, history, chain)
+    gen_request, shape, conversation = responses_request(body, engine.limits, history, chain, context)
     generation = engine.submit(gen_request)
     head = ResponseHead(response_id, engine.info.name, body)
 
@@ -67,17 +61,13 @@ def create():
         response, calls = whole_response(head, done, shape)
         remember(response, done, calls)
         return jsonify(_json(response))
-    parser = ToolCallParser(shape.max_calls) if shape.parse_tool_calls else None
-    events = ResponsesEvents(head, parser, remember)
-    stream = EventStream(generation, gen_request, request.environ, ENDPOINT, events, spend)
-    return Response(
-        stream, mimetype="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
+    events = ResponsesEvents(head, shape.tool_call_parser(), remember)
+    return stream_response(generation, gen_request, ENDPOINT, events, spend, "text/event-stream")
 
 
 @responses_api.get(ENDPOINT + "/<response_id>")
 def retrieve(response_id: str):
-    stored = state().responses.get(response_id, g.tenant.owner)
+    stored = state().stored_responses.get(response_id, request_context().owner)
     if stored is None:
         raise _not_stored(response_id)
     return jsonify(stored.body)
@@ -85,6 +75,6 @@ def retrieve(response_id: str):
 
 @responses_api.delete(ENDPOINT + "/<response_id>")
 def delete(response_id: str):
-    if not state().responses.delete(response_id, g.tenant.owner):
+    if not state().stored_responses.delete(response_id, request_context().owner):
         raise _not_stored(response_id)
     return jsonify(_json(rp.DeletedResponse(id=response_id)))

@@ -1,6 +1,6 @@
 """OpenAI's Responses API onto the one engine path: its input items (and a stored conversation it
 continues) as the engine's GenerationRequest; the engine's events as output items — reasoning,
-message, function calls — whole or as the typed events of its stream (serving.StreamEncoder)."""
+message, function calls — whole or as the typed events of its stream (streaming.StreamEncoder)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,18 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
-from ..answer.tools import ToolCall, ToolCallDelta, ToolCallParser
-from ..errors import ServiceError
-from ..generation import Completion, GenerationRequest, SamplingParams, TextDelta
-from ..limits import RequestLimits
-from ..model.prompts import ChatMessage, ImagePart, TextPart
-from . import openai_responses_protocol as rp
-from .answer_shapes import AnswerShape, answer_shape
-from .engine_requests import checked_max_tokens, generation_request, tenant_fields
-from .inputs import checked_text, decode_data_url, detail_budget
-from .protocol import FunctionDefinition, JSONSchemaFormat, NamedFunction, NamedToolChoice, ResponseFormat, Tool
+from ...answer.tools import ToolCall, ToolCallDelta, ToolCallParser
+from ...errors import ServiceError
+from ...generation import Completion, GenerationRequest, SamplingParams, TextDelta
+from ...limits import RequestLimits
+from ...model.prompts import ChatMessage, ImagePart, TextPart
+from ..answer_shapes import AnswerShape, answer_shape
+from ..context import RequestContext
+from ..engine_requests import generation_request
+from ..inputs import checked_text, decode_data_url, detail_budget
+from ..schemas import FunctionDefinition, JSONSchemaFormat, NamedFunction, NamedToolChoice, ResponseFormat, Tool
+from ..streaming import sse
+from . import protocol as rp
 
 
 def _item_id(prefix: str) -> str:
@@ -98,7 +100,11 @@ def _shape(body: rp.ResponsesRequest) -> AnswerShape:
 
 
 def responses_request(
-    body: rp.ResponsesRequest, limits: RequestLimits, history: list[ChatMessage], conversation_id: str
+    body: rp.ResponsesRequest,
+    limits: RequestLimits,
+    history: list[ChatMessage],
+    conversation_id: str,
+    context: RequestContext,
 ) -> tuple[GenerationRequest, AnswerShape, list[ChatMessage]]:
     """The engine's request for `body` continuing `history` (a stored conversation, or none), its
     answer shape, and the conversation without the instructions (what a stored response keeps)."""
@@ -106,19 +112,17 @@ def responses_request(
     conversation = history + input_messages(body, limits)
     instructions = body.instructions
     prefix = [ChatMessage("system", [TextPart(checked_text(instructions, "instructions"))])] if instructions else []
-    params = SamplingParams(
-        max_tokens=checked_max_tokens(body.max_output_tokens, limits, "max_output_tokens"),
-        temperature=body.temperature,
-        top_p=body.top_p,
-    )
+    params = SamplingParams(max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p)
     request = generation_request(
+        context,
         prefix + conversation,
         params,
-        conversation_id,
-        remembered=len(prefix) + len(history),
+        limits,
         shape=shape,
+        max_tokens_param="max_output_tokens",
+        conversation_id=conversation_id,
+        remembered=len(prefix) + len(history),
         **body.thinking(),
-        **tenant_fields(None),
     )
     return request, shape, conversation
 
@@ -308,7 +312,7 @@ def status_of(done: Completion) -> str:
 
 def whole_response(head: ResponseHead, done: Completion, shape: AnswerShape) -> tuple[rp.Response, list[ToolCall]]:
     """The non-streamed response (and the calls in it), built as the stream builds it."""
-    output = OutputItems(ToolCallParser(shape.max_calls) if shape.parse_tool_calls else None)
+    output = OutputItems(shape.tool_call_parser())
     if done.reasoning is not None:
         output.reasoning(done.reasoning)
     output.text(done.text)
@@ -317,12 +321,8 @@ def whole_response(head: ResponseHead, done: Completion, shape: AnswerShape) -> 
     return head.response(status, output.items, done), output.calls
 
 
-def _sse(event) -> bytes:
-    return f"event: {event.type}\ndata: ".encode() + event.model_dump_json(by_alias=True).encode() + b"\n\n"
-
-
 class ResponsesEvents:
-    """The Responses stream (serving.StreamEncoder): response.created and response.in_progress, each
+    """The Responses stream (streaming.StreamEncoder): response.created and response.in_progress, each
     output item added, filled by its deltas and done, then response.completed (or .incomplete) with the
     whole response — remembered first when stored; or an error event."""
 
@@ -362,7 +362,7 @@ class ResponsesEvents:
         for event in events:
             event.sequence_number = self.sequence
             self.sequence += 1
-            yield _sse(event)
+            yield sse(event.model_dump_json(by_alias=True), event.type)
 
 
 def answer_message(done: Completion, calls: list[ToolCall], items: list) -> ChatMessage:

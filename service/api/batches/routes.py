@@ -1,25 +1,29 @@
-"""OpenAI's Files and Batches endpoints (the logic: service/api/batches.py): `POST /v1/files`,
+"""OpenAI's Files and Batches endpoints (the logic: serving.py): `POST /v1/files`,
 `GET /v1/files[/{id}[/content]]`, `DELETE /v1/files/{id}`, `POST /v1/batches`, `GET /v1/batches[/{id}]`,
-`POST /v1/batches/{id}/cancel`. A tenant (the keys of one name: service/api/tenants.py) sees only the
-files and batches it made."""
+`POST /v1/batches/{id}/cancel`. A tenant (the keys of one name: service/api/access/tenants.py) sees only
+the files and batches it made."""
 
 from __future__ import annotations
 
-from flask import Blueprint, Response, g, jsonify, request
+from flask import Blueprint, Response, jsonify, request
 
-from ..errors import BadRequest, TooLarge
-from ..jobs.store import batch_object
-from . import batches
-from .batches import NotFound
-from .engine_requests import json_body
-from .state import state
+from ...errors import BadRequest, TooLarge
+from ...jobs.store import JobStore, batch_object
+from ..http_io import json_body, request_context
+from ..state import state
+from . import serving
+from .serving import NotFound
 
 batch_api = Blueprint("batches", __name__)
 DRAIN_BYTES = 16 * 2**20  # a refused upload up to this size is read first (_drain)
 
 
 def _owner() -> str:
-    return g.tenant.owner
+    return request_context().owner
+
+
+def _jobs() -> JobStore:
+    return state().batches.jobs
 
 
 def _page_args() -> tuple[int, str | None]:
@@ -46,8 +50,8 @@ def upload_file():
     if upload is None:
         raise BadRequest("the form has no `file`", param="file")
     content = upload.read(limit + 1)
-    stored = batches.upload(
-        state().jobs, settings, _owner(), upload.filename or "", request.form.get("purpose", ""), content
+    stored = serving.upload(
+        _jobs(), settings, _owner(), upload.filename or "", request.form.get("purpose", ""), content
     )
     return jsonify(stored.public())
 
@@ -63,12 +67,12 @@ def _drain(length: int) -> None:
 @batch_api.get("/v1/files")
 def list_files():
     limit, after = _page_args()
-    found = state().jobs.files(_owner(), request.args.get("purpose"), limit + 1, after)
-    return jsonify(batches.listing([f.public() for f in found[:limit]], len(found) > limit))
+    found = _jobs().files(_owner(), request.args.get("purpose"), limit + 1, after)
+    return jsonify(serving.listing([f.public() for f in found[:limit]], len(found) > limit))
 
 
 def _file(file_id: str):
-    found = state().jobs.file(file_id, _owner())
+    found = _jobs().file(file_id, _owner())
     if found is None:
         raise NotFound(f"no file {file_id}", param="file_id")
     return found
@@ -82,7 +86,7 @@ def get_file(file_id: str):
 @batch_api.get("/v1/files/<file_id>/content")
 def file_content(file_id: str):
     found = _file(file_id)
-    content = state().jobs.file_content(file_id, _owner()) or b""
+    content = _jobs().file_content(file_id, _owner()) or b""
     mimetype = "application/jsonl" if found.filename.endswith(".jsonl") else "application/octet-stream"
     return Response(
         content, mimetype=mimetype, headers={"Content-Disposition": f'attachment; filename="{found.filename}"'}
@@ -91,7 +95,7 @@ def file_content(file_id: str):
 
 @batch_api.delete("/v1/files/<file_id>")
 def delete_file(file_id: str):
-    if not state().jobs.delete_file(file_id, _owner()):
+    if not _jobs().delete_file(file_id, _owner()):
         raise NotFound(f"no file {file_id}", param="file_id")
     return jsonify({"id": file_id, "object": "file", "deleted": True})
 
@@ -99,21 +103,21 @@ def delete_file(file_id: str):
 @batch_api.post("/v1/batches")
 def create_batch():
     app_state = state()
-    created = batches.create(app_state.jobs, app_state.settings, _owner(), json_body())
-    app_state.wake_batch_runner()
+    created = serving.create(app_state.batches.jobs, app_state.settings, _owner(), json_body())
+    app_state.batches.wake_runner()
     return jsonify(batch_object(created))
 
 
 @batch_api.get("/v1/batches")
 def list_batches():
     limit, after = _page_args()
-    found = state().jobs.batches(_owner(), limit + 1, after)
-    return jsonify(batches.listing([batch_object(b) for b in found[:limit]], len(found) > limit))
+    found = _jobs().batches(_owner(), limit + 1, after)
+    return jsonify(serving.listing([batch_object(b) for b in found[:limit]], len(found) > limit))
 
 
 @batch_api.get("/v1/batches/<batch_id>")
 def get_batch(batch_id: str):
-    found = state().jobs.batch(batch_id, _owner())
+    found = _jobs().batch(batch_id, _owner())
     if found is None:
         raise NotFound(f"no batch {batch_id}", param="batch_id")
     return jsonify(batch_object(found))
@@ -121,7 +125,7 @@ def get_batch(batch_id: str):
 
 @batch_api.post("/v1/batches/<batch_id>/cancel")
 def cancel_batch(batch_id: str):
-    found = state().jobs.cancel(batch_id, _owner())
+    found = _jobs().cancel(batch_id, _owner())
     if found is None:
         raise NotFound(f"no batch {batch_id}", param="batch_id")
     return jsonify(batch_object(found))

@@ -1,51 +1,45 @@
 """Anthropic's Messages API, typed: the request (`POST /v1/messages`, `/v1/messages/count_tokens`),
-the message it answers and the events of its stream. anthropic_serving.py translates them to and
+the message it answers and the events of its stream. anthropic/serving.py translates them to and
 from the engine's request and events."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, Field, StringConstraints, field_validator
 
-from ..generation import MaxTokens, StopString, TopK, TopP
-from .protocol import MAX_TEXT, FunctionName, JSONSchema, known_part_types
+from ...generation import MaxTokens, StopString, TopK, TopP
+from ..schemas import MAX_TEXT, FunctionName, JSONSchema, Lenient, known_part_types
 
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
 _DATA = Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]
 _ID = Annotated[str, StringConstraints(max_length=256)]
 
 
-class _Lenient(BaseModel):
-    # Fields that change nothing here (cache_control, metadata, citations, service_tier) are ignored;
-    # a field that would change the answer and is not supported is declared and refused.
-    model_config = ConfigDict(extra="ignore")
-
-
-class TextBlock(_Lenient):
+class TextBlock(Lenient):
     type: Literal["text"]
     text: Text
 
 
-class Base64Source(_Lenient):
+class Base64Source(Lenient):
     type: Literal["base64"]
     media_type: Annotated[str, StringConstraints(max_length=64)] = Field(description="image/jpeg, image/png, ...")
     data: _DATA
 
 
-class URLSource(_Lenient):
+class URLSource(Lenient):
     """Refused with a reason: this server fetches nothing."""
 
     type: Literal["url"]
     url: _DATA
 
 
-class ImageBlock(_Lenient):
+class ImageBlock(Lenient):
     type: Literal["image"]
     source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
 
 
-class ToolUseBlock(_Lenient):
+class ToolUseBlock(Lenient):
     """An assistant's tool call, sent back as history."""
 
     type: Literal["tool_use"]
@@ -54,7 +48,7 @@ class ToolUseBlock(_Lenient):
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Lenient):
+class ToolResultBlock(Lenient):
     type: Literal["tool_result"]
     tool_use_id: _ID
     content: Text | list[TextBlock] | None = None
@@ -66,7 +60,7 @@ class ToolResultBlock(_Lenient):
         return known_part_types(value, ("text",))
 
 
-class ThinkingBlock(_Lenient):
+class ThinkingBlock(Lenient):
     """An assistant's reasoning, sent back as history (thinking models)."""
 
     type: Literal["thinking"]
@@ -81,7 +75,7 @@ ContentBlock = Annotated[
 ]
 
 
-class MessageParam(_Lenient):
+class MessageParam(Lenient):
     role: Literal["user", "assistant"]
     content: Text | list[ContentBlock]
 
@@ -91,20 +85,20 @@ class MessageParam(_Lenient):
         return known_part_types(value, tuple(dict.fromkeys(USER_BLOCKS + ASSISTANT_BLOCKS)))
 
 
-class ToolParam(_Lenient):
+class ToolParam(Lenient):
     name: FunctionName
     description: Text | None = None
     input_schema: JSONSchema
     type: Literal["custom"] | None = Field(None, description="client tools only: server tools are not run here")
 
 
-class ToolChoice(_Lenient):
+class ToolChoice(Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: FunctionName | None = Field(None, description="type tool: the tool to call")
     disable_parallel_tool_use: bool | None = None
 
 
-class ThinkingConfig(_Lenient):
+class ThinkingConfig(Lenient):
     """Thinking checkpoints: a reasoning budget (enabled), none (disabled), or as the model goes
     (adaptive); other models ignore it."""
 
@@ -112,19 +106,19 @@ class ThinkingConfig(_Lenient):
     budget_tokens: int | None = Field(None, ge=0)
 
 
-class JSONOutputFormat(_Lenient):
+class JSONOutputFormat(Lenient):
     type: Literal["json_schema"]
     schema_: JSONSchema = Field(alias="schema")
 
 
-class OutputConfig(_Lenient):
+class OutputConfig(Lenient):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = Field(
         None, description="thinking checkpoints: a thinking budget (low 256, medium 1024, higher: no limit)"
     )
     format: JSONOutputFormat | None = Field(None, description="structured outputs: the answer follows the schema")
 
 
-class CountTokensRequest(_Lenient):
+class CountTokensRequest(Lenient):
     """What makes a prompt: `POST /v1/messages/count_tokens` counts its tokens."""
 
     model: Annotated[str, StringConstraints(max_length=256)] | None = None

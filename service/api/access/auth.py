@@ -1,6 +1,6 @@
 """Optional API keys (API_KEYS, API_KEYS_FILE): `Authorization: Bearer <key>` (or `x-api-key: <key>`, as
-Anthropic's clients send it), resolved once per request to its tenant (service/api/tenants.py), which
-the routes carry as `g.tenant`.
+Anthropic's clients send it), resolved once per request to its tenant (tenants.py), which the request's
+context carries (service/api/context.py).
 
 Open without a key: /health and /ready (liveness and readiness probes carry none; they reveal only
 whether the server is up and loaded, and the model's name) and the static page (it only asks for
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from flask import request
 
-from ..errors import ServiceError
+from ...errors import ServiceError
 from .tenants import Tenant, Tenants
 
 OPEN_PATHS = ("/health", "/ready")

@@ -24,10 +24,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import metrics
-from ..generation import TenantShare
-from ..jobs.store import owner_of
-from ..settings import Settings, SettingsError
+from ... import metrics
+from ...generation import TenantShare
+from ...jobs.store import owner_of
+from ...settings import Settings, SettingsError
 
 log = logging.getLogger("service.tenants")
 

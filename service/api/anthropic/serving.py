@@ -1,5 +1,5 @@
 """Anthropic's Messages API onto the one engine path: its request as the engine's GenerationRequest,
-the engine's events as its message or its stream of typed events (serving.StreamEncoder)."""
+the engine's events as its message or its stream of typed events (streaming.StreamEncoder)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import json
 import uuid
 from collections.abc import Iterator
 
-from ..answer.tools import ToolCall, ToolCallDelta, ToolCallParser, split_tool_calls
-from ..errors import BadRequest, ServiceError
-from ..generation import Completion, GenerationRequest, SamplingParams, TextDelta
-from ..limits import RequestLimits
-from ..model.prompts import ChatMessage, ImagePart, TextPart
-from . import anthropic_protocol as ap
-from .answer_shapes import AnswerShape, answer_shape
-from .engine_requests import checked_max_tokens, generation_request, tenant_fields
-from .error_shapes import anthropic_error
-from .inputs import checked_text, decode_base64_image, decode_data_url
-from .protocol import (
+from ...answer.tools import ToolCall, ToolCallDelta, ToolCallParser, split_tool_calls
+from ...errors import BadRequest, ServiceError
+from ...generation import Completion, GenerationRequest, SamplingParams, TextDelta
+from ...limits import RequestLimits
+from ...model.prompts import ChatMessage, ImagePart, TextPart
+from ..answer_shapes import AnswerShape, answer_shape
+from ..context import RequestContext
+from ..engine_requests import generation_request
+from ..error_shapes import anthropic_error
+from ..inputs import checked_text, decode_base64_image, decode_data_url
+from ..schemas import (
     REASONING_EFFORT,
     FunctionDefinition,
     JSONSchemaFormat,
@@ -26,6 +26,8 @@ from .protocol import (
     ResponseFormat,
     Tool,
 )
+from ..streaming import sse
+from . import protocol as ap
 
 
 def new_message_id() -> str:
@@ -125,21 +127,21 @@ def _thinking(body: ap.CountTokensRequest) -> dict:
     return {"max_thinking_tokens": REASONING_EFFORT.get(effort)}  # high and max: no budget but max_tokens
 
 
-def messages_request(body: ap.CountTokensRequest, limits: RequestLimits) -> tuple[GenerationRequest, AnswerShape]:
+def messages_request(
+    body: ap.CountTokensRequest, limits: RequestLimits, context: RequestContext
+) -> tuple[GenerationRequest, AnswerShape]:
     """The engine's request for a Messages body (a count_tokens body: the same prompt, nothing to sample)."""
     shape = _shape(body)
     params = SamplingParams()
     if isinstance(body, ap.MessagesRequest):
         params = SamplingParams(
-            max_tokens=checked_max_tokens(body.max_tokens, limits, "max_tokens"),
+            max_tokens=body.max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
             stop=body.stop_sequences or [],
         )
-    request = generation_request(
-        chat_messages(body, limits), params, None, remembered=0, shape=shape, **_thinking(body), **tenant_fields(None)
-    )
+    request = generation_request(context, chat_messages(body, limits), params, limits, shape=shape, **_thinking(body))
     return request, shape
 
 
@@ -190,11 +192,11 @@ def message_body(message_id: str, model: str, done: Completion, shape: AnswerSha
 
 
 def _event(event) -> bytes:
-    return f"event: {event.type}\ndata: ".encode() + event.model_dump_json().encode() + b"\n\n"
+    return sse(event.model_dump_json(), event.type)
 
 
 class AnthropicEvents:
-    """Anthropic's stream (serving.StreamEncoder): message_start, then content blocks — thinking, text,
+    """Anthropic's stream (streaming.StreamEncoder): message_start, then content blocks — thinking, text,
     tool_use — each opened, filled by deltas and stopped, then message_delta (why it ended, the usage)
     and message_stop; or an error event."""
 
@@ -228,7 +230,7 @@ class AnthropicEvents:
         yield _event(ap.MessageStop())
 
     def error(self, exc: ServiceError) -> Iterator[bytes]:
-        yield b"event: error\ndata: " + json.dumps(anthropic_error(exc)).encode() + b"\n\n"
+        yield sse(json.dumps(anthropic_error(exc)), "error")
 
     def _pieces(self, pieces: list) -> Iterator[bytes]:
         for piece in pieces:

@@ -11,8 +11,8 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 
-from .. import metrics
-from ..errors import RateLimited
+from ... import metrics
+from ...errors import RateLimited
 from .tenants import Tenant
 
 WINDOW_SECONDS = 60.0

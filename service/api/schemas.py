@@ -1,4 +1,6 @@
-"""Request schemas: OpenAI Chat Completions and the native endpoint (what they answer: responses.py)."""
+"""The schema parts several APIs share: requests' messages, content parts, tools, response formats and
+the sampling fields of both chat endpoints (Chat Completions, native), and answers' logprobs and boxes.
+Each API's own request and answer: its package's `protocol` module."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from pydantic import (
     model_validator,
 )
 
-from ..generation import SHARED_SAMPLING, MaxTokens, Priority, SamplingParams, StopString, TopLogprobs
+from ..answer.grounding import Box
+from ..answer.logprobs import TokenLogprob
+from ..generation import SHARED_SAMPLING, Priority, SamplingParams, StopString, TopLogprobs
 
 # A conversation id (body field or X-Conversation-Id header): also a cache key and Nginx's hash key.
 CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -23,9 +27,11 @@ CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 MAX_TEXT = 1_000_000  # characters in one text field; the token limit bites long before
 
 
-class _Lenient(BaseModel):
-    # OpenAI clients send fields that change nothing here (metadata, store, …): ignore them, don't
-    # fail. A field that would change the answer and is not supported is declared and refused.
+class Lenient(BaseModel):
+    """Every API's request schemas: clients send fields that change nothing here (OpenAI's metadata and
+    store, Anthropic's cache_control, …): ignored, not failed. A field that would change the answer and
+    is not supported is declared and refused."""
+
     model_config = ConfigDict(extra="ignore")
 
 
@@ -33,28 +39,28 @@ FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$"
 JSONSchema = Annotated[dict[str, Any], Field(description="a JSON Schema (draft 2020-12)")]
 
 
-class ImageURL(_Lenient):
+class ImageURL(Lenient):
     url: Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]
     detail: str | None = Field(
         None, description="the picture's pixel budget: low (256x256), high (IMAGE_REQUEST_MAX_PIXELS), auto (default)"
     )
 
 
-class TextPart(_Lenient):
+class TextPart(Lenient):
     type: Literal["text"]
     text: Annotated[str, StringConstraints(max_length=MAX_TEXT)]
 
 
-class ImageURLPart(_Lenient):
+class ImageURLPart(Lenient):
     type: Literal["image_url"]
     image_url: ImageURL | Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]
 
 
-class VideoURL(_Lenient):
+class VideoURL(Lenient):
     url: Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]
 
 
-class VideoURLPart(_Lenient):
+class VideoURLPart(Lenient):
     """An extension of the OpenAI format (as vLLM's): a clip as a `data:video/...;base64,` URL."""
 
     type: Literal["video_url"]
@@ -76,12 +82,12 @@ def known_part_types(parts, kinds: tuple[str, ...], what: str = "content part"):
     return parts
 
 
-class FunctionCall(_Lenient):
+class FunctionCall(Lenient):
     name: FunctionName
     arguments: Annotated[str, StringConstraints(max_length=MAX_TEXT)] = Field(description="JSON text")
 
 
-class ToolCallIn(_Lenient):
+class ToolCallIn(Lenient):
     """An assistant message's tool call, as the client got it from this server (sent back as history)."""
 
     id: Annotated[str, StringConstraints(max_length=256)] | None = None
@@ -89,7 +95,7 @@ class ToolCallIn(_Lenient):
     function: FunctionCall
 
 
-class Message(_Lenient):
+class Message(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, StringConstraints(max_length=MAX_TEXT)] | list[ContentPart] | None = None
     name: str | None = None
@@ -106,7 +112,7 @@ class Message(_Lenient):
         return known_part_types(value, CONTENT_PART_TYPES)
 
 
-class JSONSchemaFormat(_Lenient):
+class JSONSchemaFormat(Lenient):
     name: FunctionName = "response"
     description: str | None = None
     schema_: JSONSchema | None = Field(None, alias="schema", description="the answer's schema (none: any JSON object)")
@@ -117,7 +123,7 @@ class JSONSchemaFormat(_Lenient):
     )
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(Lenient):
     """OpenAI's response_format: free text, any JSON object, or JSON valid against a schema; and this
     service's `grounding` preset: a list of labelled boxes (answer/grounding.py's GROUNDING_SCHEMA)."""
 
@@ -131,7 +137,7 @@ class ResponseFormat(_Lenient):
         return self
 
 
-class FunctionDefinition(_Lenient):
+class FunctionDefinition(Lenient):
     name: FunctionName
     description: Annotated[str, StringConstraints(max_length=MAX_TEXT)] | None = None
     parameters: JSONSchema | None = None
@@ -140,22 +146,18 @@ class FunctionDefinition(_Lenient):
     )
 
 
-class Tool(_Lenient):
+class Tool(Lenient):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Lenient):
+class NamedFunction(Lenient):
     name: FunctionName
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(Lenient):
     type: Literal["function"]
     function: NamedFunction
-
-
-class StreamOptions(_Lenient):
-    include_usage: bool = False
 
 
 # OpenAI's reasoning_effort as thinking budgets (max_thinking_tokens), for thinking checkpoints:
@@ -167,12 +169,12 @@ ClipFps = Annotated[float, Field(gt=0, le=30, description="frames sampled per se
 ClipFrames = Annotated[int, Field(ge=2, description="frames sampled from a clip, at most (within VIDEO_MAX_FRAMES)")]
 
 
-class VideoIOKwargs(_Lenient):
+class VideoIOKwargs(Lenient):
     fps: ClipFps | None = None
     num_frames: ClipFrames | None = None
 
 
-class MediaIOKwargs(_Lenient):
+class MediaIOKwargs(Lenient):
     """vLLM's per-request media options: {"video": {"fps": 1, "num_frames": 16}}."""
 
     video: VideoIOKwargs | None = None
@@ -188,9 +190,9 @@ class ChatTemplateKwargs(BaseModel):
 
 # The sampling fields both endpoints take exactly as the engine does (SamplingParams' own, bounds
 # included); `stop`, `logprobs` and `top_logprobs` take OpenAI's forms and are mapped below.
-_SamplingFields = create_model(
-    "_SamplingFields",
-    __base__=_Lenient,
+_EngineSampling = create_model(
+    "_EngineSampling",
+    __base__=Lenient,
     **{
         name: (field.annotation, field)
         for name, field in SamplingParams.model_fields.items()
@@ -199,8 +201,8 @@ _SamplingFields = create_model(
 )
 
 
-class _Sampling(_SamplingFields):
-    """The sampling fields both endpoints take (service/generation.py defines them once)."""
+class ChatSampling(_EngineSampling):
+    """The sampling fields both chat endpoints take (service/generation.py defines them once)."""
 
     stop: StopString | list[StopString] | None = None
     response_format: ResponseFormat | None = None
@@ -269,84 +271,70 @@ class _Sampling(_SamplingFields):
         return SamplingParams(**shared, stop=stop, logprobs=logprobs)
 
 
-class ChatCompletionRequest(_Sampling):
-    model: str | None = None
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: MaxTokens | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: Annotated[str, StringConstraints(max_length=256)] | None = None
-    n: int | None = Field(
-        None, ge=1, le=1, description="only 1 is supported: send n requests instead (they decode as one batch)"
+# -- answers ---------------------------------------------------------------------------------------
+
+
+def dump(model: BaseModel) -> dict:
+    """The JSON body: every field that was given (a None given is a null), none that was not."""
+    return model.model_dump(mode="json", exclude_unset=True, by_alias=True)
+
+
+# -- logprobs ------------------------------------------------------------------------------------
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] = Field(description="the token's exact bytes (a token may hold part of a character)")
+
+
+class LogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+    reasoning: bool | None = Field(None, description="true on a token of a thinking model's reasoning (or its tags)")
+
+
+def logprob_entries(records: list[TokenLogprob] | None) -> list[LogprobEntry] | None:
+    """OpenAI's `logprobs.content` items (None when not asked): each token's text, bytes and
+    log-probability, with its top alternatives (the records come with their tokens' bytes)."""
+    if records is None:
+        return None
+
+    def entry(token: bytes, logprob: float) -> dict:
+        return {"token": token.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(token)}
+
+    return [
+        LogprobEntry(
+            **entry(r.token_bytes, r.logprob),
+            top_logprobs=[TopLogprob(**entry(b, lp)) for (_, lp), b in zip(r.top, r.top_bytes)],
+            **({"reasoning": True} if r.reasoning else {}),
+        )
+        for r in records
+    ]
+
+
+class BoxOut(BaseModel):
+    """A box or point the answer names (an extension of both formats: the official client keeps it in
+    `model_extra`), in the 0-1000 coordinates the model wrote and in the pixels of the client's picture."""
+
+    label: str | None
+    bbox_2d: list[float] | None = Field(None, description="x1, y1, x2, y2 as the answer wrote them (0-1000)")
+    point_2d: list[float] | None = Field(None, description="x, y as the answer wrote them (0-1000)")
+    pixels: list[float] = Field(
+        description="the same clipped to 0-1000 (corners in order), in pixels of the picture as the client "
+        "sent it (EXIF orientation applied)"
     )
-    tools: list[Tool] | None = Field(None, max_length=128)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = Field(None, description="default true")
-    # Fields that would change the answer and are not supported: refused, never ignored.
-    functions: list | None = Field(None, description="the deprecated form of tools: refused, send tools")
-    function_call: str | dict | None = Field(None, description="the deprecated form of tool_choice: refused")
-    modalities: list[str] | None = Field(None, description='only ["text"]: this model answers in text')
-    audio: dict | None = Field(None, description="refused: this model answers in text")
-
-    @field_validator("functions", "function_call")
-    @classmethod
-    def _no_legacy_functions(cls, value, info: ValidationInfo):
-        if value is not None:
-            raise ValueError(f"{info.field_name} is the deprecated form of tools: send tools and tool_choice")
-        return value
-
-    @field_validator("modalities")
-    @classmethod
-    def _text_only(cls, value):
-        if value is not None and set(value) - {"text"}:
-            raise ValueError('this model answers in text only: modalities may be ["text"]')
-        return value
-
-    @field_validator("audio")
-    @classmethod
-    def _no_audio(cls, value):
-        if value is not None:
-            raise ValueError("audio output is not supported: this model answers in text")
-        return value
+    image: int = Field(description="which picture of the latest user message holding pictures (0-based)")
+    clipped: bool = Field(description="true: a coordinate lay outside 0-1000")
 
 
-class NativeChatRequest(_Sampling):
-    """`messages` in the OpenAI format — or `prompt` (+ `images`, `videos` as base64/data URLs) for short
-    curl lines."""
-
-    messages: list[Message] | None = Field(None, min_length=1)
-    prompt: Annotated[str, StringConstraints(max_length=MAX_TEXT)] | None = None
-    images: list[Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]] | None = None
-    videos: list[Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]] | None = None
-    conversation_id: Annotated[str, StringConstraints(pattern=CONVERSATION_ID_PATTERN)] | None = None
-    stream: bool = True
-    max_pixels: int | None = Field(
-        None,
-        description="the pixel budget this request's pictures are resized into (default IMAGE_MAX_PIXELS, at "
-        "most IMAGE_REQUEST_MAX_PIXELS): more pixels locate smaller things, at more visual tokens",
-    )
-    min_pixels: int | None = Field(
-        None,
-        description="a floor: smaller pictures are scaled up to it (within IMAGE_REQUEST_MAX_PIXELS; grounding "
-        "raises it to 1,024 visual tokens)",
-    )
-    fps: ClipFps | None = None
-    max_frames: ClipFrames | None = None
-    tools: list | None = Field(None, description="not supported here: tool calls are on /v1/chat/completions")
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value):
-        if value:  # refused before any upload is decoded
-            raise ValueError("tools are supported on /v1/chat/completions, not on this endpoint")
-        return value
+def box_out(box: Box) -> BoxOut:
+    out = BoxOut(label=box.label, pixels=list(box.pixels), image=box.image, clipped=box.clipped)
+    if box.kind == "bbox":
+        out.bbox_2d = list(box.written)
+    else:
+        out.point_2d = list(box.written)
+    return out
 
 
-# The NativeChatRequest fields a multipart form may carry once each (`stop` may repeat; files: image,
-# video): the scalar sampling fields, response_format as JSON text, and the native ones.
-FORM_FIELDS = frozenset(
-    {name for name in SHARED_SAMPLING if name != "logit_bias"}
-    | {"prompt", "conversation_id", "stream", "response_format", "logprobs", "top_logprobs", "speculative", "priority"}
-    | {"cache_salt"}
-    | {"max_pixels", "min_pixels", "fps", "max_frames", "enable_thinking", "max_thinking_tokens", "reasoning_effort"}
-)
+# The description of an answer's reasoning fields.
+REASONING_NOTE = "a thinking model's reasoning (only from thinking checkpoints)"

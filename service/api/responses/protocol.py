@@ -1,15 +1,15 @@
 """OpenAI's Responses API, typed: the request (`POST /v1/responses`), the response object it answers
 (and GET /v1/responses/{id} returns), and the typed events of its stream.
-openai_responses_serving.py translates them to and from the engine's request and events."""
+responses/serving.py translates them to and from the engine's request and events."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, Field, StringConstraints, field_validator
 
-from ..generation import MaxTokens, Temperature, TopP
-from .protocol import MAX_TEXT, REASONING_EFFORT, FunctionName, JSONSchema, known_part_types
+from ...generation import MaxTokens, Temperature, TopP
+from ..schemas import MAX_TEXT, REASONING_EFFORT, FunctionName, JSONSchema, Lenient, known_part_types
 
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
 _URL = Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]
@@ -17,24 +17,18 @@ _ID = Annotated[str, StringConstraints(max_length=256)]
 RESPONSE_ID_PATTERN = r"^resp_[A-Za-z0-9]{1,64}$"
 
 
-class _Lenient(BaseModel):
-    # Fields that change nothing here (metadata's keys, include, truncation, service_tier) are ignored;
-    # a field that would change the answer and is not supported is declared and refused.
-    model_config = ConfigDict(extra="ignore")
-
-
-class InputTextPart(_Lenient):
+class InputTextPart(Lenient):
     type: Literal["input_text"]
     text: Text
 
 
-class InputImagePart(_Lenient):
+class InputImagePart(Lenient):
     type: Literal["input_image"]
     image_url: _URL = Field(description="a data:image/...;base64, URL (the server fetches nothing)")
     detail: Literal["low", "high", "auto"] | None = None
 
 
-class OutputTextPart(_Lenient):
+class OutputTextPart(Lenient):
     """An assistant message's text, sent back as history."""
 
     type: Literal["output_text"]
@@ -45,7 +39,7 @@ PART_TYPES = ("input_text", "input_image", "output_text")
 InputPart = Annotated[InputTextPart | InputImagePart | OutputTextPart, Field(discriminator="type")]
 
 
-class InputMessageItem(_Lenient):
+class InputMessageItem(Lenient):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | list[InputPart]
@@ -56,7 +50,7 @@ class InputMessageItem(_Lenient):
         return known_part_types(value, PART_TYPES)
 
 
-class FunctionCallItem(_Lenient):
+class FunctionCallItem(Lenient):
     """A call the model made (from an earlier output), sent back as history."""
 
     type: Literal["function_call"]
@@ -65,18 +59,18 @@ class FunctionCallItem(_Lenient):
     arguments: Text
 
 
-class FunctionCallOutputItem(_Lenient):
+class FunctionCallOutputItem(Lenient):
     type: Literal["function_call_output"]
     call_id: _ID
     output: Text | list[InputTextPart]
 
 
-class ReasoningTextIn(_Lenient):
+class ReasoningTextIn(Lenient):
     type: Literal["reasoning_text"] = "reasoning_text"
     text: Text
 
 
-class ReasoningItem(_Lenient):
+class ReasoningItem(Lenient):
     """A thinking model's reasoning (from an earlier output), sent back as history."""
 
     type: Literal["reasoning"]
@@ -89,18 +83,18 @@ InputItem = Annotated[
 ]
 
 
-class ResponseTextFormat(_Lenient):
+class ResponseTextFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     name: FunctionName = "response"
     schema_: JSONSchema | None = Field(None, alias="schema")
     strict: bool | None = Field(None, description="objects allow no keys beyond their properties (OpenAI's strict)")
 
 
-class ResponseTextConfig(_Lenient):
+class ResponseTextConfig(Lenient):
     format: ResponseTextFormat | None = None
 
 
-class FunctionTool(_Lenient):
+class FunctionTool(Lenient):
     type: Literal["function"] = Field(description="function tools only: hosted tools are not run here")
     name: FunctionName
     description: Text | None = None
@@ -108,19 +102,19 @@ class FunctionTool(_Lenient):
     strict: bool | None = Field(None, description="default true, as OpenAI's: objects allow no other keys")
 
 
-class FunctionChoice(_Lenient):
+class FunctionChoice(Lenient):
     type: Literal["function"]
     name: FunctionName
 
 
-class ReasoningConfig(_Lenient):
+class ReasoningConfig(Lenient):
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
         None, description="thinking checkpoints: a thinking budget (none off, minimal 0, low 256, medium 1024)"
     )
     summary: str | None = None
 
 
-class ResponsesRequest(_Lenient):
+class ResponsesRequest(Lenient):
     model: Annotated[str, StringConstraints(max_length=256)] | None = None
     input: Text | list[InputItem] = Field(description="a string (one user message) or items")
     instructions: Text | None = Field(None, description="a system message (not carried on by previous_response_id)")

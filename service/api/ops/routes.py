@@ -1,26 +1,28 @@
-"""Operational endpoints: models, liveness, readiness, Prometheus metrics."""
+"""Operational endpoints: models, liveness, readiness, Prometheus metrics, the OpenAPI document."""
 
 from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify
 
-from .. import metrics, startup
-from ..errors import ServiceError
-from ..model.checkpoints import RANDOM_MODEL_WARNING
-from . import responses
-from .openapi import openapi_document
-from .state import error_response, state
+from ... import metrics, startup
+from ...errors import ServiceError
+from ...model.checkpoints import RANDOM_MODEL_WARNING
+from ..http_io import error_response
+from ..openapi import openapi_document
+from ..schemas import dump
+from ..state import state
+from .protocol import ModelCard, ModelList
 
-ops = Blueprint("ops", __name__)
+ops_api = Blueprint("ops", __name__)
 
 
-@ops.get("/health")
+@ops_api.get("/health")
 def health():
     """Alive: the worker answers, whatever the model is doing."""
     return jsonify({"status": "ok"})
 
 
-@ops.get("/ready")
+@ops_api.get("/ready")
 def ready():
     """Ready to serve: the model is loaded (503 while loading or after a failed load), and which
     INT8 kernels serve it."""
@@ -37,8 +39,8 @@ def ready():
     return jsonify(body)
 
 
-def _card(info) -> responses.ModelCard:
-    card = responses.ModelCard(
+def _card(info) -> ModelCard:
+    card = ModelCard(
         id=info.name,
         object="model",
         created=0,
@@ -53,13 +55,13 @@ def _card(info) -> responses.ModelCard:
     return card
 
 
-@ops.get("/v1/models")
+@ops_api.get("/v1/models")
 def models():
     card = _card(state().require_engine().info)
-    return jsonify(responses.dump(responses.ModelList(object="list", data=[card])))
+    return jsonify(dump(ModelList(object="list", data=[card])))
 
 
-@ops.get("/v1/models/<path:model_id>")
+@ops_api.get("/v1/models/<path:model_id>")
 def model(model_id: str):
     """The loaded model's card by its id; any other id is a 404, as OpenAI answers an unknown model."""
     info = state().require_engine().info
@@ -70,15 +72,15 @@ def model(model_id: str):
             code="model_not_found",
             status=404,
         )
-    return jsonify(responses.dump(_card(info)))
+    return jsonify(dump(_card(info)))
 
 
-@ops.get("/openapi.json")
+@ops_api.get("/openapi.json")
 def openapi():
     return jsonify(openapi_document(state().require_engine().limits))
 
 
-@ops.get("/metrics")
+@ops_api.get("/metrics")
 def prometheus():
     body, content_type = metrics.render()
     return Response(body, content_type=content_type)

@@ -3,7 +3,7 @@ conversation it ends — its input and output as the engine's messages, pictures
 answer's own token ids — so `previous_response_id` continues it and the KV cache finds it whole.
 Bounded in count, bytes and idle time (RESPONSES_MAX, RESPONSES_MAX_BYTES, RESPONSES_TTL), evictions
 counted like the caches' (cache="responses"); where the disk tier is on, a copy on disk
-(response_files.py) outlives an eviction and a restart."""
+(files.py) outlives an eviction and a restart."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from ..caches.lru import BudgetedLRU
-from ..model.prompts import ChatMessage
-from .histories import messages_bytes
-from .response_files import ResponseFiles
+from ...caches.lru import BudgetedLRU
+from ...model.prompts import ChatMessage
+from ...settings import Settings
+from ..native.histories import messages_bytes
+from .files import ResponseFiles
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class StoredResponse:
     body: dict  # the response object, as answered
     messages: list[ChatMessage]  # the conversation so far, its answer included (instructions apart)
     conversation_id: str  # the chain's key in the conversation cache: the first response's id
-    owner: str = ""  # the tenant's owner hash (service/api/tenants.py): nobody else's requests find it
+    owner: str = ""  # the tenant's owner hash (service/api/access/tenants.py): nobody else's requests find it
 
 
 class ResponseStore:
@@ -31,6 +32,15 @@ class ResponseStore:
     def __init__(self, max_responses: int, ttl_seconds: float, max_bytes: int, files: ResponseFiles | None = None):
         self.entries: BudgetedLRU[StoredResponse] = BudgetedLRU("responses", max_bytes, max_responses, ttl_seconds)
         self.files = files
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ResponseStore:
+        """Bounded by RESPONSES_MAX, RESPONSES_MAX_BYTES and RESPONSES_TTL; on disk too (CACHE_DIR/responses)
+        where the KV disk tier is on."""
+        s = settings
+        on_disk = s.cache_enabled and s.kv_disk_mb != 0
+        files = ResponseFiles(s.cache_dir / "responses", s.responses_max, s.responses_ttl) if on_disk else None
+        return cls(s.responses_max, s.responses_ttl, s.responses_max_bytes, files)
 
     @staticmethod
     def new_id() -> str:

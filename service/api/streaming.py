@@ -1,8 +1,10 @@
-"""What both chat endpoints share: stream a generation's events while the client is still there,
-or collect them, and record metrics and one log line when it ends."""
+"""What every API's serving shares: stream a generation's events while the client is still there
+(each API's StreamEncoder writes them, in SSE events or JSON lines framed here), or collect them, and
+record metrics and one log line when it ends."""
 
 from __future__ import annotations
 
+import json
 import logging
 import select
 import socket
@@ -14,6 +16,17 @@ from ..errors import InternalError, ServiceError
 from ..generation import Completion, Generation, GenerationRequest, TextDelta, priority_class
 
 log = logging.getLogger("service.requests")
+
+
+def sse(data: str, event: str | None = None) -> bytes:
+    """One server-sent event: its `event:` line when it is named, its `data:` line, a blank line."""
+    named = f"event: {event}\n" if event else ""
+    return f"{named}data: {data}\n\n".encode()
+
+
+def json_line(obj: dict) -> bytes:
+    """One line of a JSON-lines stream."""
+    return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
 
 
 def client_gone(environ) -> bool:
@@ -90,7 +103,7 @@ def collect(
     generation: Generation, request: GenerationRequest, endpoint: str, spend: Callable[[int], None] | None = None
 ) -> Completion:
     """Run a non-streaming request to its end (an error propagates to the app's handler: its status);
-    `spend` gets its tokens (rate_limits.TenantRates.spender)."""
+    `spend` gets its tokens (access/rates.TenantRates.admit)."""
     done, error_code = None, None
     try:
         metrics.GENERATING.inc()

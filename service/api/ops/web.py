@@ -10,8 +10,8 @@ from pathlib import Path
 
 from flask import Blueprint, abort, send_from_directory
 
-web = Blueprint("web", __name__)
-STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+web_api = Blueprint("web", __name__)
+STATIC_DIR = Path(__file__).resolve().parents[2] / "static"
 # Explicit, not guessed from the system's mime.types; Werkzeug adds "; charset=utf-8" to text types.
 CONTENT_TYPES = {
     ".html": "text/html",
@@ -39,7 +39,7 @@ def _send(name: str):
     return response
 
 
-@web.get("/")
+@web_api.get("/")
 def page():
     """The try-it page."""
     response = _send("index.html")
@@ -47,7 +47,7 @@ def page():
     return response
 
 
-@web.get("/static/<path:name>")
+@web_api.get("/static/<path:name>")
 def static_file(name: str):
     """The page's script, style sheet and images."""
     return _send(name)

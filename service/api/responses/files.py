@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..answer.tools import ToolCall
-from ..media.images import DecodedImage
-from ..media.video import DecodedVideo
-from ..model.prompts import ChatMessage, ImagePart, TextPart, VideoPart
-from .openai_responses_protocol import RESPONSE_ID_PATTERN
+from ...answer.tools import ToolCall
+from ...media.images import DecodedImage
+from ...media.video import DecodedVideo
+from ...model.prompts import ChatMessage, ImagePart, TextPart, VideoPart
+from .protocol import RESPONSE_ID_PATTERN
 
 log = logging.getLogger(__name__)
 

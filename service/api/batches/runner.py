@@ -2,9 +2,10 @@
 the job store (service/jobs/: a lease, renewed while a line runs) and runs each as the Chat
 Completions endpoint would, at BATCH_PRIORITY — so interactive requests go first and take a running
 line's place when the batch is full (service/engine/admission.py): the line resumes later with the
-same answer. A line runs as its batch's tenant (its caches; ordered by priority alone, outside the fair
-share of interactive requests). Every instance on every machine sharing the store does the same; a line whose instance
-dies runs again elsewhere once its lease ends, and its result is written once."""
+same answer. A line runs as its batch's tenant, in a request context of its own (service/api/context.py:
+its tenant's caches; ordered by priority alone, outside the fair share of interactive requests). Every
+instance on every machine sharing the store does the same; a line whose instance dies runs again
+elsewhere once its lease ends, and its result is written once."""
 
 from __future__ import annotations
 
@@ -17,15 +18,16 @@ import time
 
 from pydantic import ValidationError
 
-from .. import metrics
-from ..errors import InternalError, QueueFull, ServiceError, Unavailable
-from ..generation import Completion, TenantShare
-from ..jobs.store import Claim, JobStore, new_id, result_line
-from ..settings import Settings
-from . import protocol
-from .openai_routes import chat_request, completion_body
-from .state import validation_error
-from .tenants import Tenants
+from ... import metrics
+from ...errors import InternalError, QueueFull, ServiceError, Unavailable
+from ...generation import Completion
+from ...jobs.store import Claim, JobStore, new_id, result_line
+from ...settings import Settings
+from ..access.tenants import Tenants
+from ..chat.protocol import ChatCompletionRequest
+from ..chat.serving import chat_request, completion_body
+from ..context import context_for
+from ..error_shapes import validation_error
 
 log = logging.getLogger("service.batches")
 
@@ -107,19 +109,13 @@ class BatchRunner:
         """(ok, the line for the output or error file), or (False, None) when the line was given back
         (the engine too busy, its batch cancelled, the instance stopping)."""
         request_id = new_id("batch_req_")
+        context = context_for(
+            self.tenants, self.tenants.by_owner(claim.owner), request_id, time.perf_counter(), fair_share=False
+        )
         try:
-            body = protocol.ChatCompletionRequest.model_validate(json.loads(claim.body))
-            tenant = self.tenants.by_owner(claim.owner)
-            gen_request, shape = chat_request(
-                body,
-                self.engine,
-                conversation_id=body.user,
-                priority=self.settings.batch_priority,
-                request_id=request_id,
-                received_at=time.perf_counter(),
-                tenant=TenantShare(tenant.name),
-                cache_namespace=self.tenants.cache_namespace(tenant, body.cache_salt),
-            )
+            body = ChatCompletionRequest.model_validate(json.loads(claim.body))
+            line = body.model_copy(update={"priority": self.settings.batch_priority})
+            gen_request, shape = chat_request(line, self.engine.limits, context, body.user)
             generation = self.engine.submit(gen_request)
         except (QueueFull, Unavailable):  # an interactive burst took the room first: later
             self.store.release(claim)
@@ -150,10 +146,3 @@ class BatchRunner:
             self.store.release(claim)
             return False, None
         return True, result_line(claim.custom_id, 200, completion_body(request_id, self.engine.info, done, shape))
-
-
-def start_batch_runner(app_state) -> None:
-    """An AppState `on_serving` hook: this instance's runner, unless BATCH_RUNNER is off."""
-    if app_state.settings.batch_runner:
-        app_state.batch_runner = BatchRunner(app_state.engine, app_state.jobs, app_state.settings, app_state.tenants)
-        app_state.batch_runner.start()
