@@ -69,14 +69,16 @@ def post_worker_init(worker):
     import signal
     import threading
 
+    from service.api import app_state as state_of
+
     original = worker.handle_exit
-    app_state = worker.wsgi.extensions["qwen3vl"]
+    app_state = state_of(worker.wsgi)
     engine = app_state.engine  # None unless the master preloaded it
     app_state.tenants.reload()  # the file may have changed since the master read it
     signal.signal(signal.SIGHUP, lambda sig, frame: app_state.tenants.reload())
 
     def handle_exit(sig, frame):
-        engine = worker.wsgi.extensions["qwen3vl"].engine
+        engine = app_state.engine
         if engine is not None:
             timer = threading.Timer(max(1.0, graceful_timeout * 0.8), engine.cancel_all)
             timer.daemon = True  # an idle worker exits at once instead of waiting for the timer
