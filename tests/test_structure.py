@@ -1,6 +1,7 @@
 """The code's shape: rooms (folders) in layers that import only downward, no import cycles inside
-`service`, the HTTP layer imported by nothing else, and every bench/RESULTS.md section written by
-a command of bench/."""
+`service`, the HTTP layer imported by nothing else (its route modules by its app factory alone, its
+serving and protocol modules free of Flask), and every bench/RESULTS.md section written by a command
+of bench/."""
 
 from __future__ import annotations
 
@@ -147,6 +148,56 @@ def test_only_the_http_layer_imports_the_http_layer():
         if not m.startswith("service.api") and any(d.startswith("service.api") for d in deps)
     }
     assert outside == set()
+
+
+def test_only_the_app_factory_imports_a_route_module():
+    graph = import_graph()
+    importers = {m for m, deps in graph.items() if any(d.endswith(".routes") for d in deps)}
+    assert importers == {"service.api.app"}
+
+
+def external_imports() -> dict[str, set[str]]:
+    """service module → the top-level names of the packages outside `service` it imports."""
+    found: dict[str, set[str]] = {}
+    for path in SERVICE.rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names.add(node.module.split(".")[0])
+        found[_module_name(path)] = names - {"service"}
+    return found
+
+
+WEB_FRAMEWORK = {"flask", "werkzeug"}
+
+
+def framework_reaches(graph: dict[str, set[str]], externals: dict[str, set[str]]) -> list[str]:
+    """Each `serving` or `protocol` module of service.api that imports the web framework, itself or
+    through the service modules it imports: `module -> the importing module`."""
+    found = []
+    for module in sorted(graph):
+        if not module.startswith("service.api.") or module.rpartition(".")[2] not in ("serving", "protocol"):
+            continue
+        seen, todo = set(), [module]
+        while todo:
+            current = todo.pop()
+            if current not in seen:
+                seen.add(current)
+                todo += graph.get(current, ())
+        found += [f"{module} -> {m}" for m in sorted(seen) if externals.get(m, set()) & WEB_FRAMEWORK]
+    return found
+
+
+def test_serving_and_protocol_modules_import_no_flask():
+    assert framework_reaches(import_graph(), external_imports()) == []
+
+
+def test_the_flask_check_finds_flask_behind_an_import():
+    graph = {"service.api.chat.serving": {"service.api.core"}, "service.api.core": set(), "service.api.app": set()}
+    externals = {"service.api.core": {"flask"}, "service.api.app": {"flask"}}
+    assert framework_reaches(graph, externals) == ["service.api.chat.serving -> service.api.core"]
 
 
 def test_every_results_section_names_the_bench_command_that_wrote_it():
