@@ -114,7 +114,7 @@ class BatchRunner:
         )
         try:
             body = ChatCompletionRequest.model_validate(json.loads(claim.body))
-            line = body.model_copy(update={"priority": self.settings.batch_priority})
+            line = body.model_copy(update={"priority": self.settings.batch_priority})  # whatever the body asks
             gen_request, shape = chat_request(line, self.engine.limits, context, body.user)
             generation = self.engine.submit(gen_request)
         except (QueueFull, Unavailable):  # an interactive burst took the room first: later
