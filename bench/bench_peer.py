@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     argv = _ours_only_checkpoint(p, argv)
     args = parse(p, argv, source=True)
     from service.model.loading import load_processor
-    from service.quant.quantized import write_quantized
+    from service.quant.writer import write_quantized
     from service.settings import load_settings
 
     cache_dir = load_settings().cache_dir

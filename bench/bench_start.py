@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="starts per kind and mode, alternating kinds")
     p.add_argument("--no-cold", action="store_true", help="leave the cold starts out")
     args = parse(p, argv, source=True)
-    from service.quant.quantized import write_quantized
+    from service.quant.writer import write_quantized
     from service.settings import load_settings
 
     source = args.model_path  # the 2B-shaped checkpoint (parse says how to make it when missing)

@@ -172,7 +172,7 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from .quant.quantized import GROUP_SIZE, KEEP_8BIT, write_quantized
+    from .quant.writer import GROUP_SIZE, KEEP_8BIT, write_quantized
 
     t0 = time.perf_counter()
     keep = KEEP_8BIT if args.keep_8bit is None else tuple(p for p in args.keep_8bit if p != "none")

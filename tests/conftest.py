@@ -239,7 +239,7 @@ INT4_DIR = "embedded-tiny-int4"  # under the session's cache: `int4_dir` writes 
 def int4_dir(cache_dir, tiny_dir) -> Path:
     """The embedded model written as a 4-bit checkpoint (`python -m service quantize --bits 4`'s
     defaults: groups of 128 inputs where they divide, else 64 or 32; the vision tower INT8)."""
-    from service.quant.quantized import write_quantized
+    from service.quant.writer import write_quantized
 
     path = cache_dir / INT4_DIR
     if not (path / "config.json").exists():
@@ -272,7 +272,7 @@ def transformers_model(path: Path, quantization: str = "fp32", kernel: str = "fb
     from transformers import AutoConfig
 
     from service.quant.fusion import fuse_projections, model_class
-    from service.quant.quantized import quantize_in_place
+    from service.quant.in_place import quantize_in_place
 
     model = model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32).eval()
     model.requires_grad_(False)

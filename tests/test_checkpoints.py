@@ -171,7 +171,7 @@ def test_an_untied_dense_checkpoint_gets_its_own_embedding_table(cache_dir, tiny
     from service.model.attention import ExactAttention
     from service.model.forward import Rows, TextForward
     from service.quant.int8_linear import Int8Embedding, quantize_rows
-    from service.quant.quantized import write_quantized
+    from service.quant.writer import write_quantized
 
     untied = tmp_path / "untied"
     model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32)

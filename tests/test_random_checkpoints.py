@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 
 from service.model import random_weights
 from service.model.checkpoints import make_checkpoint, model_config
+from service.quant.estimates import estimated_bytes
 from service.quant.packing import QUANTIZED_MARKER
-from service.quant.quantized import estimated_bytes, write_quantized
+from service.quant.writer import write_quantized
 
 from conftest import ROOT, make_settings
 
@@ -196,7 +197,7 @@ from service import native
 from transformers import AutoConfig
 from service.model.checkpoints import make_checkpoint, model_config
 from service.model.random_weights import checkpoint_shapes
-from service.quant.quantized import estimated_bytes
+from service.quant.estimates import estimated_bytes
 
 native.configure(Path(sys.argv[1]))
 shapes = json.loads(sys.argv[3])

@@ -388,7 +388,7 @@ def make_checkpoint(
     but `tiny`, which keeps its whole-model initialisation), so `make-model --bits 4` writes the very
     tensors `make-model` then `quantize --bits 4` would.
     """
-    from ..quant import quantized
+    from ..quant import estimates, writer
     from . import random_weights
 
     if preset not in PRESETS:
@@ -396,20 +396,20 @@ def make_checkpoint(
     if bits is None and preset in QUANTIZED_ONLY:
         config = model_config(preset, shapes=shapes)
         raise ValueError(
-            f"preset {preset!r} would be ~{quantized.estimated_bytes(config, None) / 1e9:.0f} GB in bf16: write it "
-            f"straight into the 4-bit format (~{quantized.estimated_bytes(config, 4) / 1e9:.1f} GB), "
+            f"preset {preset!r} would be ~{estimates.estimated_bytes(config, None) / 1e9:.0f} GB in bf16: write it "
+            f"straight into the 4-bit format (~{estimates.estimated_bytes(config, 4) / 1e9:.1f} GB), "
             f"`python -m service make-model --preset {preset} --bits 4 DIR`, or take `30b-a3b-e32` "
             "(its shapes with 32 experts) where a bf16 checkpoint is needed"
         )
     out_dir = Path(out_dir)
     if bits is not None:
-        spec = quantized.quantization_spec(
+        spec = writer.quantization_spec(
             bits,
-            quantization.get("group_size", quantized.GROUP_SIZE),
+            quantization.get("group_size", writer.GROUP_SIZE),
             quantization.get("symmetric", False),
-            quantization.get("keep_8bit", quantized.KEEP_8BIT),
+            quantization.get("keep_8bit", writer.KEEP_8BIT),
         )
-        quantized.check_empty(out_dir)
+        writer.check_empty(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     tiny = preset in TINY
@@ -437,7 +437,7 @@ def make_checkpoint(
         write_safetensors(source, out_dir, progress=progress)
         (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     else:
-        marker = quantized.write_quantized_tensors(
+        marker = writer.write_quantized_tensors(
             source,
             config,
             out_dir,
@@ -448,7 +448,7 @@ def make_checkpoint(
             progress=progress,
             **({"shard_bytes": quantization["shard_bytes"]} if "shard_bytes" in quantization else {}),
         )
-        quantized.write_config(out_dir, config_dict, marker)
+        writer.write_config(out_dir, config_dict, marker)
     log.info("wrote %s random Qwen3-VL checkpoint to %s in %.1f s", preset, out_dir, time.perf_counter() - start)
     return out_dir
 

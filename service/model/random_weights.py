@@ -63,7 +63,7 @@ def generate(
 def checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:
     """The tensors a checkpoint of `config` stores, as the releases store them: the model's state dict
     (built on the meta device) without a tied lm_head, experts' 3-D tensors transposed."""
-    from ..quant.quantized import skeleton
+    from ..quant.structure import skeleton
 
     shapes = {n: tuple(t.shape) for n, t in skeleton(config).state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
@@ -75,8 +75,8 @@ def checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:
 
 
 class _Tensors:
-    """What the quantized writer reads a checkpoint through (service/quant/quantized.py's
-    `_SourceTensors`): names, shapes, whole tensors and rows of one."""
+    """What the quantized writer reads a checkpoint through (service/quant/source_tensors.py's
+    `SourceTensors`): names, shapes, whole tensors and rows of one."""
 
     published: dict = {}  # no GPTQ/AWQ Linears
 

@@ -3,7 +3,7 @@ its tensors' names, and the helpers that write and read them.
 
 Format 2 stores each model Linear as the kernels compute it — INT8 ones fused (q/k/v, gate/up) in the
 native kernel's layout (service/native/int8_gemm.c, the same on every CPU), 4-bit ones in the 4-bit
-kernel's — so a start maps the files and uses them in place (service/quant/quantized.load_quantized):
+kernel's — so a start maps the files and uses them in place (service/quant/loader.load_quantized):
 no packing, one copy in the page cache for every process on the machine. Pure of transformers.
 """
 
