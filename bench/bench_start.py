@@ -35,7 +35,7 @@ from bench.bench_peer import gguf_weights, llama_cpp
 from bench.core.harness import parse, parser, tree_mapped_memory, tree_memory
 from bench.core.results import cpu_model, markdown_table, report
 from bench.core.servers import gunicorn_server, llama_server, without_repacking_if_it_crashes
-from service.model.checkpoints import EMBEDDED_MODEL_DIRNAME
+from service.settings import EMBEDDED_MODEL_DIRNAME
 
 TINY, INT8, INT4, Q8, Q4 = (
     "this service, tiny",

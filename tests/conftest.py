@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from service.engine.engine import Engine  # noqa: E402
-from service.model.checkpoints import embedded_model_dir  # noqa: E402
 from service.model.loading import load_model  # noqa: E402
 from service.model.prompts import prepare_prompt  # noqa: E402
+from service.random_checkpoints.embedded import embedded_model_dir  # noqa: E402
 from service.settings import load_settings  # noqa: E402
 
 # Tests use the embedded model built in a cache of their own, never a user's MODEL_PATH.
@@ -66,7 +66,7 @@ def tiny_dir(cache_dir) -> Path:
 
 def built_preset(cache_dir: Path, preset: str) -> Path:
     """`make-model --preset PRESET` under the cache (embedded-PRESET), built once per cache."""
-    from service.model.checkpoints import make_checkpoint
+    from service.random_checkpoints.make import make_checkpoint
 
     path = cache_dir / f"embedded-{preset}"
     if not (path / "config.json").exists():

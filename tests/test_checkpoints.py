@@ -8,9 +8,10 @@ import json
 import pytest
 from torch import nn
 
-from service.model.checkpoints import BUILT, PRESETS, make_checkpoint, model_config
 from service.model.loading import load_model
 from service.quant.int8_linear import Int8Linear
+from service.random_checkpoints.make import make_checkpoint
+from service.random_checkpoints.presets import BUILT, PRESETS, model_config
 
 from conftest import make_settings, run_cli
 

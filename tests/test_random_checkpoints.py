@@ -12,11 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from service.model import random_weights
-from service.model.checkpoints import make_checkpoint, model_config
 from service.quant.estimates import estimated_bytes
 from service.quant.packing import QUANTIZED_MARKER
 from service.quant.writer import write_quantized
+from service.random_checkpoints import random_weights
+from service.random_checkpoints.make import make_checkpoint
+from service.random_checkpoints.presets import model_config
 
 from conftest import ROOT, make_settings
 
@@ -195,8 +196,8 @@ from pathlib import Path
 import psutil
 from service import native
 from transformers import AutoConfig
-from service.model.checkpoints import make_checkpoint, model_config
-from service.model.random_weights import checkpoint_shapes
+from service.random_checkpoints.make import make_checkpoint
+from service.random_checkpoints.random_weights import checkpoint_shapes
 from service.quant.estimates import estimated_bytes
 
 native.configure(Path(sys.argv[1]))

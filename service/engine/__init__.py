@@ -7,6 +7,6 @@ batching): its prefill in steps (`prefill`: cache lookup, vision encoder, prompt
 decode steps shared with the batch, verifying guessed tokens (`drafts`); `sampling` chooses each
 token, `reasoning` follows a thinking model's reasoning, `streaming` carries the tokens to the
 request's thread and `output` turns them into its events. May import every room below it (caches,
-model, answer, vision, quant, media, native, jobs) and the top-level modules;
+model, answer, vision, random_checkpoints, quant, media, native, jobs) and the top-level modules;
 nothing but the HTTP layer and the CLI imports it.
 """

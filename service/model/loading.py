@@ -1,4 +1,4 @@
-"""Load a Qwen3-VL checkpoint directory (or the embedded tiny one): processor and model, fp32 or INT8."""
+"""Load a Qwen3-VL checkpoint directory (or the embedded tiny one): processor and model, fp32, INT8 or 4-bit."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from ..quant.conversion import current_format, published_checkpoint
 from ..quant.in_place import quantize_in_place
 from ..quant.loader import load_quantized
 from ..quant.packing import FORMAT_INT4, int8_kernels, quantized_marker
+from ..random_checkpoints.embedded import embedded_model_dir
+from ..random_checkpoints.marker import RANDOM_MODEL_WARNING, is_random_test_model
 from ..settings import Settings
 from ..threads import in_own_thread
-from .checkpoints import RANDOM_MODEL_WARNING, embedded_model_dir, is_random_test_model
 from .skeleton import skeleton
 from .weights import generation_config, load_weights
 

@@ -89,7 +89,7 @@ def linear_bytes(path: Path, marker: dict) -> int:
 
 
 ALIGNMENT = 64  # bytes: kernels may need aligned weights (bf16 `_weight_int8pack_mm` crashes on 8-aligned ones)
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def write_aligned_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -101,7 +101,7 @@ def write_aligned_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> N
     for name in order:
         size = tensors[name].numel() * tensors[name].element_size()
         header[name] = {
-            "dtype": _DTYPE_NAMES[tensors[name].dtype],
+            "dtype": DTYPE_NAMES[tensors[name].dtype],
             "shape": list(tensors[name].shape),
             "data_offsets": [offset, offset + size],
         }

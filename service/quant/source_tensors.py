@@ -1,6 +1,6 @@
 """A checkpoint's safetensors read a tensor at a time, or some rows of one (`SourceTensors`): how the
 quantized checkpoint writer (service/quant/writer.py) reads a checkpoint on disk. Random weights
-offer the same reads (service/model/random_weights.py).
+offer the same reads (service/random_checkpoints/random_weights.py).
 """
 
 from __future__ import annotations

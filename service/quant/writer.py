@@ -316,7 +316,7 @@ def write_quantized_tensors(
     shard_bytes: int = SHARD_BYTES,
 ) -> dict:
     """Quantize every tensor `source` gives (a checkpoint on disk, or random weights generated tensor
-    by tensor: service/model/random_weights.py) into `dst`'s int8-NNNNN and resident safetensors, one
+    by tensor: service/random_checkpoints/random_weights.py) into `dst`'s int8-NNNNN and resident safetensors, one
     block of the model at a time; returns the QUANTIZED_MARKER entry. What is in memory at once: one
     source tensor (an expert at a time for a mixture of experts), its quantization's row chunk, and
     at most about `shard_bytes` of output."""
