@@ -56,7 +56,7 @@ def _quantized(args, kind: str) -> Path:
         return _int8(args)
     path = args.model_path.with_name(f"{args.model_path.name}-{kind}")
     if not (path / "config.json").exists():
-        from service.quant.quantized import write_quantized
+        from service.quant.writer import write_quantized
 
         write_quantized(args.model_path, path, **fidelity.CHECKPOINTS[kind])
     return path

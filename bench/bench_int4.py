@@ -62,7 +62,7 @@ def fastest_ms(kernels: dict, inputs: dict, rounds: int = 7) -> dict:
 def weight_errors(source) -> dict:
     """(group, symmetric) → (decoder relative error, vision relative error) over SAMPLE."""
     from service.quant.int4_linear import dequantize, quantize_groups
-    from service.quant.quantized import _SourceTensors
+    from service.quant.source_tensors import SourceTensors as _SourceTensors
 
     source_tensors = _SourceTensors(source)
     weights = {}

@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     argv = _ours_only_checkpoint(p, argv)
     args = parse(p, argv, source=True)
     from service.model.loading import load_processor
-    from service.quant.quantized import write_quantized
+    from service.quant.writer import write_quantized
     from service.settings import load_settings
 
     cache_dir = load_settings().cache_dir
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
 def _ours_only_checkpoint(p, argv: list[str] | None) -> list[str] | None:
     """For a preset run without a peer, --model-path at its 4-bit checkpoint (CACHE_DIR/qwen3vl-PRESET-random-int4),
     written straight by make-model --bits 4 if missing."""
-    from service.model.checkpoints import make_checkpoint
+    from service.random_checkpoints.make import make_checkpoint
 
     given = p.parse_known_args(argv)[0]
     if given.model not in OURS_ONLY or given.model_path is not None or given.tiny:

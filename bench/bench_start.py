@@ -35,7 +35,7 @@ from bench.bench_peer import gguf_weights, llama_cpp
 from bench.core.harness import parse, parser, tree_mapped_memory, tree_memory
 from bench.core.results import cpu_model, markdown_table, report
 from bench.core.servers import gunicorn_server, llama_server, without_repacking_if_it_crashes
-from service.model.checkpoints import EMBEDDED_MODEL_DIRNAME
+from service.settings import EMBEDDED_MODEL_DIRNAME
 
 TINY, INT8, INT4, Q8, Q4 = (
     "this service, tiny",
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="starts per kind and mode, alternating kinds")
     p.add_argument("--no-cold", action="store_true", help="leave the cold starts out")
     args = parse(p, argv, source=True)
-    from service.quant.quantized import write_quantized
+    from service.quant.writer import write_quantized
     from service.settings import load_settings
 
     source = args.model_path  # the 2B-shaped checkpoint (parse says how to make it when missing)

@@ -298,7 +298,7 @@ def large_vocabulary_tokenizer(cache_dir: Path):
     only a few hundred tokens from their small corpus, and a mask's cost grows with the vocabulary."""
     from transformers import PreTrainedTokenizerFast
 
-    from service.model.checkpoints import train_bpe
+    from service.random_checkpoints.tokenizer import train_bpe
 
     path = cache_dir / "bench-bpe-151643" / "tokenizer.json"
     if not path.exists():

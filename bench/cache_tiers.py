@@ -1,4 +1,4 @@
-"""bench_cache's disk-tier runs (service/caches/kv_disk.py), through Gunicorn and the native endpoint.
+"""bench_cache's disk-tier runs (service/caches/kv_disk/), through Gunicorn and the native endpoint.
 
 1. Second turns of a ~3,000-token text conversation and of a one-picture conversation, each (a) from
    memory, (b) from disk after memory evicted it (a one-entry memory tier; the files in the page

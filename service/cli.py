@@ -63,9 +63,9 @@ def cmd_chat(args) -> int:
         return 2
     from .engine.engine import Completion, Engine, GenerationRequest, SamplingParams
     from .media.images import decode_image
-    from .model.checkpoints import RANDOM_MODEL_WARNING
     from .model.loading import load_model
     from .model.prompts import ChatMessage, ImagePart, TextPart
+    from .random_checkpoints.marker import RANDOM_MODEL_WARNING
 
     loaded = load_model(settings)
     if loaded.is_random:
@@ -154,7 +154,8 @@ def _write_boxes(out: str, images: list[str], boxes) -> int:
 
 
 def cmd_make_model(args) -> int:
-    from .model.checkpoints import RANDOM_MODEL_WARNING, make_checkpoint
+    from .random_checkpoints.make import make_checkpoint
+    from .random_checkpoints.marker import RANDOM_MODEL_WARNING
 
     t0 = time.perf_counter()
     try:
@@ -172,7 +173,7 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from .quant.quantized import GROUP_SIZE, KEEP_8BIT, write_quantized
+    from .quant.writer import GROUP_SIZE, KEEP_8BIT, write_quantized
 
     t0 = time.perf_counter()
     keep = KEEP_8BIT if args.keep_8bit is None else tuple(p for p in args.keep_8bit if p != "none")
@@ -309,7 +310,7 @@ def cmd_batch(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .model.checkpoints import PRESETS
+    from .random_checkpoints.presets import PRESETS
 
     parser = argparse.ArgumentParser(prog="python -m service", description="Qwen3-VL CPU inference service")
     parser.add_argument("--log-level", default="INFO")

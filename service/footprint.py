@@ -79,7 +79,7 @@ def check_fits(model_dir: Path, quantization: str, budget_bytes: int | None) -> 
     """Raise ModelTooLarge, naming the bytes and the 4-bit command that would fit, if loading the
     unquantized checkpoint at `model_dir` as `quantization` (fp32, or int8: quantized at load) would need
     more than `budget_bytes` at its peak. A checkpoint `quantize` wrote is not checked here: its weights
-    are read in their final layout, and mapped from the file when they do not fit (quant/quantized.py)."""
+    are read in their final layout, and mapped from the file when they do not fit (service/quant/loader.py)."""
     if budget_bytes is None:
         return
     parameters = checkpoint_parameters(model_dir)

@@ -126,7 +126,7 @@ CACHE_EVICTIONS = Counter("qwen3vl_cache_evictions_total", "entries evicted", ["
 CACHE_BYTES = Gauge("qwen3vl_cache_bytes", "bytes held by each cache", ["cache"], multiprocess_mode="livesum")
 CACHE_ENTRIES = Gauge("qwen3vl_cache_entries", "entries held by each cache", ["cache"], multiprocess_mode="livesum")
 
-# The conversation cache's disk tier (service/caches/kv_disk.py); its hits, misses, evictions and
+# The conversation cache's disk tier (service/caches/kv_disk/); its hits, misses, evictions and
 # budget are the cache metrics above with cache="kv_disk". One store serves the machine's instances.
 KV_DISK_READ_BYTES = Counter("qwen3vl_kv_disk_read_bytes_total", "bytes of keys and values read from the disk tier")
 KV_DISK_WRITTEN_BYTES = Counter("qwen3vl_kv_disk_written_bytes_total", "bytes written to the disk tier")

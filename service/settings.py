@@ -9,7 +9,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-# The embedded random test model's directory under CACHE_DIR (checkpoints builds it; deploy sizes it).
+# The embedded random test model's directory under CACHE_DIR (service/random_checkpoints/embedded.py
+# builds it; deploy sizes it).
 EMBEDDED_MODEL_DIRNAME = "embedded-tiny-qwen3-vl-3"  # -3: the chat template renders tools
 
 

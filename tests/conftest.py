@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from service.engine.engine import Engine  # noqa: E402
-from service.model.checkpoints import embedded_model_dir  # noqa: E402
 from service.model.loading import load_model  # noqa: E402
 from service.model.prompts import prepare_prompt  # noqa: E402
+from service.random_checkpoints.embedded import embedded_model_dir  # noqa: E402
 from service.settings import load_settings  # noqa: E402
 
 # Tests use the embedded model built in a cache of their own, never a user's MODEL_PATH.
@@ -66,7 +66,7 @@ def tiny_dir(cache_dir) -> Path:
 
 def built_preset(cache_dir: Path, preset: str) -> Path:
     """`make-model --preset PRESET` under the cache (embedded-PRESET), built once per cache."""
-    from service.model.checkpoints import make_checkpoint
+    from service.random_checkpoints.make import make_checkpoint
 
     path = cache_dir / f"embedded-{preset}"
     if not (path / "config.json").exists():
@@ -239,7 +239,7 @@ INT4_DIR = "embedded-tiny-int4"  # under the session's cache: `int4_dir` writes 
 def int4_dir(cache_dir, tiny_dir) -> Path:
     """The embedded model written as a 4-bit checkpoint (`python -m service quantize --bits 4`'s
     defaults: groups of 128 inputs where they divide, else 64 or 32; the vision tower INT8)."""
-    from service.quant.quantized import write_quantized
+    from service.quant.writer import write_quantized
 
     path = cache_dir / INT4_DIR
     if not (path / "config.json").exists():
@@ -272,7 +272,7 @@ def transformers_model(path: Path, quantization: str = "fp32", kernel: str = "fb
     from transformers import AutoConfig
 
     from service.quant.fusion import fuse_projections, model_class
-    from service.quant.quantized import quantize_in_place
+    from service.quant.in_place import quantize_in_place
 
     model = model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32).eval()
     model.requires_grad_(False)

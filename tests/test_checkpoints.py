@@ -8,9 +8,10 @@ import json
 import pytest
 from torch import nn
 
-from service.model.checkpoints import BUILT, PRESETS, make_checkpoint, model_config
 from service.model.loading import load_model
 from service.quant.int8_linear import Int8Linear
+from service.random_checkpoints.make import make_checkpoint
+from service.random_checkpoints.presets import BUILT, PRESETS, model_config
 
 from conftest import make_settings, run_cli
 
@@ -171,7 +172,7 @@ def test_an_untied_dense_checkpoint_gets_its_own_embedding_table(cache_dir, tiny
     from service.model.attention import ExactAttention
     from service.model.forward import Rows, TextForward
     from service.quant.int8_linear import Int8Embedding, quantize_rows
-    from service.quant.quantized import write_quantized
+    from service.quant.writer import write_quantized
 
     untied = tmp_path / "untied"
     model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32)

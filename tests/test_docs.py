@@ -45,7 +45,7 @@ def test_the_headline_figures_cite_sections_that_bench_results_holds():
 PATH_REFERENCE = re.compile(r"(?<![\w/.*-])(?:service|tests|bench)/[\w/.*-]*")
 # `service.deploy.healthcheck`, `service.caches.lru.BudgetedLRU`: a module by its import name, then names in it.
 DOTTED_REFERENCE = re.compile(r"(?<![\w/.-])service(?:\.[A-Za-z_]\w*)+")
-# `kv_disk.py`, `int8_gemm.c`, `RESULTS.md`: a bare file name names a file somewhere in the repository.
+# `block_files.py`, `int8_gemm.c`, `RESULTS.md`: a bare file name names a file somewhere in the repository.
 BARE_FILE = re.compile(r"(?<![\w/.*-])[A-Za-z_][\w-]*(?:\.[\w-]+)*\.(?:py|c|h|md)\b")
 # Files of other projects the prose names on purpose.
 OUTSIDE_FILES = {"convert_hf_to_gguf.py"}  # llama.cpp's converter (bench/bench_peer.py)

@@ -20,8 +20,8 @@ from service.model.prompts import ChatMessage, TextPart
 from service.quant import published
 from service.quant.int4_linear import Int4Linear, dequantize, pack, quantize_groups
 from service.quant.int8_linear import Int8Linear
-from service.quant.packing import quantized_marker
-from service.quant.quantized import FORMAT_INT4, load_quantized
+from service.quant.loader import load_quantized
+from service.quant.packing import FORMAT_INT4, quantized_marker
 
 from conftest import HAS_AVX512, ONLY_AVX2, in_a_mapping_of, make_settings, run_cli, run_probe, weights_settings
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from service.quant.in_place import quantize_in_place
 from service.quant.int8_linear import Int8Linear, quantize_rows
-from service.quant.quantized import quantize_in_place
 
 from conftest import HAS_AVX512, run_probe
 

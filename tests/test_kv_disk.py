@@ -1,4 +1,4 @@
-"""The conversation cache's disk tier (service/caches/kv_disk.py) on the real tiny model, fp32, INT8
+"""The conversation cache's disk tier (service/caches/kv_disk/) on the real tiny model, fp32, INT8
 and 4-bit: a turn whose cache memory lost (evicted, restarted, another instance) continues from
 disk with the very bits a turn from memory and a full recompute get; damaged and foreign files are
 removed unused; the budget holds. Then through real Gunicorn instances: restarts (graceful and
@@ -384,7 +384,7 @@ def test_what_is_no_block_under_a_blocks_name_is_swept_and_everything_else_left(
     assert not fifo.exists() and not link.is_symlink() and not empty.exists()
     assert (holding / "keep").read_text() == "kept" and (folder / "notes.txt").read_text() == "mine"
     assert (tmp_path / "precious.kv").read_text() == "precious"
-    from service.caches.block_files import NotABlock, open_block
+    from service.caches.kv_disk.block_files import NotABlock, open_block
 
     os.mkfifo(fifo)
     link.symlink_to(tmp_path / "precious.kv")

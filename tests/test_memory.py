@@ -28,7 +28,7 @@ from service.memory import (
 from service.model.loading import load_model
 from service.model.prompts import ChatMessage, TextPart
 from service.quant.int8_linear import Int8Linear, MappedInt8Linear
-from service.quant.quantized import write_quantized
+from service.quant.writer import write_quantized
 
 from conftest import in_a_mapping_of, make_settings
 from imaging import encode, pattern

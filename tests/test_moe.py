@@ -53,7 +53,7 @@ KERNELS = pytest.mark.parametrize(
 @pytest.fixture(scope="module")
 def quantized_dirs(cache_dir, tiny_moe_dir):
     """tiny-moe written by `python -m service quantize` (INT8) and `--bits 4` (every expert 4-bit)."""
-    from service.quant.quantized import write_quantized
+    from service.quant.writer import write_quantized
 
     dirs = {"int8-checkpoint": cache_dir / "tiny-moe-int8", "int4": cache_dir / "tiny-moe-int4"}
     for kind, path in dirs.items():

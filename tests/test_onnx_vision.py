@@ -16,7 +16,7 @@ from service.engine.engine import Completion, Engine, GenerationRequest, Samplin
 from service.media.images import decode_image
 from service.model.loading import load_model
 from service.model.prompts import ChatMessage, ImagePart, TextPart
-from service.quant.quantized import write_quantized
+from service.quant.writer import write_quantized
 from service.vision.encoders import make_vision_encoder
 from service.vision.features import TorchVisionEncoder
 from service.vision.onnx import GRAPH_FILES, MANIFEST, OnnxVisionEncoder, default_export_dir

@@ -22,8 +22,8 @@ from service.model.prompts import ChatMessage, ImagePart, TextPart
 from service.quant import int8_linear
 from service.quant.int8_linear import Int8Linear, PackedInt8Embedding, pack_native, quantize_rows, unpack_native
 from service.quant.kernel_choice import KernelChoice
-from service.quant.packing import native_int8_names
-from service.quant.quantized import FORMAT, QUANTIZED_MARKER, write_quantized
+from service.quant.packing import FORMAT, QUANTIZED_MARKER, native_int8_names
+from service.quant.writer import write_quantized
 
 from conftest import in_a_mapping_of, make_settings, run_cli
 from imaging import encode, pattern

@@ -12,10 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from service.model import random_weights
-from service.model.checkpoints import make_checkpoint, model_config
+from service.quant.estimates import estimated_bytes
 from service.quant.packing import QUANTIZED_MARKER
-from service.quant.quantized import estimated_bytes, write_quantized
+from service.quant.writer import write_quantized
+from service.random_checkpoints import random_weights
+from service.random_checkpoints.make import make_checkpoint
+from service.random_checkpoints.presets import model_config
 
 from conftest import ROOT, make_settings
 
@@ -194,9 +196,9 @@ from pathlib import Path
 import psutil
 from service import native
 from transformers import AutoConfig
-from service.model.checkpoints import make_checkpoint, model_config
-from service.model.random_weights import checkpoint_shapes
-from service.quant.quantized import estimated_bytes
+from service.random_checkpoints.make import make_checkpoint
+from service.random_checkpoints.random_weights import checkpoint_shapes
+from service.quant.estimates import estimated_bytes
 
 native.configure(Path(sys.argv[1]))
 shapes = json.loads(sys.argv[3])

@@ -91,6 +91,8 @@ LAYERS = [
     ("native", ["service.native"]),
     ("media", ["service.media"]),
     ("quant", ["service.quant"]),
+    # Below the model room, which loads the embedded model it makes; above quant, whose writer it uses.
+    ("random_checkpoints", ["service.random_checkpoints"]),
     ("vision", ["service.vision"]),
     ("answer", ["service.answer"]),
     ("model", ["service.model"]),

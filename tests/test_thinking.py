@@ -16,10 +16,10 @@ from test_speculative import run, run_together, same_bits
 from service.answer.structured import json_grammar
 from service.engine.engine import Engine
 from service.generation import GenerationRequest, SamplingParams, TextDelta
-from service.model.checkpoints import THINKING_CHAT_TEMPLATE
 from service.model.loading import load_model, load_processor
 from service.model.prompts import ChatMessage, TextPart
 from service.model.thinking import detect_thinking
+from service.random_checkpoints.chat_templates import THINKING_CHAT_TEMPLATE
 
 from conftest import make_settings
 

@@ -142,7 +142,7 @@ def preset_model_path(preset: str) -> Path:
 
 def tiny_model_path() -> Path:
     """The embedded tiny checkpoint under CACHE_DIR, built on first use."""
-    from service.model.checkpoints import embedded_model_dir
+    from service.random_checkpoints.embedded import embedded_model_dir
     from service.settings import load_settings
 
     return embedded_model_dir(load_settings().cache_dir)

@@ -51,7 +51,7 @@ class KVReuse:
 
     cache: DynamicCache
     tokens: int
-    source: str = "memory"  # the tier it came from: memory, or disk (service/caches/kv_disk.py)
+    source: str = "memory"  # the tier it came from: memory, or disk (service/caches/kv_disk/)
 
 
 def reusable_prefix(entry: KVEntry, token_ids: torch.Tensor, images: list[VisionSpan]) -> int:

@@ -1,4 +1,4 @@
-"""The conversation cache's two tiers as one: memory (conversation.py) in front of disk (kv_disk.py).
+"""The conversation cache's two tiers as one: memory (conversation.py) in front of disk (kv_disk/).
 
 A kept cache goes to memory and, written behind, to disk; a lookup takes the longer of what the two
 hold — memory when they hold as much, since it costs nothing to read — and a disk hit continues

@@ -1,9 +1,12 @@
 """The engine room: one loaded model serving many requests.
 
-`engine.Engine` admits a request (limits, memory, the queue: `admission`), prepares its prompt
-and runs it as a `batching.Sequence` on the one scheduler thread that owns the model: its prefill
-in steps (`prefill`: cache lookup, vision encoder, prompt pieces), then decode steps shared with
-the batch; `sampling` chooses each token, `streaming` carries the tokens to the request's thread
-as text. May import every room below it (model, answer, caches, vision, quant, media, native) and
-the top-level modules; nothing but the HTTP layer and the CLI imports it.
+`engine.Engine` takes a request through the input side (`input`: checks, prompt, token limit,
+grammar, memory) and admission (`admission`: limits, the queue, preemption), then runs it as a
+`sequence.Sequence` on the one scheduler thread that owns the model (`scheduler`: continuous
+batching): its prefill in steps (`prefill`: cache lookup, vision encoder, prompt pieces), then
+decode steps shared with the batch, verifying guessed tokens (`drafts`); `sampling` chooses each
+token, `reasoning` follows a thinking model's reasoning, `streaming` carries the tokens to the
+request's thread and `output` turns them into its events. May import every room below it (caches,
+model, answer, vision, random_checkpoints, quant, media, native, jobs) and the top-level modules;
+nothing but the HTTP layer and the CLI imports it.
 """

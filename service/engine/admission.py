@@ -8,7 +8,7 @@ seconds since it reached the server: a request of priority 10 outranks new prior
 Preemption: a request that finds every place held, one of them by a request of a less urgent priority (a
 higher value) that is still less urgent once aged, takes the place of the least urgent such holder (the
 latest to arrive among equals) at once. The scheduler pauses that holder at its next step, its whole
-state kept (service/engine/batching.py), and it waits here like any waiter — ahead of later arrivals of
+state kept (service/engine/scheduler.py), and it waits here like any waiter — ahead of later arrivals of
 its urgency — for a place to resume in. Paused requests are admitted already: they do not count against
 the queue's bound and never time out (REQUEST_DEADLINE still ends them).
 

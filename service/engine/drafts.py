@@ -10,7 +10,7 @@ may bring up to `max_tokens` guesses per step, from:
   latest n-gram (3, then 2, then 1 tokens) appeared before, in the prompt or the answer — answers
   that copy (extracting fields, reformatting, correcting an earlier turn) are guessed well.
 
-The scheduler verifies them (service/engine/batching.py); `DraftBudget` keeps guessing where it pays:
+The scheduler verifies them (service/engine/scheduler.py); `DraftBudget` keeps guessing where it pays:
 each sequence's recent acceptance decides how many it guesses, and a run of misses pauses its
 prompt lookup for a while (doubling each time), so a sequence whose guesses keep failing costs
 next to nothing.

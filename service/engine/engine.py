@@ -4,7 +4,7 @@
 limit, grammar, memory), the admission queue (`admission`), and hands it to the scheduler as one
 record with a status (service/engine/sequence.py): its prefill in steps (service/engine/prefill.py:
 cache lookup, vision encoder, prompt pieces), then decode steps shared with the batch
-(service/engine/batching.py). The output side (service/engine/output.py) turns its tokens into
+(service/engine/scheduler.py). The output side (service/engine/output.py) turns its tokens into
 events on the request's own thread. The model is called with explicit M-RoPE positions per
 sequence, never through `generate`, so transformers' per-model `rope_deltas` state plays no part.
 
@@ -33,13 +33,13 @@ from ..model.loading import LoadedModel
 from ..settings import Settings
 from ..vision.encoders import make_vision_encoder
 from .admission import Admission, Ticket
-from .batching import Scheduler
 from .drafts import DraftBudget
 from .input import InputProcessor, Prepared
 from .output import OutputProcessor
 from .prefill import Prefiller, covered_positions
 from .reasoning import ReasoningPhase
 from .sampling import Sampler, Sampling
+from .scheduler import Scheduler
 from .sequence import PrefillMarks, Sequence
 from .streaming import TokenStream
 

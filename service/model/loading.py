@@ -1,4 +1,4 @@
-"""Load a Qwen3-VL checkpoint directory (or the embedded tiny one): processor and model, fp32 or INT8."""
+"""Load a Qwen3-VL checkpoint directory (or the embedded tiny one): processor and model, fp32, INT8 or 4-bit."""
 
 from __future__ import annotations
 
@@ -18,17 +18,14 @@ from .. import startup
 from ..footprint import check_fits
 from ..media.images import fit_processor
 from ..memory import MemoryGuard
-from ..quant.packing import FORMAT_INT4, int8_kernels
-from ..quant.quantized import (
-    current_format,
-    load_quantized,
-    published_checkpoint,
-    quantize_in_place,
-    quantized_marker,
-)
+from ..quant.conversion import current_format, published_checkpoint
+from ..quant.in_place import quantize_in_place
+from ..quant.loader import load_quantized
+from ..quant.packing import FORMAT_INT4, int8_kernels, quantized_marker
+from ..random_checkpoints.embedded import embedded_model_dir
+from ..random_checkpoints.marker import RANDOM_MODEL_WARNING, is_random_test_model
 from ..settings import Settings
 from ..threads import in_own_thread
-from .checkpoints import RANDOM_MODEL_WARNING, embedded_model_dir, is_random_test_model
 from .skeleton import skeleton
 from .weights import generation_config, load_weights
 
@@ -170,7 +167,7 @@ def warm_up(loaded: LoadedModel) -> threading.Thread | None:
     (service/model/prefault.py) and the pending INT8 Linears packed for their measured kernel, one
     at a time, on a background thread at the lowest CPU priority — requests are served meanwhile, by
     the native kernel until each packed Linear replaces it (the same bits). Returns that thread."""
-    from ..quant.quantized import pack_pending
+    from ..quant.loader import pack_pending
     from . import prefault
 
     prefault.prefault(loaded.path)

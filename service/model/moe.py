@@ -40,21 +40,11 @@ log = logging.getLogger(__name__)
 def _library(march: str | None = None):
     """router.c built for this CPU, or for `march` (None without a compiler: one row at a time)."""
     try:
-        lib = native.library(native.ROUTER, march)
+        arguments = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4
+        return native.typed_library(native.ROUTER, {"router_logits": (arguments, None)}, march)
     except native.BUILD_ERRORS as exc:
         log.warning("the router kernel is unavailable (%s): routing one row at a time, exact and slower", exc)
         return None
-    lib.router_logits.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
-    return lib
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, march: str | None = None) -> torch.Tensor:

@@ -3,8 +3,10 @@
 `library(kernel)` compiles the kernel's source with gcc into CACHE_DIR/kernels (named by a digest of
 the source, the flags, the compiler and the CPU, so another CPU or a changed source builds anew;
 written atomically, as instances may race) and loads it with ctypes, once per process. OpenMP comes
-from the libgomp torch already loaded, so the kernels share torch's thread pool. `prebuild` starts
-the compiles in the background at the very start of a server (gcc runs while Python imports torch).
+from the libgomp torch already loaded, so the kernels share torch's thread pool. `typed_library` gives
+a kernel's functions their ctypes signatures and `linear_call` mirrors the Linear kernels' call
+structure, for the modules that call them. `prebuild` starts the compiles in the background at the
+very start of a server (gcc runs while Python imports torch).
 
 This package imports nothing heavy (wsgi.py calls it before torch is imported) and nothing of the
 service but its settings.
@@ -132,6 +134,31 @@ def library(kernel: Kernel, march: str | None = None) -> ctypes.CDLL:
     if key not in _loaded:
         _loaded[key] = ctypes.CDLL(str(build(kernel, _process_cache_dir(), key[1])))
     return _loaded[key]
+
+
+def linear_call(name: str, sizes: tuple[str, ...], weights: tuple[str, ...]) -> type[ctypes.Structure]:
+    """The ctypes twin of a Linear kernel's call structure (int8_gemm.c's `Linear`, int4_gemm.c's
+    `Int4Linear`), laid out as both lay theirs: the rows in (x, x_row, m), the sizes (k, n, then the
+    ints `sizes` names), the pointers `weights` names, the bias (or NULL), the rows out (y, y_row)."""
+    pointers = (*weights, "bias", "y")
+    fields = [
+        ("x", ctypes.c_void_p),
+        ("x_row", ctypes.c_int64),
+        *((size, ctypes.c_int) for size in ("m", "k", "n", *sizes)),
+        *((pointer, ctypes.c_void_p) for pointer in pointers),
+        ("y_row", ctypes.c_int64),
+    ]
+    return type(name, (ctypes.Structure,), {"_fields_": fields})
+
+
+def typed_library(kernel: Kernel, signatures: dict[str, tuple[list, object]], march: str | None = None) -> ctypes.CDLL:
+    """`library(kernel, march)` with the argument and result types of each function `signatures` names
+    ({name: (argtypes, restype)}; restype None for a void function)."""
+    lib = library(kernel, march)
+    for name, (argtypes, restype) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
+    return lib
 
 
 _HUGE_PAGE = 2 << 20

@@ -35,37 +35,23 @@ QUANTIZE_ROWS = 2048  # rows quantized at once (the candidates of a chunk: ~100 
 _FP16_TINY = 2.0**-14  # smallest normal fp16: scales below it would lose precision
 
 
-class _NativeCall(ctypes.Structure):
-    """int4_gemm.c's `Int4Linear`: one call's input, weights and output."""
-
-    _fields_ = [
-        ("x", ctypes.c_void_p),
-        ("x_row", ctypes.c_int64),
-        ("m", ctypes.c_int),
-        ("k", ctypes.c_int),
-        ("n", ctypes.c_int),
-        ("group", ctypes.c_int),
-        ("packed", ctypes.c_void_p),
-        ("zeros", ctypes.c_void_p),
-        ("scales", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-        ("y", ctypes.c_void_p),
-        ("y_row", ctypes.c_int64),
-    ]
+# int4_gemm.c's `Int4Linear`: one call's input, weights and output
+_NativeCall = native.linear_call("_NativeCall", ("group",), ("packed", "zeros", "scales"))
 
 
 @functools.cache
 def native_library() -> ctypes.CDLL:
     """int4_gemm.c built for this CPU, its functions typed (once per process)."""
-    lib = native.library(native.INT4_GEMM)
-    lib.int4_packed_bytes.restype = ctypes.c_int64
-    lib.int4_packed_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
-    lib.int4_group_entries.restype = ctypes.c_int64
-    lib.int4_group_entries.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    lib.int4_pack.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
-    lib.int4_linear.argtypes = [ctypes.POINTER(_NativeCall), ctypes.c_int]
-    lib.int4_experts.argtypes = [ctypes.POINTER(_NativeExperts), ctypes.c_int, ctypes.c_int]
-    return lib
+    return native.typed_library(
+        native.INT4_GEMM,
+        {
+            "int4_packed_bytes": ([ctypes.c_int, ctypes.c_int], ctypes.c_int64),
+            "int4_group_entries": ([ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_int64),
+            "int4_pack": ([ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3, None),
+            "int4_linear": ([ctypes.POINTER(_NativeCall), ctypes.c_int], ctypes.c_int),
+            "int4_experts": ([ctypes.POINTER(_NativeExperts), ctypes.c_int, ctypes.c_int], ctypes.c_int),
+        },
+    )
 
 
 def supports(shape: tuple[int, int], group: int) -> bool:

@@ -74,33 +74,21 @@ def _cpu_flags() -> str:
 _BF16_GEMM = " avx512_bf16" in _cpu_flags()
 
 
-class _NativeCall(ctypes.Structure):
-    """int8_gemm.c's `Linear`: one call's input, weights and output."""
-
-    _fields_ = [
-        ("x", ctypes.c_void_p),
-        ("x_row", ctypes.c_int64),
-        ("m", ctypes.c_int),
-        ("k", ctypes.c_int),
-        ("n", ctypes.c_int),
-        ("packed", ctypes.c_void_p),
-        ("column_sums", ctypes.c_void_p),
-        ("scales", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-        ("y", ctypes.c_void_p),
-        ("y_row", ctypes.c_int64),
-    ]
+# int8_gemm.c's `Linear`: one call's input, weights and output
+_NativeCall = native.linear_call("_NativeCall", (), ("packed", "column_sums", "scales"))
 
 
 @functools.cache
 def native_library() -> ctypes.CDLL:
     """int8_gemm.c built for this CPU, its functions typed (once per process: every native Linear asks)."""
-    lib = native.library(native.INT8_GEMM)
-    lib.int8_packed_bytes.restype = ctypes.c_int64
-    lib.int8_packed_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
-    lib.int8_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    lib.int8_linear.argtypes = [ctypes.POINTER(_NativeCall), ctypes.c_int]
-    return lib
+    return native.typed_library(
+        native.INT8_GEMM,
+        {
+            "int8_packed_bytes": ([ctypes.c_int, ctypes.c_int], ctypes.c_int64),
+            "int8_pack": ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p], None),
+            "int8_linear": ([ctypes.POINTER(_NativeCall), ctypes.c_int], ctypes.c_int),
+        },
+    )
 
 
 def native_rows(function, template: ctypes.Structure, flat: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -3,7 +3,7 @@ its tensors' names, and the helpers that write and read them.
 
 Format 2 stores each model Linear as the kernels compute it — INT8 ones fused (q/k/v, gate/up) in the
 native kernel's layout (service/native/int8_gemm.c, the same on every CPU), 4-bit ones in the 4-bit
-kernel's — so a start maps the files and uses them in place (service/quant/quantized.load_quantized):
+kernel's — so a start maps the files and uses them in place (service/quant/loader.load_quantized):
 no packing, one copy in the page cache for every process on the machine. Pure of transformers.
 """
 
@@ -89,7 +89,7 @@ def linear_bytes(path: Path, marker: dict) -> int:
 
 
 ALIGNMENT = 64  # bytes: kernels may need aligned weights (bf16 `_weight_int8pack_mm` crashes on 8-aligned ones)
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def write_aligned_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -101,7 +101,7 @@ def write_aligned_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> N
     for name in order:
         size = tensors[name].numel() * tensors[name].element_size()
         header[name] = {
-            "dtype": _DTYPE_NAMES[tensors[name].dtype],
+            "dtype": DTYPE_NAMES[tensors[name].dtype],
             "shape": list(tensors[name].shape),
             "data_offsets": [offset, offset + size],
         }

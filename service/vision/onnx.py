@@ -230,7 +230,7 @@ def export_vision_onnx(
     EXPORT_STEPS ends. Returns the manifest."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from ..quant.quantized import quantized_marker
+    from ..quant.packing import quantized_marker
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if quantized_marker(model_dir):

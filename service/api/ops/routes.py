@@ -6,7 +6,7 @@ from flask import Blueprint, Response, jsonify
 
 from ... import metrics, startup
 from ...errors import ServiceError
-from ...model.checkpoints import RANDOM_MODEL_WARNING
+from ...random_checkpoints.marker import RANDOM_MODEL_WARNING
 from ..http_io import error_response
 from ..openapi import openapi_document
 from ..schemas import dump

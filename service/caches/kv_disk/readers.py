@@ -1,4 +1,4 @@
-"""Reads with a deadline on a few daemon threads: the disk tier's reader (service/caches/kv_disk.py).
+"""Reads with a deadline on a few daemon threads: the disk tier's reader (service/caches/kv_disk/store.py).
 
 A read past its deadline is given up: its Future fails with TimeoutError and the request recomputes.
 Python cannot interrupt a thread stuck in the kernel (a hung device), so the read itself runs on; it

@@ -1,4 +1,4 @@
-"""What may stand under a disk-tier block's name, and how the store opens and removes it.
+"""What may stand under a disk-tier block's name, and how the store opens, touches and removes it.
 
 Only a regular file is a block. Anything else under a block's name (a directory, a symbolic link, a
 FIFO, a socket, a device) is never opened for reading: a FIFO would block the reader on open, a link
@@ -86,3 +86,11 @@ def remove_entry(path: Path) -> bool:
         return True
     except OSError:
         return False
+
+
+def touch(path: Path) -> None:
+    """Mark a block as just used (the sweep evicts the least recently used first), if it is still there."""
+    try:
+        os.utime(path, follow_symlinks=False)
+    except OSError:
+        pass

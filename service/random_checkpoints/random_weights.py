@@ -1,5 +1,5 @@
 """Random weights generated tensor by tensor: the one generator of `make-model`'s random checkpoints
-(service/model/checkpoints.py), whether written as they are or straight into the INT8 / 4-bit format.
+(service/random_checkpoints/make.py), whether written as they are or straight into the INT8 / 4-bit format.
 
 Every tensor is a pure function of its name and shape: it is generated in blocks along its first
 dimension — one block per slice for tensors of three or more dimensions (one expert of a mixture of
@@ -23,7 +23,9 @@ import torch
 
 SEED = 0
 BLOCK_ELEMENTS = 1 << 20
-# The releases store each layer's experts as [E, H, 2I] and [E, I, H]; transformers 5 holds them transposed.
+# The releases store each layer's experts as [E, H, 2I] and [E, I, H]; transformers 5 holds (and saves) them
+# transposed, its conversion mapping for qwen3_vl_moe turning them at load. The random checkpoints are
+# generated in the releases' layout, so the tests load what a downloaded checkpoint holds.
 RELEASED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
@@ -63,7 +65,7 @@ def generate(
 def checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:
     """The tensors a checkpoint of `config` stores, as the releases store them: the model's state dict
     (built on the meta device) without a tied lm_head, experts' 3-D tensors transposed."""
-    from ..quant.quantized import skeleton
+    from ..quant.structure import skeleton
 
     shapes = {n: tuple(t.shape) for n, t in skeleton(config).state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
@@ -75,8 +77,8 @@ def checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:
 
 
 class _Tensors:
-    """What the quantized writer reads a checkpoint through (service/quant/quantized.py's
-    `_SourceTensors`): names, shapes, whole tensors and rows of one."""
+    """What the quantized writer reads a checkpoint through (service/quant/source_tensors.py's
+    `SourceTensors`): names, shapes, whole tensors and rows of one."""
 
     published: dict = {}  # no GPTQ/AWQ Linears
 
