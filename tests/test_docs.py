@@ -14,6 +14,7 @@ from conftest import ROOT
 
 README = ROOT / "README.md"
 RESULTS = ROOT / "bench" / "RESULTS.md"
+SETTINGS_DOC = ROOT / "docs" / "settings.md"
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 CITED_SECTION = re.compile(r"RESULTS\.md[^)]*\)?,? § “([^”]+)”")
 
@@ -36,6 +37,33 @@ def test_the_headline_figures_cite_sections_that_bench_results_holds():
     titles = {line[3:].strip() for line in RESULTS.read_text().splitlines() if line.startswith("## ")}
     for title in cited:
         assert any(t.startswith(title) for t in titles), f"README cites “{title}”, not in bench/RESULTS.md"
+
+
+# -- docs/settings.md is the settings object's map ----------------------------------------------------
+
+# `KV_DISK_MB`, `HOST`: a setting's environment variable, in a row's first cell; ENV_VARIABLE anywhere.
+TABLE_NAME = re.compile(r"`([A-Z][A-Z0-9_]*)`")
+ENV_VARIABLE = re.compile(r"(?<![\w/.-])[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b")
+ENVIRON_READ = re.compile(r"environ(?:\.get|\.setdefault)?[(\[]\s*[\"']([A-Z][A-Z0-9_]*)[\"']")
+
+
+def documented_settings(text: str) -> set[str]:
+    """The variables the settings table names: the backticked names in each row's first cell."""
+    rows = [line.split("|")[1] for line in text.splitlines() if line.startswith("| `")]
+    return {name for cell in rows for name in TABLE_NAME.findall(cell)}
+
+
+def test_the_settings_doc_names_every_setting_and_no_other():
+    from service.settings import Settings
+
+    fields = {name.upper() for name in Settings.model_fields}
+    text = SETTINGS_DOC.read_text()
+    documented = documented_settings(text)
+    assert sorted(fields - documented) == [], "settings docs/settings.md's table leaves out"
+    assert sorted(documented - fields) == [], "docs/settings.md's table names settings that do not exist"
+    read_directly = {m for p in (ROOT / "service").rglob("*.py") for m in ENVIRON_READ.findall(p.read_text())}
+    unknown = set(ENV_VARIABLE.findall(text)) - fields - read_directly
+    assert sorted(unknown) == [], "docs/settings.md names variables the service never reads"
 
 
 # -- every file and name the prose points at exists ------------------------------------------------
