@@ -22,9 +22,9 @@ import statistics
 
 from tqdm import tqdm
 
-from bench.bench_structured import RECEIPT
 from bench.core.harness import parse, parser
 from bench.core.inputs import DECODE_PROMPT as PROSE
+from bench.core.inputs import RECEIPT
 from bench.core.results import markdown_table, report
 from bench.core.session import Session
 
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     )
     return report(
         args,
-        "Exact speculative decoding: on against off (bench/bench_speculative.py)",
+        "Exact speculative decoding: on against off",
         {
             "MODEL_PATH": model_path.name,
             "THREADS": args.threads,

@@ -230,7 +230,7 @@ def main(argv=None) -> int:
         load = f.read().split()[0]
     return report(
         args,
-        "Vision encoder: torch vs ONNX Runtime (bench/bench_vision.py)",
+        "Vision encoder: torch vs ONNX Runtime",
         {
             "checkpoint": args.model_path.name,
             "threads": args.threads,

@@ -559,7 +559,7 @@ def main(argv=None) -> int:
     body += f"\n\n![decode tokens/s against context]({png.name})"
     return report(
         args,
-        "Decode step: lean vs transformers' forward, by context (bench/bench_decode.py)",
+        "Decode step: lean vs transformers' forward, by context",
         {"MODEL_PATH": model_path.name, "THREADS": args.threads, "QUANTIZATION": "int8"},
         body,
     )
