@@ -1,5 +1,5 @@
 """The long fuzz run: tests/test_fuzz.py (schemathesis + hypothesis hostile inputs) with many
-examples against one real Gunicorn; tallies every response status and appends it to RESULTS.md.
+examples against one real Gunicorn; tallies every response status and writes it to RESULTS.md.
 
     python -m bench.bench_fuzz                  # ~2,000 examples per test: > 10,000 requests
     python -m bench.bench_fuzz --examples 200 --no-save

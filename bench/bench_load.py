@@ -1,7 +1,7 @@
 """Bounded load test: more concurrent clients than the queue holds, on loopback only.
 
-Every request must end in 200, 429 or 503 within its timeout — none may hang. Prints and appends
-throughput and latency percentiles to bench/RESULTS.md.
+Every request must end in 200, 429 or 503 within its timeout — none may hang. Prints throughput and
+latency percentiles and writes them to bench/RESULTS.md.
 
     python -m bench.bench_load                      # tiny embedded model, 16 clients, 96 requests
     python -m bench.bench_load --clients 32 --requests 400 --model-path /path/to/checkpoint

@@ -39,8 +39,8 @@ endpoint, greedy, end of turn biased away so answers run to max_tokens:
   in a mixture of experts) ÷ this machine's read bandwidth, probed before the servers start; each
   decode rate as a share of its own weights' ceiling.
 A llama.cpp server that crashes is started again with `-nr` (no weight repacking, which segfaulted on a
-Xeon with AMX), and the table says so. It writes its section in bench/RESULTS.md and bench/peer.png
-(bench/peer-30b-a3b-e32.png for `--model 30b-a3b-e32`, and so on; each figure against llama.cpp Q8_0).
+Xeon with AMX), and the table says so. It writes its section in bench/RESULTS.md and its plot (each
+figure against llama.cpp Q8_0) in bench/plots/, e.g. peer-4b-amx-xeon.png for `--model 4b` on a Xeon with AMX.
 """
 
 from __future__ import annotations
@@ -59,10 +59,9 @@ from bench.core.client import chat, openai_chat
 from bench.core.harness import concurrently, parse, parser, preset_model_path, tree_memory
 from bench.core.inputs import DECODE_PROMPT, QUESTION, message, photo_url, text_of_tokens
 from bench.core.llama_cpp import LLAMA_CPP_PYTHON, gguf_weights, llama_cpp
-from bench.core.results import cpu_model, markdown_table, report
+from bench.core.results import cpu_model, markdown_table, plot_file, plot_link, report
 from bench.core.servers import gunicorn_server, llama_server, without_repacking_if_it_crashes
 
-HERE = Path(__file__).resolve().parent
 MODELS = ("2b", "4b", "8b", "30b-a3b-e32", "30b-a3b")  # make-model presets (bf16 checkpoints, but the last)
 OURS_ONLY = ("30b-a3b",)  # no bf16 checkpoint for llama.cpp's converter to read: ours alone, 4-bit
 OURS_4BIT = "this service 4-bit"
@@ -198,7 +197,7 @@ def main(argv=None) -> int:
     for kind in kinds:
         med[kind]["ceiling"] = bandwidth / active[kind]
         med[kind]["ceiling_share"] = med[kind]["decode_plain"] / med[kind]["ceiling"]
-    plot_path = None if ours_only else HERE / ("peer.png" if args.model == "2b" else f"peer-{args.model}.png")
+    plot_path = None if ours_only else plot_file(f"peer-{args.model}")
     if not args.no_save and plot_path is not None:
         plot(med, kinds, plot_path)
     title = f"This service side by side with llama.cpp: {args.model}"
@@ -323,7 +322,7 @@ def table(
         "row is a token a forward, what the ceiling bounds; llama.cpp speculates only with a draft model, so "
         "its row repeats its decode. "
         f"Ours: {ours}; llama.cpp: {', '.join(p.name for p in weights.values()) or 'not run'}."
-        + (f" [Plot: each figure against llama.cpp Q8_0]({plot_path.name})." if plot_path else "")
+        + (f" [Plot: each figure against llama.cpp Q8_0]({plot_link(plot_path)})." if plot_path else "")
     )
 
 

@@ -10,18 +10,16 @@ each IMAGE_MAX_PIXELS budget, the photo resized into it and a one-token question
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench.core import int8_suite
 from bench.core.harness import isolated
 from bench.core.inputs import encoded_photo
-from bench.core.results import line_plot, markdown_table
+from bench.core.results import line_plot, markdown_table, plot_file, plot_link
 from bench.core.session import Session
 
 BUDGETS = [224 * 224, 320 * 320, 448 * 448, 640 * 640, 896 * 896, 1920 * 1080]
-PLOT = Path(__file__).resolve().parent / "pixel_budget.png"
 
 
 def sweep(model_path: str, threads: int, budgets: list[int]) -> list[dict]:
@@ -62,7 +60,7 @@ def sweep(model_path: str, threads: int, budgets: list[int]) -> list[dict]:
     return results
 
 
-def plot(results: list[dict], title: str, path: Path = PLOT) -> Path:
+def plot(results: list[dict], title: str, path: Path) -> Path:
     tokens = [r["visual_tokens"] for r in results]
     lines = [
         (tokens, [r["ttft_s"] for r in results], "o-", "time to first token"),
@@ -105,11 +103,11 @@ def main(argv=None) -> int:
     model_path = int8_suite.int8_copy(args)
     results = isolated("bench.bench_pixels:sweep", model_path=str(model_path), threads=args.threads, budgets=BUDGETS)
     title = f"{args.int8_path.name}, {args.threads} threads: time to first token vs visual tokens"
-    path = plot(results, title, Path(tempfile.gettempdir()) / PLOT.name if args.no_save else PLOT)
+    path = plot(results, title, plot_file("pixel_budget", save=not args.no_save))
     int8_suite.save(
         args,
         "Pixel budget → visual tokens → time to first token",
-        table(results) + f"\n\n![time to first token versus visual tokens]({path.name})",
+        table(results) + f"\n\n![time to first token versus visual tokens]({plot_link(path)})",
     )
     return 0
 

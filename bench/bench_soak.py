@@ -3,7 +3,7 @@ mid-stream disconnects. Afterwards the worker's anonymous memory (what a leak gr
 of the mapped embedding and libraries are reclaimable, and fill as new token rows are read) must have
 grown < 2 % since warm-up, with no leaked threads or file descriptors, and the caches within their budgets.
 
-    python -m bench.bench_soak                 # 1,000 requests, results appended to bench/RESULTS.md
+    python -m bench.bench_soak                 # 1,000 requests, results written to bench/RESULTS.md
     python -m bench.bench_soak --requests 150 --no-save
 """
 

@@ -8,7 +8,7 @@ checkpoint (default: the 2B-shaped random one, INT8, 2 threads) answering a ques
 720p MP4 clip at each visual-token budget (VIDEO_MAX_VISUAL_TOKENS, default first), then a
 follow-up question in the same conversation and the same clip opening a new conversation (the
 caches at work). Timings are the engine's own (the `done` line's), time to first token counted
-from before the clip is decoded. Prints and appends both tables to bench/RESULTS.md.
+from before the clip is decoded. Prints both tables and writes them to bench/RESULTS.md.
 
     flock /tmp/heavy.lock python -m bench.bench_video
     python -m bench.bench_video --model-path /path/to/Qwen3-VL-2B-Instruct --threads 4 --budgets 1024

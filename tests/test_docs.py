@@ -23,8 +23,8 @@ def test_the_readme_fits_a_first_read():
     assert len(README.read_text().splitlines()) <= 250
 
 
-def test_every_local_link_in_the_readme_and_docs_leads_to_a_file():
-    for page in [README, *(ROOT / "docs").glob("*.md")]:
+def test_every_local_link_in_the_readme_docs_and_results_leads_to_a_file():
+    for page in [README, RESULTS, *(ROOT / "docs").glob("*.md")]:
         for target in LINK.findall(page.read_text()):
             if not target.startswith(("http://", "https://", "mailto:")):
                 assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
@@ -35,8 +35,18 @@ def test_the_headline_figures_cite_sections_that_bench_results_holds():
     cited = CITED_SECTION.findall(text)
     assert len(cited) >= 4, "the headline table cites its bench/RESULTS.md sections"
     titles = {line[3:].strip() for line in RESULTS.read_text().splitlines() if line.startswith("## ")}
-    for title in cited:
-        assert any(t.startswith(title) for t in titles), f"README cites “{title}”, not in bench/RESULTS.md"
+    for title in cited:  # a section's heading, or its start: one scenario on one machine
+        matching = [t for t in titles if t.startswith(title)]
+        assert len(matching) == 1, f"README cites “{title}”: {len(matching)} sections of bench/RESULTS.md"
+
+
+def test_the_benchmarks_page_names_every_scenario_of_the_registry():
+    from bench.__main__ import SCENARIOS
+
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `python -m bench ")]
+    named = {name for row in rows for name in re.findall(r"`(?:python -m bench )?(\w+)", row.split("|")[1])}
+    assert sorted(set(SCENARIOS) - named) == [], "scenarios docs/benchmarks.md's command table leaves out"
 
 
 # -- docs/settings.md is the settings object's map ----------------------------------------------------
