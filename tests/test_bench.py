@@ -24,10 +24,10 @@ def test_bench_list_names_every_scenario_with_what_it_measures(capsys):
 
 
 def test_a_scenario_runs_with_the_arguments_given(capsys):
-    assert main(["load", "--help"]) == 0  # argparse's exit 0 is the scenario's success
-    assert "--clients" in capsys.readouterr().out  # bench_load's own parser read them
+    assert main(["fuzz", "--help"]) == 0  # argparse's exit 0 is the scenario's success
+    assert "--examples" in capsys.readouterr().out  # bench_fuzz's own parser read them
     with pytest.raises(SystemExit) as refused:
-        main(["load", "--no-such-option"])
+        main(["fuzz", "--no-such-option"])
     assert refused.value.code == 2
 
 
