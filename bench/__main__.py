@@ -1,118 +1,91 @@
-"""The INT8 suite: quantize, fidelity, pixels — one command each, `all` for every one.
+"""The benchmarks' registry: `python -m bench list` names every scenario (each a module bench/bench_*.py);
+`python -m bench NAME ARGS` runs bench.bench_NAME with ARGS, exactly as `python -m bench.bench_NAME ARGS`
+does (its parser takes them: `python -m bench NAME --help`).
 
-    flock /tmp/heavy.lock python -m bench all          # CACHE_DIR/qwen3vl-2b-random (or --model-path)
-    python -m bench quantize|fidelity|pixels [--threads 2] [--no-save]
-    python -m bench all --tiny          # the embedded tiny model: a quick run of the whole suite
+    python -m bench list
+    flock /tmp/heavy.lock python -m bench peer --model 4b
+    flock /tmp/heavy.lock python -m bench all           # the INT8 suite, on CACHE_DIR/qwen3vl-2b-random
+    python -m bench all --tiny --no-save                # the same on the embedded model: a quick check
 
-Every model measurement runs in a fresh process (RSS figures are its own). Each scenario prints its
-table and appends it to bench/RESULTS.md with date, CPU, threads, weights and settings. The other
-benchmarks are modules of their own (docs/benchmarks.md).
+Each scenario prints its tables and writes its section of bench/RESULTS.md (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import runpy
 import sys
-import tempfile
-from pathlib import Path
 
-import torch
-import transformers
-
-from bench import fidelity, pixels, quantizing
-from bench.core.harness import isolated, parse, parser, tiny_model_path
-from bench.core.results import report
-
-SCENARIOS = ["quantize", "fidelity", "pixels"]
-
-
-def _int8(args) -> Path:
-    """The pre-quantized copy of the source checkpoint, written (and measured) if missing."""
-    if not (args.int8_path / "config.json").exists():
-        quantize(args)
-    return args.int8_path
-
-
-def _save(args, title: str, body: str, **extra) -> None:
-    settings = {
-        "weights": args.model_path.name,
-        "INT8 checkpoint": args.int8_path.name,
-        "THREADS": args.threads,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "quantized engine": torch.backends.quantized.engine,
-        **extra,
-    }
-    report(args, title, settings, body)
+# name → what it measures; `python -m bench NAME` runs the module bench.bench_NAME.
+SCENARIOS = {
+    # the service as it is: rerun after a change
+    "peer": "this service against llama.cpp on the same weights (--model: 2b, 4b, 8b, 30b-a3b-e32, 30b-a3b)",
+    "start": "start → ready, warm and cold, beside llama.cpp; the first request; two instances' memory",
+    "batching": "concurrent streams: throughput, first token, the longest pause",
+    "priorities": "a picture question's first token while batch jobs run; the batch's throughput",
+    "cache": "second turns and repeated pictures with the caches and without; the disk tier",
+    "kernels": "INT8_KERNEL=auto against each kernel forced: first token and decode",
+    "speculative": "exact speculative decoding on against off: JSON, tool calls, right and wrong guesses",
+    "structured": "what a JSON-Schema constraint costs; llguidance against xgrammar",
+    "deploy": "threads per instance, start-up, the memory budget, worker recovery, mapped weights",
+    "int4": "4-bit weights: group size, zero point and kernel; --memory: served in a 2 GiB cgroup",
+    "vision": "the vision encoder: torch against ONNX Runtime, fp32 and INT8",
+    "video": "a 10-second clip: decoding and sampling, visual tokens, first token",
+    "batch_exactness": "logits in a decode batch against alone, fp32 and INT8",
+    # the INT8 suite: `all` runs the three
+    "quantize": "`python -m service quantize` as a user runs it: time, peak memory, sizes",
+    "fidelity": "INT8 and 4-bit against fp32: logit cosine, greedy agreement, with activation spikes",
+    "pixels": "pixel budget → visual tokens → time to first token, and its plot",
+    # long runs on the embedded model
+    "soak": "1,000 requests of every kind: memory, threads and files must not grow",
+    "load": "more clients than the queue holds: every request answered or refused, none hung",
+    "fuzz": "schemathesis and hostile inputs against one real server",
+}
+INT8_SUITE = ("quantize", "fidelity", "pixels")
+ALL = "the INT8 suite: quantize, fidelity, pixels, then fidelity on the embedded model"
 
 
-def quantize(args) -> None:
-    result = quantizing.measure(args.model_path, args.int8_path)
-    _save(args, "INT8 quantize (`python -m service quantize`)", quantizing.table(result))
+def listing() -> str:
+    width = max(map(len, SCENARIOS))
+    lines = [f"  {name:<{width}}  {about}" for name, about in [*SCENARIOS.items(), ("all", ALL)]]
+    return "python -m bench NAME [ARGS...]   (python -m bench NAME --help: its options)\n\n" + "\n".join(lines)
 
 
-def _quantized(args, kind: str) -> Path:
-    """The source's quantized copy of fidelity.CHECKPOINTS `kind` (INT8: --int8-path), written if missing."""
-    if kind == "int8":
-        return _int8(args)
-    path = args.model_path.with_name(f"{args.model_path.name}-{kind}")
-    if not (path / "config.json").exists():
-        from service.quant.writer import write_quantized
-
-        write_quantized(args.model_path, path, **fidelity.CHECKPOINTS[kind])
-    return path
-
-
-def fidelity_(args) -> None:
-    variants = fidelity.select(args.fidelity_bits)
-    checkpoints = {kind: _quantized(args, kind) for kind in {v[0] for v in variants.values()}}
-    body = fidelity.run(args.model_path, checkpoints, args.threads, args.fidelity_tokens, variants)
-    _save(
-        args,
-        f"{'INT8' if args.fidelity_bits == 'int8' else 'INT8 and 4-bit'} fidelity against fp32 "
-        f"({args.model_path.name})",
-        body,
-        greedy_tokens=args.fidelity_tokens,
-        prompts=f"{len(fidelity.TEXT_PROMPTS)} text + {len(fidelity.IMAGE_PROMPTS)} with a 1080p photo",
-    )
+def run(name: str, args: list[str]) -> None:
+    """The module bench.bench_NAME run as the program (`__main__`, its arguments `args`), as `python -m` runs
+    it: its section records the command `python -m bench.bench_NAME ARGS`. A failure exits."""
+    argv = sys.argv
+    sys.argv = [argv[0], *args]
+    try:
+        runpy.run_module(f"bench.bench_{name}", run_name="__main__", alter_sys=True)
+    except SystemExit as done:
+        if done.code not in (None, 0):
+            raise
+    finally:
+        sys.argv = argv
 
 
-def pixels_(args) -> None:
-    results = isolated("bench.pixels:sweep", model_path=str(_int8(args)), threads=args.threads, budgets=pixels.BUDGETS)
-    title = f"{args.int8_path.name}, {args.threads} threads: time to first token vs visual tokens"
-    plot = pixels.plot(results, title, Path(tempfile.gettempdir()) / pixels.PLOT.name if args.no_save else pixels.PLOT)
-    _save(
-        args,
-        "Pixel budget → visual tokens → time to first token",
-        pixels.table(results) + f"\n\n![time to first token versus visual tokens]({plot.name})",
-    )
+def run_all(args: list[str]) -> None:
+    """The INT8 suite with one command line; then, unless it ran --tiny, fidelity on the embedded tiny
+    model too: its large random weights stress INT8 harder."""
+    from bench.core import int8_suite
 
-
-COMMANDS = {"quantize": quantize, "fidelity": fidelity_, "pixels": pixels_}
+    for name in INT8_SUITE:
+        run(name, args)
+    if not int8_suite.parser(ALL).parse_known_args(args)[0].tiny:
+        run("fidelity", [*args, "--tiny"])
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser(__doc__, quantization=False)
-    p.prog = "python -m bench"
-    p.add_argument("scenario", choices=[*SCENARIOS, "all"])
-    p.add_argument("--int8-path", type=Path, help="the source's pre-quantized copy (default: <model-path>-int8)")
-    p.add_argument("--fidelity-tokens", type=int, default=16)
-    p.add_argument(
-        "--fidelity-bits",
-        choices=["all", "int8", "int4"],
-        default="all",
-        help="fidelity: which variants (int4: the 4-bit ones beside the shipped INT8)",
-    )
-    args = parse(p, argv, source=True)
-    args.int8_path = (args.int8_path or args.model_path.with_name(args.model_path.name + "-int8")).resolve()
-    if args.scenario != "all":
-        COMMANDS[args.scenario](args)
-        return 0
-    for name in SCENARIOS:
-        COMMANDS[name](args)
-    if not args.tiny:  # the tiny model too: its large random weights stress INT8 harder
-        args.model_path = tiny_model_path()
-        args.int8_path = args.model_path.with_name(args.model_path.name + "-int8")
-        fidelity_(args)
+    name, *args = (sys.argv[1:] if argv is None else argv) or ["list"]
+    if name in ("list", "-h", "--help"):
+        print(listing())
+    elif name == "all":
+        run_all(args)
+    elif name in SCENARIOS:
+        run(name, args)
+    else:
+        print(f"no scenario {name!r}\n\n{listing()}", file=sys.stderr)
+        return 2
     return 0
 
 

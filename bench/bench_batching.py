@@ -8,7 +8,7 @@ One Gunicorn instance (bench/core/servers.py), INT8, caches off (every prompt co
 decoding, each stream its own question. Token counts, times to first token and the longest gap
 between two tokens are the server's (the stream's done line): a random checkpoint's tokens mostly
 have no text, so streamed deltas would not time tokens. How batched logits differ from alone ones
-is measured by `python -m bench.batch_exactness`.
+is measured by `python -m bench.bench_batch_exactness`.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def main(argv=None) -> None:
     )
     report(
         args,
-        "Batching: concurrent streams through the HTTP API (python -m bench.bench_batching)",
+        "Batching: concurrent streams through the HTTP API",
         {
             "model": model_path.name,
             "QUANTIZATION": args.quantization,

@@ -8,8 +8,17 @@ caching server only, new conversations opening with the picture already seen ver
 never seen, the picture first (its KV prefix can be reused) and after some text (only its vision
 features can), and one prompt sent twice. Times are measured by the client (request sent → first
 text line) and by the server (`timings.time_to_first_token`). Prints the table and writes it to
-bench/RESULTS.md. Then the disk tier's runs (bench/cache_tiers.py): second turns from memory, from
-disk after an eviction and after a restart, and recomputed; a low-memory round robin.
+bench/RESULTS.md. Then the disk tier's runs (service/caches/kv_disk.py), each a section of its own:
+
+1. Second turns of a ~3,000-token text conversation and of a one-picture conversation, each (a) from
+   memory, (b) from disk after memory evicted it (a one-entry memory tier; the files in the page
+   cache, as after a recent eviction), (c) after a restart (a new server on the same store, the
+   files dropped from the page cache first: read from the device), (d) recomputed (the same prompt
+   with its first token changed: nothing to reuse). Stateless requests (the whole history sent), so
+   the same request works after the restart.
+2. Low memory: the memory tier holding about three of the conversations, 20 three-turn picture
+   conversations visited round-robin; where each turn's cached tokens came from, with the disk tier
+   and without it.
 
     flock /tmp/heavy.lock python -m bench.bench_cache     # the 2B-shaped random checkpoint, int8, 2 threads
     python -m bench.bench_cache --model-path /path/to/Qwen3-VL-2B-Instruct --threads 4
@@ -17,20 +26,21 @@ disk after an eviction and after a restart, and recomputed; a low-memory round r
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import requests
 from tqdm import tqdm
 
-from bench import cache_tiers
 from bench.core.client import Reply, chat
 from bench.core.harness import parse, parser
-from bench.core.inputs import photo_url, text_of_tokens, user
+from bench.core.inputs import message, photo_url, text_of_tokens, user
 from bench.core.results import markdown_table, report
-from bench.core.servers import gunicorn_server
+from bench.core.servers import gunicorn_server, metric
 
 
 def ask(base: str, messages: list[dict], conversation_id: str, max_tokens: int) -> Reply:
@@ -74,6 +84,177 @@ def cache_counters(metrics_text: str) -> str:
     return "; ".join(line.replace("qwen3vl_cache_", "") for line in lines)
 
 
+# -- the disk tier ----------------------------------------------------------------------------
+
+
+def resend(base: str, messages: list[dict], max_tokens: int) -> Reply:
+    """One stateless native request (no conversation_id, the whole history sent), greedy."""
+    return chat(base, {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": False}, timeout=1800)
+
+
+def drop_from_page_cache(folder: Path) -> int:
+    """Ask the kernel to forget the files' cached pages (no root needed): the next read is the
+    device's. The bytes of the files."""
+    total = 0
+    for path in folder.glob("*/*.kv"):
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        total += path.stat().st_size
+    return total
+
+
+def device_read_rate(folder: Path) -> float:
+    """Bytes per second reading the store's files from the device (dropped from the page cache first)."""
+    total = drop_from_page_cache(folder)
+    t0 = time.perf_counter()
+    for path in folder.glob("*/*.kv"):
+        with open(path, "rb") as f:
+            while f.read(8 << 20):
+                pass
+    return total / (time.perf_counter() - t0)
+
+
+def disk_loads(base: str) -> tuple[float, float]:
+    """The server's disk-tier loads so far: (seconds in all, bytes read)."""
+    return metric(base, "qwen3vl_kv_disk_load_seconds_sum"), metric(base, "qwen3vl_kv_disk_read_bytes_total")
+
+
+FOLLOW_UPS = [
+    "Which part of it matters most, and why?",
+    "Summarise it in one sentence, please.",
+    "What would you ask next about it?",
+]
+
+
+TIERS = ("memory", "disk, after eviction", "disk, after a restart (read from the device)", "recomputed")
+
+
+def disk_ask(base: str, messages: list[dict], max_tokens: int) -> dict:
+    """`resend`'s done line, with the server's disk-tier load time and bytes read for it."""
+    seconds, read = disk_loads(base)
+    done = resend(base, messages, max_tokens).done
+    after_seconds, after_read = disk_loads(base)
+    done["disk_load"], done["disk_read"] = after_seconds - seconds, after_read - read
+    return done
+
+
+def second_turns(env: dict, logs: Path, long_text: str, picture: str, repeats: int) -> tuple[list, str]:
+    """Part 1: rows (conversation, tier, prompt and cached tokens, tier used, read, load, TTFT,
+    × recompute, target) and a note."""
+    store = Path(tempfile.mkdtemp(prefix="bench-kv-store-"))
+    env = {**env, "KV_DISK_DIR": str(store), "CONVERSATION_CACHE_MAX_ENTRIES": "1"}
+    conversations = {
+        "~3,000-token text": [message("user", long_text + " What is this text about?")],
+        "one picture": [message("user", picture, "What is in this picture? Describe it.")],
+    }
+    filler = [message("user", "Say hello.")]  # evicts the one conversation memory holds
+    results: dict[tuple[str, str], list[dict]] = {}
+    bar = tqdm(total=2 + 2 * 5 * repeats + 1 + 2 * (repeats + 1), desc="disk tier: second turns", unit="req")
+
+    asked = iter(range(1, 1000))
+
+    def follow(name: str, first: dict, i: int, question: str | None = None) -> list[dict]:
+        """The second turn: a question no request asked before (each tier's hit reuses the same prefix)."""
+        said = [*conversations[name], message("assistant", first["text"])]
+        return [*said, message("user", f"Question {next(asked)}: {question or FOLLOW_UPS[i % len(FOLLOW_UPS)]}")]
+
+    with gunicorn_server(env, logs / "tiers-1.log", timeout=1800) as (base, _):
+        firsts = {}
+        for name in conversations:
+            firsts[name] = resend(base, conversations[name], 16).done
+            bar.update()
+        for name in conversations:
+            for i in range(repeats):
+                resend(base, filler, 1)  # memory now holds the filler only
+                resend(base, follow(name, firsts[name], i, "Go on."), 1)  # and now this conversation
+                # (a) from memory: right after a turn of its own conversation
+                results.setdefault((name, TIERS[0]), []).append(resend(base, follow(name, firsts[name], i), 4).done)
+                resend(base, filler, 1)
+                # (b) from disk: another conversation came in between, memory evicted it
+                results.setdefault((name, TIERS[1]), []).append(disk_ask(base, follow(name, firsts[name], i + 1), 4))
+                bar.update(5)
+    rate = device_read_rate(store)
+    bar.update()
+    with gunicorn_server(env, logs / "tiers-2.log", timeout=1800) as (base, _):
+        resend(base, filler, 1)  # first-call costs, not measured
+        for name in conversations:
+            for i in range(repeats):
+                resend(base, filler, 1)  # from the second repeat on, the conversation is in memory: evicted
+                drop_from_page_cache(store)
+                # (c) after a restart, the store's files on the device
+                results.setdefault((name, TIERS[2]), []).append(disk_ask(base, follow(name, firsts[name], i + 2), 4))
+                bar.update()
+            # (d) recomputed: the same prompt with another first token, nothing to reuse
+            changed = follow(name, firsts[name], 0)  # (its own question too)
+            changed[0] = {**changed[0], "content": [{"type": "text", "text": "Note."}, *changed[0]["content"]]}
+            results[(name, TIERS[3])] = [resend(base, changed, 4).done]
+            bar.update()
+    bar.close()
+
+    def ttft(done: dict) -> float:
+        return done["timings"]["time_to_first_token"]
+
+    rows, verdicts = [], []
+    for name in conversations:
+        median = {tier: sorted(results[(name, tier)], key=ttft)[len(results[(name, tier)]) // 2] for tier in TIERS}
+        recompute, memory = ttft(median[TIERS[3]]), ttft(median[TIERS[0]])
+        for tier, done in median.items():
+            target = ""
+            if tier.startswith("disk"):
+                allowed = 1.5 * memory + done["disk_read"] / rate
+                target = f"{'met' if ttft(done) <= allowed else 'missed'} (<= {allowed:.2f} s)"
+                verdicts.append(f"{name}, {tier}: {ttft(done) / recompute:.3f}x recompute")
+            rows.append(
+                [
+                    name,
+                    tier,
+                    done["usage"]["prompt_tokens"],
+                    done["usage"]["cached_tokens"],
+                    done["usage"]["cached_from"] or "-",
+                    f"{done['disk_read'] / 1e6:.0f}" if "disk_read" in done else "",
+                    f"{done['disk_load']:.3f}" if "disk_load" in done else "",
+                    ttft(done),
+                    f"{ttft(done) / recompute:.3f}",
+                    target,
+                ]
+            )
+    note = (
+        f"Device read rate of the store's files (dropped from the page cache, read in order): {rate / 1e9:.2f} GB/s. "
+        f"Medians of {repeats} second turns per tier (one recompute each). The memory tier holds one conversation "
+        "(CONVERSATION_CACHE_MAX_ENTRIES=1): a request of another conversation evicts it. Target: a disk hit "
+        "<= 1.5x the memory hit + its bytes at the device's rate (last column); <= 0.1x recompute for the "
+        "3,000-token conversation and after a restart: " + "; ".join(verdicts) + "."
+    )
+    return rows, note
+
+
+def low_memory(env: dict, logs: Path, pictures: list[str], keep_bytes: int, with_disk: bool) -> dict:
+    """Part 2: 20 three-turn picture conversations round-robin; per turn, how many came from each tier."""
+    store = Path(tempfile.mkdtemp(prefix="bench-kv-low-"))
+    env = {
+        **env,
+        "KV_DISK_DIR": str(store),
+        "KV_DISK_MB": "4096" if with_disk else "0",
+        "CONVERSATION_CACHE_MAX_BYTES": str(keep_bytes),
+    }
+    histories = [[message("user", p, "What is in this picture?")] for p in pictures]
+    counts: dict[tuple[int, str], int] = {}
+    ttfts: dict[int, list[float]] = {}
+    label = "with" if with_disk else "without"
+    with gunicorn_server(env, logs / f"low-memory-{label}.log", timeout=1800) as (base, _):
+        bar = tqdm(total=3 * len(histories), desc=f"low memory, {label} the disk tier", unit="req")
+        for turn in range(3):
+            for history in histories:
+                done = resend(base, history, 8).done
+                history += [message("assistant", done["text"]), message("user", FOLLOW_UPS[turn])]
+                tier = done["usage"]["cached_from"] or "recomputed"
+                counts[(turn, tier)] = counts.get((turn, tier), 0) + 1
+                ttfts.setdefault(turn, []).append(done["timings"]["time_to_first_token"])
+                bar.update()
+        bar.close()
+    return {"counts": counts, "ttft": {t: statistics.median(v) for t, v in ttfts.items()}}
+
+
 TIER_NAMES = ("memory", "disk", "recomputed")
 
 
@@ -87,7 +268,7 @@ def server_env(args) -> dict[str, str]:
 
 
 def disk_tier(args) -> None:
-    """The disk tier's two sections (bench/cache_tiers.py)."""
+    """The disk tier's two sections."""
     from transformers import AutoConfig
 
     from service.memory import kv_cache_bytes
@@ -95,7 +276,7 @@ def disk_tier(args) -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-cache-tiers-"))
     env = server_env(args)
     long_text = text_of_tokens(args.model_path, args.long_tokens)
-    rows, note = cache_tiers.second_turns(env, logs, long_text, photo_url(7), args.repeats)
+    rows, note = second_turns(env, logs, long_text, photo_url(7), args.repeats)
     header = [
         "conversation",
         "second turn's cache",
@@ -117,14 +298,14 @@ def disk_tier(args) -> None:
     }
     report(
         args,
-        "Conversation cache on disk: second turns by tier (bench/bench_cache.py)",
+        "Conversation cache on disk: second turns by tier",
         settings,
         markdown_table(header, rows) + "\n\n" + note,
     )
     # The memory tier holding about three conversations of a picture and three short turns.
     keep = 3 * kv_cache_bytes(AutoConfig.from_pretrained(args.model_path), 300, 2)
     pictures = [photo_url(500 + i) for i in range(args.conversations)]
-    runs = {label: cache_tiers.low_memory(env, logs, pictures, keep, label == "on") for label in ("on", "off")}
+    runs = {label: low_memory(env, logs, pictures, keep, label == "on") for label in ("on", "off")}
     header = ["disk tier", "turn", "from memory", "from disk", "recomputed", "median TTFT (s)"]
     rows = [
         [label, turn + 1, *(run["counts"].get((turn, t), 0) for t in TIER_NAMES), run["ttft"][turn]]
@@ -133,7 +314,7 @@ def disk_tier(args) -> None:
     ]
     report(
         args,
-        "Conversation cache on disk: low memory, round-robin conversations (bench/bench_cache.py)",
+        "Conversation cache on disk: low memory, round-robin conversations",
         {**settings, "CONVERSATION_CACHE_MAX_BYTES": keep, "conversations": args.conversations, "max_tokens": 8},
         markdown_table(header, rows)
         + f"\n\n{args.conversations} conversations of a 448x448 picture, three turns each, visited round-robin; "
@@ -152,7 +333,7 @@ def main(argv=None) -> int:
         "--disk-tier",
         choices=["also", "only", "no"],
         default="also",
-        help="the disk tier's runs (bench/cache_tiers.py): with the memory caches' table, alone, or not",
+        help="the disk tier's runs: with the memory caches' table, alone, or not",
     )
     p.add_argument("--long-tokens", type=int, default=3000, help="the long conversation's first prompt, in tokens")
     p.add_argument("--conversations", type=int, default=20, help="picture conversations of the low-memory run")
@@ -306,7 +487,7 @@ def main(argv=None) -> int:
     }
     return report(
         args,
-        "Conversation and vision caches: time to first token (bench/bench_cache.py)",
+        "Conversation and vision caches: time to first token",
         settings,
         body,
     )

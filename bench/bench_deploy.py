@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     bar.close()
     return report(
         args,
-        "Deployment: threads, start-up, memory budget, recovery, mapped weights (bench/bench_deploy.py)",
+        "Deployment: threads, start-up, memory budget, recovery, mapped weights",
         {"MODEL_PATH": model_path.name, "THREADS": args.threads},
         "\n\n".join(sections),
     )

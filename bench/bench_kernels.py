@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     )
     return report(
         args,
-        "INT8 kernels: the measured choice against each forced (bench/bench_kernels.py)",
+        "INT8 kernels: the measured choice against each forced",
         {"MODEL_PATH": model_path.name, "THREADS": args.threads, "caches": "off", **Session.described(128)},
         body,
     )

@@ -39,19 +39,15 @@ endpoint, greedy, end of turn biased away so answers run to max_tokens:
   in a mixture of experts) ÷ this machine's read bandwidth, probed before the servers start; each
   decode rate as a share of its own weights' ceiling.
 A llama.cpp server that crashes is started again with `-nr` (no weight repacking, which segfaulted on a
-Xeon with AMX), and the table says so. It writes its section in bench/RESULTS.md and bench/peer.png
-(bench/peer-30b-a3b-e32.png for `--model 30b-a3b-e32`, and so on; each figure against llama.cpp Q8_0).
+Xeon with AMX), and the table says so. It writes its section in bench/RESULTS.md and its plot (each
+figure against llama.cpp Q8_0) in bench/plots/, e.g. peer-4b-amx-xeon.png for `--model 4b` on a Xeon with AMX.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,89 +58,14 @@ from bench.core.ceiling import checkpoint_active_bytes, gguf_active_bytes, model
 from bench.core.client import chat, openai_chat
 from bench.core.harness import concurrently, parse, parser, preset_model_path, tree_memory
 from bench.core.inputs import DECODE_PROMPT, QUESTION, message, photo_url, text_of_tokens
-from bench.core.results import cpu_model, markdown_table, report
+from bench.core.llama_cpp import LLAMA_CPP_PYTHON, gguf_weights, llama_cpp
+from bench.core.results import cpu_model, markdown_table, plot_file, plot_link, report
 from bench.core.servers import gunicorn_server, llama_server, without_repacking_if_it_crashes
 
-LLAMA_CPP_PYTHON = "0.3.36"
-HERE = Path(__file__).resolve().parent
 MODELS = ("2b", "4b", "8b", "30b-a3b-e32", "30b-a3b")  # make-model presets (bf16 checkpoints, but the last)
 OURS_ONLY = ("30b-a3b",)  # no bf16 checkpoint for llama.cpp's converter to read: ours alone, 4-bit
 OURS_4BIT = "this service 4-bit"
 KINDS = ("this service", OURS_4BIT, "llama.cpp Q8_0", "llama.cpp Q4_0")
-
-
-# -- llama.cpp: build and weights ----------------------------------------------------------------
-
-
-def _run(command: list[str], log: Path, cwd: Path | None = None, env: dict | None = None) -> None:
-    with open(log, "a") as out:
-        out.write(f"\n$ {' '.join(map(str, command))}\n")
-        out.flush()
-        result = subprocess.run(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    if result.returncode != 0:
-        raise SystemExit(f"failed ({result.returncode}): {' '.join(map(str, command))} — see {log}")
-
-
-def llama_cpp(peer_dir: Path, log: Path) -> Path:
-    """The vendored llama.cpp of the llama-cpp-python sdist, built (once) with llama-server and
-    llama-quantize: its source directory (binaries in build/bin)."""
-    source = peer_dir / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-    if all((source / "build" / "bin" / b).exists() for b in ("llama-server", "llama-quantize")):
-        return source
-    if not source.exists():
-        with tempfile.TemporaryDirectory(dir=peer_dir) as scratch:
-            _run(
-                [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", scratch,
-                 f"llama-cpp-python=={LLAMA_CPP_PYTHON}"],
-                log,
-            )  # fmt: skip
-            (archive,) = Path(scratch).glob("*.tar.gz")
-            with tarfile.open(archive) as tar:
-                tar.extractall(peer_dir, filter="data")
-    # No network at build time: no prebuilt web UI, no TLS; this CPU's own instruction set.
-    _run(
-        ["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_USE_PREBUILT_UI=OFF",
-         "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
-        log,
-        cwd=source,
-    )  # fmt: skip
-    _run(
-        ["cmake", "--build", "build", "--target", "llama-server", "llama-quantize", "-j", str(os.cpu_count() or 2)],
-        log,
-        cwd=source,
-    )
-    return source
-
-
-# The converter, told that the checkpoint's pre-tokenizer is Qwen2's (its hash is unknown to it).
-_CONVERT = """
-import runpy, sys
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
-import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
-sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py", *sys.argv[2:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def gguf_weights(source: Path, llama: Path, out_dir: Path, log: Path, q4: bool) -> dict[str, Path]:
-    """The checkpoint as GGUF (converted once): text Q8_0, vision F16 (mmproj), text Q4_0 (by way of an
-    F16 text file, deleted once Q4_0 is made)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = {"q8_0": out_dir / "text-q8_0.gguf", "mmproj": out_dir / "mmproj-f16.gguf"}
-    if q4:
-        files["f16"], files["q4_0"] = out_dir / "text-f16.gguf", out_dir / "text-q4_0.gguf"
-    convert = [sys.executable, "-c", _CONVERT, str(llama), str(source)]
-    for name, args in (("q8_0", ["--outtype", "q8_0"]), ("mmproj", ["--mmproj", "--outtype", "f16"])):
-        if not files[name].exists():
-            _run([*convert, *args, "--outfile", str(files[name])], log)
-    if q4 and not files["q4_0"].exists():
-        if not files["f16"].exists():
-            _run([*convert, "--outtype", "f16", "--outfile", str(files["f16"])], log)
-        _run([str(llama / "build" / "bin" / "llama-quantize"), str(files["f16"]), str(files["q4_0"]), "Q4_0"], log)
-        files.pop("f16").unlink()  # only Q4_0's input: as large as the bf16 checkpoint (18.6 GB for 30b-a3b-e32)
-    files.pop("f16", None)
-    return files
 
 
 @contextmanager
@@ -276,14 +197,12 @@ def main(argv=None) -> int:
     for kind in kinds:
         med[kind]["ceiling"] = bandwidth / active[kind]
         med[kind]["ceiling_share"] = med[kind]["decode_plain"] / med[kind]["ceiling"]
-    plot_path = None if ours_only else HERE / ("peer.png" if args.model == "2b" else f"peer-{args.model}.png")
+    plot_path = None if ours_only else plot_file(f"peer-{args.model}")
     if not args.no_save and plot_path is not None:
         plot(med, kinds, plot_path)
-    title = "This service side by side with llama.cpp (bench/bench_peer.py)"
-    if args.model != "2b":
-        title = f"This service side by side with llama.cpp: {args.model} (bench/bench_peer.py --model {args.model})"
+    title = f"This service side by side with llama.cpp: {args.model}"
     if ours_only:
-        title = f"This service on {args.model}, 4-bit, no peer (bench/bench_peer.py --model {args.model})"
+        title = f"This service on {args.model}, 4-bit, no peer"
     return report(
         args,
         title,
@@ -403,7 +322,7 @@ def table(
         "row is a token a forward, what the ceiling bounds; llama.cpp speculates only with a draft model, so "
         "its row repeats its decode. "
         f"Ours: {ours}; llama.cpp: {', '.join(p.name for p in weights.values()) or 'not run'}."
-        + (f" [Plot: each figure against llama.cpp Q8_0]({plot_path.name})." if plot_path else "")
+        + (f" [Plot: each figure against llama.cpp Q8_0]({plot_link(plot_path)})." if plot_path else "")
     )
 
 

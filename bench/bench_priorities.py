@@ -31,13 +31,11 @@ from pathlib import Path
 import openai
 from tqdm import tqdm
 
-from bench.bench_video import clip_bytes
 from bench.core.client import chat, openai_chat
-from bench.core.harness import parse, parser
-from bench.core.inputs import QUESTION, photo_url, user
+from bench.core.harness import parse, parser, percentile
+from bench.core.inputs import QUESTION, clip_bytes, photo_url, user
 from bench.core.results import markdown_table, report
 from bench.core.servers import gunicorn_server, metric
-from bench.load import percentile
 
 LINES = 40
 HTTP_SENDERS = 8
@@ -283,7 +281,7 @@ def main(argv=None) -> None:
     )
     report(
         args,
-        "Interactive first: picture questions during batch jobs (python -m bench.bench_priorities)",
+        "Interactive first: picture questions during batch jobs",
         {
             "model": args.model_path.name,
             "QUANTIZATION": args.quantization,

@@ -22,9 +22,9 @@ import statistics
 
 from tqdm import tqdm
 
-from bench.bench_structured import RECEIPT
 from bench.core.harness import parse, parser
 from bench.core.inputs import DECODE_PROMPT as PROSE
+from bench.core.inputs import RECEIPT
 from bench.core.results import markdown_table, report
 from bench.core.session import Session
 
@@ -52,9 +52,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from service.answer.structured import json_grammar
-    from service.api.answer_shapes import answer_shape
-    from service.api.schemas import Tool
+    from service.answer.structured import OutputGrammar, json_grammar
+    from service.answer.tools import call_rules
     from service.engine import drafts as drafts_module
 
     on = Session(model_path, args.threads, speculative="on", speculative_tokens=8)
@@ -94,14 +93,15 @@ def main(argv=None) -> int:
         drafts_module.DraftBudget.drafts = guesses
 
     receipt = json_grammar(RECEIPT, "bench")
-    tool_shape = answer_shape(None, [Tool.model_validate(WEATHER)], "required", False)
+    # tool_choice "required", one call: the grammar the service enforces, the tool its prompt shows
+    tool_call = OutputGrammar("start: calls\n" + call_rules([WEATHER["function"]], parallel=False), "tools")
     cases = [
         ("JSON Schema (receipt)", "own", 8, dict(text="Read the receipt in this message.", grammar=receipt)),
         (
             "tool call (required)",
             "own",
             8,
-            dict(text="Weather in Bern?", grammar=tool_shape.grammar, tools=tool_shape.prompt_tools),
+            dict(text="Weather in Bern?", grammar=tool_call, tools=[WEATHER]),
         ),
         ("ceiling: right guesses, k = 2", "right", 2, dict(text=PROSE)),
         ("ceiling: right guesses, k = 4", "right", 4, dict(text=PROSE)),
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     )
     return report(
         args,
-        "Exact speculative decoding: on against off (bench/bench_speculative.py)",
+        "Exact speculative decoding: on against off",
         {
             "MODEL_PATH": model_path.name,
             "THREADS": args.threads,

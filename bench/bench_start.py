@@ -31,8 +31,8 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from bench.bench_peer import gguf_weights, llama_cpp
 from bench.core.harness import parse, parser, tree_mapped_memory, tree_memory
+from bench.core.llama_cpp import gguf_weights, llama_cpp
 from bench.core.results import cpu_model, markdown_table, report
 from bench.core.servers import gunicorn_server, llama_server, without_repacking_if_it_crashes
 from service.settings import EMBEDDED_MODEL_DIRNAME
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     med = {key: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for key, runs in results.items()}
     return report(
         args,
-        "Start → ready, warm and cold, beside llama.cpp (bench/bench_start.py)",
+        "Start → ready, warm and cold, beside llama.cpp",
         {
             "model": f"2B-shaped random weights ({source.name}: -int8, -int4; GGUF Q8_0, Q4_0 + F16 mmproj), "
             "and the embedded tiny model",

@@ -23,36 +23,10 @@ import torch
 from tqdm import tqdm
 
 from bench.core.harness import parse, parser
+from bench.core.inputs import RECEIPT
 from bench.core.results import markdown_table, report
 from bench.core.session import Session
 
-# An extraction schema of the kind users send: nested objects, arrays, enums, numbers, a pattern.
-RECEIPT = {
-    "type": "object",
-    "properties": {
-        "shop": {"type": "string", "maxLength": 40},
-        "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
-        "currency": {"enum": ["EUR", "USD", "CHF", "GBP"]},
-        "items": {
-            "type": "array",
-            "maxItems": 8,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "label": {"type": "string", "maxLength": 30},
-                    "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
-                    "price": {"type": "number", "minimum": 0},
-                },
-                "required": ["label", "quantity", "price"],
-                "additionalProperties": False,
-            },
-        },
-        "total": {"type": "number"},
-        "paid_by_card": {"type": "boolean"},
-    },
-    "required": ["shop", "date", "currency", "items", "total", "paid_by_card"],
-    "additionalProperties": False,
-}
 # A stream that must write at least `--tokens` tokens before its JSON may close: decode speeds compare.
 LONG_TEXT = {
     "type": "object",
@@ -524,7 +498,7 @@ def main(argv=None) -> int:
     )
     return report(
         args,
-        "Structured outputs: the cost of a JSON-Schema constraint (bench/bench_structured.py)",
+        "Structured outputs: the cost of a JSON-Schema constraint",
         {
             "MODEL_PATH": args.model_path.name,
             "QUANTIZATION": args.quantization,

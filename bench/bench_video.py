@@ -8,7 +8,7 @@ checkpoint (default: the 2B-shaped random one, INT8, 2 threads) answering a ques
 720p MP4 clip at each visual-token budget (VIDEO_MAX_VISUAL_TOKENS, default first), then a
 follow-up question in the same conversation and the same clip opening a new conversation (the
 caches at work). Timings are the engine's own (the `done` line's), time to first token counted
-from before the clip is decoded. Prints and appends both tables to bench/RESULTS.md.
+from before the clip is decoded. Prints both tables and writes them to bench/RESULTS.md.
 
     flock /tmp/heavy.lock python -m bench.bench_video
     python -m bench.bench_video --model-path /path/to/Qwen3-VL-2B-Instruct --threads 4 --budgets 1024
@@ -25,11 +25,10 @@ import cv2
 from tqdm import tqdm
 
 from bench.core.harness import parse, parser
-from bench.core.inputs import photo
+from bench.core.inputs import CODECS, clip_bytes
 from bench.core.results import markdown_table, report
 from bench.core.session import Session
 
-CODECS = {"mp4": ("mp4v", "MPEG-4 Part 2"), "avi": ("MJPG", "MJPEG"), "webm": ("VP90", "VP9")}
 CLIPS = [
     ("720p", (1280, 720), "mp4"),
     ("720p", (1280, 720), "avi"),
@@ -38,26 +37,6 @@ CLIPS = [
     ("1080p", (1920, 1080), "avi"),
 ]
 QUESTION = "What happens in this clip? Describe the motion."
-
-
-def clip_bytes(path: Path, size: tuple[int, int], seconds: float = 10.0, fps: float = 30.0) -> bytes:
-    """A photo-like background with a square moving across it, written with OpenCV (once: kept at `path`)."""
-    if path.exists():
-        return path.read_bytes()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name("partial-" + path.name)
-    width, height = size
-    background = photo(width, height)
-    writer = cv2.VideoWriter(str(partial), cv2.VideoWriter_fourcc(*CODECS[path.suffix[1:]][0]), fps, size)
-    side = height // 5
-    for i in range(int(seconds * fps)):
-        frame = background.copy()
-        x = int((width - side) * i / (seconds * fps))
-        frame[height // 3 : height // 3 + side, x : x + side] = (40, 40, 230)
-        writer.write(frame)
-    writer.release()
-    partial.rename(path)
-    return path.read_bytes()
 
 
 def decoding_table(clips: dict[str, bytes], limits) -> str:
@@ -204,7 +183,7 @@ def main(argv=None) -> int:
         "decoder threads": 1,
         "OpenCV": cv2.__version__,
     }
-    title = "Video decoding and sampling with OpenCV (bench/bench_video.py)"
+    title = "Video decoding and sampling with OpenCV"
     report(args, title, decode_settings, decode_body, threads=1)
 
     bar = tqdm(total=len(budgets) + 3, desc="requests", unit="req")
@@ -248,7 +227,7 @@ def main(argv=None) -> int:
         "max_tokens": args.max_tokens,
         "clip": "10 s, 1280x720, 30 fps, MPEG-4 Part 2 in MP4",
     }
-    title = "A 10-second clip through the engine (bench/bench_video.py)"
+    title = "A 10-second clip through the engine"
     return report(args, title, model_settings, body)
     return 0
 

@@ -6,7 +6,7 @@ while encoding (sampled), the process's peak RSS, and its features' cosine with 
 Speed: one fresh subprocess per precision holds both backends and times them alternately
 (`--repeats` runs each after a warm-up; the fastest counts), so that load from other processes on
 this shared machine falls on both alike. The ONNX export is built first if the checkpoint has
-none. Prints and appends the table to bench/RESULTS.md.
+none. Prints the table and writes it to bench/RESULTS.md.
 
     flock /tmp/heavy.lock python -m bench.bench_vision        # the 2B-shaped checkpoint, 2 threads
     python -m bench.bench_vision --model-path /path/to/Qwen3-VL-2B-Instruct --threads 4
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
         load = f.read().split()[0]
     return report(
         args,
-        "Vision encoder: torch vs ONNX Runtime (bench/bench_vision.py)",
+        "Vision encoder: torch vs ONNX Runtime",
         {
             "checkpoint": args.model_path.name,
             "threads": args.threads,

@@ -1,5 +1,5 @@
 """Hostile requests for fuzzing: hypothesis strategies of bodies, images and multipart forms that a
-server on the internet meets. Shared by tests/test_fuzz.py (short) and bench/fuzz.py (long run)."""
+server on the internet meets. Shared by tests/test_fuzz.py (short) and bench/bench_fuzz.py (long run)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from conftest import ROOT
 
 README = ROOT / "README.md"
 RESULTS = ROOT / "bench" / "RESULTS.md"
+SETTINGS_DOC = ROOT / "docs" / "settings.md"
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 CITED_SECTION = re.compile(r"RESULTS\.md[^)]*\)?,? § “([^”]+)”")
 
@@ -22,8 +23,8 @@ def test_the_readme_fits_a_first_read():
     assert len(README.read_text().splitlines()) <= 250
 
 
-def test_every_local_link_in_the_readme_and_docs_leads_to_a_file():
-    for page in [README, *(ROOT / "docs").glob("*.md")]:
+def test_every_local_link_in_the_readme_docs_and_results_leads_to_a_file():
+    for page in [README, RESULTS, *(ROOT / "docs").glob("*.md")]:
         for target in LINK.findall(page.read_text()):
             if not target.startswith(("http://", "https://", "mailto:")):
                 assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
@@ -34,8 +35,45 @@ def test_the_headline_figures_cite_sections_that_bench_results_holds():
     cited = CITED_SECTION.findall(text)
     assert len(cited) >= 4, "the headline table cites its bench/RESULTS.md sections"
     titles = {line[3:].strip() for line in RESULTS.read_text().splitlines() if line.startswith("## ")}
-    for title in cited:
-        assert any(t.startswith(title) for t in titles), f"README cites “{title}”, not in bench/RESULTS.md"
+    for title in cited:  # a section's heading, or its start: one scenario on one machine
+        matching = [t for t in titles if t.startswith(title)]
+        assert len(matching) == 1, f"README cites “{title}”: {len(matching)} sections of bench/RESULTS.md"
+
+
+def test_the_benchmarks_page_names_every_scenario_of_the_registry():
+    from bench.__main__ import SCENARIOS
+
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `python -m bench ")]
+    named = {name for row in rows for name in re.findall(r"`(?:python -m bench )?(\w+)", row.split("|")[1])}
+    assert sorted(set(SCENARIOS) - named) == [], "scenarios docs/benchmarks.md's command table leaves out"
+
+
+# -- docs/settings.md is the settings object's map ----------------------------------------------------
+
+# `KV_DISK_MB`, `HOST`: a setting's environment variable, in a row's first cell; ENV_VARIABLE anywhere.
+TABLE_NAME = re.compile(r"`([A-Z][A-Z0-9_]*)`")
+ENV_VARIABLE = re.compile(r"(?<![\w/.-])[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b")
+ENVIRON_READ = re.compile(r"environ(?:\.get|\.setdefault)?[(\[]\s*[\"']([A-Z][A-Z0-9_]*)[\"']")
+
+
+def documented_settings(text: str) -> set[str]:
+    """The variables the settings table names: the backticked names in each row's first cell."""
+    rows = [line.split("|")[1] for line in text.splitlines() if line.startswith("| `")]
+    return {name for cell in rows for name in TABLE_NAME.findall(cell)}
+
+
+def test_the_settings_doc_names_every_setting_and_no_other():
+    from service.settings import Settings
+
+    fields = {name.upper() for name in Settings.model_fields}
+    text = SETTINGS_DOC.read_text()
+    documented = documented_settings(text)
+    assert sorted(fields - documented) == [], "settings docs/settings.md's table leaves out"
+    assert sorted(documented - fields) == [], "docs/settings.md's table names settings that do not exist"
+    read_directly = {m for p in (ROOT / "service").rglob("*.py") for m in ENVIRON_READ.findall(p.read_text())}
+    unknown = set(ENV_VARIABLE.findall(text)) - fields - read_directly
+    assert sorted(unknown) == [], "docs/settings.md names variables the service never reads"
 
 
 # -- every file and name the prose points at exists ------------------------------------------------

@@ -1,6 +1,6 @@
 """Fuzzing a real Gunicorn: schemathesis from /openapi.json plus hypothesis-generated hostile bodies,
 images and forms. Zero 5xx, no worker crash, and the same answer afterwards. FUZZ_EXAMPLES scales it
-(the long run is `python -m bench.fuzz`)."""
+(the long run is `python -m bench.bench_fuzz`)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def fuzz_server(serve):
         # After everything: the same worker, healthy, giving the same greedy answer.
         restarted = worker_pids(base) != pids
         same_answer = requests.post(base + "/v1/chat", json=REFERENCE).json()["text"] == answer
-        if os.environ.get("FUZZ_TALLY_FILE"):  # for bench/fuzz.py's table
+        if os.environ.get("FUZZ_TALLY_FILE"):  # for bench/bench_fuzz.py's table
             tally = {k: n - before.get(k, 0) for k, n in status_counts(base).items() if n > before.get(k, 0)}
             stream_errors = metric(base, "qwen3vl_stream_errors_total")
             with open(os.environ["FUZZ_TALLY_FILE"], "w") as f:

@@ -167,7 +167,7 @@ def int4_engine(cache_dir, loaded_model) -> Engine:
 
 def test_4_bit_logits_stay_close_to_fp32_and_differ_from_them(int4_engine, fp32_engine):
     """4-bit rounding moves the logits (the comparison sees it), but not far (the tiny random model's
-    weights are wide, uniform ones: bench/fidelity.py measures the 2B-shaped checkpoint)."""
+    weights are wide, uniform ones: bench/bench_fidelity.py measures the 2B-shaped checkpoint)."""
     tokenizer = fp32_engine.processor.tokenizer
     ids = tokenizer("Tell me a story about a red square.", return_tensors="pt").input_ids
     with torch.inference_mode():

@@ -1,5 +1,5 @@
 """A short bounded load: more concurrent clients than the queue holds; every request ends in
-success or 429/503 within its timeout, none hangs. (`python -m bench.load` is the long version.)"""
+success or 429/503 within its timeout, none hangs. (`python -m bench.bench_load` is the long version.)"""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bench.load import run_load, summarize
+from bench.bench_load import run_load, summarize
 
 from servers import gunicorn_server
 

@@ -1,4 +1,4 @@
-"""A short soak (the long one is `python -m bench.soak`): images, conversations, OpenAI streams and
+"""A short soak (the long one is `python -m bench.bench_soak`): images, conversations, OpenAI streams and
 mid-stream disconnects leave no leaked threads or file descriptors, caches within budget, anonymous
 memory flat."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import BUDGETS, SOAK_ENV, run_soak
+from bench.bench_soak import BUDGETS, SOAK_ENV, run_soak
 
 from servers import gunicorn_server
 

@@ -1,7 +1,7 @@
 """The code's shape: rooms (folders) in layers that import only downward, no import cycles inside
-`service`, the HTTP layer imported by nothing else (its route modules by its app factory alone, its
-serving and protocol modules free of Flask), and every bench/RESULTS.md section written by a command
-of bench/."""
+`service`, the HTTP layer imported by nothing else (bench/ included; its route modules by its app
+factory alone, its serving and protocol modules free of Flask), bench's scenarios built on its core
+alone, and every bench/RESULTS.md section a scenario on a machine, written by a command of bench/."""
 
 from __future__ import annotations
 
@@ -11,18 +11,16 @@ from pathlib import Path
 
 from conftest import ROOT
 
-SERVICE = ROOT / "service"
-
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """service module → the service modules it imports (anywhere in it, lazy imports too). A
-    module's own packages are not edges: Python imports them before it anyway."""
-    modules = {_module_name(p): p for p in SERVICE.rglob("*.py")}
+def import_graph(folders: tuple[str, ...] = ("service",)) -> dict[str, set[str]]:
+    """module of `folders` → the modules of `folders` it imports (anywhere in it, lazy imports too).
+    A module's own packages are not edges: Python imports them before it anyway."""
+    modules = {_module_name(p): p for folder in folders for p in (ROOT / folder).rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -143,7 +141,7 @@ def test_the_cycle_check_finds_a_cycle():
 
 
 def test_only_the_http_layer_imports_the_http_layer():
-    graph = import_graph()
+    graph = import_graph(("service", "bench"))
     outside = {
         m
         for m, deps in graph.items()
@@ -202,14 +200,34 @@ def test_the_flask_check_finds_flask_behind_an_import():
     assert framework_reaches(graph, externals) == ["service.api.chat.serving -> service.api.core"]
 
 
-def test_every_results_section_names_the_bench_command_that_wrote_it():
-    text = (ROOT / "bench" / "RESULTS.md").read_text()
-    sections = re.split(r"(?m)^(?=## )", text)[1:]
-    assert sections
-    titles = [s.splitlines()[0] for s in sections]
-    assert len(titles) == len(set(titles)), "a scenario has more than one section"
-    for section in sections:
-        match = re.search(r"^Command: `python -m (bench(?:\.\w+)*)\b[^`]*` · commit \w+", section, re.M)
-        assert match, f"no command line in: {section.splitlines()[0]}"
-        module = match.group(1).replace(".", "/")
-        assert (ROOT / f"{module}.py").exists() or (ROOT / module / "__main__.py").exists(), match.group(0)
+def test_scenarios_build_on_the_bench_core_not_on_each_other():
+    graph = import_graph(("bench",))
+    scenarios = {m for m in graph if m.startswith("bench.bench_")}
+    assert scenarios, "no bench/bench_*.py"
+    assert sorted(f"{m} -> {d}" for m in scenarios for d in graph[m] if d in scenarios) == []
+
+
+def _command_exists(command: str) -> bool:
+    """`python -m bench.X` (a module of bench/), or `python -m bench NAME` (a name of its registry)."""
+    from bench.__main__ import SCENARIOS
+
+    module, _, name = command.removeprefix("python -m ").partition(" ")
+    if module == "bench":
+        return name.split(" ")[0] in (*SCENARIOS, "all")
+    path = ROOT / module.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__main__.py").exists()
+
+
+def test_every_results_section_is_a_scenario_on_a_machine_with_the_command_that_wrote_it():
+    from bench.core.results import RESULTS, SEPARATOR, machine_of, sections
+
+    found = sections(RESULTS.read_text())
+    assert found
+    headings = [heading for heading, _ in found]
+    assert len(headings) == len(set(headings)), "a scenario has more than one section on a machine"
+    for heading, text in found:
+        title, machine, command = heading.split(SEPARATOR)  # what it measured · where · its command
+        assert machine == machine_of(text), f"{heading}: its machine line says {machine_of(text)}"
+        assert re.fullmatch(r"python -m bench(\.\w+)+", command) and _command_exists(command), heading
+        line = re.search(r"^Command: `(python -m bench[^`]*)` · commit \w+", text, re.M)
+        assert line and _command_exists(line.group(1)), f"{heading}: no command line naming a command of bench/"

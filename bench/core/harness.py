@@ -65,6 +65,13 @@ def medians(results: dict[str, list[dict]], keys) -> dict[str, dict[str, float]]
     return {kind: {key: statistics.median(r[key] for r in runs) for key in keys} for kind, runs in results.items()}
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The inclusive `q`th percentile (1–99) of `values`; NaN for none."""
+    if not values:
+        return float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
+
+
 def concurrently(calls: list) -> tuple[list, float]:
     """Every call (no arguments) at once, each on its own thread: their results in order, and the
     wall time from the first start to the last end."""

@@ -1,4 +1,5 @@
-"""What the benchmarks send: a photo-like test picture, prose of a given token count, the questions."""
+"""What the benchmarks send: a photo-like test picture, a test clip, prose of a given token count, the
+questions, an extraction schema."""
 
 from __future__ import annotations
 
@@ -13,6 +14,35 @@ SENTENCE = (
     "The harbour was quiet in the early morning, boats resting on grey water while gulls "
     "circled above the old stone pier and a few fishermen mended their nets. "
 )
+CODECS = {"mp4": ("mp4v", "MPEG-4 Part 2"), "avi": ("MJPG", "MJPEG"), "webm": ("VP90", "VP9")}  # fourcc, name
+
+# An extraction schema of the kind users send: nested objects, arrays, enums, numbers, a pattern.
+RECEIPT = {
+    "type": "object",
+    "properties": {
+        "shop": {"type": "string", "maxLength": 40},
+        "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+        "currency": {"enum": ["EUR", "USD", "CHF", "GBP"]},
+        "items": {
+            "type": "array",
+            "maxItems": 8,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "label": {"type": "string", "maxLength": 30},
+                    "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
+                    "price": {"type": "number", "minimum": 0},
+                },
+                "required": ["label", "quantity", "price"],
+                "additionalProperties": False,
+            },
+        },
+        "total": {"type": "number"},
+        "paid_by_card": {"type": "boolean"},
+    },
+    "required": ["shop", "date", "currency", "items", "total", "paid_by_card"],
+    "additionalProperties": False,
+}
 
 
 def photo(width: int = 1920, height: int = 1080, seed: int = 0) -> np.ndarray:
@@ -75,3 +105,25 @@ def text_of_tokens(model_path: Path, tokens: int) -> str:
         else:
             hi = mid - 1
     return " ".join(words[:lo])
+
+
+def clip_bytes(path: Path, size: tuple[int, int], seconds: float = 10.0, fps: float = 30.0) -> bytes:
+    """A photo-like background with a square moving across it, written with OpenCV (once: kept at `path`)."""
+    import cv2
+
+    if path.exists():
+        return path.read_bytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name("partial-" + path.name)
+    width, height = size
+    background = photo(width, height)
+    writer = cv2.VideoWriter(str(partial), cv2.VideoWriter_fourcc(*CODECS[path.suffix[1:]][0]), fps, size)
+    side = height // 5
+    for i in range(int(seconds * fps)):
+        frame = background.copy()
+        x = int((width - side) * i / (seconds * fps))
+        frame[height // 3 : height // 3 + side, x : x + side] = (40, 40, 230)
+        writer.write(frame)
+    writer.release()
+    partial.rename(path)
+    return path.read_bytes()

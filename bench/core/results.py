@@ -1,7 +1,11 @@
-"""bench/RESULTS.md: one section per scenario, written only by the benchmark commands.
+"""bench/RESULTS.md: one section per scenario and machine, written only by the benchmark commands.
 
-Each section is headed by its title, the exact command line that wrote it, the commit it ran on,
-the date, the machine and the settings. Rerunning a scenario replaces its section in place.
+A section is headed `## TITLE · MACHINE · COMMAND` — what the scenario measured, the machine it ran
+on ("AMX Xeon", "AVX2-only EPYC": its widest vector extension and CPU family) and the command that
+runs it (`python -m bench.bench_x`) — then the exact command line, the commit it ran on, the date,
+the machine in full and the settings. Rerunning a scenario on a machine replaces that machine's
+section in place (earlier runs stay in git history); a first run on another machine goes beside the
+scenario's other sections. Plots go to bench/plots/, one per scenario and machine likewise.
 """
 
 from __future__ import annotations
@@ -13,17 +17,24 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from bench.core import ROOT
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
+PLOTS = ROOT / "bench" / "plots"
 PREAMBLE = (
-    "# Benchmark results\n\nEvery section below was written by the command named in it (rerunning the "
-    "command replaces its section); timings are from one run on the machine named. Do not edit by hand.\n"
+    "# Benchmark results\n\nOne section per scenario and machine: the latest run there, written by the "
+    "command named in it (rerunning the command on that machine replaces its section; earlier runs are in "
+    "git history). Timings are from one run on the machine named. Do not edit by hand.\n"
 )
 COMMAND_PREFIX = "Command: `"
-OUTPUTS = (":!bench/RESULTS.md", ":!bench/*.png")  # pathspecs: what the benches write
+SEPARATOR = " · "  # between a heading's title, machine and command
+OUTPUTS = (":!bench/RESULTS.md", ":!bench/plots")  # pathspecs: what the benches write
+WIDEST = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2-only"))  # flag → machine name, widest first
+# The line under the command: "2026-12-01 17:28 UTC · Intel(R) Xeon(R) Processor, 2 cores (avx2, ...), ..."
+MACHINE_LINE = re.compile(r"^[\d-]+ [\d:]+ UTC · (?P<cpu>.+?), \d+ cores \((?P<isa>[^)]*)\)", re.M)
 
 
 def cpu_model() -> str:
@@ -36,14 +47,36 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def instruction_sets() -> list[str]:
+    """Which of AVX2, AVX-512 (F, VNNI) and AMX this CPU has, by their /proc/cpuinfo flags."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return [name for name in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f" {name}" in flags]
+
+
 def machine_line(threads: int | None = None) -> str:
     cores = len(os.sched_getaffinity(0))
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    isa = [name for name in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f" {name}" in flags]
     return (
-        f"{cpu_model()}, {cores} cores ({', '.join(isa) or 'no AVX2'}), "
+        f"{cpu_model()}, {cores} cores ({', '.join(instruction_sets()) or 'no AVX2'}), "
         f"{threads if threads is not None else cores} threads, Python {platform.python_version()}"
     )
+
+
+def machine_name(cpu: str, isa: list[str]) -> str:
+    """The machine as a heading names it: its widest vector extension, then the CPU's family
+    ("Intel(R) Xeon(R) Processor" with AMX: "AMX Xeon"; "AMD EPYC" with AVX2 alone: "AVX2-only EPYC")."""
+    widest = next((name for flag, name in WIDEST if flag in isa), "no-AVX2")
+    family = re.sub(r"\((?:R|TM)\)|\b(?:Intel|AMD|Processor|CPU)\b|@.*", " ", cpu).split() or ["CPU"]
+    return " ".join([widest, *family])
+
+
+def this_machine() -> str:
+    return machine_name(cpu_model(), instruction_sets())
+
+
+def machine_of(section: str) -> str | None:
+    """The machine a section's machine line names (`machine_name`), or None without one."""
+    line = MACHINE_LINE.search(section)
+    return line and machine_name(line["cpu"], [f.strip() for f in line["isa"].split(",")])
 
 
 def commit() -> str:
@@ -57,12 +90,27 @@ def commit() -> str:
     return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no", "--", ".", *OUTPUTS) else "")
 
 
+def scenario_command() -> str:
+    """The program this process runs, as a user types it: `python -m bench.bench_x` (`python -m bench x`
+    runs the same module as the program: see bench/__main__.py)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return shlex.join(["python", "-m", spec.name.removesuffix(".__main__")] if spec else ["python", sys.argv[0]])
+
+
 def command_line() -> str:
-    """How this process was started, as a user would type it (`python -m bench.x ...`)."""
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    program = ["python", "-m", spec.name.removesuffix(".__main__")] if spec else ["python", sys.argv[0]]
-    return shlex.join([*program, *sys.argv[1:]])
+    """How this process was started: `scenario_command` and its arguments."""
+    return shlex.join([*shlex.split(scenario_command()), *sys.argv[1:]])
+
+
+def plot_file(name: str, save: bool = True) -> Path:
+    """Where a scenario's plot goes: bench/plots/ (NAME-MACHINE.png), one per machine as its section (in
+    a temporary folder when the run is not saved)."""
+    return (PLOTS if save else Path(tempfile.gettempdir())) / f"{name}-{this_machine().lower().replace(' ', '-')}.png"
+
+
+def plot_link(path: Path) -> str:
+    """A plot's link from bench/RESULTS.md."""
+    return f"{PLOTS.name}/{path.name}"
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
@@ -84,32 +132,44 @@ def _write(kept: list[tuple[str, str]]) -> None:
     RESULTS.write_text(PREAMBLE + "\n" + "".join(s if s.endswith("\n\n") else s.rstrip("\n") + "\n\n" for _, s in kept))
 
 
-def append_section(title: str, settings: dict, body: str, threads: int | None = None) -> str:
-    """Write `## title` with the command, commit, date, machine and settings lines, then `body`,
-    replacing the section of that title if there is one; returns the section."""
+def heading(title: str) -> str:
+    """A section's heading: what it measured, this machine, this scenario's command."""
+    return SEPARATOR.join([title, this_machine(), scenario_command()])
+
+
+def section(title: str, settings: dict, body: str, threads: int | None = None) -> str:
+    """`## heading`, the command, commit, date, machine and settings lines, then `body`."""
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     setting_text = ", ".join(f"{k}={v}" for k, v in settings.items())
-    section = (
-        f"## {title}\n\n{COMMAND_PREFIX}{command_line()}` · commit {commit()}\n\n"
+    return (
+        f"## {heading(title)}\n\n{COMMAND_PREFIX}{command_line()}` · commit {commit()}\n\n"
         f"{stamp} · {machine_line(threads)}\n\nSettings: {setting_text}\n\n{body.strip()}\n\n"
     )
-    old = sections(RESULTS.read_text()) if RESULTS.exists() else []
-    titles = [t for t, _ in old]
-    kept = [(t, s) for t, s in old if t != title]
-    at = titles.index(title) if title in titles else len(kept)
-    kept.insert(min(at, len(kept)), (title, section))
+
+
+def write_section(text: str) -> None:
+    """Put a `section` into bench/RESULTS.md: in place of the one of its heading (the scenario's on
+    this machine), else after the last section of its command, else at the end."""
+    title = text.splitlines()[0][3:]
+    kept = sections(RESULTS.read_text()) if RESULTS.exists() else []
+    titles = [t for t, _ in kept]
+    if title in titles:
+        kept[titles.index(title)] = (title, text)
+    else:
+        command = SEPARATOR + title.rpartition(SEPARATOR)[2]
+        same = [i for i, t in enumerate(titles) if t.endswith(command)]
+        kept.insert(same[-1] + 1 if same else len(kept), (title, text))
     _write(kept)
-    print("\n" + section)
-    return section
 
 
 def report(args, title: str, settings: dict, body: str, threads: int | None = None, save: bool | None = None) -> int:
-    """`append_section` with the benchmark's `args.threads` (unless `threads`), or with its --no-save
-    (unless `save`) only print the section. 0: the benchmark's exit status."""
+    """Print the section of `title` (with the benchmark's `args.threads`, unless `threads`) and write it
+    to bench/RESULTS.md, unless the benchmark's --no-save (or `save`) says not to. 0: the
+    benchmark's exit status."""
+    text = section(title, settings, body, threads if threads is not None else getattr(args, "threads", None))
     if save if save is not None else not args.no_save:
-        append_section(title, settings, body, threads if threads is not None else getattr(args, "threads", None))
-    else:
-        print(f"\n## {title}\n\nSettings: {settings}\n\n{body.strip()}\n")
+        write_section(text)
+    print("\n" + text)
     return 0
 
 

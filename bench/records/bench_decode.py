@@ -20,7 +20,7 @@ For the lean single stream also: the share of the step in the INT8 kernels and i
 Part 2 (unless --no-engines): the engine end to end, today's code against the code before the
 lean step (`--baseline`, each in fresh processes, A B B A): single-stream decode tokens/s and the
 aggregate of 4 concurrent streams.
-The plot (decode tokens/s against context) is bench/decode_context.png.
+The plot (decode tokens/s against context) is bench/plots/decode_context-amx-xeon.png.
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ import torch
 from tqdm import tqdm
 
 from bench.core.harness import interleaved, isolated, medians, parse, parser, short_rev, tree_at
-from bench.core.results import line_plot, markdown_table, report
+from bench.core.results import line_plot, markdown_table, plot_file, plot_link, report
 from bench.core.session import Session
 
-PLOT = Path(__file__).resolve().parent / "decode_context.png"
 BASELINE = "6ed1729"  # the session's start: per-tensor INT8, transformers forward, left-padded batches
 INT8_KERNELS = (
     "quantized::linear_with_input_q_dq_qweight_dq_output_fp32",
@@ -373,7 +372,7 @@ def plot(rows: list[dict], title: str) -> Path:
         (contexts, [r["ceiling_tps"] for r in rows], ":", "bandwidth ceiling"),
     ]
     xlabel, ylabel = "context tokens (KV cache length)", "decode tokens/s, one stream"
-    return line_plot(PLOT, title, xlabel, ylabel, lines, xscale="log")
+    return line_plot(plot_file("decode_context"), title, xlabel, ylabel, lines, xscale="log")
 
 
 def main(argv=None) -> int:
@@ -556,10 +555,10 @@ def main(argv=None) -> int:
             )
         )
     png = plot(rows, f"{model_path.name}, {args.threads} threads, INT8: decode tokens/s vs context")
-    body += f"\n\n![decode tokens/s against context]({png.name})"
+    body += f"\n\n![decode tokens/s against context]({plot_link(png)})"
     return report(
         args,
-        "Decode step: lean vs transformers' forward, by context (bench/bench_decode.py)",
+        "Decode step: lean vs transformers' forward, by context",
         {"MODEL_PATH": model_path.name, "THREADS": args.threads, "QUANTIZATION": "int8"},
         body,
     )

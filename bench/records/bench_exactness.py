@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     )
     return report(
         args,
-        "Exact by construction: its cost, and a cache hit against a fresh server (bench/bench_exactness.py)",
+        "Exact by construction: its cost, and a cache hit against a fresh server",
         {
             "MODEL_PATH": model_path.name,
             "THREADS": args.threads,

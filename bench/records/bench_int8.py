@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     )
     return report(
         args,
-        "Per-token INT8 against per-tensor: time to first token and decode (bench/bench_int8.py)",
+        "Per-token INT8 against per-tensor: time to first token and decode",
         {
             "MODEL_PATH": model_path.name,
             "THREADS": args.threads,

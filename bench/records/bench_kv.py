@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     )
     return report(
         args,
-        "KV cache: appending in place vs torch.cat (bench/bench_kv.py)",
+        "KV cache: appending in place vs torch.cat",
         {"MODEL_PATH": model_path.name, "QUANTIZATION": args.quantization, "THREADS": args.threads},
         table + "\n\n" + note,
     )

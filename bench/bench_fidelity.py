@@ -9,10 +9,24 @@ agreement at every answer position — and also answers freely, compared token b
 In the "spikes" scenario a forward hook multiplies the first token's MLP down-projection input by
 SPIKE in an early and a late decoder layer, in fp32 and INT8 alike (real checkpoints of this family
 carry such massive activations on the first token and on delimiters; random weights do not).
+
+    flock /tmp/heavy.lock python -m bench.bench_fidelity     # CACHE_DIR/qwen3vl-2b-random (or --model-path)
+    python -m bench.bench_fidelity --fidelity-bits int4 --fidelity-tokens 64   # the 4-bit rows
+    python -m bench.bench_fidelity --tiny --no-save          # the embedded model: a quick check
+
+The source's quantized copies (INT8: --int8-path, else <model-path>-int8; 4-bit: <model-path>-int4,
+-int4-all) are written if missing, the INT8 one measured as bench_quantize does.
 """
 
 from __future__ import annotations
 
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.core import int8_suite
 from bench.core.harness import isolated
 from bench.core.inputs import encoded_photo
 from bench.core.results import markdown_table
@@ -203,11 +217,6 @@ def compare(
 def run(source, checkpoints: dict, threads: int, tokens: int, variants: dict = VARIANTS) -> str:
     """`variants` against fp32 on checkpoint `source` (its quantized copies: `checkpoints`, by
     CHECKPOINTS key), in both scenarios: a markdown table."""
-    import tempfile
-    from pathlib import Path
-
-    from tqdm import tqdm
-
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         steps = tqdm(total=len(SCENARIOS) * (1 + len(variants)), desc=f"fidelity {Path(source).name}", unit="process")
@@ -215,7 +224,7 @@ def run(source, checkpoints: dict, threads: int, tokens: int, variants: dict = V
             spikes = scenario == "spikes"
             ref = str(Path(tmp) / f"fp32-{spikes}.pt")
             isolated(
-                "bench.fidelity:reference",
+                "bench.bench_fidelity:reference",
                 model_path=str(source),
                 threads=threads,
                 tokens=tokens,
@@ -225,7 +234,7 @@ def run(source, checkpoints: dict, threads: int, tokens: int, variants: dict = V
             steps.update()
             for label, (checkpoint, activations, kv_dtype) in variants.items():
                 r = isolated(
-                    "bench.fidelity:compare",
+                    "bench.bench_fidelity:compare",
                     model_path=str(checkpoints[checkpoint]),
                     threads=threads,
                     tokens=tokens,
@@ -261,3 +270,35 @@ def run(source, checkpoints: dict, threads: int, tokens: int, variants: dict = V
         ],
         rows,
     )
+
+
+def quantized(args, kind: str) -> Path:
+    """The source's quantized copy of CHECKPOINTS `kind` (INT8: the suite's), written if missing."""
+    if kind == "int8":
+        return int8_suite.int8_copy(args)
+    path = args.model_path.with_name(f"{args.model_path.name}-{kind}")
+    if not (path / "config.json").exists():
+        from service.quant.writer import write_quantized
+
+        write_quantized(args.model_path, path, **CHECKPOINTS[kind])
+    return path
+
+
+def main(argv=None) -> int:
+    args = int8_suite.parse(int8_suite.parser(__doc__), argv)
+    variants = select(args.fidelity_bits)
+    checkpoints = {kind: quantized(args, kind) for kind in {v[0] for v in variants.values()}}
+    body = run(args.model_path, checkpoints, args.threads, args.fidelity_tokens, variants)
+    int8_suite.save(
+        args,
+        f"{'INT8' if args.fidelity_bits == 'int8' else 'INT8 and 4-bit'} fidelity against fp32 "
+        f"({args.model_path.name})",
+        body,
+        greedy_tokens=args.fidelity_tokens,
+        prompts=f"{len(TEXT_PROMPTS)} text + {len(IMAGE_PROMPTS)} with a 1080p photo",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

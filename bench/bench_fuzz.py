@@ -1,8 +1,8 @@
 """The long fuzz run: tests/test_fuzz.py (schemathesis + hypothesis hostile inputs) with many
-examples against one real Gunicorn; tallies every response status and appends it to RESULTS.md.
+examples against one real Gunicorn; tallies every response status and writes it to RESULTS.md.
 
-    python -m bench.fuzz                  # ~2,000 examples per test: > 10,000 requests
-    python -m bench.fuzz --examples 200 --no-save
+    python -m bench.bench_fuzz                  # ~2,000 examples per test: > 10,000 requests
+    python -m bench.bench_fuzz --examples 200 --no-save
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ def main(argv=None) -> int:
     settings = {
         "examples_per_test": args.examples,
         "weights": "embedded tiny random",
-        "command": "python -m bench.fuzz",
     }
     report(args, "Fuzz: schemathesis and hostile inputs", settings, table, threads=2)
     return result.returncode

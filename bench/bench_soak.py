@@ -3,8 +3,8 @@ mid-stream disconnects. Afterwards the worker's anonymous memory (what a leak gr
 of the mapped embedding and libraries are reclaimable, and fill as new token rows are read) must have
 grown < 2 % since warm-up, with no leaked threads or file descriptors, and the caches within their budgets.
 
-    python -m bench.soak                 # 1,000 requests, results appended to bench/RESULTS.md
-    python -m bench.soak --requests 150 --no-save
+    python -m bench.bench_soak                 # 1,000 requests, results written to bench/RESULTS.md
+    python -m bench.bench_soak --requests 150 --no-save
 """
 
 from __future__ import annotations
@@ -200,7 +200,6 @@ def main(argv=None) -> int:
     settings = {
         "mix": r["kinds"],
         "weights": "embedded tiny random",
-        "command": "python -m bench.soak",
         **{k.lower(): v for k, v in SOAK_ENV.items()},
     }
     report(args, "Soak: images, conversations, disconnects", settings, table, threads=2)

@@ -1,6 +1,6 @@
 """How far a sequence's logits in a decode batch are from its logits alone, fp32 and INT8.
 
-    flock /tmp/heavy.lock python -m bench.batch_exactness [--tiny | --model-path DIR] [--steps 32]
+    flock /tmp/heavy.lock python -m bench.bench_batch_exactness [--tiny | --model-path DIR] [--steps 32]
 
 Each of 4 prompts (different lengths) is prefilled alone and decoded greedily alone; then the same
 tokens are fed again as a batch of 1, 2 and 4 through the engine's forward (service/model/forward.py:
@@ -118,7 +118,7 @@ def main(argv=None) -> None:
     name = "embedded tiny" if args.tiny else args.model_path.name
     report(
         args,
-        f"Batching: logits in a decode batch vs alone, {name} (bench/batch_exactness.py)",
+        f"Batching: logits in a decode batch vs alone, {name}",
         {"model": name, "steps": args.steps, "prompts": len(PROMPTS)},
         body,
     )

@@ -1,17 +1,16 @@
 """Bounded load test: more concurrent clients than the queue holds, on loopback only.
 
-Every request must end in 200, 429 or 503 within its timeout — none may hang. Prints and appends
-throughput and latency percentiles to bench/RESULTS.md.
+Every request must end in 200, 429 or 503 within its timeout — none may hang. Prints throughput and
+latency percentiles and writes them to bench/RESULTS.md.
 
-    python -m bench.load                      # tiny embedded model, 16 clients, 96 requests
-    python -m bench.load --clients 32 --requests 400 --model-path /path/to/checkpoint
+    python -m bench.bench_load                      # tiny embedded model, 16 clients, 96 requests
+    python -m bench.bench_load --clients 32 --requests 400 --model-path /path/to/checkpoint
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 from collections import Counter
@@ -22,6 +21,7 @@ import requests
 from tqdm import tqdm
 
 from bench.core.client import chat
+from bench.core.harness import percentile
 from bench.core.results import markdown_table, report
 from bench.core.servers import gunicorn_server
 
@@ -65,12 +65,6 @@ async def run_load(
         await asyncio.gather(*(worker(pool) for _ in range(clients)))
     bar.close()
     return results, time.perf_counter() - start
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
 
 
 def summarize(results: list[dict], elapsed: float) -> dict:
@@ -146,7 +140,6 @@ def main(argv=None) -> int:
         "queue_size": args.queue_size,
         "max_tokens": args.max_tokens,
         "weights": args.model_path or "embedded tiny random",
-        "command": "python -m bench.load",
     }
     report(args, "Load: more clients than the queue holds", settings, table)
     return 1 if s["unexpected"] else 0

@@ -1,16 +1,25 @@
-"""Pixel budget versus visual tokens versus time to first token, for a 1920×1080 JPEG; and a plot."""
+"""Pixel budget versus visual tokens versus time to first token, for a 1920×1080 JPEG; and a plot.
+
+    flock /tmp/heavy.lock python -m bench.bench_pixels       # the INT8 copy of CACHE_DIR/qwen3vl-2b-random
+    python -m bench.bench_pixels --tiny --no-save            # the embedded model: a quick check
+
+One model (the source's INT8 copy, written if missing as bench_quantize does) in a fresh process; for
+each IMAGE_MAX_PIXELS budget, the photo resized into it and a one-token question about it.
+"""
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
+from bench.core import int8_suite
+from bench.core.harness import isolated
 from bench.core.inputs import encoded_photo
-from bench.core.results import line_plot, markdown_table
+from bench.core.results import line_plot, markdown_table, plot_file, plot_link
 from bench.core.session import Session
 
 BUDGETS = [224 * 224, 320 * 320, 448 * 448, 640 * 640, 896 * 896, 1920 * 1080]
-PLOT = Path(__file__).resolve().parent / "pixel_budget.png"
 
 
 def sweep(model_path: str, threads: int, budgets: list[int]) -> list[dict]:
@@ -51,7 +60,7 @@ def sweep(model_path: str, threads: int, budgets: list[int]) -> list[dict]:
     return results
 
 
-def plot(results: list[dict], title: str, path: Path = PLOT) -> Path:
+def plot(results: list[dict], title: str, path: Path) -> Path:
     tokens = [r["visual_tokens"] for r in results]
     lines = [
         (tokens, [r["ttft_s"] for r in results], "o-", "time to first token"),
@@ -87,3 +96,21 @@ def table(results: list[dict]) -> str:
             for r in results
         ],
     )
+
+
+def main(argv=None) -> int:
+    args = int8_suite.parse(int8_suite.parser(__doc__), argv)
+    model_path = int8_suite.int8_copy(args)
+    results = isolated("bench.bench_pixels:sweep", model_path=str(model_path), threads=args.threads, budgets=BUDGETS)
+    title = f"{args.int8_path.name}, {args.threads} threads: time to first token vs visual tokens"
+    path = plot(results, title, plot_file("pixel_budget", save=not args.no_save))
+    int8_suite.save(
+        args,
+        "Pixel budget → visual tokens → time to first token",
+        table(results) + f"\n\n![time to first token versus visual tokens]({plot_link(path)})",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
