@@ -8,7 +8,7 @@ caching server only, new conversations opening with the picture already seen ver
 never seen, the picture first (its KV prefix can be reused) and after some text (only its vision
 features can), and one prompt sent twice. Times are measured by the client (request sent → first
 text line) and by the server (`timings.time_to_first_token`). Prints the table and writes it to
-bench/RESULTS.md. Then the disk tier's runs (service/caches/kv_disk.py), each a section of its own:
+bench/RESULTS.md. Then the disk tier's runs (service/caches/kv_disk/), each a section of its own:
 
 1. Second turns of a ~3,000-token text conversation and of a one-picture conversation, each (a) from
    memory, (b) from disk after memory evicted it (a one-entry memory tier; the files in the page

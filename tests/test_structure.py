@@ -11,6 +11,8 @@ from pathlib import Path
 
 from conftest import ROOT
 
+SERVICE = ROOT / "service"
+
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
@@ -132,6 +134,51 @@ def test_every_room_says_what_it_owns_and_may_import():
         assert len(doc) > 100 and "import" in doc.lower(), f"{init}: a paragraph on what it owns and may import"
 
 
+def unnamed_modules(package: Path) -> list[str]:
+    """The modules and sub-packages of `package` its __init__ docstring does not name."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    children = [p.stem for p in package.glob("*.py") if p.name != "__init__.py"]
+    children += [p.name for p in package.iterdir() if (p / "__init__.py").exists()]
+    return sorted(c for c in children if not re.search(rf"(?<![\w.]){re.escape(c)}\b", doc))
+
+
+def test_every_room_names_each_of_its_modules():
+    """A room's map cannot go stale: its __init__ names every module and sub-package in it."""
+    missing = {
+        str(init.parent.relative_to(ROOT)): unnamed_modules(init.parent)
+        for init in SERVICE.rglob("__init__.py")
+        if init.parent != SERVICE
+    }
+    assert {room: names for room, names in missing.items() if names} == {}
+
+
+def test_the_module_check_finds_an_unnamed_module(tmp_path):
+    (tmp_path / "__init__.py").write_text('"""Holds `alpha` and beta.py."""')
+    for name in ("alpha", "beta", "gamma"):
+        (tmp_path / f"{name}.py").write_text("")
+    assert unnamed_modules(tmp_path) == ["gamma"]
+
+
+def readme_rooms() -> list[str]:
+    """The first cell of each row of the README's room table (its section "Where things are")."""
+    text = (ROOT / "README.md").read_text().split("## Where things are", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    return [row.split("|")[1] for row in rows]
+
+
+def test_the_readme_room_table_has_a_row_per_layer_in_their_order():
+    """The README's map of the rooms follows LAYERS: one row per layer, in order, naming its rooms."""
+    rows = readme_rooms()
+    assert len(rows) == len(LAYERS), [name for name, _ in LAYERS]
+    for (name, prefixes), cell in zip(LAYERS, rows):
+        for prefix in prefixes:
+            if prefix == "service":
+                continue
+            path = ROOT / prefix.replace(".", "/")
+            shown = f"{path.name}/" if path.is_dir() else f"{path.name}.py"
+            assert f"{shown}`" in cell, f"layer {name}: the README's row {cell!r} does not name {shown}"
+
+
 def test_service_has_no_import_cycles():
     assert cycles(import_graph()) == []
 
@@ -231,3 +278,14 @@ def test_every_results_section_is_a_scenario_on_a_machine_with_the_command_that_
         assert re.fullmatch(r"python -m bench(\.\w+)+", command) and _command_exists(command), heading
         line = re.search(r"^Command: `(python -m bench[^`]*)` · commit \w+", text, re.M)
         assert line and _command_exists(line.group(1)), f"{heading}: no command line naming a command of bench/"
+
+
+def test_the_architecture_page_has_a_section_per_layer_in_their_order():
+    """docs/architecture.md, a newcomer's first page: a `##` section per layer, in LAYERS' order, each
+    heading naming the layer's first room."""
+    headings = re.findall(r"(?m)^## (.+)$", (ROOT / "docs" / "architecture.md").read_text())
+    assert len(headings) == len(LAYERS)
+    for (name, prefixes), heading in zip(LAYERS, headings):
+        path = ROOT / prefixes[0].replace(".", "/")
+        shown = f"{prefixes[0].replace('.', '/')}/" if path.is_dir() else f"{prefixes[0].replace('.', '/')}.py"
+        assert f"`{shown}`" in heading, f"layer {name}: {heading!r}"

@@ -1,7 +1,8 @@
 """The jobs room: the durable store behind OpenAI's Batch API — uploaded files, batches, and each
-line's state with a lease (`store`: the contract, ids and line formats; `sqlite`: the embedded
-default under CACHE_DIR, shared by a machine's instances; `redis`: one store for many machines),
-`open_store` choosing one from JOB_STORE_URL. What runs a line (the engine, at batch priority) lives
+line's state with a lease (`store`: the contract, ids and line formats; `book`: the store's rules,
+written once over a backend's primitives; `sqlite`: the embedded default under CACHE_DIR, shared by
+a machine's instances; `redis`: one store for many machines), `open_store` choosing one from
+JOB_STORE_URL. What runs a line (the engine, at batch priority) lives
 in the HTTP layer (service/api/batches/runner.py). May import the basic top-level modules only.
 """
 
