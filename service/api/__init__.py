@@ -13,7 +13,7 @@ responses (`http_io`); streaming a generation's events, or collecting them, and 
 its token limit checked (`engine_requests`); the answer's grammar and tools (`answer_shapes`); each
 API's error body (`error_shapes`); the OpenAPI document (`openapi`); the schema parts several APIs
 share (`schemas`). An API's package may import the core, access/ and the rooms below service/api
-(batches/ also chat/, responses/ also native/histories.py); of the core, `app`, `state`, `context` and
+(batches/ also chat/); of the core, `app`, `state`, `context` and
 `openapi` import the packages they wire together; no module but `app` imports a route module; the
 `serving` and `protocol` modules import no Flask, neither themselves nor through what they import.
 Nothing outside this package imports it.

@@ -170,6 +170,17 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
     return rendered
 
 
+def messages_bytes(messages: list[ChatMessage]) -> int:
+    """What remembering `messages` costs: decoded pictures and clips, texts, reasoning, token ids."""
+    return (
+        sum(img.pixels.nbytes for m in messages for img in m.images)
+        + sum(video.nbytes for m in messages for video in m.videos)
+        + sum(len(getattr(p, "text", "")) for m in messages for p in m.parts)
+        + sum(len(m.reasoning or "") for m in messages)
+        + sum(8 * len(m.token_ids or ()) for m in messages)
+    )
+
+
 def validate_conversation(messages: list[ChatMessage], limits: PromptLimits) -> None:
     if not messages:
         raise BadRequest("messages must not be empty", param="messages")

@@ -10,19 +10,8 @@ from __future__ import annotations
 import uuid
 
 from ...caches.lru import BudgetedLRU
-from ...model.prompts import ChatMessage
+from ...model.prompts import ChatMessage, messages_bytes
 from ...settings import Settings
-
-
-def messages_bytes(messages: list[ChatMessage]) -> int:
-    """What remembering `messages` costs: decoded pictures and clips, texts, reasoning, token ids."""
-    return (
-        sum(img.pixels.nbytes for m in messages for img in m.images)
-        + sum(video.nbytes for m in messages for video in m.videos)
-        + sum(len(getattr(p, "text", "")) for m in messages for p in m.parts)
-        + sum(len(m.reasoning or "") for m in messages)
-        + sum(8 * len(m.token_ids or ()) for m in messages)
-    )
 
 
 def _key(owner: str, conversation_id: str) -> str:

@@ -12,9 +12,8 @@ import uuid
 from dataclasses import dataclass
 
 from ...caches.lru import BudgetedLRU
-from ...model.prompts import ChatMessage
+from ...model.prompts import ChatMessage, messages_bytes
 from ...settings import Settings
-from ..native.histories import messages_bytes
 from .files import ResponseFiles
 
 
