@@ -1,3 +1,4 @@
-"""The media room: uploads decoded and sized with OpenCV — `images` (limits, EXIF orientation,
-the pixel budget) and `video` (frames sampled by time). Imports only the basic top-level modules.
+"""The media room: uploads decoded with OpenCV and sized bit for bit as transformers' processors
+size them — `images` (limits, EXIF orientation, the pixel budget, Pillow's resize) and `video` (frames
+sampled by time, torch's resize). Imports only the basic top-level modules.
 """
