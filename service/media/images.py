@@ -159,9 +159,10 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 def fit_to_budget(width: int, height: int, limits: ImageLimits) -> tuple[int, int]:
     """Target (width, height): the processor's `smart_resize` into [min_pixels, max_pixels]."""
-    if max(width, height) / min(width, height) > 200:
-        raise ImageError(f"aspect ratio of {width}x{height} is above 200:1")
-    h_bar, w_bar = smart_resize(height, width, limits.factor, limits.min_pixels, limits.max_pixels)
+    try:
+        h_bar, w_bar = smart_resize(height, width, limits.factor, limits.min_pixels, limits.max_pixels)
+    except ValueError as exc:  # its one refusal
+        raise ImageError(f"aspect ratio of {width}x{height} is above 200:1") from exc
     return w_bar, h_bar
 
 
@@ -262,7 +263,7 @@ def image_limits(processor, settings: Settings) -> ImageLimits:
 
 
 def fit_processor(processor, settings: Settings) -> None:
-    """Have the processor leave pictures as decode_image resized them, as it would have: by its own size
-    rule it would scale one sized into a request's budget below the checkpoint's floor back up. (The
-    budgets themselves are ImageLimits'; `settings` is the loader's call.)"""
+    """Have the processor take pictures as decode_image resized them (by its own resize: the same bits).
+    By its size rule it would resize one again, scaling a picture sized into a request's budget below
+    the checkpoint's floor back up to it. (`settings`: the loader passes them; the budgets are ImageLimits'.)"""
     processor.image_processor.do_resize = False

@@ -9,7 +9,8 @@ rules are reproduced here and checked against its source in tests/test_video.py:
 - size (`smart_resize`): sides multiples of patch × merge (32), here with a pixel budget per frame
   that keeps the whole clip within VIDEO_MAX_VISUAL_TOKENS;
 - resize (torchvision's `resize`, which on the CPU runs torch's antialiased bicubic on the uint8
-  frames themselves — not Pillow's, which pictures get: the two differ by a level here and there);
+  frames themselves — not Pillow's, which pictures get: the two differ, by up to 23 levels on a noisy
+  frame whose rows shrink while its columns grow);
 - rescale and normalize fused (`TorchvisionBackend.rescale_and_normalize`), in float32;
 - layout (`patchify`): pixel_values_videos is (groups·h·w) × (C·2·16·16), video_grid_thw (t, h, w);
 - prompt (`Qwen3VLProcessor.replace_video_token`, `_calculate_timestamps`): per temporal patch
