@@ -135,7 +135,7 @@ def pieces(length: int, *sizes: int) -> list[int]:
 
 
 def a_picture_and_a_question(engine):
-    return [ImagePart(image(engine, 224, 160, seed=3)), TextPart("What is in this picture, in detail?")]
+    return [ImagePart(image(engine, 224, 160, seed=1)), TextPart("What is in this picture, in detail?")]
 
 
 def decoded_then_recomputed(engine, attention):

@@ -88,7 +88,7 @@ def test_a_picture_larger_than_the_budget_maps_onto_its_own_pixels(fp32_engine):
     assert image.sent_size == (1600, 900) and box.pixels == (160, 90, 1440, 810)
 
 
-@pytest.mark.parametrize("size", [(320, 192), (3000, 2000)])  # the large one takes the reduced JPEG decode
+@pytest.mark.parametrize("size", [(320, 192), (3000, 2000)])
 @pytest.mark.parametrize("orientation, turned", [(1, False), (3, False), (6, True), (8, True)])
 def test_an_exif_rotated_jpeg_maps_onto_the_picture_as_shown(fp32_engine, size, orientation, turned):
     jpeg = with_exif_orientation(encode(pattern(*size), ".jpg"), orientation)

@@ -53,7 +53,7 @@ def pictures(*sizes: tuple[int, int], seed: int = 0) -> list[np.ndarray]:
 
 
 def fit(processor, shortest: int, longest: int) -> None:
-    """What service/media/images.py fit_processor does to a processor."""
+    """The processor's size rule: pictures resized into [shortest, longest] pixels."""
     processor.image_processor.size = SizeDict(shortest_edge=shortest, longest_edge=longest)
 
 
@@ -202,13 +202,13 @@ def prompt(processor, n_pictures: int) -> str:
     ids=["text-only", "one-picture", "two-pictures"],
 )
 def test_call_fitted(pair, sizes):
-    """The service's case: pictures pre-sized to multiples of patch_size * merge_size, the processor's
-    size rule made the service's budget (fit_processor), so no resize."""
+    """The service's case: pictures pre-sized to multiples of patch_size * merge_size, the processor
+    told not to resize them (fit_processor)."""
     ours, theirs = pair
     factor = ours.image_processor.patch_size * ours.image_processor.merge_size
     assert all(h % factor == 0 and w % factor == 0 for h, w in sizes)
     for p in (ours, theirs):
-        fit(p, factor * factor, 1024 * 1024)
+        p.image_processor.do_resize = False
     images = pictures(*sizes)
     text = prompt(theirs, len(sizes))
     kwargs = {"images": images} if images else {}

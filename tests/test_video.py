@@ -151,6 +151,8 @@ def test_frame_size_is_the_processors_resize_rule_with_a_per_frame_budget():
         (1080, 1920, 4),
         (300, 37, 2),
         (4000, 100, 10),
+        (40, 24, 8),  # a side below 32: scaled up to it first
+        (20, 300, 4),
     ]:
         groups = frames // 2
         per_frame = min(LIMITS.max_visual_tokens // groups * 32 * 32, LIMITS.max_frame_pixels)

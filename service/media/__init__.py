@@ -1,4 +1,5 @@
-"""The media room: uploads decoded and sized with OpenCV — `images` (limits, EXIF orientation,
-the pixel budget) and `video` (frames sampled by time); `drawing`: boxes and points drawn over a
-picture (the CLI's `chat --boxes`). Imports only the basic top-level modules.
+"""The media room: uploads decoded with OpenCV and sized bit for bit as transformers' processors
+size them — `images` (limits, EXIF orientation, the pixel budget, Pillow's resize) and `video` (frames
+sampled by time, torch's resize); `drawing`: boxes and points drawn over a picture (the CLI's `chat
+--boxes`). Imports only the basic top-level modules.
 """

@@ -1,8 +1,12 @@
 """Decode client image bytes with OpenCV into RGB arrays sized for the vision encoder.
 
 Order matters for safety: size of the bytes → format from the magic bytes → dimensions from the
-header (refusing decompression bombs before any pixel is decoded) → decode (reduced-size JPEG
-decode when the target is much smaller) → alpha, bit depth, grayscale → resize to the budget.
+header (refusing decompression bombs before any pixel is decoded) → decode in full → alpha, bit
+depth, grayscale → resize to the budget.
+
+The resize is transformers' own for Qwen2-VL / Qwen3-VL pictures (`smart_resize`, then Pillow's
+filter, bicubic, as `Qwen2VLImageProcessorPil` does), so the pixels the model sees are the bits
+transformers' processor makes of the same decoded RGB (tests/test_official_pixels.py).
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from dataclasses import dataclass, replace
 
 import cv2
 import numpy as np
-from transformers.image_utils import SizeDict
+from PIL import Image
 
 from ..errors import ImageError, TooLarge
 from ..settings import Settings
 
 cv2.setNumThreads(1)  # decoding runs beside torch's threads; OpenCV's own pool would oversubscribe
+
+BICUBIC = 3  # PIL.Image.Resampling.BICUBIC: Qwen2VLImageProcessorPil's default
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class ImageLimits:
     min_pixels: int = 32 * 32
     factor: int = 32  # patch size × merge size: sides are multiples of it
     ceiling: int = 0  # the largest budget a request may ask for (0: max_pixels)
+    resample: int = BICUBIC  # the Pillow filter the processor resizes with
 
     def with_budget(self, pixels: int) -> ImageLimits:
         """These limits with another pixel budget (a request's own, within `ceiling`)."""
@@ -130,42 +137,33 @@ def _jpeg_size(data: bytes) -> tuple[int, int]:
     raise ValueError("no SOF marker")
 
 
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' `qwen2_vl` smart_resize: sides multiples of `factor`, area within the bounds,
+    aspect kept as closely as that allows."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(
+            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def fit_to_budget(width: int, height: int, limits: ImageLimits) -> tuple[int, int]:
-    """Target (width, height): multiples of `factor`, area within [min_pixels, max_pixels], aspect kept.
-
-    The same rule as Qwen2-VL's `smart_resize`, so the processor leaves the result as it is.
-    """
-    f = limits.factor
-    if max(width, height) / max(1, min(width, height)) > 200:
-        raise ImageError(f"aspect ratio of {width}x{height} is above 200:1")
-    h_bar = max(f, round(height / f) * f)
-    w_bar = max(f, round(width / f) * f)
-    if h_bar * w_bar > limits.max_pixels:
-        beta = math.sqrt(height * width / limits.max_pixels)
-        h_bar = max(f, math.floor(height / beta / f) * f)
-        w_bar = max(f, math.floor(width / beta / f) * f)
-    elif h_bar * w_bar < limits.min_pixels:
-        beta = math.sqrt(limits.min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / f) * f
-        w_bar = math.ceil(width * beta / f) * f
+    """Target (width, height): the processor's `smart_resize` into [min_pixels, max_pixels]."""
+    try:
+        h_bar, w_bar = smart_resize(height, width, limits.factor, limits.min_pixels, limits.max_pixels)
+    except ValueError as exc:  # its one refusal
+        raise ImageError(f"aspect ratio of {width}x{height} is above 200:1") from exc
     return w_bar, h_bar
-
-
-def _jpeg_reduce_flag(width: int, height: int, target: tuple[int, int]) -> int:
-    """The largest libjpeg DCT scaling (1/2, 1/4, 1/8) that still leaves ≥ the target size."""
-    for factor, flag in (
-        (8, cv2.IMREAD_REDUCED_COLOR_8),
-        (4, cv2.IMREAD_REDUCED_COLOR_4),
-        (2, cv2.IMREAD_REDUCED_COLOR_2),
-    ):
-        if (
-            width // factor >= target[0]
-            and height // factor >= target[1]
-            and height // factor >= target[0]
-            and width // factor >= target[1]
-        ):
-            return flag
-    return cv2.IMREAD_COLOR
 
 
 def to_rgb8(img: np.ndarray) -> np.ndarray:
@@ -186,12 +184,13 @@ def to_rgb8(img: np.ndarray) -> np.ndarray:
     return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
 
 
-def resize_to(rgb: np.ndarray, target: tuple[int, int]) -> np.ndarray:
-    """`rgb` at `target` (width, height): area averaging to shrink (no aliasing), bicubic to enlarge."""
-    if (rgb.shape[1], rgb.shape[0]) == target:
-        return rgb
-    shrinking = target[0] * target[1] < rgb.shape[0] * rgb.shape[1]
-    return cv2.resize(rgb, target, interpolation=cv2.INTER_AREA if shrinking else cv2.INTER_CUBIC)
+def resize_to(pixels: np.ndarray, target: tuple[int, int], resample: int = BICUBIC) -> np.ndarray:
+    """`pixels` (H × W or H × W × 3 uint8) at `target` (width, height) by Pillow's `resample` filter,
+    as transformers' PIL backend resizes (bicubic: a support widened by the scale when shrinking, so
+    no aliasing); an array already at `target` is returned as it is."""
+    if (pixels.shape[1], pixels.shape[0]) == target:
+        return pixels
+    return np.asarray(Image.fromarray(pixels).resize(target, resample=resample))
 
 
 def checked_upload(data: bytes, kind: str, max_bytes: int, sniff, error, expected: str) -> str:
@@ -223,21 +222,16 @@ def decode_image(data: bytes, limits: ImageLimits) -> DecodedImage:
             f"image is {width}x{height} = {width * height} pixels; the limit is {limits.max_decoded_pixels}",
             code="image_too_large",
         )
-    target = fit_to_budget(width, height, limits)
     buffer = np.frombuffer(data, dtype=np.uint8)
     if fmt == "jpeg":
-        # COLOR decodes apply the EXIF orientation; reduced decode skips most of the IDCT work.
-        img = cv2.imdecode(buffer, _jpeg_reduce_flag(width, height, target))
+        img = cv2.imdecode(buffer, cv2.IMREAD_COLOR)  # applies the EXIF orientation
     else:
         img = cv2.imdecode(buffer, cv2.IMREAD_UNCHANGED)  # keeps alpha and 16-bit samples
     if img is None or img.size == 0:
         raise ImageError(f"could not decode the {fmt.upper()} image: truncated or corrupt")
     rgb = to_rgb8(img)
-    # EXIF rotation may have swapped the sides (a reduced JPEG decode keeps the aspect): fit the image as oriented.
-    swapped = width != height and (rgb.shape[1] > rgb.shape[0]) != (width > height)
-    oriented = (height, width) if swapped else (width, height)
-    target = fit_to_budget(rgb.shape[1], rgb.shape[0], limits)
-    rgb = np.ascontiguousarray(resize_to(rgb, target))
+    oriented = rgb.shape[1], rgb.shape[0]  # its sides swapped by an EXIF orientation that turns it
+    rgb = resize_to(rgb, fit_to_budget(*oriented, limits), limits.resample)
     digest = hashlib.blake2b(rgb.tobytes(), digest_size=16, person=b"qwen3vl-img").hexdigest()
     return DecodedImage(
         pixels=rgb,
@@ -264,11 +258,12 @@ def image_limits(processor, settings: Settings) -> ImageLimits:
         min_pixels=min_pixels,
         factor=factor,
         ceiling=ceiling,
+        resample=int(ip.resample),
     )
 
 
 def fit_processor(processor, settings: Settings) -> None:
-    """Make the processor's own resize rule the pixel budget's, so it never resizes an image the
-    service already sized (idempotent: the budget computed again from it is the same)."""
-    limits = image_limits(processor, settings)
-    processor.image_processor.size = SizeDict(shortest_edge=limits.min_pixels, longest_edge=limits.ceiling)
+    """Have the processor take pictures as decode_image resized them (by its own resize: the same bits).
+    By its size rule it would resize one again, scaling a picture sized into a request's budget below
+    the checkpoint's floor back up to it. (`settings`: the loader passes them; the budgets are ImageLimits'.)"""
+    processor.image_processor.do_resize = False

@@ -8,6 +8,10 @@ rules are reproduced here and checked against its source in tests/test_video.py:
   temporal patches of 2;
 - size (`smart_resize`): sides multiples of patch × merge (32), here with a pixel budget per frame
   that keeps the whole clip within VIDEO_MAX_VISUAL_TOKENS;
+- resize (torchvision's `resize`, which on the CPU runs torch's antialiased bicubic on the uint8
+  frames themselves — not Pillow's, which pictures get: the two differ, by up to 23 levels on a noisy
+  frame whose rows shrink while its columns grow);
+- rescale and normalize fused (`TorchvisionBackend.rescale_and_normalize`), in float32;
 - layout (`patchify`): pixel_values_videos is (groups·h·w) × (C·2·16·16), video_grid_thw (t, h, w);
 - prompt (`Qwen3VLProcessor.replace_video_token`, `_calculate_timestamps`): per temporal patch
   `<{t:.1f} seconds><|vision_start|>` + its pads + `<|vision_end|>`, t the mean time of its frames.
@@ -31,7 +35,7 @@ import numpy as np
 import torch
 
 from ..errors import TooLarge, VideoError
-from .images import ImageLimits, checked_upload, fit_to_budget, resize_to, to_rgb8
+from .images import ImageLimits, checked_upload, fit_to_budget, to_rgb8
 
 TEMP_PREFIX = "qwen3vl-video-"
 
@@ -138,6 +142,9 @@ def frame_size(width: int, height: int, num_frames: int, limits: VideoLimits) ->
     budget = min(tokens_per_frame * limits.factor**2, limits.max_frame_pixels)
     if budget < limits.factor**2:
         raise VideoError(f"{groups} frame pairs do not fit VIDEO_MAX_VISUAL_TOKENS={limits.max_visual_tokens}")
+    if height < limits.factor or width < limits.factor:  # the video smart_resize scales such a side up first
+        scale = max(limits.factor / height, limits.factor / width)
+        width, height = int(width * scale), int(height * scale)
     w, h = fit_to_budget(
         width, height, ImageLimits(0, 0, max_pixels=budget, min_pixels=limits.factor**2, factor=limits.factor)
     )
@@ -221,7 +228,7 @@ def _read_frames(capture: cv2.VideoCapture, fmt: str, limits: VideoLimits) -> tu
             if bgr.shape[0] * bgr.shape[1] > limits.max_source_pixels:
                 raise TooLarge("a decoded frame is larger than the container says", code="video_too_large")
             target = target or frame_size(bgr.shape[1], bgr.shape[0], len(wanted), limits)
-            frames.append(resize_to(to_rgb8(bgr), target))
+            frames.append(resize_frame(to_rgb8(bgr), target))
             indices.append(position)
             pending.pop(0)
         position += 1
@@ -236,6 +243,18 @@ def _read_frames(capture: cv2.VideoCapture, fmt: str, limits: VideoLimits) -> tu
     return frames, indices, meta
 
 
+def resize_frame(rgb: np.ndarray, target: tuple[int, int]) -> np.ndarray:
+    """`rgb` (H × W × 3 uint8) at `target` (width, height) as transformers' video processor resizes a
+    frame: torchvision's resize, on the CPU torch's antialiased bicubic on the uint8 frame itself."""
+    if (rgb.shape[1], rgb.shape[0]) == target:
+        return rgb
+    frame = torch.from_numpy(rgb).permute(2, 0, 1)[None]
+    resized = torch.nn.functional.interpolate(
+        frame, size=[target[1], target[0]], mode="bicubic", align_corners=False, antialias=True
+    )
+    return resized[0].permute(1, 2, 0).numpy()
+
+
 def _pad_to_temporal_patch(frames: list[np.ndarray], temporal_patch: int) -> list[np.ndarray]:
     return frames + [frames[-1]] * (-len(frames) % temporal_patch)
 
@@ -245,10 +264,11 @@ def video_patches(video: DecodedVideo, image_processor) -> tuple[torch.Tensor, t
     does, rescaled and normalized with the checkpoint's image processor settings."""
     ip = image_processor
     patch, merge, temporal = ip.patch_size, ip.merge_size, ip.temporal_patch_size
-    x = torch.from_numpy(video.frames).permute(0, 3, 1, 2).float() * ip.rescale_factor  # T × C × H × W
-    mean = torch.tensor(ip.image_mean, dtype=torch.float32).view(1, -1, 1, 1)
-    std = torch.tensor(ip.image_std, dtype=torch.float32).view(1, -1, 1, 1)
-    x = (x - mean) / std
+    # One step, as transformers' video processor fuses them: (x - mean / rescale) / (std / rescale).
+    mean = torch.tensor(ip.image_mean) * (1.0 / ip.rescale_factor)
+    std = torch.tensor(ip.image_std) * (1.0 / ip.rescale_factor)
+    x = torch.from_numpy(video.frames).permute(0, 3, 1, 2).float()  # T × C × H × W
+    x = (x - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
     frames, channels, height, width = x.shape
     if frames % temporal:  # decode_video pads to whole temporal patches
         raise ValueError(f"{frames} frames is not a whole number of {temporal}-frame temporal patches")

@@ -9,14 +9,13 @@ by the machinery transformers uses) and `transformers.image_utils`.
 
 Not mirrored: videos (service/media/video.py prepares them), `tokenize=True` chat templates, control
 token sanitizing, per-call image processor overrides. Images are HxWxC uint8 arrays (what
-service/media/images.py decodes); the service sizes them beforehand so the resize here, which is
-transformers' own (smart_resize, then Pillow), leaves them as they are.
+service/media/images.py decodes and resizes, with the resize here: transformers' own, smart_resize
+then Pillow); the service's processor is told not to resize them again (fit_processor).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,7 +36,8 @@ from transformers.utils.chat_template_utils import (
     render_jinja_template,
 )
 
-BICUBIC = 3  # PIL.Image.Resampling.BICUBIC: Qwen2VLImageProcessorPil's default
+from ..media.images import BICUBIC, resize_to, smart_resize
+
 _UNMARKED = f"(?<!{_CONTROL_TOKEN_START})"  # processing_utils: a placeholder not marked as user text
 # TextKwargs the processor copies from the tokenizer's init kwargs into its tokenizer call
 # (ProcessorMixin._merge_kwargs, step 5): the tokenizer's own values, so the call means the same.
@@ -58,26 +58,6 @@ _TEXT_KWARGS = (
     "verbose",
     "padding_side",
 )
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """transformers' `qwen2_vl` smart_resize: sides multiples of `factor`, area within the bounds,
-    aspect kept as closely as that allows."""
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(
-            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
-        )
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 class ImageProcessor:
@@ -166,11 +146,9 @@ class ImageProcessor:
         target = smart_resize(height, width, factor, size.shortest_edge, size.longest_edge)
         if target == (height, width):
             return image
-        from PIL import Image
-
         last = np.ascontiguousarray(np.moveaxis(image, 0, -1))
         last = last[..., 0] if last.shape[-1] == 1 else last
-        resized = np.array(Image.fromarray(last).resize((target[1], target[0]), resample=self.resample))
+        resized = resize_to(last, (target[1], target[0]), self.resample)
         resized = resized[..., None] if resized.ndim == 2 else resized
         return np.moveaxis(resized, -1, 0)
 
