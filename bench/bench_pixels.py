@@ -37,7 +37,7 @@ def sweep(model_path: str, threads: int, budgets: list[int]) -> list[dict]:
     for i, budget in enumerate([min(budgets), *budgets]):  # the first run warms up
         processor.image_processor.size = SizeDict(longest_edge=max(budgets))  # as loaded, then the budget's
         engine = session.variant(image_max_pixels=budget)
-        fit_processor(processor, engine.settings)
+        fit_processor(processor)
         t0 = time.perf_counter()
         image = decode_image(jpeg, engine.engine.limits.image)
         request = engine.request(image, "What is in this picture?", received_at=t0)

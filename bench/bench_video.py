@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     settings = {"model_path": args.model_path, "quantization": args.quantization, "threads": args.threads}
     base = load_settings(**settings)
     processor = load_processor(args.model_path)
-    fit_processor(processor, base)
+    fit_processor(processor)
     limits = RequestLimits.build(base, processor).video
     clip_dir = args.clip_dir or base.cache_dir / "bench-clips"
     clips = {

@@ -262,8 +262,8 @@ def image_limits(processor, settings: Settings) -> ImageLimits:
     )
 
 
-def fit_processor(processor, settings: Settings) -> None:
+def fit_processor(processor) -> None:
     """Have the processor take pictures as decode_image resized them (by its own resize: the same bits).
     By its size rule it would resize one again, scaling a picture sized into a request's budget below
-    the checkpoint's floor back up to it. (`settings`: the loader passes them; the budgets are ImageLimits'.)"""
+    the checkpoint's floor back up to it."""
     processor.image_processor.do_resize = False

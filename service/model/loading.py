@@ -88,7 +88,7 @@ def _load(settings: Settings) -> LoadedModel:
     start = time.perf_counter()
     path = settings.model_path or embedded_model_dir(settings.cache_dir)
     processor = load_processor(path)
-    fit_processor(processor, settings)
+    fit_processor(processor)
     startup.mark("processor")
     hf_logging.set_verbosity_error()
     path = published_checkpoint(path, settings)  # GPTQ/AWQ: converted once (exactly) into CACHE_DIR
