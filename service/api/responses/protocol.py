@@ -205,6 +205,7 @@ OutputItem = ResponseOutputMessage | ResponseFunctionCall | ResponseReasoning
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = Field(description="prompt tokens whose keys and values came from the cache")
+    cache_write_tokens: int = Field(0, description="0: the cache keeps every prompt by itself, at no charge")
 
 
 class OutputTokensDetails(BaseModel):

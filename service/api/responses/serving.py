@@ -266,7 +266,7 @@ def _reasoning_delta(item_id: str, index: int, text: str) -> rp.ResponseReasonin
 def usage(done: Completion) -> rp.ResponseUsage:
     return rp.ResponseUsage(
         input_tokens=done.prompt_tokens,
-        input_tokens_details=rp.InputTokensDetails(cached_tokens=done.cached_tokens),
+        input_tokens_details=rp.InputTokensDetails(cached_tokens=done.cached_tokens, cache_write_tokens=0),
         output_tokens=done.completion_tokens,
         output_tokens_details=rp.OutputTokensDetails(reasoning_tokens=done.reasoning_tokens),
         total_tokens=done.prompt_tokens + done.completion_tokens,
