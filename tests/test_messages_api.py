@@ -14,6 +14,7 @@ import requests
 
 from conftest import KEY
 from imaging import encode, pattern
+from sdk_types import sdk_conforms
 
 PNG = base64.b64encode(encode(pattern(224, 224, seed=7), ".png")).decode()
 PICTURE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
@@ -54,6 +55,7 @@ def test_a_text_message_with_a_system_prompt(client):
     assert reply.stop_reason in ("end_turn", "max_tokens") and reply.stop_sequence is None
     assert reply.usage.output_tokens == 8 if reply.stop_reason == "max_tokens" else reply.usage.output_tokens <= 8
     counted = client.messages.count_tokens(model="qwen3-vl", system="Answer briefly.", messages=user("Hello"))
+    sdk_conforms(reply, counted)
     assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == counted.input_tokens
 
 
@@ -70,6 +72,7 @@ def test_a_tool_loop_calls_the_tool_then_answers_from_its_result_reusing_the_pro
     question = user("What is the weather in Paris?")
     call = client.messages.create(model="m", max_tokens=200, messages=question, tools=[WEATHER], tool_choice=ONE_CALL)
     assert call.stop_reason == "tool_use"
+    sdk_conforms(call)
     uses = [b for b in call.content if b.type == "tool_use"]
     assert len(uses) >= 1 and uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, WEATHER["input_schema"])
@@ -88,6 +91,7 @@ def test_a_stream_sends_anthropics_event_sequence_and_the_same_message(client):
     with client.messages.stream(**kwargs) as stream:
         events = list(stream)
         final = stream.get_final_message()
+    sdk_conforms(whole, final, *events)
     kinds = [e.type for e in events if e.type not in ("text",)]  # "text": the client's own helper events
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     blocks = kinds[kinds.index("content_block_start") : kinds.index("message_delta")]
@@ -111,6 +115,7 @@ def test_a_streamed_tool_call_arrives_as_input_json_deltas(client):
     ) as stream:
         events = list(stream)
         final = stream.get_final_message()
+    sdk_conforms(final, *events)
     starts = [e.content_block for e in events if e.type == "content_block_start"]
     assert [b.type for b in starts] == ["tool_use"] and starts[0].name == "get_weather"
     pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]

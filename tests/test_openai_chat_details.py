@@ -13,6 +13,7 @@ import requests
 from service.answer.structured import closed_objects
 
 from conftest import SHARED_ENV, app_on, make_settings
+from sdk_types import sdk_conforms
 from servers import openai_client
 
 CAP = int(SHARED_ENV["MAX_NEW_TOKENS"])
@@ -67,6 +68,7 @@ def test_refusal_and_system_fingerprint_come_as_openai_sends_them(client, shared
     fingerprint = whole["system_fingerprint"]
     assert fingerprint.startswith("fp_") and ask(client).system_fingerprint == fingerprint
     chunks = list(ask(client, stream=True))
+    sdk_conforms(*chunks)
     assert {c.system_fingerprint for c in chunks} == {fingerprint}
     first = chunks[0].choices[0].delta.model_dump(exclude_unset=True)
     assert first == {"role": "assistant", "content": "", "refusal": None}
@@ -75,7 +77,9 @@ def test_refusal_and_system_fingerprint_come_as_openai_sends_them(client, shared
 def test_speculation_is_counted_in_its_own_field_not_in_predicted_outputs(client):
     """A forced tool call's grammar drafts tokens; OpenAI's Predicted Outputs counts stay 0."""
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-    usage = ask(client, tools=[tool], tool_choice="required", max_tokens=60, temperature=0).usage
+    reply = ask(client, tools=[tool], tool_choice="required", max_tokens=60, temperature=0)
+    sdk_conforms(reply)
+    usage = reply.usage
     details = usage.completion_tokens_details
     assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 0)
     speculation = usage.model_extra["speculation"]

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 
 from conftest import app_on, make_settings
 from imaging import data_url, encode, pattern
+from sdk_types import sdk_conforms
 from servers import openai_client
 
 PICTURE = data_url(encode(pattern(224, 224, seed=11), ".png"))
@@ -37,6 +38,7 @@ def client(shared_server):
 
 def test_a_string_input_with_instructions_gets_a_stored_response(client):
     reply = client.responses.create(model="m", input="Hello", instructions="Answer briefly.", max_output_tokens=8)
+    sdk_conforms(reply)
     assert reply.object == "response" and reply.id.startswith("resp_") and reply.status in ("completed", "incomplete")
     assert [item.type for item in reply.output] == ["message"]
     assert reply.output_text == reply.output[0].content[0].text
@@ -88,6 +90,7 @@ class Verdict(BaseModel):
 def test_parse_gets_its_pydantic_model_and_a_schema_is_followed(client):
     parsed = client.responses.parse(model="m", input="Is it a cat?", text_format=Verdict, extra_body={"seed": 3})
     assert isinstance(parsed.output_parsed, Verdict) and parsed.status == "completed"
+    sdk_conforms(parsed)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     fmt = {"format": {"type": "json_schema", "name": "count", "schema": schema, "strict": True}}
     reply = client.responses.create(model="m", input="How many?", text=fmt, max_output_tokens=60)
@@ -98,6 +101,7 @@ def test_a_function_call_then_its_output_continue_the_conversation(client):
     call = client.responses.create(
         model="m", input="Weather in Oslo?", tools=[WEATHER], tool_choice="required", parallel_tool_calls=False
     )
+    sdk_conforms(call)
     calls = [item for item in call.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and call.status == "completed"
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
@@ -112,6 +116,7 @@ def test_the_stream_sends_the_typed_events_and_the_same_response(client):
     kwargs = dict(model="m", input="Tell me something.", max_output_tokens=10, extra_body={"temperature": 0})
     whole = client.responses.create(**kwargs)
     events = list(client.responses.create(**kwargs, stream=True))
+    sdk_conforms(whole, *events)
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
@@ -139,6 +144,7 @@ def test_a_streamed_function_call_arrives_as_arguments_deltas(client):
             model="m", input="Weather in Rome?", tools=[WEATHER], tool_choice="required", stream=True
         )
     )
+    sdk_conforms(*events)
     added = [e.item for e in events if e.type == "response.output_item.added"]
     assert [item.type for item in added] == ["function_call"]
     pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
