@@ -97,6 +97,23 @@ def test_parse_gets_its_pydantic_model_and_a_schema_is_followed(client):
     assert reply.status == "completed" and list(json.loads(reply.output_text)) == ["n"]
 
 
+def test_the_text_format_is_echoed_as_openai_echoes_it(client):
+    """Free text and any JSON object are a bare type (no name: openai-python's types have none there)."""
+    for sent, echoed in (
+        (None, {"type": "text"}),
+        ({"type": "text"}, {"type": "text"}),
+        ({"type": "json_object"}, {"type": "json_object"}),
+        (
+            {"type": "json_schema", "name": "n", "schema": {"type": "object"}, "strict": False},
+            {"type": "json_schema", "name": "n", "schema": {"type": "object"}, "strict": False},
+        ),
+    ):
+        text = {"format": sent} if sent else None
+        reply = client.responses.create(model="m", input="Hi", max_output_tokens=2, **({"text": text} if text else {}))
+        sdk_conforms(reply)
+        assert reply.text.format.to_dict() == echoed
+
+
 def test_a_function_call_then_its_output_continue_the_conversation(client):
     call = client.responses.create(
         model="m", input="Weather in Oslo?", tools=[WEATHER], tool_choice="required", parallel_tool_calls=False

@@ -86,8 +86,15 @@ InputItem = Annotated[
 class ResponseTextFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     name: FunctionName = "response"
+    description: Text | None = None
     schema_: JSONSchema | None = Field(None, alias="schema")
     strict: bool | None = Field(None, description="objects allow no keys beyond their properties (OpenAI's strict)")
+
+    def echoed(self) -> dict:
+        """The format as a response echoes it: text and json_object are a bare type, as OpenAI's."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
 class ResponseTextConfig(Lenient):

@@ -297,7 +297,7 @@ class ResponseHead:
             store=body.store,
             temperature=body.temperature,
             top_p=body.top_p,
-            text={"format": fmt.model_dump(mode="json", by_alias=True, exclude_none=True)},
+            text={"format": fmt.echoed()},
             tool_choice=choice.model_dump() if isinstance(choice, rp.FunctionChoice) else choice or "auto",
             tools=[t.model_dump(exclude_none=True) for t in body.tools or ()],
             usage=usage(done) if done is not None else None,
