@@ -124,6 +124,25 @@ def test_a_streamed_tool_call_arrives_as_input_json_deltas(client):
     jsonschema.validate(final.content[0].input, WEATHER["input_schema"])
 
 
+# A forced call cut by max_tokens in its tag, just after it, in its opening brace, in its name (the tiny
+# tokenizer's pieces: `<`, `<tool_call`, `<tool_call>`, `<tool_call>\n{"`, `…"name": "ge`).
+BEFORE_THE_NAME = [1, 8, 9, 12, 20]
+
+
+@pytest.mark.parametrize("max_tokens", BEFORE_THE_NAME)
+def test_a_forced_tool_call_cut_before_its_name_shows_no_markup(client, max_tokens):
+    """No block at all, whole or streamed: the message was cut (max_tokens), never a `<tool_call…` text."""
+    kwargs = dict(model="m", max_tokens=max_tokens, messages=user("Weather?"), tools=[WEATHER], tool_choice=ONE_CALL)
+    reply = client.messages.create(**kwargs, extra_body=GREEDY)
+    with client.messages.stream(**kwargs, extra_body=GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    sdk_conforms(reply, final, *events)
+    for message in (reply, final):
+        assert (message.stop_reason, message.content, message.usage.output_tokens) == ("max_tokens", [], max_tokens)
+    assert not any(e.type.startswith("content_block") for e in events)
+
+
 def test_a_stop_sequence_ends_the_answer_and_is_named(client):
     kwargs = dict(model="m", max_tokens=30, messages=user("Keep talking."), extra_body=GREEDY)
     text = client.messages.create(**kwargs).content[0].text

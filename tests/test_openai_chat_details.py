@@ -86,6 +86,33 @@ def test_speculation_is_counted_in_its_own_field_not_in_predicted_outputs(client
     assert speculation["drafted_tokens"] > 0 and 0 < speculation["accepted_tokens"] <= speculation["drafted_tokens"]
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+# A forced call cut by the token limit in its tag, just after it, in its opening brace, in its name (the
+# tiny tokenizer's pieces: `<`, `<tool_call`, `<tool_call>`, `<tool_call>\n{"`, `…"name": "ge`).
+BEFORE_THE_NAME = [1, 8, 9, 12, 20]
+
+
+@pytest.mark.parametrize("max_tokens", BEFORE_THE_NAME)
+def test_a_forced_tool_call_cut_before_its_name_shows_no_markup(client, max_tokens):
+    """No call and no text, whole or streamed: the answer was cut (length), never `<tool_call…`."""
+    kwargs = dict(tools=[WEATHER], tool_choice="required", max_tokens=max_tokens, temperature=0)
+    reply = ask(client, **kwargs)
+    chunks = list(ask(client, stream=True, **kwargs))
+    sdk_conforms(reply, *chunks)
+    message = reply.choices[0].message
+    assert (reply.choices[0].finish_reason, message.content, message.tool_calls) == ("length", None, None)
+    assert reply.usage.completion_tokens == max_tokens  # the grammar allows no end before the call's
+    deltas = [chunk.choices[0].delta for chunk in chunks]
+    assert not any(d.content or d.tool_calls for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize(
     "field,value",
     [

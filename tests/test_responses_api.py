@@ -129,6 +129,25 @@ def test_a_function_call_then_its_output_continue_the_conversation(client):
     assert answer.usage.input_tokens_details.cached_tokens > 0 and answer.status in ("completed", "incomplete")
 
 
+# A forced call cut by the token limit in its tag, just after it, in its opening brace, in its name (the
+# tiny tokenizer's pieces: `<`, `<tool_call`, `<tool_call>`, `<tool_call>\n{"`, `…"name": "ge`).
+BEFORE_THE_NAME = [1, 8, 9, 12, 20]
+
+
+@pytest.mark.parametrize("max_tokens", BEFORE_THE_NAME)
+def test_a_forced_function_call_cut_before_its_name_shows_no_markup(client, max_tokens):
+    """No item at all, whole or streamed: the response is incomplete, never a `<tool_call…` output_text."""
+    kwargs = dict(model="m", input="Weather in Oslo?", tools=[WEATHER], tool_choice="required")
+    kwargs.update(max_output_tokens=max_tokens, extra_body={"temperature": 0})
+    reply = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    sdk_conforms(reply, *events)
+    for response in (reply, events[-1].response):
+        assert (response.status, response.output, response.output_text) == ("incomplete", [], "")
+        assert response.usage.output_tokens == max_tokens
+    assert not any(e.type.startswith(("response.output_", "response.content_part")) for e in events)
+
+
 def test_the_stream_sends_the_typed_events_and_the_same_response(client):
     kwargs = dict(model="m", input="Tell me something.", max_output_tokens=10, extra_body={"temperature": 0})
     whole = client.responses.create(**kwargs)

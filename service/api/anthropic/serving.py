@@ -7,7 +7,7 @@ import json
 import uuid
 from collections.abc import Iterator
 
-from ...answer.tools import ToolCall, ToolCallDelta, ToolCallParser, split_tool_calls
+from ...answer.tools import ToolCall, ToolCallDelta, ToolCallParser
 from ...errors import BadRequest, ServiceError
 from ...generation import Completion, GenerationRequest, SamplingParams, TextDelta
 from ...limits import RequestLimits
@@ -172,12 +172,12 @@ def _input(arguments: str) -> dict:
 
 
 def message_body(message_id: str, model: str, done: Completion, shape: AnswerShape) -> dict:
-    """The non-streamed answer: Anthropic's message."""
-    text, calls = split_tool_calls(done.text, shape.max_calls) if shape.parse_tool_calls else (done.text, [])
+    """The non-streamed answer: Anthropic's message (a forced call cut before its name: no block)."""
+    text, calls = shape.split(done.text)
     content: list = []
     if done.reasoning is not None:
         content.append(ap.ThinkingOut(thinking=done.reasoning, signature=""))
-    if text or not calls:
+    if text or not (calls or shape.forced_calls):
         content.append(ap.TextOut(text=text))
     content += [ap.ToolUseOut(id=c.id, name=c.name, input=_input(c.arguments)) for c in calls]
     message = ap.MessageOut(

@@ -151,7 +151,8 @@ class OutputItems:
     def finish(self, status: str) -> list:
         events = self._pieces(self.parser.flush() if self.parser else [])
         events += self._close(status)
-        if not self.items:  # an empty answer is still a message, as OpenAI's
+        forced = self.parser is not None and self.parser.forced  # cut before its call's name: no item
+        if not self.items and not forced:  # an empty answer is still a message, as OpenAI's
             events += self._open_item("message") + self._close(status)
         return events
 
