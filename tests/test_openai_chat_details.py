@@ -98,6 +98,17 @@ WEATHER = {
 BEFORE_THE_NAME = [1, 8, 9, 12, 20]
 
 
+def test_a_forced_tool_calls_first_chunk_has_a_null_content(client):
+    """As OpenAI streams a tool call: the answer is known to be a call, there is no content to start."""
+    chunks = list(ask(client, tools=[WEATHER], tool_choice="required", max_tokens=2, stream=True))
+    sdk_conforms(*chunks)
+    assert chunks[0].choices[0].delta.model_dump(exclude_unset=True) == {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+    }
+
+
 @pytest.mark.parametrize("max_tokens", BEFORE_THE_NAME)
 def test_a_forced_tool_call_cut_before_its_name_shows_no_markup(client, max_tokens):
     """No call and no text, whole or streamed: the answer was cut (length), never `<tool_call…`."""

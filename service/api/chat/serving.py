@@ -193,7 +193,8 @@ class OpenAIChunks:
         self.pending: list = []  # logprob records of text the tool-call parser still holds
 
     def head(self) -> Iterator[bytes]:
-        yield self._chunk(Delta(role="assistant", content="", refusal=None))
+        forced = self.parser is not None and self.parser.forced  # calls only: no content, as OpenAI streams them
+        yield self._chunk(Delta(role="assistant", content=None if forced else "", refusal=None))
 
     def delta(self, event: TextDelta) -> Iterator[bytes]:
         if event.reasoning:  # reasoning_content (vLLM's and DeepSeek's name) and `reasoning`, its alias
