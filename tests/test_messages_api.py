@@ -74,7 +74,7 @@ def test_a_tool_loop_calls_the_tool_then_answers_from_its_result_reusing_the_pro
     assert call.stop_reason == "tool_use"
     sdk_conforms(call)
     uses = [b for b in call.content if b.type == "tool_use"]
-    assert len(uses) >= 1 and uses[0].name == "get_weather"
+    assert len(uses) >= 1 and uses[0].name == "get_weather" and uses[0].id.startswith("toolu_")
     jsonschema.validate(uses[0].input, WEATHER["input_schema"])
     history = question + [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in call.content]},
@@ -118,6 +118,7 @@ def test_a_streamed_tool_call_arrives_as_input_json_deltas(client):
     sdk_conforms(final, *events)
     starts = [e.content_block for e in events if e.type == "content_block_start"]
     assert [b.type for b in starts] == ["tool_use"] and starts[0].name == "get_weather"
+    assert starts[0].id.startswith("toolu_") and final.content[0].id == starts[0].id
     pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
     assert len(pieces) > 1 and json.loads("".join(pieces)) == final.content[0].input
     assert final.stop_reason == "tool_use"

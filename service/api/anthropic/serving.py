@@ -171,6 +171,11 @@ def _input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's id of a call the parser named OpenAI's way: `toolu_` and the same digits."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def message_body(message_id: str, model: str, done: Completion, shape: AnswerShape) -> dict:
     """The non-streamed answer: Anthropic's message (a forced call cut before its name: no block)."""
     text, calls = shape.split(done.text)
@@ -179,7 +184,7 @@ def message_body(message_id: str, model: str, done: Completion, shape: AnswerSha
         content.append(ap.ThinkingOut(thinking=done.reasoning, signature=""))
     if text or not (calls or shape.forced_calls):
         content.append(ap.TextOut(text=text))
-    content += [ap.ToolUseOut(id=c.id, name=c.name, input=_input(c.arguments)) for c in calls]
+    content += [ap.ToolUseOut(id=tool_use_id(c.id), name=c.name, input=_input(c.arguments)) for c in calls]
     message = ap.MessageOut(
         id=message_id,
         model=model,
@@ -236,7 +241,7 @@ class AnthropicEvents:
         for piece in pieces:
             if isinstance(piece, ToolCallDelta) and piece.name is not None:
                 yield from self._close()
-                yield from self._open("tool_use", ap.ToolUseOut(id=piece.id, name=piece.name, input={}))
+                yield from self._open("tool_use", ap.ToolUseOut(id=tool_use_id(piece.id), name=piece.name, input={}))
             if isinstance(piece, ToolCallDelta):
                 if piece.arguments:
                     delta = ap.InputJSONDelta(partial_json=piece.arguments)
