@@ -206,6 +206,28 @@ def test_what_is_not_supported_is_a_400_naming_it(client, extra, param):
     assert info.value.body["param"] == param
 
 
+def schema_format(schema: dict) -> dict:
+    return {"text": {"format": {"type": "json_schema", "name": "answer", "schema": schema}}}
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        (schema_format({"type": "nonsense"}), "text.format.schema"),
+        (schema_format({"type": "string", "pattern": "(?=a)b"}), "text.format"),
+        ({"tools": [{**WEATHER, "parameters": {"type": "nonsense"}}]}, "tools[0].parameters"),
+        ({"input": "word " * 6000}, "input"),
+        ({"input": "<|vision_start|>"}, "input"),
+    ],
+    ids=["invalid schema", "schema not enforceable", "invalid tool parameters", "prompt too long", "placeholder"],
+)
+def test_an_error_names_the_field_of_the_responses_request(client, extra, param):
+    """Not the Chat Completions field the service translates it to (response_format, messages...)."""
+    with pytest.raises(openai.APIStatusError) as info:
+        client.responses.create(**{"model": "m", "input": "hi", **extra})
+    assert info.value.status_code in (400, 422) and info.value.body["param"] == param
+
+
 def test_the_agents_sdk_runs_a_tool_loop_on_its_default_responses_model(shared_server):
     """The OpenAI Agents SDK's default model (OpenAIResponsesModel) unmodified: a forced tool call, the
     tool's output sent back (previous_response_id off: the SDK resends items), then a final answer."""

@@ -9,11 +9,19 @@ from flask import Blueprint, jsonify
 from ...answer.tools import ToolCall
 from ...errors import ServiceError
 from ...generation import Completion
+from ..error_shapes import params_renamed
 from ..http_io import json_body, request_context, stream_response
 from ..state import state
 from ..streaming import collect
 from . import protocol as rp
-from .serving import ResponseHead, ResponsesEvents, answer_message, responses_request, whole_response
+from .serving import (
+    ResponseHead,
+    ResponsesEvents,
+    answer_message,
+    responses_field,
+    responses_request,
+    whole_response,
+)
 from .store import StoredResponse
 
 responses_api = Blueprint("responses", __name__)
@@ -47,8 +55,9 @@ def create():
         if previous is None:
             raise _not_stored(body.previous_response_id, "previous_response_id")
         history, chain = previous.messages, previous.conversation_id
-    gen_request, shape, conversation = responses_request(body, engine.limits, history, chain, context)
-    generation = engine.submit(gen_request)
+    with params_renamed(responses_field):
+        gen_request, shape, conversation = responses_request(body, engine.limits, history, chain, context)
+        generation = engine.submit(gen_request)
     head = ResponseHead(response_id, engine.info.name, body)
 
     def remember(response: rp.Response, done: Completion, calls: list[ToolCall]) -> None:

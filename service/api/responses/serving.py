@@ -4,6 +4,7 @@ message, function calls — whole or as the typed events of its stream (streamin
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -125,6 +126,24 @@ def responses_request(
         **body.thinking(),
     )
     return request, shape, conversation
+
+
+# The fields of the request the engine's and the shared answer shapes' names stand for (the prompt's
+# messages are made of the input, the stored conversation and the instructions: `input` holds a fault).
+_RESPONSES_FIELDS = (
+    (re.compile(r"^response_format\.json_schema\.schema"), "text.format.schema"),
+    (re.compile(r"^response_format"), "text.format"),
+    (re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].parameters"),
+    (re.compile(r"^messages\b.*"), "input"),
+)
+
+
+def responses_field(param: str) -> str:
+    """The Responses request's name of a field the engine names as Chat Completions does."""
+    for pattern, name in _RESPONSES_FIELDS:
+        if pattern.match(param):
+            return pattern.sub(name, param, count=1)
+    return param
 
 
 # -- out: the engine's events as output items -------------------------------------------------------
@@ -357,7 +376,8 @@ class ResponsesEvents:
         yield from self._emit([rp.ResponseLifecycleEvent(type=kind, response=response)])
 
     def error(self, exc: ServiceError) -> Iterator[bytes]:
-        yield from self._emit([rp.ResponseErrorEvent(code=exc.code, message=exc.message, param=exc.param)])
+        param = responses_field(exc.param) if exc.param is not None else None
+        yield from self._emit([rp.ResponseErrorEvent(code=exc.code, message=exc.message, param=param)])
 
     def _emit(self, events: list) -> Iterator[bytes]:
         for event in events:
