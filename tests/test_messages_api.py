@@ -144,6 +144,35 @@ def test_a_forced_tool_call_cut_before_its_name_shows_no_markup(client, max_toke
     assert not any(e.type.startswith("content_block") for e in events)
 
 
+VERDICT = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "why": {"type": "string", "maxLength": 16}},
+    "required": ["answer", "why"],
+    "additionalProperties": False,
+}
+STRUCTURED_OUTPUTS_BETA = "structured-outputs-2025-11-13"
+
+
+def test_the_structured_outputs_betas_output_format_is_followed(client):
+    """LiteLLM's form of structured outputs: the beta's header and a top-level output_format, honoured
+    as output_config.format is (before, it was ignored: free text)."""
+    fmt = {"type": "json_schema", "schema": VERDICT}
+    kwargs = dict(model="m", messages=user("Is it a cat?"), betas=[STRUCTURED_OUTPUTS_BETA])
+    reply = client.beta.messages.create(max_tokens=60, **kwargs, extra_body={"output_format": fmt, "temperature": 0})
+    sdk_conforms(reply)
+    assert reply.stop_reason == "end_turn" and [b.type for b in reply.content] == ["text"]
+    jsonschema.validate(json.loads(reply.content[0].text), VERDICT)
+    same = client.messages.create(
+        max_tokens=60, model="m", messages=kwargs["messages"], output_config={"format": fmt}, extra_body=GREEDY
+    )
+    assert same.content[0].text == reply.content[0].text
+    with pytest.raises(anthropic.BadRequestError) as info:  # both forms at once: which one is meant?
+        client.beta.messages.create(
+            max_tokens=60, **kwargs, output_config={"format": fmt}, extra_body={"output_format": fmt}
+        )
+    assert "output_format" in info.value.body["error"]["message"]
+
+
 def test_a_stop_sequence_ends_the_answer_and_is_named(client):
     kwargs = dict(model="m", max_tokens=30, messages=user("Keep talking."), extra_body=GREEDY)
     text = client.messages.create(**kwargs).content[0].text

@@ -128,6 +128,9 @@ class CountTokensRequest(Lenient):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
+    output_format: JSONOutputFormat | None = Field(
+        None, description="the structured-outputs beta's form of output_config.format (as LiteLLM sends it)"
+    )
 
 
 class MessagesRequest(CountTokensRequest):

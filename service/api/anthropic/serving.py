@@ -110,6 +110,9 @@ def _shape(body: ap.CountTokensRequest) -> AnswerShape:
         type="function", function=NamedFunction(name=choice.name)
     )
     output = body.output_config.format if body.output_config else None
+    if output is not None and body.output_format is not None:
+        raise BadRequest("send output_config.format or output_format (its beta form), not both", param="output_format")
+    output = output or body.output_format
     response_format = None
     if output is not None:  # Anthropic's structured outputs close every object, as OpenAI's strict mode does
         response_format = ResponseFormat(
