@@ -23,6 +23,7 @@ from sdk_types import (
     Model,
     RawMessageStreamEvent,
     Response,
+    ResponseItemList,
     ResponseStreamEvent,
     conforms,
 )
@@ -183,6 +184,10 @@ def test_a_response_its_stream_and_its_stored_copy_are_what_the_document_says(cl
     stored = client.get(f"/v1/responses/{whole['id']}").json
     validator(document, schema).validate(stored)
     conforms(Response, stored)
+    items = client.get(f"/v1/responses/{whole['id']}/input_items").json
+    path = "/v1/responses/{response_id}/input_items"
+    validator(document, response_schema(document, path, "get", "application/json")).validate(items)
+    conforms(ResponseItemList, items)
     deleted = response_schema(document, "/v1/responses/{response_id}", "delete", "application/json")
     validator(document, deleted).validate(client.delete(f"/v1/responses/{whole['id']}").json)
 

@@ -11,11 +11,12 @@ import logging
 import jsonschema
 import openai
 import pytest
+import requests
 from pydantic import BaseModel, Field
 
 from conftest import app_on, make_settings
 from imaging import data_url, encode, pattern
-from sdk_types import sdk_conforms
+from sdk_types import ResponseItemList, conforms, sdk_conforms
 from servers import openai_client
 
 PICTURE = data_url(encode(pattern(224, 224, seed=11), ".png"))
@@ -127,6 +128,10 @@ def test_a_function_call_then_its_output_continue_the_conversation(client):
         model="m", input=[result], previous_response_id=call.id, tools=[WEATHER], max_output_tokens=4
     )
     assert answer.usage.input_tokens_details.cached_tokens > 0 and answer.status in ("completed", "incomplete")
+    items = client.responses.input_items.list(answer.id, order="asc").data
+    sdk_conforms(*items)
+    assert [item.type for item in items] == ["message", "function_call", "function_call_output"]
+    assert items[1].id == calls[0].id and items[2].call_id == calls[0].call_id and items[2].output == "cloudy, 8"
 
 
 # A forced call cut by the token limit in its tag, just after it, in its opening brace, in its name (the
@@ -146,6 +151,41 @@ def test_a_forced_function_call_cut_before_its_name_shows_no_markup(client, max_
         assert (response.status, response.output, response.output_text) == ("incomplete", [], "")
         assert response.usage.output_tokens == max_tokens
     assert not any(e.type.startswith(("response.output_", "response.content_part")) for e in events)
+
+
+def test_input_items_list_what_a_response_was_made_from_page_by_page(client, shared_server):
+    """OpenAI's input items: the stored conversation the response continues (earlier inputs and outputs)
+    and its own input, newest first unless asked, in pages the client walks by `after`."""
+    picture = {"type": "input_image", "image_url": PICTURE, "detail": "low"}
+    question = [{"role": "user", "content": [picture, {"type": "input_text", "text": "What is this?"}]}]
+    first = client.responses.create(model="m", input=question, instructions="Be brief.", max_output_tokens=3)
+    second = client.responses.create(model="m", input="And then?", previous_response_id=first.id, max_output_tokens=3)
+    items = list(client.responses.input_items.list(second.id, order="asc", limit=1))  # three pages
+    sdk_conforms(*items)
+    assert [(item.type, item.role) for item in items] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    assert [part.type for part in items[0].content] == ["input_image", "input_text"]
+    assert items[0].content[0].image_url is None and items[0].content[1].text == "What is this?"  # URLs on request
+    assert items[1].id == first.output[0].id and items[1].content[0].text == first.output_text
+    assert items[2].content[0].text == "And then?"
+    newest_first = requests.get(f"{shared_server}/v1/responses/{second.id}/input_items", timeout=30).json()
+    conforms(ResponseItemList, newest_first)
+    assert [item["id"] for item in newest_first["data"]] == [item.id for item in reversed(items)]
+    assert (newest_first["first_id"], newest_first["last_id"], newest_first["has_more"]) == (
+        items[2].id,
+        items[0].id,
+        False,
+    )
+    with_urls = client.responses.input_items.list(first.id, include=["message.input_image.image_url"])
+    assert with_urls.data[0].content[0].image_url == PICTURE
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_0123456789abcdef")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.input_items.list(second.id, limit=101)
+    assert info.value.body["param"] == "limit"
 
 
 def test_the_stream_sends_the_typed_events_and_the_same_response(client):
@@ -271,6 +311,7 @@ def test_a_stored_response_outlives_a_restart_where_the_disk_tier_is_on(serve, t
     with serve(env, "responses-restart") as (base, _):
         client = openai_client(base)
         assert client.responses.retrieve(first.id).output_text == first.output_text
+        assert [item.type for item in client.responses.input_items.list(first.id).data] == ["message"]
         second = client.responses.create(
             model="m", input="And then?", previous_response_id=first.id, max_output_tokens=4
         )

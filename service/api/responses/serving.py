@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from ...answer.tools import ToolCall, ToolCallDelta, ToolCallParser
-from ...errors import ServiceError
+from ...errors import BadRequest, ServiceError
 from ...generation import Completion, GenerationRequest, SamplingParams, TextDelta
 from ...limits import RequestLimits
 from ...model.prompts import ChatMessage, ImagePart, TextPart
@@ -98,6 +98,84 @@ def _shape(body: rp.ResponsesRequest) -> AnswerShape:
     if isinstance(choice, rp.FunctionChoice):
         choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
     return answer_shape(response_format, tools or None, choice, body.parallel_tool_calls is not False)
+
+
+# -- the input items a response was made from -----------------------------------------------------
+
+IMAGE_URLS = "message.input_image.image_url"  # the `include` that lists pictures with their data: URLs
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _input_message(item: rp.InputMessageItem) -> rp.InputMessageOut | rp.ResponseOutputMessage:
+    """A message as input items list it: an assistant's as the output message it was, the others' parts
+    as input parts."""
+    item_id = item.id or _item_id("msg")
+    parts = [rp.InputTextPart(type="input_text", text=item.content)] if isinstance(item.content, str) else item.content
+    if item.role == "assistant":  # its text parts (pictures are the user's only: refused before)
+        texts = [rp.ResponseOutputText(text=p.text) for p in parts if not isinstance(p, rp.InputImagePart)]
+        return rp.ResponseOutputMessage(id=item_id, status="completed", content=texts)
+    content = [
+        rp.InputImageOut(detail=p.detail or "auto", image_url=p.image_url)
+        if isinstance(p, rp.InputImagePart)
+        else rp.InputTextOut(text=p.text)
+        for p in parts
+    ]
+    return rp.InputMessageOut(id=item_id, role=item.role, content=content)
+
+
+def _input_item(item) -> rp.InputItemOut:
+    if isinstance(item, rp.InputMessageItem):
+        return _input_message(item)
+    if isinstance(item, rp.FunctionCallItem):
+        return rp.ResponseFunctionCall(
+            id=item.id or _item_id("fc"),
+            call_id=item.call_id,
+            name=item.name,
+            arguments=item.arguments,
+            status="completed",
+        )
+    if isinstance(item, rp.FunctionCallOutputItem):
+        output = item.output if isinstance(item.output, str) else [rp.InputTextOut(text=p.text) for p in item.output]
+        return rp.FunctionCallOutputOut(id=item.id or _item_id("fco"), call_id=item.call_id, output=output)
+    texts = [rp.ResponseReasoningText(text=c.text) for c in item.content or ()]
+    return rp.ResponseReasoning(id=item.id or _item_id("rs"), content=texts)
+
+
+def input_items(earlier: list[dict], body: rp.ResponsesRequest) -> list[dict]:
+    """What a response is made from, as GET …/input_items lists it: the `earlier` items of the stored
+    conversation it continues (inputs and outputs), then its own input, each with an id — the one sent,
+    or a new one where none was sent or it is taken (`after` finds one item)."""
+    own = [rp.InputMessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    items, taken = list(earlier), {item["id"] for item in earlier}
+    for item in own:
+        out = _input_item(item).model_dump(mode="json")
+        if out["id"] in taken:
+            out["id"] = _item_id(_ITEM_PREFIX[out["type"]])
+        taken.add(out["id"])
+        items.append(out)
+    return items
+
+
+def _without_image_urls(item: dict) -> dict:
+    if item["type"] != "message" or not any(part["type"] == "input_image" for part in item["content"]):
+        return item
+    parts = [{**part, "image_url": None} if part["type"] == "input_image" else part for part in item["content"]]
+    return {**item, "content": parts}
+
+
+def input_item_page(items: list[dict], query: rp.InputItemsQuery) -> rp.InputItemList:
+    """A page of a response's input items, as OpenAI's: in `order`, after the item `after` names, at most
+    `limit`; the pictures' URLs only when `include` asks for them."""
+    ordered = items if query.order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+    if query.after is not None and query.after not in ids:
+        raise BadRequest(f"after is {query.after!r}, no input item of this response", param="after")
+    start = ids.index(query.after) + 1 if query.after is not None else 0
+    page = ordered[start : start + query.limit]
+    if IMAGE_URLS not in query.include:
+        page = [_without_image_urls(item) for item in page]
+    first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
+    return rp.InputItemList(data=page, first_id=first, last_id=last, has_more=start + len(page) < len(ordered))
 
 
 def responses_request(
