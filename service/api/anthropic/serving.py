@@ -137,6 +137,13 @@ def messages_request(
     shape = _shape(body)
     params = SamplingParams()
     if isinstance(body, ap.MessagesRequest):
+        thinking = body.thinking
+        if isinstance(thinking, ap.ThinkingEnabled) and body.max_tokens <= thinking.budget_tokens:
+            raise BadRequest(
+                f"max_tokens ({body.max_tokens}) must be greater than thinking.budget_tokens "
+                f"({thinking.budget_tokens}): the reasoning and the answer share it",
+                param="max_tokens",
+            )
         params = SamplingParams(
             max_tokens=body.max_tokens,
             temperature=body.temperature,
