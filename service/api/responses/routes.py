@@ -1,6 +1,7 @@
 """OpenAI's Responses API: POST /v1/responses (its typed SSE events when streamed), and a stored
-response by id — GET, DELETE, and GET its input items. Stateful when `store` is on (the default): `previous_response_id`
-continues the stored conversation, and its KV cache (keyed by the chain's first response id)."""
+response by id — GET, DELETE, and GET its input items. Stateful when `store` is on (the default):
+`previous_response_id` continues the stored conversation, and its KV cache (keyed by the chain's first
+response id)."""
 
 from __future__ import annotations
 
