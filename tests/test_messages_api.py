@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import requests
 
-from conftest import KEY
+from conftest import BEFORE_THE_NAME, KEY
 from imaging import encode, pattern
 from sdk_types import sdk_conforms
 
@@ -123,11 +123,6 @@ def test_a_streamed_tool_call_arrives_as_input_json_deltas(client):
     assert len(pieces) > 1 and json.loads("".join(pieces)) == final.content[0].input
     assert final.stop_reason == "tool_use"
     jsonschema.validate(final.content[0].input, WEATHER["input_schema"])
-
-
-# A forced call cut by max_tokens in its tag, just after it, in its opening brace, in its name (the tiny
-# tokenizer's pieces: `<`, `<tool_call`, `<tool_call>`, `<tool_call>\n{"`, `…"name": "ge`).
-BEFORE_THE_NAME = [1, 8, 9, 12, 20]
 
 
 @pytest.mark.parametrize("max_tokens", BEFORE_THE_NAME)

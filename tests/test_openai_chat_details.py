@@ -12,7 +12,7 @@ import requests
 
 from service.answer.structured import closed_objects
 
-from conftest import SHARED_ENV, app_on, make_settings
+from conftest import BEFORE_THE_NAME, SHARED_ENV, app_on, make_settings
 from sdk_types import sdk_conforms
 from servers import openai_client
 
@@ -93,9 +93,6 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
-# A forced call cut by the token limit in its tag, just after it, in its opening brace, in its name (the
-# tiny tokenizer's pieces: `<`, `<tool_call`, `<tool_call>`, `<tool_call>\n{"`, `…"name": "ge`).
-BEFORE_THE_NAME = [1, 8, 9, 12, 20]
 
 
 def test_a_forced_tool_calls_first_chunk_has_a_null_content(client):

@@ -14,7 +14,7 @@ import pytest
 import requests
 from pydantic import BaseModel, Field
 
-from conftest import app_on, make_settings
+from conftest import BEFORE_THE_NAME, app_on, make_settings
 from imaging import data_url, encode, pattern
 from sdk_types import ResponseItemList, conforms, sdk_conforms
 from servers import openai_client
@@ -132,11 +132,6 @@ def test_a_function_call_then_its_output_continue_the_conversation(client):
     sdk_conforms(*items)
     assert [item.type for item in items] == ["message", "function_call", "function_call_output"]
     assert items[1].id == calls[0].id and items[2].call_id == calls[0].call_id and items[2].output == "cloudy, 8"
-
-
-# A forced call cut by the token limit in its tag, just after it, in its opening brace, in its name (the
-# tiny tokenizer's pieces: `<`, `<tool_call`, `<tool_call>`, `<tool_call>\n{"`, `…"name": "ge`).
-BEFORE_THE_NAME = [1, 8, 9, 12, 20]
 
 
 @pytest.mark.parametrize("max_tokens", BEFORE_THE_NAME)
