@@ -21,15 +21,18 @@ class RequestLimits:
     max_new_tokens: int  # the most a request's max_tokens may ask (HTTP: a 400 beyond); clipped to the context's room
 
     @classmethod
-    def build(cls, settings: Settings, processor) -> RequestLimits:
+    def build(cls, settings: Settings, processor, thinking: bool = False) -> RequestLimits:
+        """The bounds of requests to a checkpoint (`thinking`: a thinking one, whose default cap leaves
+        room for its reasoning)."""
         image = image_limits(processor, settings)
+        cap = settings.new_tokens_cap(thinking)
         return cls(
             prompt=PromptLimits.from_settings(settings),
             image=image,
             video=VideoLimits.from_settings(settings, image, processor.image_processor.temporal_patch_size),
             max_stop_strings=settings.max_stop_strings,
-            default_max_tokens=settings.default_max_tokens,
-            max_new_tokens=settings.max_new_tokens,
+            default_max_tokens=min(settings.default_max_tokens, cap),
+            max_new_tokens=cap,
         )
 
     def published(self) -> dict:

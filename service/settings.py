@@ -13,6 +13,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # builds it; deploy sizes it).
 EMBEDDED_MODEL_DIRNAME = "embedded-tiny-qwen3-vl-3"  # -3: the chat template renders tools
 
+# MAX_NEW_TOKENS unset: the cap of an answer, and of a thinking checkpoint's reasoning and answer — its
+# reasoning alone often runs past 1,024 tokens, and Anthropic's smallest thinking budget is 1,024 (with
+# max_tokens above it).
+DEFAULT_MAX_NEW_TOKENS, THINKING_MAX_NEW_TOKENS = 1024, 4096
+
 
 def _available_cores() -> int:
     return len(os.sched_getaffinity(0))
@@ -97,7 +102,12 @@ class Settings(BaseSettings):
     max_videos_per_request: int = Field(2, ge=0, description="videos in one request, history included")
 
     # Generation
-    max_new_tokens: int = Field(1024, ge=1, description="cap on tokens generated per request")
+    max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=f"cap on tokens generated per request; unset = {DEFAULT_MAX_NEW_TOKENS}, or "
+        f"{THINKING_MAX_NEW_TOKENS} for a thinking checkpoint (its reasoning and answer; below CONTEXT_LIMIT)",
+    )
     default_max_tokens: int = Field(256, ge=1, description="tokens generated when a request names no limit")
     context_limit: int = Field(8192, ge=64, description="prompt + new tokens, at most")
     max_batch_size: int = Field(
@@ -250,6 +260,13 @@ class Settings(BaseSettings):
     max_stop_strings: int = Field(4, ge=0, description="stop strings in one request")
     request_deadline: float = Field(600.0, gt=0, description="seconds a generation may run before it is ended")
 
+    def new_tokens_cap(self, thinking: bool) -> int:
+        """The most tokens a request may generate: MAX_NEW_TOKENS, else the default for the checkpoint
+        (`thinking`: a thinking one, model/thinking.py)."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        return min(THINKING_MAX_NEW_TOKENS, self.context_limit - 1) if thinking else DEFAULT_MAX_NEW_TOKENS
+
     @property
     def preload_in_master(self) -> bool:
         """Whether Gunicorn loads the model in its master, before the fork (gunicorn.conf.py, wsgi.py)."""
@@ -300,13 +317,10 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
-        if self.default_max_tokens > self.max_new_tokens:
-            self.default_max_tokens = self.max_new_tokens
         self.max_prompt_tokens = min(self.max_prompt_tokens, self.context_limit - 1)
-        if self.max_new_tokens >= self.context_limit:
-            raise ValueError(
-                f"MAX_NEW_TOKENS ({self.max_new_tokens}) must be below CONTEXT_LIMIT ({self.context_limit})"
-            )
+        cap = self.new_tokens_cap(thinking=False)
+        if cap >= self.context_limit:
+            raise ValueError(f"MAX_NEW_TOKENS ({cap}) must be below CONTEXT_LIMIT ({self.context_limit})")
         if self.video_max_visual_tokens < 4 * -(-self.video_max_frames // 2):
             raise ValueError(
                 f"VIDEO_MAX_VISUAL_TOKENS ({self.video_max_visual_tokens}) must give each pair of the "

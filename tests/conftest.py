@@ -101,6 +101,11 @@ def no_end_of_turn(tiny_dir) -> dict[str, int]:
     return {str(tokenizer.convert_tokens_to_ids(t)): -100 for t in ("<|im_end|>", "<|endoftext|>")}
 
 
+# Token limits that cut a forced tool call in its tag, just after it, in its opening brace, in its name
+# (the embedded tokenizer's pieces: `<`, `<tool_call`, `<tool_call>`, `<tool_call>\n{"`, `…"name": "ge`).
+BEFORE_THE_NAME = [1, 8, 9, 12, 20]
+
+
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package: Playwright's own browser download is not used
 CHROMIUM_ARGS = [
     "--headless",

@@ -1,7 +1,8 @@
 """The published contract is the one kept: every answer of the chat APIs — OpenAI's Chat Completions and
 Responses, Anthropic's Messages, the native one — (whole, streamed, with tool calls and logprobs), their
 errors, and /v1/models validate against the schemas /openapi.json publishes — the routes build their
-bodies from the same pydantic models (each API's protocol module under service/api/).
+bodies from the same pydantic models (each API's protocol module under service/api/) — and, strictly,
+against the official SDKs' own types (tests/sdk_types.py): what a client release parses them into.
 The app in-process on the embedded model (Flask's test client: the schemas, not the transport)."""
 
 from __future__ import annotations
@@ -14,6 +15,18 @@ from referencing import Registry, Resource
 
 from conftest import app_on, make_settings
 from imaging import data_url, encode, pattern
+from sdk_types import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Message,
+    MessageTokensCount,
+    Model,
+    RawMessageStreamEvent,
+    Response,
+    ResponseItemList,
+    ResponseStreamEvent,
+    conforms,
+)
 
 PICTURE = data_url(encode(pattern(96, 96), ".png"))
 WEATHER = {
@@ -74,6 +87,7 @@ def test_a_chat_completion_is_what_the_document_says(client, document, extra):
     body = client.post("/v1/chat/completions", json=openai_body(**extra)).json
     schema = response_schema(document, "/v1/chat/completions", "post", "application/json")
     validator(document, schema).validate(body)
+    conforms(ChatCompletion, body)
     assert body["object"] == "chat.completion"
     if "tools" in extra:
         assert body["choices"][0]["message"]["tool_calls"] and body["choices"][0]["finish_reason"] == "tool_calls"
@@ -88,6 +102,8 @@ def test_every_streamed_chunk_is_what_the_document_says(client, document, extra)
     events = sse_events(client.post("/v1/chat/completions", json=openai_body(stream=True, **extra)))
     chunk = ref(document, "/v1/chat/completions", "text/event-stream", "x-event-schema")
     assert len(events) > 2 and all(valid_against_one(document, chunk, e) for e in events)
+    for event in events:
+        conforms(ChatCompletionChunk, event)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
 
 
@@ -131,14 +147,19 @@ def sse_typed_events(response) -> list[tuple[str, dict]]:
 def test_an_anthropic_message_and_its_stream_are_what_the_document_says(client, document, extra):
     whole = client.post("/v1/messages", json=anthropic_body(**extra)).json
     validator(document, response_schema(document, "/v1/messages", "post", "application/json")).validate(whole)
+    conforms(Message, whole)
     events = sse_typed_events(client.post("/v1/messages", json=anthropic_body(stream=True, **extra)))
     schemas = ref(document, "/v1/messages", "text/event-stream", "x-event-schemas")
     assert all(name == data["type"] and valid_against_one(document, schemas, data) for name, data in events)
     assert events[0][0] == "message_start" and events[-1][0] == "message_stop"
+    for name, data in events:
+        if name != "ping":  # Anthropic's keep-alive: the SDK skips it, it has no type there
+            conforms(RawMessageStreamEvent, data)
     count = client.post("/v1/messages/count_tokens", json={"messages": anthropic_body()["messages"]}).json
     validator(document, response_schema(document, "/v1/messages/count_tokens", "post", "application/json")).validate(
         count
     )
+    conforms(MessageTokensCount, count)
 
 
 @pytest.mark.parametrize(
@@ -153,11 +174,20 @@ def test_a_response_its_stream_and_its_stored_copy_are_what_the_document_says(cl
     schema = response_schema(document, "/v1/responses", "post", "application/json")
     whole = client.post("/v1/responses", json=body).json
     validator(document, schema).validate(whole)
+    conforms(Response, whole)
     events = sse_typed_events(client.post("/v1/responses", json={**body, "stream": True}))
     schemas = ref(document, "/v1/responses", "text/event-stream", "x-event-schemas")
     assert all(name == data["type"] and valid_against_one(document, schemas, data) for name, data in events)
     assert events and events[-1][0] in ("response.completed", "response.incomplete")
-    validator(document, schema).validate(client.get(f"/v1/responses/{whole['id']}").json)
+    for _, data in events:
+        conforms(ResponseStreamEvent, data)
+    stored = client.get(f"/v1/responses/{whole['id']}").json
+    validator(document, schema).validate(stored)
+    conforms(Response, stored)
+    items = client.get(f"/v1/responses/{whole['id']}/input_items").json
+    path = "/v1/responses/{response_id}/input_items"
+    validator(document, response_schema(document, path, "get", "application/json")).validate(items)
+    conforms(ResponseItemList, items)
     deleted = response_schema(document, "/v1/responses/{response_id}", "delete", "application/json")
     validator(document, deleted).validate(client.delete(f"/v1/responses/{whole['id']}").json)
 
@@ -175,6 +205,8 @@ def test_the_model_list_is_what_the_document_says(client, document):
     schema = response_schema(document, "/v1/models", "get", "application/json")
     models = client.get("/v1/models").json
     validator(document, schema).validate(models)
+    for model in models["data"]:
+        conforms(Model, model)
     card = response_schema(document, "/v1/models/{model_id}", "get", "application/json")
     validator(document, card).validate(client.get("/v1/models/" + models["data"][0]["id"]).json)
 

@@ -16,6 +16,7 @@ from service.engine.sampling import Sampler
 
 from conftest import app_on, make_settings
 from imaging import data_url, encode, pattern
+from sdk_types import sdk_conforms
 from servers import metric, openai_client
 
 SERVER_ENV = {
@@ -61,6 +62,7 @@ def ndjson(response) -> list[tuple[float, dict]]:
 
 def test_openai_client_non_streaming_with_an_image(client):
     reply = client.chat.completions.create(model="anything", messages=image_message(), max_tokens=12, temperature=0)
+    sdk_conforms(reply)
     assert reply.object == "chat.completion"
     assert reply.choices[0].finish_reason == "length"
     assert reply.choices[0].message.content
@@ -72,6 +74,7 @@ def test_openai_client_streaming_equals_non_streaming(client):
     kwargs = dict(model="m", messages=image_message("Describe it."), max_tokens=16, temperature=0)
     full = client.chat.completions.create(**kwargs).choices[0].message.content
     chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    sdk_conforms(*chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2

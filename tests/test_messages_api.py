@@ -12,8 +12,9 @@ import jsonschema
 import pytest
 import requests
 
-from conftest import KEY
+from conftest import BEFORE_THE_NAME, KEY
 from imaging import encode, pattern
+from sdk_types import sdk_conforms
 
 PNG = base64.b64encode(encode(pattern(224, 224, seed=7), ".png")).decode()
 PICTURE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
@@ -54,6 +55,7 @@ def test_a_text_message_with_a_system_prompt(client):
     assert reply.stop_reason in ("end_turn", "max_tokens") and reply.stop_sequence is None
     assert reply.usage.output_tokens == 8 if reply.stop_reason == "max_tokens" else reply.usage.output_tokens <= 8
     counted = client.messages.count_tokens(model="qwen3-vl", system="Answer briefly.", messages=user("Hello"))
+    sdk_conforms(reply, counted)
     assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == counted.input_tokens
 
 
@@ -70,8 +72,9 @@ def test_a_tool_loop_calls_the_tool_then_answers_from_its_result_reusing_the_pro
     question = user("What is the weather in Paris?")
     call = client.messages.create(model="m", max_tokens=200, messages=question, tools=[WEATHER], tool_choice=ONE_CALL)
     assert call.stop_reason == "tool_use"
+    sdk_conforms(call)
     uses = [b for b in call.content if b.type == "tool_use"]
-    assert len(uses) >= 1 and uses[0].name == "get_weather"
+    assert len(uses) >= 1 and uses[0].name == "get_weather" and uses[0].id.startswith("toolu_")
     jsonschema.validate(uses[0].input, WEATHER["input_schema"])
     history = question + [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in call.content]},
@@ -88,6 +91,7 @@ def test_a_stream_sends_anthropics_event_sequence_and_the_same_message(client):
     with client.messages.stream(**kwargs) as stream:
         events = list(stream)
         final = stream.get_final_message()
+    sdk_conforms(whole, final, *events)
     kinds = [e.type for e in events if e.type not in ("text",)]  # "text": the client's own helper events
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     blocks = kinds[kinds.index("content_block_start") : kinds.index("message_delta")]
@@ -111,12 +115,57 @@ def test_a_streamed_tool_call_arrives_as_input_json_deltas(client):
     ) as stream:
         events = list(stream)
         final = stream.get_final_message()
+    sdk_conforms(final, *events)
     starts = [e.content_block for e in events if e.type == "content_block_start"]
     assert [b.type for b in starts] == ["tool_use"] and starts[0].name == "get_weather"
+    assert starts[0].id.startswith("toolu_") and final.content[0].id == starts[0].id
     pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
     assert len(pieces) > 1 and json.loads("".join(pieces)) == final.content[0].input
     assert final.stop_reason == "tool_use"
     jsonschema.validate(final.content[0].input, WEATHER["input_schema"])
+
+
+@pytest.mark.parametrize("max_tokens", BEFORE_THE_NAME)
+def test_a_forced_tool_call_cut_before_its_name_shows_no_markup(client, max_tokens):
+    """No block at all, whole or streamed: the message was cut (max_tokens), never a `<tool_call…` text."""
+    kwargs = dict(model="m", max_tokens=max_tokens, messages=user("Weather?"), tools=[WEATHER], tool_choice=ONE_CALL)
+    reply = client.messages.create(**kwargs, extra_body=GREEDY)
+    with client.messages.stream(**kwargs, extra_body=GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    sdk_conforms(reply, final, *events)
+    for message in (reply, final):
+        assert (message.stop_reason, message.content, message.usage.output_tokens) == ("max_tokens", [], max_tokens)
+    assert not any(e.type.startswith("content_block") for e in events)
+
+
+VERDICT = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "why": {"type": "string", "maxLength": 16}},
+    "required": ["answer", "why"],
+    "additionalProperties": False,
+}
+STRUCTURED_OUTPUTS_BETA = "structured-outputs-2025-11-13"
+
+
+def test_the_structured_outputs_betas_output_format_is_followed(client):
+    """LiteLLM's form of structured outputs: the beta's header and a top-level output_format, honoured
+    as output_config.format is (before, it was ignored: free text)."""
+    fmt = {"type": "json_schema", "schema": VERDICT}
+    kwargs = dict(model="m", messages=user("Is it a cat?"), betas=[STRUCTURED_OUTPUTS_BETA])
+    reply = client.beta.messages.create(max_tokens=60, **kwargs, extra_body={"output_format": fmt, "temperature": 0})
+    sdk_conforms(reply)
+    assert reply.stop_reason == "end_turn" and [b.type for b in reply.content] == ["text"]
+    jsonschema.validate(json.loads(reply.content[0].text), VERDICT)
+    same = client.messages.create(
+        max_tokens=60, model="m", messages=kwargs["messages"], output_config={"format": fmt}, extra_body=GREEDY
+    )
+    assert same.content[0].text == reply.content[0].text
+    with pytest.raises(anthropic.BadRequestError) as info:  # both forms at once: which one is meant?
+        client.beta.messages.create(
+            max_tokens=60, **kwargs, output_config={"format": fmt}, extra_body={"output_format": fmt}
+        )
+    assert "output_format" in info.value.body["error"]["message"]
 
 
 def test_a_stop_sequence_ends_the_answer_and_is_named(client):

@@ -12,7 +12,8 @@ import requests
 
 from service.answer.structured import closed_objects
 
-from conftest import SHARED_ENV, app_on, make_settings
+from conftest import BEFORE_THE_NAME, SHARED_ENV, app_on, make_settings
+from sdk_types import sdk_conforms
 from servers import openai_client
 
 CAP = int(SHARED_ENV["MAX_NEW_TOKENS"])
@@ -67,6 +68,7 @@ def test_refusal_and_system_fingerprint_come_as_openai_sends_them(client, shared
     fingerprint = whole["system_fingerprint"]
     assert fingerprint.startswith("fp_") and ask(client).system_fingerprint == fingerprint
     chunks = list(ask(client, stream=True))
+    sdk_conforms(*chunks)
     assert {c.system_fingerprint for c in chunks} == {fingerprint}
     first = chunks[0].choices[0].delta.model_dump(exclude_unset=True)
     assert first == {"role": "assistant", "content": "", "refusal": None}
@@ -75,11 +77,48 @@ def test_refusal_and_system_fingerprint_come_as_openai_sends_them(client, shared
 def test_speculation_is_counted_in_its_own_field_not_in_predicted_outputs(client):
     """A forced tool call's grammar drafts tokens; OpenAI's Predicted Outputs counts stay 0."""
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-    usage = ask(client, tools=[tool], tool_choice="required", max_tokens=60, temperature=0).usage
+    reply = ask(client, tools=[tool], tool_choice="required", max_tokens=60, temperature=0)
+    sdk_conforms(reply)
+    usage = reply.usage
     details = usage.completion_tokens_details
     assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 0)
     speculation = usage.model_extra["speculation"]
     assert speculation["drafted_tokens"] > 0 and 0 < speculation["accepted_tokens"] <= speculation["drafted_tokens"]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_a_forced_tool_calls_first_chunk_has_a_null_content(client):
+    """As OpenAI streams a tool call: the answer is known to be a call, there is no content to start."""
+    chunks = list(ask(client, tools=[WEATHER], tool_choice="required", max_tokens=2, stream=True))
+    sdk_conforms(*chunks)
+    assert chunks[0].choices[0].delta.model_dump(exclude_unset=True) == {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+    }
+
+
+@pytest.mark.parametrize("max_tokens", BEFORE_THE_NAME)
+def test_a_forced_tool_call_cut_before_its_name_shows_no_markup(client, max_tokens):
+    """No call and no text, whole or streamed: the answer was cut (length), never `<tool_call…`."""
+    kwargs = dict(tools=[WEATHER], tool_choice="required", max_tokens=max_tokens, temperature=0)
+    reply = ask(client, **kwargs)
+    chunks = list(ask(client, stream=True, **kwargs))
+    sdk_conforms(reply, *chunks)
+    message = reply.choices[0].message
+    assert (reply.choices[0].finish_reason, message.content, message.tool_calls) == ("length", None, None)
+    assert reply.usage.completion_tokens == max_tokens  # the grammar allows no end before the call's
+    deltas = [chunk.choices[0].delta for chunk in chunks]
+    assert not any(d.content or d.tool_calls for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize(

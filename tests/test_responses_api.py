@@ -11,10 +11,12 @@ import logging
 import jsonschema
 import openai
 import pytest
+import requests
 from pydantic import BaseModel, Field
 
-from conftest import app_on, make_settings
+from conftest import BEFORE_THE_NAME, app_on, make_settings
 from imaging import data_url, encode, pattern
+from sdk_types import ResponseItemList, conforms, sdk_conforms
 from servers import openai_client
 
 PICTURE = data_url(encode(pattern(224, 224, seed=11), ".png"))
@@ -37,6 +39,7 @@ def client(shared_server):
 
 def test_a_string_input_with_instructions_gets_a_stored_response(client):
     reply = client.responses.create(model="m", input="Hello", instructions="Answer briefly.", max_output_tokens=8)
+    sdk_conforms(reply)
     assert reply.object == "response" and reply.id.startswith("resp_") and reply.status in ("completed", "incomplete")
     assert [item.type for item in reply.output] == ["message"]
     assert reply.output_text == reply.output[0].content[0].text
@@ -88,16 +91,35 @@ class Verdict(BaseModel):
 def test_parse_gets_its_pydantic_model_and_a_schema_is_followed(client):
     parsed = client.responses.parse(model="m", input="Is it a cat?", text_format=Verdict, extra_body={"seed": 3})
     assert isinstance(parsed.output_parsed, Verdict) and parsed.status == "completed"
+    sdk_conforms(parsed)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     fmt = {"format": {"type": "json_schema", "name": "count", "schema": schema, "strict": True}}
     reply = client.responses.create(model="m", input="How many?", text=fmt, max_output_tokens=60)
     assert reply.status == "completed" and list(json.loads(reply.output_text)) == ["n"]
 
 
+def test_the_text_format_is_echoed_as_openai_echoes_it(client):
+    """Free text and any JSON object are a bare type (no name: openai-python's types have none there)."""
+    for sent, echoed in (
+        (None, {"type": "text"}),
+        ({"type": "text"}, {"type": "text"}),
+        ({"type": "json_object"}, {"type": "json_object"}),
+        (
+            {"type": "json_schema", "name": "n", "schema": {"type": "object"}, "strict": False},
+            {"type": "json_schema", "name": "n", "schema": {"type": "object"}, "strict": False},
+        ),
+    ):
+        text = {"format": sent} if sent else None
+        reply = client.responses.create(model="m", input="Hi", max_output_tokens=2, **({"text": text} if text else {}))
+        sdk_conforms(reply)
+        assert reply.text.format.to_dict() == echoed
+
+
 def test_a_function_call_then_its_output_continue_the_conversation(client):
     call = client.responses.create(
         model="m", input="Weather in Oslo?", tools=[WEATHER], tool_choice="required", parallel_tool_calls=False
     )
+    sdk_conforms(call)
     calls = [item for item in call.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and call.status == "completed"
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
@@ -106,12 +128,66 @@ def test_a_function_call_then_its_output_continue_the_conversation(client):
         model="m", input=[result], previous_response_id=call.id, tools=[WEATHER], max_output_tokens=4
     )
     assert answer.usage.input_tokens_details.cached_tokens > 0 and answer.status in ("completed", "incomplete")
+    items = client.responses.input_items.list(answer.id, order="asc").data
+    sdk_conforms(*items)
+    assert [item.type for item in items] == ["message", "function_call", "function_call_output"]
+    assert items[1].id == calls[0].id and items[2].call_id == calls[0].call_id and items[2].output == "cloudy, 8"
+
+
+@pytest.mark.parametrize("max_tokens", BEFORE_THE_NAME)
+def test_a_forced_function_call_cut_before_its_name_shows_no_markup(client, max_tokens):
+    """No item at all, whole or streamed: the response is incomplete, never a `<tool_call…` output_text."""
+    kwargs = dict(model="m", input="Weather in Oslo?", tools=[WEATHER], tool_choice="required")
+    kwargs.update(max_output_tokens=max_tokens, extra_body={"temperature": 0})
+    reply = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    sdk_conforms(reply, *events)
+    for response in (reply, events[-1].response):
+        assert (response.status, response.output, response.output_text) == ("incomplete", [], "")
+        assert response.usage.output_tokens == max_tokens
+    assert not any(e.type.startswith(("response.output_", "response.content_part")) for e in events)
+
+
+def test_input_items_list_what_a_response_was_made_from_page_by_page(client, shared_server):
+    """OpenAI's input items: the stored conversation the response continues (earlier inputs and outputs)
+    and its own input, newest first unless asked, in pages the client walks by `after`."""
+    picture = {"type": "input_image", "image_url": PICTURE, "detail": "low"}
+    question = [{"role": "user", "content": [picture, {"type": "input_text", "text": "What is this?"}]}]
+    first = client.responses.create(model="m", input=question, instructions="Be brief.", max_output_tokens=3)
+    second = client.responses.create(model="m", input="And then?", previous_response_id=first.id, max_output_tokens=3)
+    items = list(client.responses.input_items.list(second.id, order="asc", limit=1))  # three pages
+    sdk_conforms(*items)
+    assert [(item.type, item.role) for item in items] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    assert [part.type for part in items[0].content] == ["input_image", "input_text"]
+    assert items[0].content[0].image_url is None and items[0].content[1].text == "What is this?"  # URLs on request
+    assert items[1].id == first.output[0].id and items[1].content[0].text == first.output_text
+    assert items[2].content[0].text == "And then?"
+    newest_first = requests.get(f"{shared_server}/v1/responses/{second.id}/input_items", timeout=30).json()
+    conforms(ResponseItemList, newest_first)
+    assert [item["id"] for item in newest_first["data"]] == [item.id for item in reversed(items)]
+    assert (newest_first["first_id"], newest_first["last_id"], newest_first["has_more"]) == (
+        items[2].id,
+        items[0].id,
+        False,
+    )
+    with_urls = client.responses.input_items.list(first.id, include=["message.input_image.image_url"])
+    assert with_urls.data[0].content[0].image_url == PICTURE
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_0123456789abcdef")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.input_items.list(second.id, limit=101)
+    assert info.value.body["param"] == "limit"
 
 
 def test_the_stream_sends_the_typed_events_and_the_same_response(client):
     kwargs = dict(model="m", input="Tell me something.", max_output_tokens=10, extra_body={"temperature": 0})
     whole = client.responses.create(**kwargs)
     events = list(client.responses.create(**kwargs, stream=True))
+    sdk_conforms(whole, *events)
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
@@ -139,6 +215,7 @@ def test_a_streamed_function_call_arrives_as_arguments_deltas(client):
             model="m", input="Weather in Rome?", tools=[WEATHER], tool_choice="required", stream=True
         )
     )
+    sdk_conforms(*events)
     added = [e.item for e in events if e.type == "response.output_item.added"]
     assert [item.type for item in added] == ["function_call"]
     pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
@@ -162,6 +239,28 @@ def test_what_is_not_supported_is_a_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(**{"model": "m", "input": "hi", **extra})
     assert info.value.body["param"] == param
+
+
+def schema_format(schema: dict) -> dict:
+    return {"text": {"format": {"type": "json_schema", "name": "answer", "schema": schema}}}
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        (schema_format({"type": "nonsense"}), "text.format.schema"),
+        (schema_format({"type": "string", "pattern": "(?=a)b"}), "text.format"),
+        ({"tools": [{**WEATHER, "parameters": {"type": "nonsense"}}]}, "tools[0].parameters"),
+        ({"input": "word " * 6000}, "input"),
+        ({"input": "<|vision_start|>"}, "input"),
+    ],
+    ids=["invalid schema", "schema not enforceable", "invalid tool parameters", "prompt too long", "placeholder"],
+)
+def test_an_error_names_the_field_of_the_responses_request(client, extra, param):
+    """Not the Chat Completions field the service translates it to (response_format, messages...)."""
+    with pytest.raises(openai.APIStatusError) as info:
+        client.responses.create(**{"model": "m", "input": "hi", **extra})
+    assert info.value.status_code in (400, 422) and info.value.body["param"] == param
 
 
 def test_the_agents_sdk_runs_a_tool_loop_on_its_default_responses_model(shared_server):
@@ -207,6 +306,7 @@ def test_a_stored_response_outlives_a_restart_where_the_disk_tier_is_on(serve, t
     with serve(env, "responses-restart") as (base, _):
         client = openai_client(base)
         assert client.responses.retrieve(first.id).output_text == first.output_text
+        assert [item.type for item in client.responses.input_items.list(first.id).data] == ["message"]
         second = client.responses.create(
             model="m", input="And then?", previous_response_id=first.id, max_output_tokens=4
         )

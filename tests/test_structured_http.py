@@ -11,6 +11,7 @@ import requests
 from pydantic import BaseModel, Field
 from test_structured import RECEIPT, YES_NO
 
+from sdk_types import sdk_conforms
 from servers import metric, openai_client
 
 WEATHER = {
@@ -218,6 +219,7 @@ def test_streamed_tool_calls_arrive_as_delta_tool_calls_arguments_piece_by_piece
     response = client.chat.completions.create(**kwargs)
     whole = response.choices[0].message.tool_calls
     chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    sdk_conforms(response, *chunks)
     # Every generated token's logprob arrives with the chunk its text went out in, calls included.
     streamed = [t.token for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert streamed == [t.token for t in response.choices[0].logprobs.content] and streamed
@@ -277,6 +279,7 @@ def test_logprobs_in_the_openai_shape_streamed_and_not(client):
         assert token.top_logprobs[0].token == token.token
         assert [t.logprob for t in token.top_logprobs] == sorted((t.logprob for t in token.top_logprobs), reverse=True)
     chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices and c.choices[0].logprobs]
+    sdk_conforms(response, *chunks)
     streamed = [t for c in chunks for t in c.choices[0].logprobs.content]
     assert [(t.token, t.logprob) for t in streamed] == pytest.approx([(t.token, t.logprob) for t in content])
     plain = client.chat.completions.create(model="m", messages=user("Say something."), max_tokens=3)

@@ -16,10 +16,12 @@ from test_speculative import run, run_together, same_bits
 from service.answer.structured import json_grammar
 from service.engine.engine import Engine
 from service.generation import GenerationRequest, SamplingParams, TextDelta
+from service.limits import RequestLimits
 from service.model.loading import load_model, load_processor
 from service.model.prompts import ChatMessage, TextPart
 from service.model.thinking import detect_thinking
 from service.random_checkpoints.chat_templates import THINKING_CHAT_TEMPLATE
+from service.settings import DEFAULT_MAX_NEW_TOKENS, THINKING_MAX_NEW_TOKENS
 
 from conftest import make_settings
 
@@ -67,6 +69,22 @@ def test_a_thinking_checkpoint_is_recognised_and_an_instruct_one_is_not(engines,
         "\n\n",
     )
     assert detect_thinking(load_processor(tiny_dir)) is None
+
+
+def test_the_token_cap_leaves_a_thinking_checkpoint_room_to_reason_unless_it_is_set(engines, cache_dir, tiny_dir):
+    """MAX_NEW_TOKENS unset: an answer's default cap, or for a thinking checkpoint room for its reasoning and
+    the answer (within CONTEXT_LIMIT); set, it is the cap whatever the checkpoint."""
+    assert engines["on"].limits.max_new_tokens == THINKING_MAX_NEW_TOKENS > 2 * 1024
+    thinking_processor, instruct_processor = engines["on"].processor, load_processor(tiny_dir)
+    assert Engine(engines["on"].loaded, make_settings(cache_dir, max_new_tokens=200)).limits.max_new_tokens == 200
+    for overrides, thinking, cap, default in (
+        ({}, False, DEFAULT_MAX_NEW_TOKENS, 256),
+        ({"context_limit": 2048}, True, 2047, 256),
+        ({"max_new_tokens": 300, "default_max_tokens": 500}, True, 300, 300),  # a default within the cap
+    ):
+        processor = thinking_processor if thinking else instruct_processor
+        limits = RequestLimits.build(make_settings(cache_dir, **overrides), processor, thinking)
+        assert (limits.max_new_tokens, limits.default_max_tokens) == (cap, default)
 
 
 def test_the_budget_closes_the_reasoning_and_the_answer_follows(engines):

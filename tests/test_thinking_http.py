@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import re
 
+import anthropic
 import pytest
 import requests
 
 from conftest import run_cli
+from sdk_types import sdk_conforms
 
 QUESTION = "Tell me a long story about a red square and a blue circle, with many details."
 CLOSING = 3  # </think> and the separator (two "\n" tokens in the tiny tokenizer)
@@ -18,7 +20,8 @@ CLOSING = 3  # </think> and the separator (two "\n" tokens in the tiny tokenizer
 
 @pytest.fixture(scope="module")
 def server(serve, tiny_thinking_dir):
-    with serve({"MODEL_PATH": str(tiny_thinking_dir), "MAX_NEW_TOKENS": "200"}, "thinking") as (base, _):
+    """MAX_NEW_TOKENS unset: the cap is a thinking checkpoint's default."""
+    with serve({"MODEL_PATH": str(tiny_thinking_dir)}, "thinking") as (base, _):
         yield base
 
 
@@ -87,6 +90,24 @@ def test_native_lines_bring_the_reasoning_first_and_a_follow_up_reuses_the_cache
     second = chat(prompt="And then?", conversation_id=done["conversation_id"], max_thinking_tokens=5)[-1]
     # the history renders without the first answer's reasoning: the first prompt is what is reused
     assert second["usage"]["cached_tokens"] >= done["usage"]["prompt_tokens"] - 2
+
+
+def test_anthropic_thinking_has_room_and_its_budget_is_bounded_as_anthropics(server):
+    """A valid `thinking: enabled` request (a budget of at least 1,024 tokens, max_tokens above it) is
+    served: the cap left room for it (before: 400, over MAX_NEW_TOKENS' 1,024). A smaller budget, or a
+    max_tokens not above it, is a 400 as Anthropic answers it."""
+    client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0, timeout=300)
+    question = [{"role": "user", "content": QUESTION}]
+    reply = client.messages.create(
+        model="m", max_tokens=1100, thinking={"type": "enabled", "budget_tokens": 1024}, messages=question
+    )
+    sdk_conforms(reply)
+    assert reply.content[0].type == "thinking" and reply.usage.output_tokens <= 1100
+    for max_tokens, budget, words in ((1100, 1023, "budget_tokens"), (2000, 2000, "greater than thinking.budget")):
+        thinking = {"type": "enabled", "budget_tokens": budget}
+        with pytest.raises(anthropic.BadRequestError) as info:
+            client.messages.create(model="m", max_tokens=max_tokens, thinking=thinking, messages=question)
+        assert words in info.value.body["error"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -87,10 +87,12 @@ class ToolCallParser:
     call's arguments stream as they come once its head (`{"name": ..., "arguments": `) is seen,
     less a tail that may be the call's own closing brace; a block that never shows that head is
     parsed when it closes, and is content, as written, if it does not parse. Beyond `max_calls`,
-    blocks are content too."""
+    blocks are content too. `forced`: the grammar made the answer calls only, so what is held when
+    the text ends is a call cut before its name (by the token limit): dropped, never content."""
 
-    def __init__(self, max_calls: int | None = None):
+    def __init__(self, max_calls: int | None = None, forced: bool = False):
         self.max_calls = max_calls
+        self.forced = forced
         self._held = ""  # outside a call: a possible start of a tag, or whitespace before one
         self._in_call = False
         self._body = ""  # the open block's text after its tag
@@ -111,7 +113,7 @@ class ToolCallParser:
         out: list[str | ToolCallDelta] = []
         if self._in_call and self._head is not None:
             self._finish(out)
-        else:
+        elif not self.forced:
             text = (OPEN + self._body) if self._in_call else self._held
             if text.strip() or (text and not self.calls):
                 out.append(text)
@@ -194,10 +196,3 @@ class ToolCallParser:
     def _emit(self, out: list, text: str) -> None:
         if text and (text.strip() or not self.calls):  # whitespace between calls is no content
             out.append(text)
-
-
-def split_tool_calls(text: str, max_calls: int | None) -> tuple[str, list[ToolCall]]:
-    """A whole answer's content and the tool calls in it (what `ToolCallParser` finds streaming)."""
-    parser = ToolCallParser(max_calls)
-    pieces = parser.feed(text) + parser.flush()
-    return "".join(p for p in pieces if isinstance(p, str)), parser.calls

@@ -11,7 +11,7 @@ from jsonschema.validators import validator_for
 
 from ..answer.grounding import GROUNDING_SCHEMA
 from ..answer.structured import OutputGrammar, closed_objects, json_grammar, json_rule
-from ..answer.tools import ToolCallParser, call_rules
+from ..answer.tools import ToolCall, ToolCallParser, call_rules
 from ..errors import BadRequest
 from .schemas import NamedToolChoice, ResponseFormat, Tool
 
@@ -21,6 +21,7 @@ class AnswerShape:
     grammar: OutputGrammar | None = None
     prompt_tools: list[dict] | None = None  # rendered into the prompt; their calls are parsed out of the answer
     max_calls: int | None = None  # parallel_tool_calls false: the first call only
+    forced_calls: bool = False  # tool_choice required or named: the grammar makes the answer calls only
 
     @property
     def parse_tool_calls(self) -> bool:
@@ -28,7 +29,16 @@ class AnswerShape:
 
     def tool_call_parser(self) -> ToolCallParser | None:
         """What finds the calls in a streamed answer (None: the answer holds none)."""
-        return ToolCallParser(self.max_calls) if self.parse_tool_calls else None
+        return ToolCallParser(self.max_calls, self.forced_calls) if self.parse_tool_calls else None
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A whole answer's content and its tool calls, as its stream's parser finds them (none looked
+        for: the text as it is)."""
+        parser = self.tool_call_parser()
+        if parser is None:
+            return text, []
+        pieces = parser.feed(text) + parser.flush()
+        return "".join(p for p in pieces if isinstance(p, str)), parser.calls
 
 
 def checked_schema(schema: dict, param: str) -> dict:
@@ -94,7 +104,7 @@ def answer_shape(
         if not forced:
             raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice")
     lark = "start: calls\n" + call_rules(forced, parallel)
-    return AnswerShape(OutputGrammar(lark, "tools"), prompt_tools, max_calls)
+    return AnswerShape(OutputGrammar(lark, "tools"), prompt_tools, max_calls, forced_calls=True)
 
 
 def _function(tool: Tool, index: int) -> dict:

@@ -5,6 +5,9 @@ is a ServiceError too (`validation_error`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 from pydantic import ValidationError
 
 from ..errors import ServiceError
@@ -40,3 +43,16 @@ def validation_error(exc: ValidationError) -> ServiceError:
     return ServiceError(
         f"{where}: {first['msg']}" if where else first["msg"], param=where or None, code="invalid_field"
     )
+
+
+@contextmanager
+def params_renamed(rename: Callable[[str], str]) -> Iterator[None]:
+    """A ServiceError raised inside names its field as `rename` says: the engine and the answer shapes
+    every API shares name Chat Completions' fields (messages, response_format), which an API of other
+    names translates for its own clients."""
+    try:
+        yield
+    except ServiceError as exc:
+        if exc.param is not None:
+            exc.param = rename(exc.param)
+        raise

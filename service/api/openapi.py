@@ -88,12 +88,16 @@ _ANTHROPIC_ERROR_SCHEMA = {
 
 
 def _responses_paths(components: dict) -> dict:
-    """OpenAI's Responses API: create (whole or its typed events), retrieve and delete a stored response."""
+    """OpenAI's Responses API: create (whole or its typed events), retrieve and delete a stored response,
+    list its input items."""
     request = _schema(responses_protocol.ResponsesRequest, components)
     response = _schema(responses_protocol.Response, components)
     deleted = _schema(responses_protocol.DeletedResponse, components)
+    item_list = _schema(responses_protocol.InputItemList, components)
     events = [_schema(e, components) for e in responses_protocol.STREAM_EVENTS]
     by_id = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    query = responses_protocol.InputItemsQuery.model_json_schema()["properties"]
+    item_query = [{"name": name, "in": "query", "required": False, "schema": query[name]} for name in query]
     return {
         "/v1/responses": {
             "post": {
@@ -134,6 +138,16 @@ def _responses_paths(components: dict) -> dict:
                     **_errors(401, 404),
                 },
             },
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": {
+                "summary": "a page of what a stored response was made from (include[] as the official client sends it)",
+                "parameters": by_id + item_query,
+                "responses": {
+                    "200": {"description": "the page", "content": {"application/json": {"schema": item_list}}},
+                    **_errors(400, 401, 404),
+                },
+            }
         },
     }
 

@@ -30,6 +30,7 @@ from ..model.attention import ExactAttention
 from ..model.forward import TextForward
 from ..model.identity import serving_fingerprint
 from ..model.loading import LoadedModel
+from ..model.thinking import detect_thinking
 from ..settings import Settings
 from ..vision.encoders import make_vision_encoder
 from .admission import Admission, Ticket
@@ -67,7 +68,8 @@ class Engine:
     def __init__(self, loaded: LoadedModel, settings: Settings):
         self.loaded, self.settings = loaded, settings
         self.model, self.processor = loaded.model, loaded.processor
-        self.limits = RequestLimits.build(settings, self.processor)
+        thinking = detect_thinking(self.processor)  # None: not a thinking checkpoint
+        self.limits = RequestLimits.build(settings, self.processor, thinking is not None)
         kernels = asdict(loaded.kernels) if loaded.kernels is not None else None
         metrics.record_int8_kernels(kernels)
         metrics.show_priority_classes()
@@ -87,8 +89,7 @@ class Engine:
         self.memory = MemoryGuard.from_settings(settings)
         kv_dtype = getattr(torch, settings.kv_dtype)
         self.caches = Caches.from_settings(settings, loaded, self.memory, self.vision_encoder.name, kv_dtype)
-        self.inputs = InputProcessor(loaded, self.limits, self.memory, kv_dtype.itemsize)
-        thinking = self.inputs.thinking is not None
+        self.inputs = InputProcessor(loaded, self.limits, self.memory, kv_dtype.itemsize, thinking)
         serving_kernels = kernels and {part: kernels[part] for part in ("decoder", "vision")}  # not their timings
         fingerprint = serving_fingerprint(loaded.path, loaded.quantization, serving_kernels, settings.kv_dtype)
         self.info = ModelInfo(
@@ -97,10 +98,10 @@ class Engine:
             loaded.is_random,
             self.limits.image.max_pixels,
             kernels,
-            thinking,
+            thinking is not None,
             fingerprint,
         )
-        if thinking:
+        if thinking is not None:
             log.info("%s is a thinking checkpoint: its reasoning is reported apart from its answer", loaded.name)
         self.outputs = OutputProcessor(self.processor.tokenizer, loaded.eos_token_ids)
         self.prefiller = Prefiller(

@@ -13,7 +13,7 @@ from ..limits import RequestLimits
 from ..memory import MemoryGuard, kv_cache_bytes
 from ..model.kv import HEADROOM
 from ..model.prompts import PreparedPrompt, prepare_prompt, renders_tools
-from ..model.thinking import SWITCH, Opening, detect_thinking
+from ..model.thinking import SWITCH, Opening, ThinkingTokens
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,12 @@ class Prepared:
 
 
 class InputProcessor:
-    """Checks and prepares requests for one loaded model (`loaded`: a LoadedModel)."""
+    """Checks and prepares requests for one loaded model (`loaded`: a LoadedModel; `thinking`: its
+    thinking tokens, None for a model that does not think)."""
 
-    def __init__(self, loaded, limits: RequestLimits, memory: MemoryGuard, kv_itemsize: int):
+    def __init__(
+        self, loaded, limits: RequestLimits, memory: MemoryGuard, kv_itemsize: int, thinking: ThinkingTokens | None
+    ):
         self.processor = loaded.processor
         self.config = loaded.model.config
         self.limits = limits
@@ -38,7 +41,7 @@ class InputProcessor:
         self.vocab_size = getattr(self.config, "text_config", self.config).vocab_size
         self.grammars = GrammarCompiler(self.processor.tokenizer, self.vocab_size, loaded.eos_token_ids)
         self.renders_tools = renders_tools(self.processor)
-        self.thinking = detect_thinking(self.processor)  # None: not a thinking checkpoint
+        self.thinking = thinking
 
     def prepare(self, request: GenerationRequest) -> Prepared:
         """Check the request and prepare it; raises the 4xx (or the 503) a client should get."""

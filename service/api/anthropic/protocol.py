@@ -98,12 +98,21 @@ class ToolChoice(Lenient):
     disable_parallel_tool_use: bool | None = None
 
 
-class ThinkingConfig(Lenient):
-    """Thinking checkpoints: a reasoning budget (enabled), none (disabled), or as the model goes
-    (adaptive); other models ignore it."""
+class ThinkingEnabled(Lenient):
+    """Thinking checkpoints: a reasoning budget, within Anthropic's bounds (at least 1,024 tokens, fewer
+    than max_tokens); other models ignore it."""
 
-    type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(None, ge=0)
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=1024)
+
+
+class ThinkingOther(Lenient):
+    """Thinking checkpoints: no reasoning (disabled), or as much as the model goes (adaptive)."""
+
+    type: Literal["disabled", "adaptive"]
+
+
+ThinkingConfig = Annotated[ThinkingEnabled | ThinkingOther, Field(discriminator="type")]
 
 
 class JSONOutputFormat(Lenient):
@@ -128,6 +137,9 @@ class CountTokensRequest(Lenient):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
+    output_format: JSONOutputFormat | None = Field(
+        None, description="the structured-outputs beta's form of output_config.format (as LiteLLM sends it)"
+    )
 
 
 class MessagesRequest(CountTokensRequest):

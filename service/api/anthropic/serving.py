@@ -7,7 +7,7 @@ import json
 import uuid
 from collections.abc import Iterator
 
-from ...answer.tools import ToolCall, ToolCallDelta, ToolCallParser, split_tool_calls
+from ...answer.tools import ToolCall, ToolCallDelta, ToolCallParser
 from ...errors import BadRequest, ServiceError
 from ...generation import Completion, GenerationRequest, SamplingParams, TextDelta
 from ...limits import RequestLimits
@@ -110,6 +110,9 @@ def _shape(body: ap.CountTokensRequest) -> AnswerShape:
         type="function", function=NamedFunction(name=choice.name)
     )
     output = body.output_config.format if body.output_config else None
+    if output is not None and body.output_format is not None:
+        raise BadRequest("send output_config.format or output_format (its beta form), not both", param="output_format")
+    output = output or body.output_format
     response_format = None
     if output is not None:  # Anthropic's structured outputs close every object, as OpenAI's strict mode does
         response_format = ResponseFormat(
@@ -134,6 +137,13 @@ def messages_request(
     shape = _shape(body)
     params = SamplingParams()
     if isinstance(body, ap.MessagesRequest):
+        thinking = body.thinking
+        if isinstance(thinking, ap.ThinkingEnabled) and body.max_tokens <= thinking.budget_tokens:
+            raise BadRequest(
+                f"max_tokens ({body.max_tokens}) must be greater than thinking.budget_tokens "
+                f"({thinking.budget_tokens}): the reasoning and the answer share it",
+                param="max_tokens",
+            )
         params = SamplingParams(
             max_tokens=body.max_tokens,
             temperature=body.temperature,
@@ -171,15 +181,20 @@ def _input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's id of a call the parser named OpenAI's way: `toolu_` and the same digits."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def message_body(message_id: str, model: str, done: Completion, shape: AnswerShape) -> dict:
-    """The non-streamed answer: Anthropic's message."""
-    text, calls = split_tool_calls(done.text, shape.max_calls) if shape.parse_tool_calls else (done.text, [])
+    """The non-streamed answer: Anthropic's message (a forced call cut before its name: no block)."""
+    text, calls = shape.split(done.text)
     content: list = []
     if done.reasoning is not None:
         content.append(ap.ThinkingOut(thinking=done.reasoning, signature=""))
-    if text or not calls:
+    if text or not (calls or shape.forced_calls):
         content.append(ap.TextOut(text=text))
-    content += [ap.ToolUseOut(id=c.id, name=c.name, input=_input(c.arguments)) for c in calls]
+    content += [ap.ToolUseOut(id=tool_use_id(c.id), name=c.name, input=_input(c.arguments)) for c in calls]
     message = ap.MessageOut(
         id=message_id,
         model=model,
@@ -236,7 +251,7 @@ class AnthropicEvents:
         for piece in pieces:
             if isinstance(piece, ToolCallDelta) and piece.name is not None:
                 yield from self._close()
-                yield from self._open("tool_use", ap.ToolUseOut(id=piece.id, name=piece.name, input={}))
+                yield from self._open("tool_use", ap.ToolUseOut(id=tool_use_id(piece.id), name=piece.name, input={}))
             if isinstance(piece, ToolCallDelta):
                 if piece.arguments:
                     delta = ap.InputJSONDelta(partial_json=piece.arguments)

@@ -8,7 +8,7 @@ import json
 import time
 from collections.abc import Iterator
 
-from ...answer.tools import ToolCall, ToolCallDelta, ToolCallParser, split_tool_calls
+from ...answer.tools import ToolCall, ToolCallDelta, ToolCallParser
 from ...engine.engine import ModelInfo
 from ...errors import ServiceError
 from ...generation import Completion, GenerationRequest, TextDelta
@@ -72,8 +72,8 @@ def chat_request(
 
 def completion_body(request_id: str, info: ModelInfo, done: Completion, shape: AnswerShape) -> dict:
     """The non-streamed answer: OpenAI's chat.completion object."""
-    content, calls = split_tool_calls(done.text, shape.max_calls) if shape.parse_tool_calls else (done.text, [])
-    content = content if content or not calls else None
+    content, calls = shape.split(done.text)
+    content = content if content or not (calls or shape.forced_calls) else None
     logprobs = logprob_entries(done.logprobs)
     return chat_completion(request_id, info.name, info.fingerprint, done, content, calls, logprobs)
 
@@ -193,7 +193,8 @@ class OpenAIChunks:
         self.pending: list = []  # logprob records of text the tool-call parser still holds
 
     def head(self) -> Iterator[bytes]:
-        yield self._chunk(Delta(role="assistant", content="", refusal=None))
+        forced = self.parser is not None and self.parser.forced  # calls only: no content, as OpenAI streams them
+        yield self._chunk(Delta(role="assistant", content=None if forced else "", refusal=None))
 
     def delta(self, event: TextDelta) -> Iterator[bytes]:
         if event.reasoning:  # reasoning_content (vLLM's and DeepSeek's name) and `reasoning`, its alias

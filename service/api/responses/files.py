@@ -89,7 +89,14 @@ class ResponseFiles:
             return None
         return self.folder / f"{response_id}.json", self.folder / f"{response_id}.npz"
 
-    def write(self, body: dict, messages: list[ChatMessage], conversation_id: str, owner: str = "") -> None:
+    def write(
+        self,
+        body: dict,
+        messages: list[ChatMessage],
+        conversation_id: str,
+        owner: str = "",
+        input_items: list[dict] | None = None,
+    ) -> None:
         """Write one response (atomically: a reader sees it whole or not at all), then keep the
         folder within its bounds."""
         paths = self._paths(body["id"])
@@ -97,6 +104,7 @@ class ResponseFiles:
             return
         encoded, arrays = _encode(messages)
         document = {"body": body, "conversation_id": conversation_id, "owner": owner, "messages": encoded}
+        document["input_items"] = input_items or []
         partials = [path.with_name(path.name + f".{os.getpid()}.partial") for path in paths]
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -114,9 +122,9 @@ class ResponseFiles:
             return
         self._bound()
 
-    def read(self, response_id: str) -> tuple[dict, list[ChatMessage], str, str] | None:
-        """(body, messages, conversation id, owner) of a stored response, or None (unknown, expired,
-        unreadable)."""
+    def read(self, response_id: str) -> tuple[dict, list[ChatMessage], str, str, list[dict]] | None:
+        """(body, messages, conversation id, owner, input items) of a stored response, or None (unknown,
+        expired, unreadable)."""
         paths = self._paths(response_id)
         if paths is None:
             return None
@@ -130,7 +138,8 @@ class ResponseFiles:
             os.utime(paths[0])  # read: kept another TTL
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        return document["body"], messages, document["conversation_id"], document.get("owner", "")
+        owner, items = document.get("owner", ""), document.get("input_items", [])  # files written before them: none
+        return document["body"], messages, document["conversation_id"], owner, items
 
     def remove(self, response_id: str) -> bool:
         paths = self._paths(response_id)

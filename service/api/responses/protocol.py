@@ -41,6 +41,7 @@ InputPart = Annotated[InputTextPart | InputImagePart | OutputTextPart, Field(dis
 
 class InputMessageItem(Lenient):
     type: Literal["message"] = "message"
+    id: _ID | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | list[InputPart]
 
@@ -54,6 +55,7 @@ class FunctionCallItem(Lenient):
     """A call the model made (from an earlier output), sent back as history."""
 
     type: Literal["function_call"]
+    id: _ID | None = None
     call_id: _ID
     name: FunctionName
     arguments: Text
@@ -61,6 +63,7 @@ class FunctionCallItem(Lenient):
 
 class FunctionCallOutputItem(Lenient):
     type: Literal["function_call_output"]
+    id: _ID | None = None
     call_id: _ID
     output: Text | list[InputTextPart]
 
@@ -74,6 +77,7 @@ class ReasoningItem(Lenient):
     """A thinking model's reasoning (from an earlier output), sent back as history."""
 
     type: Literal["reasoning"]
+    id: _ID | None = None
     content: list[ReasoningTextIn] | None = None
 
 
@@ -86,8 +90,15 @@ InputItem = Annotated[
 class ResponseTextFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     name: FunctionName = "response"
+    description: Text | None = None
     schema_: JSONSchema | None = Field(None, alias="schema")
     strict: bool | None = Field(None, description="objects allow no keys beyond their properties (OpenAI's strict)")
+
+    def echoed(self) -> dict:
+        """The format as a response echoes it: text and json_object are a bare type, as OpenAI's."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
 class ResponseTextConfig(Lenient):
@@ -205,6 +216,7 @@ OutputItem = ResponseOutputMessage | ResponseFunctionCall | ResponseReasoning
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = Field(description="prompt tokens whose keys and values came from the cache")
+    cache_write_tokens: int = Field(0, description="0: the cache keeps every prompt by itself, at no charge")
 
 
 class OutputTokensDetails(BaseModel):
@@ -249,6 +261,63 @@ class Response(BaseModel):
     usage: ResponseUsage | None
     user: str | None = None
     metadata: dict[str, str]
+
+
+class InputTextOut(BaseModel):
+    type: Literal["input_text"] = "input_text"
+    text: str
+
+
+class InputImageOut(BaseModel):
+    type: Literal["input_image"] = "input_image"
+    detail: Literal["low", "high", "auto"]
+    image_url: str | None = Field(description="the data: URL sent, with include=message.input_image.image_url")
+
+
+class InputMessageOut(BaseModel):
+    """A user's, system's or developer's message of a response's input (an assistant's is an output
+    message, as the response that wrote it had it)."""
+
+    type: Literal["message"] = "message"
+    id: str
+    role: Literal["user", "system", "developer"]
+    status: Literal["completed"] = "completed"
+    content: list[InputTextOut | InputImageOut]
+
+
+class FunctionCallOutputOut(BaseModel):
+    type: Literal["function_call_output"] = "function_call_output"
+    id: str
+    call_id: str
+    output: str | list[InputTextOut]
+    status: Literal["completed"] = "completed"
+
+
+InputItemOut = (
+    InputMessageOut | ResponseOutputMessage | ResponseFunctionCall | FunctionCallOutputOut | ResponseReasoning
+)
+
+
+class InputItemList(BaseModel):
+    """GET /v1/responses/{id}/input_items: a page of what the response was made from — the stored
+    conversation it continues (earlier inputs and outputs) and its own input."""
+
+    object: Literal["list"] = "list"
+    data: list[InputItemOut]
+    first_id: str | None = Field(description="the page's first item (null: an empty page)")
+    last_id: str | None = Field(description="the page's last item: `after` for the next page")
+    has_more: bool
+
+
+class InputItemsQuery(Lenient):
+    """The query of GET /v1/responses/{id}/input_items, as OpenAI's."""
+
+    after: _ID | None = Field(None, description="the id of the item the page starts after")
+    limit: int = Field(20, ge=1, le=100)
+    order: Literal["asc", "desc"] = Field("desc", description="desc: the newest item first")
+    include: list[Annotated[str, StringConstraints(max_length=256)]] = Field(
+        default_factory=list, max_length=16, description="message.input_image.image_url: the pictures' data: URLs"
+    )
 
 
 class DeletedResponse(BaseModel):

@@ -1,19 +1,30 @@
 """OpenAI's Responses API: POST /v1/responses (its typed SSE events when streamed), and a stored
-response by id — GET, DELETE. Stateful when `store` is on (the default): `previous_response_id`
-continues the stored conversation, and its KV cache (keyed by the chain's first response id)."""
+response by id — GET, DELETE, and GET its input items. Stateful when `store` is on (the default):
+`previous_response_id` continues the stored conversation, and its KV cache (keyed by the chain's first
+response id)."""
 
 from __future__ import annotations
 
-from flask import Blueprint, jsonify
+from flask import Blueprint, jsonify, request
 
 from ...answer.tools import ToolCall
 from ...errors import ServiceError
 from ...generation import Completion
+from ..error_shapes import params_renamed
 from ..http_io import json_body, request_context, stream_response
 from ..state import state
 from ..streaming import collect
 from . import protocol as rp
-from .serving import ResponseHead, ResponsesEvents, answer_message, responses_request, whole_response
+from .serving import (
+    ResponseHead,
+    ResponsesEvents,
+    answer_message,
+    input_item_page,
+    input_items,
+    responses_field,
+    responses_request,
+    whole_response,
+)
 from .store import StoredResponse
 
 responses_api = Blueprint("responses", __name__)
@@ -41,20 +52,23 @@ def create():
     engine = app_state.require_engine()
     store, owner = app_state.stored_responses, context.owner
     response_id = store.new_id()
-    history, chain = [], response_id
+    history, chain, earlier = [], response_id, []
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id, owner)
         if previous is None:
             raise _not_stored(body.previous_response_id, "previous_response_id")
         history, chain = previous.messages, previous.conversation_id
-    gen_request, shape, conversation = responses_request(body, engine.limits, history, chain, context)
-    generation = engine.submit(gen_request)
+        earlier = previous.input_items + previous.body["output"]
+    with params_renamed(responses_field):
+        gen_request, shape, conversation = responses_request(body, engine.limits, history, chain, context)
+        generation = engine.submit(gen_request)
     head = ResponseHead(response_id, engine.info.name, body)
 
     def remember(response: rp.Response, done: Completion, calls: list[ToolCall]) -> None:
         if body.store:
             answer = answer_message(done, calls, response.output)
-            store.save(StoredResponse(_json(response), conversation + [answer], chain, owner))
+            items = input_items(earlier, body)
+            store.save(StoredResponse(_json(response), conversation + [answer], chain, owner, items))
 
     if not body.stream:
         done = collect(generation, gen_request, ENDPOINT, spend)
@@ -71,6 +85,18 @@ def retrieve(response_id: str):
     if stored is None:
         raise _not_stored(response_id)
     return jsonify(stored.body)
+
+
+@responses_api.get(ENDPOINT + "/<response_id>/input_items")
+def list_input_items(response_id: str):
+    args = request.args
+    given = {"after": args.get("after"), "limit": args.get("limit"), "order": args.get("order")}
+    include = args.getlist("include[]") + args.getlist("include")  # the official client sends include[]
+    query = rp.InputItemsQuery.model_validate({k: v for k, v in given.items() if v is not None} | {"include": include})
+    stored = state().stored_responses.get(response_id, request_context().owner)
+    if stored is None:
+        raise _not_stored(response_id)
+    return jsonify(input_item_page(stored.input_items, query).model_dump(mode="json", by_alias=True))
 
 
 @responses_api.delete(ENDPOINT + "/<response_id>")

@@ -4,12 +4,13 @@ message, function calls — whole or as the typed events of its stream (streamin
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
 
 from ...answer.tools import ToolCall, ToolCallDelta, ToolCallParser
-from ...errors import ServiceError
+from ...errors import BadRequest, ServiceError
 from ...generation import Completion, GenerationRequest, SamplingParams, TextDelta
 from ...limits import RequestLimits
 from ...model.prompts import ChatMessage, ImagePart, TextPart
@@ -99,6 +100,84 @@ def _shape(body: rp.ResponsesRequest) -> AnswerShape:
     return answer_shape(response_format, tools or None, choice, body.parallel_tool_calls is not False)
 
 
+# -- the input items a response was made from -----------------------------------------------------
+
+IMAGE_URLS = "message.input_image.image_url"  # the `include` that lists pictures with their data: URLs
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _input_message(item: rp.InputMessageItem) -> rp.InputMessageOut | rp.ResponseOutputMessage:
+    """A message as input items list it: an assistant's as the output message it was, the others' parts
+    as input parts."""
+    item_id = item.id or _item_id("msg")
+    parts = [rp.InputTextPart(type="input_text", text=item.content)] if isinstance(item.content, str) else item.content
+    if item.role == "assistant":  # its text parts (pictures are the user's only: refused before)
+        texts = [rp.ResponseOutputText(text=p.text) for p in parts if not isinstance(p, rp.InputImagePart)]
+        return rp.ResponseOutputMessage(id=item_id, status="completed", content=texts)
+    content = [
+        rp.InputImageOut(detail=p.detail or "auto", image_url=p.image_url)
+        if isinstance(p, rp.InputImagePart)
+        else rp.InputTextOut(text=p.text)
+        for p in parts
+    ]
+    return rp.InputMessageOut(id=item_id, role=item.role, content=content)
+
+
+def _input_item(item) -> rp.InputItemOut:
+    if isinstance(item, rp.InputMessageItem):
+        return _input_message(item)
+    if isinstance(item, rp.FunctionCallItem):
+        return rp.ResponseFunctionCall(
+            id=item.id or _item_id("fc"),
+            call_id=item.call_id,
+            name=item.name,
+            arguments=item.arguments,
+            status="completed",
+        )
+    if isinstance(item, rp.FunctionCallOutputItem):
+        output = item.output if isinstance(item.output, str) else [rp.InputTextOut(text=p.text) for p in item.output]
+        return rp.FunctionCallOutputOut(id=item.id or _item_id("fco"), call_id=item.call_id, output=output)
+    texts = [rp.ResponseReasoningText(text=c.text) for c in item.content or ()]
+    return rp.ResponseReasoning(id=item.id or _item_id("rs"), content=texts)
+
+
+def input_items(earlier: list[dict], body: rp.ResponsesRequest) -> list[dict]:
+    """What a response is made from, as GET …/input_items lists it: the `earlier` items of the stored
+    conversation it continues (inputs and outputs), then its own input, each with an id — the one sent,
+    or a new one where none was sent or it is taken (`after` finds one item)."""
+    own = [rp.InputMessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    items, taken = list(earlier), {item["id"] for item in earlier}
+    for item in own:
+        out = _input_item(item).model_dump(mode="json")
+        if out["id"] in taken:
+            out["id"] = _item_id(_ITEM_PREFIX[out["type"]])
+        taken.add(out["id"])
+        items.append(out)
+    return items
+
+
+def _without_image_urls(item: dict) -> dict:
+    if item["type"] != "message" or not any(part["type"] == "input_image" for part in item["content"]):
+        return item
+    parts = [{**part, "image_url": None} if part["type"] == "input_image" else part for part in item["content"]]
+    return {**item, "content": parts}
+
+
+def input_item_page(items: list[dict], query: rp.InputItemsQuery) -> rp.InputItemList:
+    """A page of a response's input items, as OpenAI's: in `order`, after the item `after` names, at most
+    `limit`; the pictures' URLs only when `include` asks for them."""
+    ordered = items if query.order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+    if query.after is not None and query.after not in ids:
+        raise BadRequest(f"after is {query.after!r}, no input item of this response", param="after")
+    start = ids.index(query.after) + 1 if query.after is not None else 0
+    page = ordered[start : start + query.limit]
+    if IMAGE_URLS not in query.include:
+        page = [_without_image_urls(item) for item in page]
+    first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
+    return rp.InputItemList(data=page, first_id=first, last_id=last, has_more=start + len(page) < len(ordered))
+
+
 def responses_request(
     body: rp.ResponsesRequest,
     limits: RequestLimits,
@@ -127,6 +206,24 @@ def responses_request(
     return request, shape, conversation
 
 
+# The fields of the request the engine's and the shared answer shapes' names stand for (the prompt's
+# messages are made of the input, the stored conversation and the instructions: `input` holds a fault).
+_RESPONSES_FIELDS = (
+    (re.compile(r"^response_format\.json_schema\.schema"), "text.format.schema"),
+    (re.compile(r"^response_format"), "text.format"),
+    (re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].parameters"),
+    (re.compile(r"^messages\b.*"), "input"),
+)
+
+
+def responses_field(param: str) -> str:
+    """The Responses request's name of a field the engine names as Chat Completions does."""
+    for pattern, name in _RESPONSES_FIELDS:
+        if pattern.match(param):
+            return pattern.sub(name, param, count=1)
+    return param
+
+
 # -- out: the engine's events as output items -------------------------------------------------------
 
 
@@ -151,7 +248,8 @@ class OutputItems:
     def finish(self, status: str) -> list:
         events = self._pieces(self.parser.flush() if self.parser else [])
         events += self._close(status)
-        if not self.items:  # an empty answer is still a message, as OpenAI's
+        forced = self.parser is not None and self.parser.forced  # cut before its call's name: no item
+        if not self.items and not forced:  # an empty answer is still a message, as OpenAI's
             events += self._open_item("message") + self._close(status)
         return events
 
@@ -266,7 +364,7 @@ def _reasoning_delta(item_id: str, index: int, text: str) -> rp.ResponseReasonin
 def usage(done: Completion) -> rp.ResponseUsage:
     return rp.ResponseUsage(
         input_tokens=done.prompt_tokens,
-        input_tokens_details=rp.InputTokensDetails(cached_tokens=done.cached_tokens),
+        input_tokens_details=rp.InputTokensDetails(cached_tokens=done.cached_tokens, cache_write_tokens=0),
         output_tokens=done.completion_tokens,
         output_tokens_details=rp.OutputTokensDetails(reasoning_tokens=done.reasoning_tokens),
         total_tokens=done.prompt_tokens + done.completion_tokens,
@@ -297,7 +395,7 @@ class ResponseHead:
             store=body.store,
             temperature=body.temperature,
             top_p=body.top_p,
-            text={"format": fmt.model_dump(mode="json", by_alias=True, exclude_none=True)},
+            text={"format": fmt.echoed()},
             tool_choice=choice.model_dump() if isinstance(choice, rp.FunctionChoice) else choice or "auto",
             tools=[t.model_dump(exclude_none=True) for t in body.tools or ()],
             usage=usage(done) if done is not None else None,
@@ -356,7 +454,8 @@ class ResponsesEvents:
         yield from self._emit([rp.ResponseLifecycleEvent(type=kind, response=response)])
 
     def error(self, exc: ServiceError) -> Iterator[bytes]:
-        yield from self._emit([rp.ResponseErrorEvent(code=exc.code, message=exc.message, param=exc.param)])
+        param = responses_field(exc.param) if exc.param is not None else None
+        yield from self._emit([rp.ResponseErrorEvent(code=exc.code, message=exc.message, param=param)])
 
     def _emit(self, events: list) -> Iterator[bytes]:
         for event in events:

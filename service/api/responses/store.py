@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...caches.lru import BudgetedLRU
 from ...model.prompts import ChatMessage, messages_bytes
@@ -23,6 +23,7 @@ class StoredResponse:
     messages: list[ChatMessage]  # the conversation so far, its answer included (instructions apart)
     conversation_id: str  # the chain's key in the conversation cache: the first response's id
     owner: str = ""  # the tenant's owner hash (service/api/access/tenants.py): nobody else's requests find it
+    input_items: list[dict] = field(default_factory=list)  # what GET …/input_items lists (serving.input_items)
 
 
 class ResponseStore:
@@ -60,10 +61,10 @@ class ResponseStore:
         """Keep it (in memory unless larger than the whole byte budget; on disk where it is on)."""
         self._keep(stored)
         if self.files is not None:
-            self.files.write(stored.body, stored.messages, stored.conversation_id, stored.owner)
+            self.files.write(stored.body, stored.messages, stored.conversation_id, stored.owner, stored.input_items)
 
     def _keep(self, stored: StoredResponse) -> None:
-        size = messages_bytes(stored.messages) + len(json.dumps(stored.body))
+        size = messages_bytes(stored.messages) + len(json.dumps(stored.body)) + len(json.dumps(stored.input_items))
         self.entries.put(stored.body["id"], stored, size)
 
     def delete(self, response_id: str, owner: str = "") -> bool:
