@@ -23,13 +23,18 @@ Ours runs twice: the INT8 checkpoint (`-int8`, `python -m service quantize`; 2B 
 without it, any other model gets it written) and the 4-bit one (`-int4`, `--bits 4`; written if missing).
 Each server runs alone on the machine, in the order ours, ours 4-bit, Q8_0, Q4_0, then reversed per
 round, all with 2 threads (`llama-server -t 2 -tb 2 -np 4`), and gets the same requests on the OpenAI
-endpoint, greedy, end of turn biased away so answers run to max_tokens:
+endpoint, greedy, end of turn biased away so answers run to max_tokens. Ours decodes with its exact
+speculative decoding off (`"speculative": false` in every request): a token a forward, as llama.cpp
+without a draft model. One row has it on, with the share of its guesses the model made too: what it adds
+on these weights — a random model may repeat itself, and its guesses be right, far more often than a
+real model's answers would allow — not what a user would see. Per server start (a run):
 - start → ready (client-side): process start to the first 200 of /ready (ours) or /health;
 - first token with a picture (client-side): a 448×448 JPEG and a question, max_tokens 1, a new
   picture each time (no cache may help), median of 3;
 - decode (server-side, each server's own count: our `timings.decode_tokens_per_s` from the native
-  endpoint, llama.cpp's `timings.predicted_per_second`), 128 tokens after a short (~43-token) and a
-  long (~1,000-token) text prompt;
+  endpoint, llama.cpp's `timings.predicted_per_second`), 128 tokens after a short (~43-token) prompt
+  and after a ~1,000-token one; ours once more after the short prompt with speculation on, its guesses
+  drafted and accepted from the done line;
 - second turn (client-side): a picture and a question (32 tokens), then the whole history resent
   with a follow-up, max_tokens 1: what a chat client waits for its next answer to start;
 - 4 concurrent text streams of 64 tokens (client-side): all tokens over the wall time;
@@ -37,10 +42,11 @@ endpoint, greedy, end of turn biased away so answers run to max_tokens:
   share the weights copy-on-write, which summed RSS would count twice);
 - decode's bandwidth ceiling (bench/core/ceiling.py): the weight bytes a token reads (its experts only,
   in a mixture of experts) ÷ this machine's read bandwidth, probed before the servers start; each
-  decode rate as a share of its own weights' ceiling.
-A llama.cpp server that crashes is started again with `-nr` (no weight repacking, which segfaulted on a
-Xeon with AMX), and the table says so. It writes its section in bench/RESULTS.md and its plot (each
-figure against llama.cpp Q8_0) in bench/plots/, e.g. peer-4b-amx-xeon.png for `--model 4b` on a Xeon with AMX.
+  run's decode after the short prompt, speculation off, as a share of its own weights' ceiling.
+Each figure is the median of the runs, with their spread (min–max) and their count. A llama.cpp server
+that crashes is started again with `-nr` (no weight repacking, which segfaulted on a Xeon with AMX), and
+the table says so. It writes its section in bench/RESULTS.md and its plot (each figure against llama.cpp
+Q8_0) in bench/plots/, e.g. peer-4b-amx-xeon.png for `--model 4b` on a Xeon with AMX.
 """
 
 from __future__ import annotations
@@ -87,7 +93,8 @@ def peer_server(llama: Path, text: Path, mmproj: Path, threads: int, log: Path, 
 
 
 class Client:
-    """The same OpenAI-endpoint requests to either server; `ours` also has the native endpoint."""
+    """The same OpenAI-endpoint requests to either server, ours with its exact speculative decoding off
+    (llama.cpp speculates only when given a draft model); `ours` also has the native endpoint."""
 
     def __init__(self, base: str, ours: bool, end_of_turn: list[int]):
         self.base, self.ours = base, ours
@@ -95,21 +102,33 @@ class Client:
 
     def chat(self, messages: list[dict], max_tokens: int):
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "logit_bias": self.no_end}
-        return openai_chat(self.base, body)
+        if not self.ours:
+            return openai_chat(self.base, body)
+        reply = openai_chat(self.base, {**body, "speculative": False})
+        self._guesses(reply.done["usage"]["speculation"], speculative=False)
+        return reply
 
-    def decode_rate(self, prompt: str, tokens: int, speculative: bool = True) -> float:
-        """Decode tokens/s as the server counts it; `speculative=False`: ours without its exact speculative
-        decoding (llama.cpp speculates only when given a draft model: its rate is the same request's)."""
+    def decode(self, prompt: str, tokens: int, speculative: bool = False) -> dict:
+        """`tokens` tokens after `prompt`: {"rate": decode tokens/s as the server counts it}, and for ours
+        (its native endpoint; exact speculative decoding on if `speculative`) the guesses it "drafted" and
+        the ones it "accepted"."""
         messages = [message("user", prompt)]
         if not self.ours:
-            return float(self.chat(messages, tokens).done["timings"]["predicted_per_second"])
-        body = {"messages": messages, "max_tokens": tokens, "temperature": 0, "stream": False}
-        if not speculative:
-            body["speculative"] = False
-        return float(chat(self.base, {**body, "logit_bias": self.no_end}).done["timings"]["decode_tokens_per_s"])
+            return {"rate": float(self.chat(messages, tokens).done["timings"]["predicted_per_second"])}
+        body = {"messages": messages, "max_tokens": tokens, "temperature": 0, "logit_bias": self.no_end}
+        done = chat(self.base, {**body, "stream": False, "speculative": speculative}).done
+        return {"rate": float(done["timings"]["decode_tokens_per_s"]), **self._guesses(done["usage"], speculative)}
+
+    @staticmethod
+    def _guesses(usage: dict, speculative: bool) -> dict:
+        """The guesses an answer's usage counts; none where speculation was asked off, or the figure
+        would not be what its row says."""
+        if usage["drafted_tokens"] and not speculative:
+            raise RuntimeError(f"asked with speculation off, the server guessed {usage['drafted_tokens']} tokens")
+        return {"drafted": usage["drafted_tokens"], "accepted": usage["accepted_tokens"]}
 
 
-def measure(client: Client, long_prompt: str, round_: int) -> dict:
+def measure(client: Client, prompts: dict[str, str], round_: int) -> dict:
     # a new picture each time: nothing cached can help
     first = [client.chat([message("user", photo_url(100 * round_ + i), QUESTION)], 1).total for i in range(3)]
     turn1 = [message("user", photo_url(1000 + round_), "Describe the picture.")]
@@ -118,17 +137,16 @@ def measure(client: Client, long_prompt: str, round_: int) -> dict:
     streams, wall = concurrently(
         [lambda i=i: client.chat([message("user", f"{DECODE_PROMPT} ({i})")], 64) for i in range(4)]
     )
-    aggregate = sum(r.done["usage"]["completion_tokens"] for r in streams) / wall
-    decode_short = client.decode_rate(DECODE_PROMPT, 128)
-    return {
+    result = {
         "first_token_s": statistics.median(first),
-        "decode_short": decode_short,
-        # a token a forward: what the ceiling bounds (speculation checks several guesses per weight read)
-        "decode_plain": client.decode_rate(DECODE_PROMPT, 128, speculative=False) if client.ours else decode_short,
-        "decode_long": client.decode_rate(long_prompt, 128),
         "second_turn_s": second_turn.total,
-        "streams_tok_s": aggregate,
+        "streams_tok_s": sum(r.done["usage"]["completion_tokens"] for r in streams) / wall,
+        **{f"decode_{name}": client.decode(prompt, 128)["rate"] for name, prompt in prompts.items()},
     }
+    if client.ours:  # the same short-prompt request with its guesses: what speculation adds on these weights
+        on = client.decode(prompts["short"], 128, speculative=True)
+        result.update(decode_speculative=on["rate"], drafted=on["drafted"], accepted=on["accepted"])
+    return result
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -185,18 +203,19 @@ def main(argv=None) -> int:
         bar.update()
         tokenizer = load_processor(source).tokenizer
         end_of_turn = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-        long_prompt = text_of_tokens(source, 1000)
+        prompts = {"short": DECODE_PROMPT, "long": text_of_tokens(source, 1000)}
         results: dict[str, list[dict]] = {k: [] for k in kinds}
         for round_ in range(args.rounds):
             for kind in kinds if round_ % 2 == 0 else list(reversed(kinds)):
                 bar.set_postfix_str(f"{kind}, round {round_ + 1}")
                 results[kind].append(serve_and_measure(kind, args, ours_path, int4, llama, weights, peer_dir,
-                                                       end_of_turn, long_prompt, round_, no_repack))  # fmt: skip
+                                                       end_of_turn, prompts, round_, no_repack))  # fmt: skip
                 bar.update(2)
+    ceiling = {kind: bandwidth / active[kind] for kind in kinds}
+    for kind, runs in results.items():
+        for run in runs:  # a token a forward: what the ceiling bounds
+            run["ceiling_share"] = run["decode_short"] / ceiling[kind]
     med = {k: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for k, runs in results.items()}
-    for kind in kinds:
-        med[kind]["ceiling"] = bandwidth / active[kind]
-        med[kind]["ceiling_share"] = med[kind]["decode_plain"] / med[kind]["ceiling"]
     plot_path = None if ours_only else plot_file(f"peer-{args.model}")
     if not args.no_save and plot_path is not None:
         plot(med, kinds, plot_path)
@@ -223,7 +242,7 @@ def main(argv=None) -> int:
             "read bandwidth": f"{bandwidth / 1e9:.1f} GB/s ({args.threads} threads summing 2 GiB, best of 5)",
             "CPU": cpu_model(),
         },
-        table(med, results, kinds, args.rounds, ours_path, weights, int4, active, plot_path),
+        table(med, results, kinds, ceiling, ours_path, weights, int4, active, plot_path),
     )
 
 
@@ -241,7 +260,7 @@ def _ours_only_checkpoint(p, argv: list[str] | None) -> list[str] | None:
     return [*(sys.argv[1:] if argv is None else argv), "--model-path", str(int4)]
 
 
-def serve_and_measure(kind, args, ours_path, int4, llama, weights, peer_dir, end_of_turn, long_prompt, round_,
+def serve_and_measure(kind, args, ours_path, int4, llama, weights, peer_dir, end_of_turn, prompts, round_,
                       no_repack: set[str]) -> dict:  # fmt: skip
     """One server of `kind` started, warmed and measured (a llama.cpp one that crashes: again with -nr)."""
 
@@ -254,7 +273,7 @@ def serve_and_measure(kind, args, ours_path, int4, llama, weights, peer_dir, end
         with server as (base, process, ready_s):
             client = Client(base, kind.startswith("this service"), end_of_turn)
             client.chat([message("user", photo_url(99999), "Hi.")], 2)  # first-call costs, not measured
-            result = measure(client, long_prompt, round_)
+            result = measure(client, prompts, round_)
             result["ready_s"], result["memory_gib"] = ready_s, tree_memory(process) / 1024**3
             return result
 
@@ -263,26 +282,26 @@ def serve_and_measure(kind, args, ours_path, int4, llama, weights, peer_dir, end
     return without_repacking_if_it_crashes(run, kind, no_repack)
 
 
-ROWS = [  # (label, key, unit, better, side)
+ROWS = [  # (label, key, unit, better, side): one figure a run (server start), their median and spread
     ("start → ready", "ready_s", "s", "lower", "client"),
     ("first token, 448×448 picture + question", "first_token_s", "s", "lower", "client"),
-    ("decode after a short prompt", "decode_short", "tok/s", "higher", "server"),
-    ("decode after a short prompt, speculation off", "decode_plain", "tok/s", "higher", "server"),
-    ("decode after ~1,000 prompt tokens", "decode_long", "tok/s", "higher", "server"),
+    ("decode after a short prompt, speculation off", "decode_short", "tok/s", "higher", "server"),
+    ("decode after ~1,000 prompt tokens, speculation off", "decode_long", "tok/s", "higher", "server"),
+    ("decode after a short prompt, exact speculation on", "decode_speculative", "tok/s", "higher", "server"),
     ("second turn (history resent), first token", "second_turn_s", "s", "lower", "client"),
-    ("4 concurrent streams, aggregate", "streams_tok_s", "tok/s", "higher", "client"),
+    ("4 concurrent streams, aggregate, speculation off", "streams_tok_s", "tok/s", "higher", "client"),
     ("resident memory after the runs (PSS)", "memory_gib", "GiB", "lower", "—"),
-    ("decode ceiling: read bandwidth ÷ weight bytes a token reads", "ceiling", "tok/s", "higher", "—"),
-    ("decode with speculation off, share of its ceiling", "ceiling_share", "", "higher", "—"),
+    ("decode after a short prompt, speculation off, share of its ceiling", "ceiling_share", "", "higher", "—"),
 ]
-PLOTTED = ROWS[:8]  # the measured rows (the ceiling is a property of the weights, not a speed)
+# What the plot compares with llama.cpp: the measured figures both sides have (not what its weights bound).
+PLOTTED = [row for row in ROWS if row[1] not in ("decode_speculative", "ceiling_share")]
 
 
 def table(
     med: dict,
     results: dict,
     kinds: list[str],
-    rounds: int,
+    ceiling: dict,
     ours_path: Path,
     weights: dict,
     int4: Path,
@@ -298,32 +317,52 @@ def table(
         )
         if a in kinds and b in kinds
     ]
+
+    def ratio_cells(figures: dict) -> list[str]:
+        return [f"{figures[a] / figures[b]:.2f}x" if a in figures and b in figures else "" for _, a, b in ratios]
+
+    runs = len(next(iter(results.values())))
     rows = []
     for label, key, unit, _, side in ROWS:
-        cells = [
-            f"{med[k][key]:.3g}" + (f" ({min(r[key] for r in results[k]):.3g}–{max(r[key] for r in results[k]):.3g})"
-                                    if key in results[k][0] and len(results[k]) > 1 else "")
-            for k in kinds
-        ]  # fmt: skip
-        if key == "ceiling_share":
-            cells = [f"{med[k][key]:.0%}" for k in kinds]
+        has = [k for k in kinds if key in med[k]]
+        form = "{:.0%}" if key == "ceiling_share" else "{:.3g}"
+        cells = [spread([r[key] for r in results[k]], form) if k in has else "—" for k in kinds]
+        if key == "ceiling_share":  # the ceiling first: what the weights bound, whatever the run
+            rows.append(["decode ceiling: read bandwidth ÷ weight bytes a token reads (tok/s)", "—", "—",
+                         *[f"{ceiling[k]:.3g}" for k in kinds], *ratio_cells(ceiling)])  # fmt: skip
         name = f"{label} ({unit})" if unit else label
-        rows.append([name, side, *cells, *[f"{med[a][key] / med[b][key]:.2f}x" for _, a, b in ratios]])
-    rows.append(["weight bytes a decoded token reads (GB)", "files", *[f"{active[k] / 1e9:.2f}" for k in kinds],
-                 *["" for _ in ratios]])  # fmt: skip
-    table = markdown_table(["", "measured", *kinds, *[name for name, _, _ in ratios]], rows)
+        rows.append([name, side, runs, *cells, *ratio_cells({k: med[k][key] for k in has})])
+        if key == "decode_speculative":
+            rows.append(["its guesses the model made too, all runs: accepted / drafted", "server", runs,
+                         *[acceptance(results[k]) if k in has else "—" for k in kinds], *ratio_cells({})])  # fmt: skip
+    rows.append(["weight bytes a decoded token reads (GB)", "files", "—", *[f"{active[k] / 1e9:.2f}" for k in kinds],
+                 *ratio_cells({})])  # fmt: skip
+    table = markdown_table(["", "measured", "runs", *kinds, *[name for name, _, _ in ratios]], rows)
     ours = ours_path.name + (f" and {int4.name}" if OURS_4BIT in kinds and int4 != ours_path else "")
     return (
         table
-        + f"\n\nMedians (min–max) over {rounds} server start(s) per kind, each alone on the machine (in the order "
-        "of the columns, then reversed); first token the median of 3 pictures. Client-side: the request's wall time at "
-        "the client, on the same OpenAI-endpoint request for all; server-side: each server's own decode count. "
-        "Ours decodes with its exact speculative decoding on (the default: the same tokens); the speculation-off "
-        "row is a token a forward, what the ceiling bounds; llama.cpp speculates only with a draft model, so "
-        "its row repeats its decode. "
+        + "\n\nEach figure the median of its runs (min–max), a run a server start, each alone on the machine (in the "
+        "order of the columns, then reversed); first token each run's median of 3 pictures. Client-side: the "
+        "request's wall time at the client, on the same OpenAI-endpoint request for all; server-side: each server's "
+        'own decode count. Ours decodes with its exact speculative decoding off (`"speculative": false` in every '
+        "request): a token a forward, what the ceiling bounds, as llama.cpp's without a draft model (it has none "
+        "here). The speculation-on row is ours on the short prompt's request again with its guesses: what they add "
+        "on these weights, whose answers may repeat themselves far more than a real model's would. "
         f"Ours: {ours}; llama.cpp: {', '.join(p.name for p in weights.values()) or 'not run'}."
         + (f" [Plot: each figure against llama.cpp Q8_0]({plot_link(plot_path)})." if plot_path else "")
     )
+
+
+def spread(values: list[float], form: str) -> str:
+    """The median of a figure's runs, and their min–max when there are several."""
+    text = form.format(statistics.median(values))
+    return text + (f" ({form.format(min(values))}–{form.format(max(values))})" if len(values) > 1 else "")
+
+
+def acceptance(runs: list[dict]) -> str:
+    """The guesses the model made too, of those drafted, over all runs."""
+    drafted, accepted = sum(r["drafted"] for r in runs), sum(r["accepted"] for r in runs)
+    return f"{accepted}/{drafted} ({accepted / drafted:.0%})" if drafted else "none drafted"
 
 
 def plot(med: dict, kinds: list[str], path: Path) -> None:
@@ -332,18 +371,18 @@ def plot(med: dict, kinds: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [label for label, *_ in PLOTTED]
+    plotted = [row for row in PLOTTED if row[1] in med["llama.cpp Q8_0"]]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(kinds)
     for i, kind in enumerate(kinds):
         # how many times better than llama.cpp Q8_0 (> 1: better), whatever the direction of the figure
         ratios = [
             (med[kind][key] / med["llama.cpp Q8_0"][key]) ** (1 if better == "higher" else -1)
-            for _, key, _, better, _ in PLOTTED
+            for _, key, _, better, _ in plotted
         ]
-        ax.barh([y + i * width for y in range(len(PLOTTED))], ratios, height=width, label=kind)
+        ax.barh([y + i * width for y in range(len(plotted))], ratios, height=width, label=kind)
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_yticks([y + width * (len(kinds) - 1) / 2 for y in range(len(PLOTTED))], labels)
+    ax.set_yticks([y + width * (len(kinds) - 1) / 2 for y in range(len(plotted))], [row[0] for row in plotted])
     ax.invert_yaxis()
     ax.set_xlabel("times better than llama.cpp Q8_0 (same machine, same run)")
     ax.legend(loc="lower right")
