@@ -32,9 +32,10 @@ real model's answers would allow — not what a user would see. Per server start
 - first token with a picture (client-side): a 448×448 JPEG and a question, max_tokens 1, a new
   picture each time (no cache may help), median of 3;
 - decode (server-side, each server's own count: our `timings.decode_tokens_per_s` from the native
-  endpoint, llama.cpp's `timings.predicted_per_second`), 128 tokens after a short (~43-token) prompt
-  and after a ~1,000-token one; ours once more after the short prompt with speculation on, its guesses
-  drafted and accepted from the done line;
+  endpoint, llama.cpp's `timings.predicted_per_second`), 128 tokens after a short (~43-token) prompt,
+  after a ~1,000-token one and after a ~8,000-token one (a long conversation: a fixed recurrent state,
+  Qwen3.5's, against a growing KV cache; both servers get 16,384 tokens of context for it); ours once
+  more after the short prompt with speculation on, its guesses drafted and accepted from the done line;
 - second turn (client-side): a picture and a question (32 tokens), then the whole history resent
   with a follow-up, max_tokens 1: what a chat client waits for its next answer to start;
 - 4 concurrent text streams of 64 tokens (client-side): all tokens over the wall time;
@@ -66,18 +67,34 @@ from bench.core.harness import concurrently, parse, parser, preset_model_path, t
 from bench.core.inputs import DECODE_PROMPT, QUESTION, message, photo_url, text_of_tokens
 from bench.core.llama_cpp import LLAMA_CPP_PYTHON, gguf_weights, llama_cpp
 from bench.core.results import cpu_model, markdown_table, plot_file, plot_link, report
-from bench.core.servers import gunicorn_server, llama_server, without_repacking_if_it_crashes
+from bench.core.servers import (
+    LLAMA_CONTEXT,
+    gunicorn_server,
+    llama_server,
+    llama_settings,
+    without_repacking_if_it_crashes,
+)
 
 MODELS = ("2b", "4b", "8b", "30b-a3b-e32", "30b-a3b")  # make-model presets (bf16 checkpoints, but the last)
 OURS_ONLY = ("30b-a3b",)  # no bf16 checkpoint for llama.cpp's converter to read: ours alone, 4-bit
 OURS_4BIT = "this service 4-bit"
 KINDS = ("this service", OURS_4BIT, "llama.cpp Q8_0", "llama.cpp Q4_0")
+CONVERSATION_TOKENS = 8000  # the long conversation's prompt (both servers' context: LLAMA_CONTEXT)
+TIMEOUT = 3600  # seconds a request may take (our REQUEST_DEADLINE): a 30B model's long prefill on 2 cores
 
 
 @contextmanager
 def our_server(model_path: Path, threads: int, log: Path):
     started = time.perf_counter()
-    env = {"MODEL_PATH": str(model_path), "THREADS": str(threads), "MAX_BATCH_SIZE": "4", "QUEUE_TIMEOUT": "600"}
+    env = {
+        "MODEL_PATH": str(model_path),
+        "THREADS": str(threads),
+        "MAX_BATCH_SIZE": "4",
+        "QUEUE_TIMEOUT": "600",
+        "CONTEXT_LIMIT": str(LLAMA_CONTEXT),  # the context llama-server has
+        "MAX_PROMPT_TOKENS": str(LLAMA_CONTEXT),  # clipped to CONTEXT_LIMIT - 1
+        "REQUEST_DEADLINE": str(TIMEOUT),
+    }
     with gunicorn_server(env, log, timeout=900, poll=0.05) as (base, process):
         yield base, process, time.perf_counter() - started
 
@@ -103,8 +120,8 @@ class Client:
     def chat(self, messages: list[dict], max_tokens: int):
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "logit_bias": self.no_end}
         if not self.ours:
-            return openai_chat(self.base, body)
-        reply = openai_chat(self.base, {**body, "speculative": False})
+            return openai_chat(self.base, body, timeout=TIMEOUT)
+        reply = openai_chat(self.base, {**body, "speculative": False}, timeout=TIMEOUT)
         self._guesses(reply.done["usage"]["speculation"], speculative=False)
         return reply
 
@@ -116,7 +133,7 @@ class Client:
         if not self.ours:
             return {"rate": float(self.chat(messages, tokens).done["timings"]["predicted_per_second"])}
         body = {"messages": messages, "max_tokens": tokens, "temperature": 0, "logit_bias": self.no_end}
-        done = chat(self.base, {**body, "stream": False, "speculative": speculative}).done
+        done = chat(self.base, {**body, "stream": False, "speculative": speculative}, timeout=TIMEOUT).done
         return {"rate": float(done["timings"]["decode_tokens_per_s"]), **self._guesses(done["usage"], speculative)}
 
     @staticmethod
@@ -158,6 +175,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="server starts per kind, in the order of KINDS, then reversed")
     p.add_argument("--no-q4", action="store_true", help="leave llama.cpp Q4_0 out")
     p.add_argument("--no-int4", action="store_true", help="leave this service's 4-bit checkpoint out")
+    p.add_argument(
+        "--no-8k", action="store_true", help="leave out decode after ~8,000 tokens (its prefill: minutes a server)"
+    )
     argv = _ours_only_checkpoint(p, argv)
     args = parse(p, argv, source=True)
     from service.model.loading import load_processor
@@ -204,6 +224,8 @@ def main(argv=None) -> int:
         tokenizer = load_processor(source).tokenizer
         end_of_turn = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
         prompts = {"short": DECODE_PROMPT, "long": text_of_tokens(source, 1000)}
+        if not args.no_8k:
+            prompts["conversation"] = text_of_tokens(source, CONVERSATION_TOKENS)
         results: dict[str, list[dict]] = {k: [] for k in kinds}
         for round_ in range(args.rounds):
             for kind in kinds if round_ % 2 == 0 else list(reversed(kinds)):
@@ -230,12 +252,12 @@ def main(argv=None) -> int:
             + (f"; {experts[1]} of {experts[0]} experts a token" if experts[0] > 1 else ""),
             "ours": f"{ours_path.name}"
             + ("" if args.no_int4 or ours_only else f" and {int4.name}")
-            + ", INT8_KERNEL=auto",
+            + f", INT8_KERNEL=auto, CONTEXT_LIMIT={LLAMA_CONTEXT}",
             "llama.cpp": (
                 "not run: its converter reads a bf16 checkpoint, 62 GB for this model (the 30b-a3b-e32 table is the "
                 "side by side on the same per-token shapes)"
                 if ours_only
-                else f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, llama-server -t {args.threads} -np 4"
+                else f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, {llama_settings(args.threads)}"
                 + (f"; -nr (no repacking: the default crashed) for {', '.join(sorted(no_repack))}" if no_repack else "")
             ),
             "GGUF": ", ".join(p.name for p in weights.values()) or "—",
@@ -287,6 +309,7 @@ ROWS = [  # (label, key, unit, better, side): one figure a run (server start), t
     ("first token, 448×448 picture + question", "first_token_s", "s", "lower", "client"),
     ("decode after a short prompt, speculation off", "decode_short", "tok/s", "higher", "server"),
     ("decode after ~1,000 prompt tokens, speculation off", "decode_long", "tok/s", "higher", "server"),
+    ("decode after ~8,000 tokens of conversation, speculation off", "decode_conversation", "tok/s", "higher", "server"),
     ("decode after a short prompt, exact speculation on", "decode_speculative", "tok/s", "higher", "server"),
     ("second turn (history resent), first token", "second_turn_s", "s", "lower", "client"),
     ("4 concurrent streams, aggregate, speculation off", "streams_tok_s", "tok/s", "higher", "client"),
@@ -325,6 +348,8 @@ def table(
     rows = []
     for label, key, unit, _, side in ROWS:
         has = [k for k in kinds if key in med[k]]
+        if not has:
+            continue  # a row this run left out
         form = "{:.0%}" if key == "ceiling_share" else "{:.3g}"
         cells = [spread([r[key] for r in results[k]], form) if k in has else "—" for k in kinds]
         if key == "ceiling_share":  # the ceiling first: what the weights bound, whatever the run

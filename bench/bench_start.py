@@ -34,7 +34,7 @@ from tqdm import tqdm
 from bench.core.harness import parse, parser, tree_mapped_memory, tree_memory
 from bench.core.llama_cpp import gguf_weights, llama_cpp
 from bench.core.results import cpu_model, markdown_table, report
-from bench.core.servers import gunicorn_server, llama_server, without_repacking_if_it_crashes
+from bench.core.servers import gunicorn_server, llama_server, llama_settings, without_repacking_if_it_crashes
 from service.settings import EMBEDDED_MODEL_DIRNAME
 
 TINY, INT8, INT4, Q8, Q4 = (
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
             "model": f"2B-shaped random weights ({source.name}: -int8, -int4; GGUF Q8_0, Q4_0 + F16 mmproj), "
             "and the embedded tiny model",
             "threads": args.threads,
-            "llama.cpp": f"llama-server -t {args.threads} -np 4"
+            "llama.cpp": llama_settings(args.threads)
             + (f"; -nr (no repacking: the default crashed) for {', '.join(sorted(no_repack))}" if no_repack else ""),
             "cold": "page cache dropped before each start" if "cold" in modes else "not measured (needs root)",
             "CPU": cpu_model(),

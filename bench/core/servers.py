@@ -102,14 +102,31 @@ def gunicorn_server(
             yield up
 
 
+# The tokens of context llama-server's 4 slots share: one conversation may take ~8,000 of them (bench_peer
+# gives its own server the same CONTEXT_LIMIT).
+LLAMA_CONTEXT = 16384
+
+
+def llama_options(threads: int) -> list[str]:
+    """How `llama_server` runs llama-server: `threads` threads, 4 slots sharing one KV cache of
+    LLAMA_CONTEXT tokens (`-kvu`, as llama-server sets up when it chooses the slot count itself; without
+    it each slot would have a quarter)."""
+    return ["-t", str(threads), "-tb", str(threads), "-np", "4", "-c", str(LLAMA_CONTEXT), "-kvu"]
+
+
+def llama_settings(threads: int) -> str:
+    """`llama_options` as a section's settings name them."""
+    return " ".join(["llama-server", *llama_options(threads)])
+
+
 @contextmanager
 def llama_server(llama: Path, text: Path, mmproj: Path, threads: int, log_path: Path, no_repack: bool = False):
     """Yield (base_url, process) of a llama.cpp `llama-server` built in `llama` (build/bin) on the GGUF
-    files `text` and `mmproj`, 4 slots, once its /health answers; `no_repack`: with `-nr` (its weights
-    not repacked for this CPU: the default segfaulted on a Xeon with AMX)."""
+    files `text` and `mmproj` (`llama_options`), once its /health answers; `no_repack`: with `-nr` (its
+    weights not repacked for this CPU: the default segfaulted on a Xeon with AMX)."""
     command = [
         str(llama / "build" / "bin" / "llama-server"), "-m", str(text), "--mmproj", str(mmproj),
-        "-t", str(threads), "-tb", str(threads), "-np", "4", "-c", str(4 * 4096), "--jinja",
+        *llama_options(threads), "--jinja",
         "--host", "127.0.0.1", "--port", "{port}", "--no-webui", *(["-nr"] if no_repack else []),
     ]  # fmt: skip
     with _serving(command, log_path, "/health", 900, 0.05) as up:
