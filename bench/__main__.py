@@ -18,7 +18,7 @@ import sys
 # name → what it measures; `python -m bench NAME` runs the module bench.bench_NAME.
 SCENARIOS = {
     # the service as it is: rerun after a change
-    "peer": "this service against llama.cpp on the same weights (--model: 2b, 4b, 8b, 30b-a3b-e32, 30b-a3b)",
+    "peer": "this service against llama.cpp on the same weights (--model: 2b, …, 30b-a3b, qwen3.5-2b, …)",
     "start": "start → ready, warm and cold, beside llama.cpp; the first request; two instances' memory",
     "batching": "concurrent streams: throughput, first token, the longest pause",
     "priorities": "a picture question's first token while batch jobs run; the batch's throughput",

@@ -3,6 +3,7 @@
     flock /tmp/heavy.lock python -m bench.bench_peer                # 2B-shaped checkpoint, 2 threads
     python -m bench.bench_peer --rounds 1 --no-q4 --no-save          # a quicker look
     flock /tmp/heavy.lock python -m bench.bench_peer --model 30b-a3b-e32   # the MoE, 32 experts (docs/models.md)
+    flock /tmp/heavy.lock python -m bench.bench_peer --model qwen3.5-2b    # Qwen3.5 (a service that has its presets)
 
 The peer is llama.cpp as llama-cpp-python ships it: its sdist (`pip download`, version
 LLAMA_CPP_PYTHON) is unpacked under CACHE_DIR/peer and its vendored llama.cpp built with cmake for
@@ -10,14 +11,16 @@ this CPU (`llama-server`, `llama-quantize`; a few minutes, once). The weights ar
 2B-shaped random checkpoint converted by that copy's convert_hf_to_gguf.py: Q8_0 text and F16 vision
 (mmproj), and Q4_0 text by llama-quantize from F16 — cached beside it. The checkpoint's tokenizer
 was trained by the service, so the converter does not know its pre-tokenizer's hash: it is told
-Qwen2's (the same regex), and needs `sentencepiece` installed. Nothing of llama.cpp is kept in git,
-and this never runs in CI.
+Qwen2's (the same regex; Qwen3.5's for a Qwen3.5 checkpoint), and needs `sentencepiece` installed.
+Nothing of llama.cpp is kept in git, and this never runs in CI.
 
 `--model PRESET` takes the random checkpoint of that `make-model` preset (CACHE_DIR/qwen3vl-PRESET-random,
-bf16: what the converter reads); 2B by default. The full 30B-A3B has no bf16 checkpoint here (62 GB), so
-its reduced-expert twin `30b-a3b-e32` (the same per-token shapes, 32 experts) is what both sides run;
-`--model 30b-a3b` runs ours alone, on its 4-bit checkpoint (`-int4`, written straight by
-`make-model --bits 4` if missing: ~17 GB, about an hour here), the same rows without a peer column.
+a Qwen3.5 one CACHE_DIR/PRESET-random: bf16, what the converter reads); 2B by default. The full 30B-A3B
+has no bf16 checkpoint here (62 GB), so its reduced-expert twin `30b-a3b-e32` (the same per-token shapes,
+32 experts) is what both sides run; `--model 30b-a3b` runs ours alone, on its 4-bit checkpoint (`-int4`,
+written straight by `make-model --bits 4` if missing: ~17 GB, about an hour here), the same rows without
+a peer column; Qwen3.5's 35B-A3B and its `-e32` twin likewise. A preset the service does not have
+(Qwen3.5's, before it serves Qwen3.5) stops the run at once.
 
 Ours runs twice: the INT8 checkpoint (`-int8`, `python -m service quantize`; 2B is quantized at load
 without it, any other model gets it written) and the 4-bit one (`-int4`, `--bits 4`; written if missing).
@@ -75,8 +78,10 @@ from bench.core.servers import (
     without_repacking_if_it_crashes,
 )
 
-MODELS = ("2b", "4b", "8b", "30b-a3b-e32", "30b-a3b")  # make-model presets (bf16 checkpoints, but the last)
-OURS_ONLY = ("30b-a3b",)  # no bf16 checkpoint for llama.cpp's converter to read: ours alone, 4-bit
+# make-model presets (bf16 checkpoints, but OURS_ONLY's); Qwen3.5's need a service that has them
+MODELS = ("2b", "4b", "8b", "30b-a3b-e32", "30b-a3b")
+MODELS += ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-35b-a3b-e32", "qwen3.5-35b-a3b")
+OURS_ONLY = ("30b-a3b", "qwen3.5-35b-a3b")  # no bf16 checkpoint for llama.cpp's converter to read: ours alone, 4-bit
 OURS_4BIT = "this service 4-bit"
 KINDS = ("this service", OURS_4BIT, "llama.cpp Q8_0", "llama.cpp Q4_0")
 CONVERSATION_TOKENS = 8000  # the long conversation's prompt (both servers' context: LLAMA_CONTEXT)
@@ -178,7 +183,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--no-8k", action="store_true", help="leave out decode after ~8,000 tokens (its prefill: minutes a server)"
     )
-    argv = _ours_only_checkpoint(p, argv)
+    given = p.parse_known_args(argv)[0]
+    _served_preset(given.model)
+    argv = _ours_only_checkpoint(given, argv)
     args = parse(p, argv, source=True)
     from service.model.loading import load_processor
     from service.quant.writer import write_quantized
@@ -254,8 +261,8 @@ def main(argv=None) -> int:
             + ("" if args.no_int4 or ours_only else f" and {int4.name}")
             + f", INT8_KERNEL=auto, CONTEXT_LIMIT={LLAMA_CONTEXT}",
             "llama.cpp": (
-                "not run: its converter reads a bf16 checkpoint, 62 GB for this model (the 30b-a3b-e32 table is the "
-                "side by side on the same per-token shapes)"
+                "not run: its converter reads a bf16 checkpoint, too large to write here for this model (the "
+                f"{args.model}-e32 table is the side by side on the same per-token shapes)"
                 if ours_only
                 else f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, {llama_settings(args.threads)}"
                 + (f"; -nr (no repacking: the default crashed) for {', '.join(sorted(no_repack))}" if no_repack else "")
@@ -268,15 +275,23 @@ def main(argv=None) -> int:
     )
 
 
-def _ours_only_checkpoint(p, argv: list[str] | None) -> list[str] | None:
-    """For a preset run without a peer, --model-path at its 4-bit checkpoint (CACHE_DIR/qwen3vl-PRESET-random-int4),
-    written straight by make-model --bits 4 if missing."""
+def _served_preset(model: str) -> None:
+    """Stop at once if this service has no make-model preset `model` (MODELS names Qwen3.5's before it does)."""
+    from service.random_checkpoints.presets import PRESETS
+
+    if model not in PRESETS:
+        raise SystemExit(f"--model {model}: this service has no such make-model preset (it has {', '.join(PRESETS)})")
+
+
+def _ours_only_checkpoint(given, argv: list[str] | None) -> list[str] | None:
+    """For a preset run without a peer, --model-path at its 4-bit checkpoint (`preset_model_path`'s,
+    -int4), written straight by make-model --bits 4 if missing; `given`: the arguments as parsed so far."""
     from service.random_checkpoints.make import make_checkpoint
 
-    given = p.parse_known_args(argv)[0]
     if given.model not in OURS_ONLY or given.model_path is not None or given.tiny:
         return argv
-    int4 = preset_model_path(given.model).with_name(f"qwen3vl-{given.model}-random-int4")
+    source = preset_model_path(given.model)
+    int4 = source.with_name(source.name + "-int4")
     if not (int4 / "config.json").exists():
         make_checkpoint(given.model, int4, bits=4, progress=True)
     return [*(sys.argv[1:] if argv is None else argv), "--model-path", str(int4)]

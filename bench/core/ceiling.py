@@ -1,10 +1,11 @@
 """Decode's bandwidth ceiling: the bytes of weights one token reads, over what this machine reads a second.
 
 A decode step reads every text weight once (attention, norms, routers, the output head) but, in a
-mixture of experts, only its top-k experts of each layer; the vision tower and the embedding table
-(one row) it does not read. At best a token then takes active bytes ÷ read bandwidth: the ceiling a
-decode rate is compared with. Both sides are counted from their files: this service's checkpoint
-(safetensors headers) and llama.cpp's GGUF (its tensor table).
+mixture of experts, only its top-k experts of each layer; the vision tower, the embedding table (one
+row) and Qwen3.5's multi-token prediction head (`mtp.*`, which neither server drafts with) it does not
+read. At best a token then takes active bytes ÷ read bandwidth: the ceiling a decode rate is compared
+with. Both sides are counted from their files: this service's checkpoint (safetensors headers) and
+llama.cpp's GGUF (its tensor table).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def checkpoint_active_bytes(directory: Path) -> int:
         sizes,
         _experts(config),
         lambda name: ".mlp.experts." in name,
-        lambda name: name.startswith("model.visual.") or (not tied and ".embed_tokens." in name),
+        lambda name: name.startswith(("model.visual.", "mtp.")) or (not tied and ".embed_tokens." in name),
     )
 
 

@@ -141,10 +141,11 @@ def default_model_path() -> Path:
 
 
 def preset_model_path(preset: str) -> Path:
-    """The random checkpoint of a `make-model` preset under CACHE_DIR: qwen3vl-PRESET-random."""
+    """The random checkpoint of a `make-model` preset under CACHE_DIR: qwen3vl-PRESET-random, or
+    PRESET-random for a preset that names its family (qwen3.5-2b-random)."""
     from service.settings import load_settings
 
-    return load_settings().cache_dir / f"qwen3vl-{preset}-random"
+    return load_settings().cache_dir / f"{preset if preset.startswith('qwen') else 'qwen3vl-' + preset}-random"
 
 
 def tiny_model_path() -> Path:

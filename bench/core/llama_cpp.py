@@ -4,6 +4,7 @@ copy's converter. Its server starts with `servers.llama_server`."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -54,31 +55,41 @@ def llama_cpp(peer_dir: Path, log: Path) -> Path:
     return source
 
 
-# The converter, told that the checkpoint's pre-tokenizer is Qwen2's (its hash is unknown to it).
+# The converter (argv: llama.cpp's source, the pre-tokenizer, the converter's own arguments), told the
+# checkpoint's pre-tokenizer: the service trained its tokenizer, whose hash the converter does not know.
 _CONVERT = """
 import runpy, sys
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
+llama, pre_tokenizer = sys.argv[1:3]
+sys.path[:0] = [llama, llama + "/gguf-py"]
 import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
-sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py", *sys.argv[2:]]
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre_tokenizer
+sys.argv = [llama + "/convert_hf_to_gguf.py", *sys.argv[3:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+QWEN35 = ("qwen3_5", "qwen3_5_moe")  # config.json model_types
 
 
 def gguf_weights(source: Path, llama: Path, out_dir: Path, log: Path, q4: bool) -> dict[str, Path]:
     """The checkpoint as GGUF (converted once): text Q8_0, vision F16 (mmproj), text Q4_0 (by way of an
-    F16 text file, deleted once Q4_0 is made)."""
+    F16 text file, deleted once Q4_0 is made). Qwen3-VL's pre-tokenizer is Qwen2's (the same regex);
+    Qwen3.5's is its own, and its multi-token prediction head (`mtp.*`) is left out, as the service
+    leaves it out at load: llama-server drafts with it only when told to (`--spec-type draft-mtp`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {"q8_0": out_dir / "text-q8_0.gguf", "mmproj": out_dir / "mmproj-f16.gguf"}
     if q4:
         files["f16"], files["q4_0"] = out_dir / "text-f16.gguf", out_dir / "text-q4_0.gguf"
-    convert = [sys.executable, "-c", _CONVERT, str(llama), str(source)]
-    for name, args in (("q8_0", ["--outtype", "q8_0"]), ("mmproj", ["--mmproj", "--outtype", "f16"])):
+    qwen35 = json.loads((source / "config.json").read_text())["model_type"] in QWEN35
+    convert = [sys.executable, "-c", _CONVERT, str(llama), "qwen35" if qwen35 else "qwen2", str(source)]
+    text = [*convert, *(["--no-mtp"] if qwen35 else [])]
+    for name, command in (
+        ("q8_0", [*text, "--outtype", "q8_0"]),
+        ("mmproj", [*convert, "--mmproj", "--outtype", "f16"]),
+    ):
         if not files[name].exists():
-            _run([*convert, *args, "--outfile", str(files[name])], log)
+            _run([*command, "--outfile", str(files[name])], log)
     if q4 and not files["q4_0"].exists():
         if not files["f16"].exists():
-            _run([*convert, "--outtype", "f16", "--outfile", str(files["f16"])], log)
+            _run([*text, "--outtype", "f16", "--outfile", str(files["f16"])], log)
         _run([str(llama / "build" / "bin" / "llama-quantize"), str(files["f16"]), str(files["q4_0"]), "Q4_0"], log)
         files.pop("f16").unlink()  # only Q4_0's input: as large as the bf16 checkpoint (18.6 GB for 30b-a3b-e32)
     files.pop("f16", None)
