@@ -40,6 +40,31 @@ def test_the_headline_figures_cite_sections_that_bench_results_holds():
         assert len(matching) == 1, f"README cites “{title}”: {len(matching)} sections of bench/RESULTS.md"
 
 
+# A decode figure (tok/s, tokens/s) and what says how it was measured; the rows whose bench/RESULTS.md
+# sections do not say (runs from before issue 58), until the 2B rerun replaces them.
+DECODE_FIGURE = re.compile(r"\btok(?:ens)?/s\b")
+SPECULATION_SETTING = re.compile(r"\bspeculation (?:off|on)\b")
+UNSTATED_UNTIL_THE_RERUN = {"one stream's decode, short / ~1,000-token context", "4 concurrent streams, aggregate"}
+
+
+def measured_rows(text: str) -> list[list[str]]:
+    """The cells of each row of the README's table "What it does for a user, measured"."""
+    table = text.split("\n## What it does for a user, measured\n", 1)[1].split("\n## ", 1)[0]
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("| ")
+    ]
+
+
+def test_every_decode_figure_of_the_readme_says_whether_speculation_was_on():
+    decode_rows = [row for row in measured_rows(README.read_text()) if DECODE_FIGURE.search(" ".join(row[:2]))]
+    assert decode_rows, "the README's measured table gives decode figures"
+    unstated = {row[0] for row in decode_rows if not SPECULATION_SETTING.search(" ".join(row[:2]))}
+    assert unstated == UNSTATED_UNTIL_THE_RERUN, (
+        "a README row with a decode figure must say “speculation off” or “speculation on” (as its section of "
+        "bench/RESULTS.md does); UNSTATED_UNTIL_THE_RERUN lists only the rows still waiting for their rerun"
+    )
+
+
 def test_the_benchmarks_page_names_every_scenario_of_the_registry():
     from bench.__main__ import SCENARIOS
 
