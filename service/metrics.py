@@ -145,7 +145,7 @@ KV_DISK_READ_TIMEOUTS = Counter(
 KV_DISK_USABLE = Gauge(
     "qwen3vl_kv_disk_usable",
     "1 while the disk tier's folder is usable; 0: the tier is off (not a folder, read-only, unwritable, no inodes)",
-    multiprocess_mode="livemin",
+    multiprocess_mode="livemostrecent",  # set where the tier is made (the master, with PRELOAD) or turned off
 )
 KV_DISK_PENDING = Gauge(
     "qwen3vl_kv_disk_pending_writes", "kept conversations not yet written to the disk tier", multiprocess_mode="livesum"

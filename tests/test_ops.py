@@ -79,3 +79,10 @@ def test_the_ports_and_probes_are_the_containers_and_the_apps(shared_server):
         assert requests.get(shared_server + path).status_code == 200, path
     service = named("Service", "qwen3vl")
     assert service["spec"]["ports"][0]["targetPort"] == port["name"]
+
+
+def test_the_disk_tiers_usable_gauge_is_1_where_the_tier_serves(exposed, shared_server):
+    """The gauge Qwen3VLDiskTierOff fires on at 0 reads 1 on a healthy server (it read 0 everywhere:
+    the Gunicorn master's untouched 0 won the minimum over the live processes)."""
+    text = requests.get(shared_server + "/metrics").text
+    assert "qwen3vl_kv_disk_usable 1.0" in text.splitlines()
