@@ -105,6 +105,12 @@ BATCH_LINES_RUNNING = Gauge(
     "qwen3vl_batch_lines_running", "batch lines this instance is running now", multiprocess_mode="livesum"
 )
 BATCH_LINES_RUN = Counter("qwen3vl_batch_lines_run_total", "batch lines this instance ran, by result", ["result"])
+JOB_STORE_USABLE = Gauge(
+    "qwen3vl_job_store_usable",
+    "1 while the job store answers; 0: the Batch API answers 503 (SQLite file unusable, replaced or removed; "
+    "Redis unreachable), the rest serves",
+    multiprocess_mode="livemostrecent",  # a process that never used the store (the master) has no say
+)
 
 
 def record_batch_lines(counts: dict[str, int]) -> None:
