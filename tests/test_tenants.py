@@ -349,6 +349,21 @@ def test_requests_and_tokens_a_minute_are_limited_per_key(tenant_server, no_end_
     assert 'tenant="carol"' in text and not any(key in text for key in SECRETS)
 
 
+def test_count_tokens_counts_against_the_tenants_requests_a_minute(tenant_server):
+    """Anthropic's count_tokens is a request like Messages: at rpm=3 the fourth in a minute is refused
+    (all ten were answered before)."""
+    url = tenant_server[0]
+    body = {"model": "m", "messages": [{"role": "user", "content": "How many tokens is this?"}]}
+    answers = [
+        requests.post(url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": FRANK}) for _ in range(4)
+    ]
+    assert [a.status_code for a in answers] == [200, 200, 200, 429]
+    assert answers[0].json()["input_tokens"] > 0
+    refused = answers[3].json()["error"]
+    assert refused["type"] == "rate_limit_error" and "rpm=3" in refused["message"]
+    assert 1 <= int(answers[3].headers["Retry-After"]) <= 60
+
+
 def test_uploads_and_batches_count_against_the_tenants_requests_a_minute(tenant_server):
     """An upload is a request: at rpm=3 the fourth request in a minute is refused, naming the limit."""
     client = openai_client(tenant_server[0], api_key=GRACE)
