@@ -49,7 +49,7 @@ class Tx(Protocol):
 
     def ended_before(self, now: float, limit: int) -> list[dict]: ...  # ended batches past their `purge_at`
 
-    def add_lines(self, record: dict, lines: list[dict]) -> None: ...
+    def add_lines(self, record: dict, lines: Iterable[dict]) -> None: ...
 
     def line(self, batch_id: str, index: int) -> dict | None: ...
 
@@ -122,7 +122,9 @@ class Book:
         """The batch, in progress (or ended at once if no line can run); None if its input file was
         deleted meanwhile. Its request bodies count in its owner's quota while it holds them."""
         now = int(time.time())
-        held = sum(len(line.body.encode()) for line in batch.lines)
+        total = failed = held = 0
+        for line in batch.lines:  # a first pass: the counts (the lines are written in a second)
+            total, failed, held = total + 1, failed + (line.failed is not None), held + len(line.body.encode())
         record = {
             "id": batch.id,
             "owner": batch.owner,
@@ -134,13 +136,13 @@ class Book:
             "in_progress_at": now,
             "expires_at": batch.created_at + batch.window_seconds,
             "metadata": batch.metadata,
-            "total": len(batch.lines),
+            "total": total,
             "completed": 0,
-            "failed": sum(1 for line in batch.lines if line.failed is not None),
+            "failed": failed,
             "bytes": held,
             "output_ttl": batch.output_ttl,
         }
-        lines = [
+        lines = (  # made as they are written: the bodies are not held twice
             {
                 "custom_id": line.custom_id,
                 "body": line.body,
@@ -152,7 +154,7 @@ class Book:
                 "result": line.failed,
             }
             for line in batch.lines
-        ]
+        )
         with self.backend.transaction() as tx:
             source = tx.file(batch.input_file_id)
             if source is None or source.owner != batch.owner or expired(source, now):

@@ -29,6 +29,7 @@ from .store import ENDED, IN_PROGRESS, LEASED, PENDING, SKIPPED, StoredFile, pag
 PREFIX = "qwen3vl:"
 LOCK_SECONDS = 30  # a holder that dies (or stalls this long) frees the lock
 CHUNK = 2**20  # a file's content is written and read this many bytes at a time
+PIPELINED = 1000  # lines sent to Redis at once when a batch is made
 LAYOUT = "2"  # 2: files expire, owners take turns (1, unmarked: before)
 
 
@@ -155,7 +156,7 @@ class _Tx:
 
     # -- lines -----------------------------------------------------------------------------------
 
-    def add_lines(self, record: dict, lines: list[dict]) -> None:
+    def add_lines(self, record: dict, lines: Iterable[dict]) -> None:
         batch_id, queue = record["id"], f"{PREFIX}queue:{record['owner']}"
         pipe = self.r.pipeline(transaction=False)
         for index, line in enumerate(lines):
@@ -164,6 +165,8 @@ class _Tx:
                 pipe.zadd(f"{PREFIX}pending:{batch_id}", {index: index})
                 pipe.zadd(queue, {_queued(batch_id, index): record["order"]})
             pipe.hincrby(PREFIX + "line-states", line["state"], 1)
+            if index % PIPELINED == PIPELINED - 1:  # the pipeline holds its commands until it is sent
+                pipe.execute()
         pipe.execute()
 
     def line(self, batch_id: str, index: int) -> dict | None:

@@ -25,11 +25,16 @@ from .book import Book
 from .store import ENDED, IN_PROGRESS, LEASED, PENDING, SKIPPED, StoredFile, page
 
 CHUNK = 2**20  # a file's content is written and read this many bytes at a time
-TABLES = """
+# A file's metadata apart from its content: a row read for its expiry never walks a blob's pages, and
+# a zeroblob last in its row is reserved without being made in memory.
+FILES = """
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL,
-    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, content BLOB NOT NULL, expires_at INTEGER
-);
+    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER
+)"""
+TABLES = f"""
+{FILES};
+CREATE TABLE IF NOT EXISTS contents (id TEXT PRIMARY KEY, content BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, record TEXT NOT NULL, status TEXT NOT NULL,
     created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, finalized INTEGER NOT NULL DEFAULT 0,
@@ -43,10 +48,16 @@ CREATE TABLE IF NOT EXISTS lines (
 );
 CREATE TABLE IF NOT EXISTS turns (owner TEXT PRIMARY KEY, turn INTEGER NOT NULL);
 """
-# A store made before files expired and owners took turns: the columns those need, filled in (the
-# lines of ended batches, whose results are in their files, go).
+# A store made before files expired and owners took turns (its files held their content): the
+# contents moved to their table, the columns the rest needs filled in (the lines of ended batches,
+# whose results are in their files, go).
 UPGRADE = f"""
-ALTER TABLE files ADD COLUMN expires_at INTEGER;
+INSERT INTO contents (id, content) SELECT id, content FROM files;
+ALTER TABLE files RENAME TO files_before;
+{FILES};
+INSERT INTO files (id, owner, filename, purpose, bytes, created_at)
+    SELECT id, owner, filename, purpose, bytes, created_at FROM files_before;
+DROP TABLE files_before;
 ALTER TABLE batches ADD COLUMN finalized INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE batches ADD COLUMN purge_at INTEGER;
 ALTER TABLE lines ADD COLUMN owner TEXT NOT NULL DEFAULT '';
@@ -150,14 +161,16 @@ class SqliteStore(Book):
         row = (
             self._db()
             .execute(
-                f"SELECT rowid, bytes FROM files WHERE id = ? AND owner = ? AND {LIVE}", (file_id, owner, time.time())
+                f"SELECT c.rowid, f.bytes FROM files f JOIN contents c ON c.id = f.id "
+                f"WHERE f.id = ? AND f.owner = ? AND {LIVE}",
+                (file_id, owner, time.time()),
             )
             .fetchone()
         )
         if row is None or row["bytes"] == 0:
             return None if row is None else iter(())
         try:
-            blob = self._db().blobopen("files", "content", row["rowid"], readonly=True)
+            blob = self._db().blobopen("contents", "content", row["rowid"], readonly=True)
         except sqlite3.OperationalError:
             if self.file(file_id, owner) is None:  # deleted since the row was read
                 return None
@@ -247,12 +260,12 @@ class _Tx:
 
     # -- lines -----------------------------------------------------------------------------------
 
-    def add_lines(self, record: dict, lines: list[dict]) -> None:
+    def add_lines(self, record: dict, lines: Iterable[dict]) -> None:
         [seq] = self.db.execute("SELECT rowid FROM batches WHERE id = ?", (record["id"],)).fetchone()
         self.db.executemany(
             f"INSERT INTO lines (batch_id, idx, owner, seq, {', '.join(LINE_FIELDS)}) "
             f"VALUES (?, ?, ?, ?{', ?' * len(LINE_FIELDS)})",
-            [(record["id"], i, record["owner"], seq, *(line[k] for k in LINE_FIELDS)) for i, line in enumerate(lines)],
+            ((record["id"], i, record["owner"], seq, *(line[k] for k in LINE_FIELDS)) for i, line in enumerate(lines)),
         )
 
     def line(self, batch_id: str, index: int) -> dict | None:
@@ -333,24 +346,16 @@ class _Tx:
         return StoredFile(**dict(row)) if row else None
 
     def put_file(self, file: StoredFile, chunks: Iterable[bytes]) -> None:
-        """The row with room for the content, then the content written into it chunk by chunk."""
-        made = self.db.execute(
-            "INSERT INTO files (id, owner, filename, purpose, bytes, created_at, expires_at, content) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, zeroblob(?))",
-            (
-                file.id,
-                file.owner,
-                file.filename,
-                file.purpose,
-                file.bytes,
-                file.created_at,
-                file.expires_at,
-                file.bytes,
-            ),
+        """The metadata, a content row with room for the bytes, then the bytes written into it chunk by
+        chunk."""
+        self.db.execute(
+            f"INSERT INTO files ({FILE_FIELDS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (file.id, file.filename, file.purpose, file.bytes, file.created_at, file.owner, file.expires_at),
         )
+        made = self.db.execute("INSERT INTO contents (id, content) VALUES (?, zeroblob(?))", (file.id, file.bytes))
         written = 0
         if file.bytes:
-            with self.db.blobopen("files", "content", made.lastrowid) as blob:
+            with self.db.blobopen("contents", "content", made.lastrowid) as blob:
                 for chunk in chunks:
                     blob.write(chunk)
                     written += len(chunk)
@@ -359,6 +364,7 @@ class _Tx:
 
     def drop_file(self, file: StoredFile) -> None:
         self.db.execute("DELETE FROM files WHERE id = ?", (file.id,))
+        self.db.execute("DELETE FROM contents WHERE id = ?", (file.id,))
 
     def expired_files(self, now: float, limit: int) -> list[StoredFile]:
         rows = self.db.execute(f"SELECT {FILE_FIELDS} FROM files WHERE expires_at <= ? LIMIT ?", (now, limit))
@@ -401,7 +407,7 @@ def _set_up(db: sqlite3.Connection) -> None:
     for statement in _statements(TABLES):
         db.execute(statement)
     columns = {row["name"] for row in db.execute("PRAGMA table_info(files)")}
-    if "expires_at" not in columns:
+    if "content" in columns:
         for statement in _statements(UPGRADE):
             db.execute(statement)
     for statement in _statements(INDEXES):

@@ -100,8 +100,9 @@ class Claim:
 
 @dataclass
 class NewBatch:
-    """What the HTTP layer checked and hands the store; `output_ttl`: the seconds its output and error
-    files are kept once written (and the batch object with them)."""
+    """What the HTTP layer checked and hands the store: `lines` may be iterated more than once (one at a
+    time); `output_ttl`: the seconds its output and error files are kept once written (and the batch
+    object with them)."""
 
     id: str
     owner: str
@@ -110,7 +111,7 @@ class NewBatch:
     completion_window: str
     window_seconds: int
     metadata: dict | None
-    lines: list[Line]
+    lines: Iterable[Line]
     output_ttl: int
     created_at: int = field(default_factory=lambda: int(time.time()))
 

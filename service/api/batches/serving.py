@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import re
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO
@@ -150,11 +151,27 @@ def batch_lines(chunks: Iterable[bytes], max_bytes: int) -> Iterator[bytes | Non
         yield carry
 
 
-def read_lines(raw_lines: Iterable[bytes | None], endpoint: str, max_bytes: int) -> list[Line]:
+class SpooledLines:
+    """A batch's lines as `read_lines` reads them, kept in a temporary file (on disk past a chunk) rather
+    than in memory: iterated as often as the store needs, one pass at a time."""
+
+    def __init__(self):
+        self._file = tempfile.SpooledTemporaryFile(max_size=CHUNK)
+
+    def append(self, line: Line) -> None:
+        self._file.write(json.dumps([line.index, line.custom_id, line.body, line.failed]).encode() + b"\n")
+
+    def __iter__(self) -> Iterator[Line]:
+        self._file.seek(0)
+        for raw in self._file:
+            yield Line(*json.loads(raw))
+
+
+def read_lines(raw_lines: Iterable[bytes | None], endpoint: str, max_bytes: int) -> SpooledLines:
     """The batch file's request lines (from `batch_lines`): each a JSON object of at most `max_bytes`
     (MAX_BODY_BYTES, as a request sent directly) with a unique `custom_id`, `method` POST, `url` the
     batch's endpoint and an object `body`; a line that is not fails alone."""
-    lines, seen = [], set()
+    lines, seen = SpooledLines(), set()
     for number, raw in enumerate(raw_lines):
         custom_id = f"line-{number + 1}"
         if raw is None:
