@@ -76,6 +76,7 @@ CREATE INDEX IF NOT EXISTS turns_in_order ON turns (turn);
 CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, created_at);
 CREATE INDEX IF NOT EXISTS batches_by_status ON batches (status, expires_at);
 CREATE INDEX IF NOT EXISTS batches_to_purge ON batches (purge_at) WHERE purge_at IS NOT NULL;
+CREATE INDEX IF NOT EXISTS batches_unfinished ON batches (owner) WHERE NOT finalized;
 CREATE INDEX IF NOT EXISTS files_by_owner ON files (owner, created_at);
 CREATE INDEX IF NOT EXISTS files_to_expire ON files (expires_at) WHERE expires_at IS NOT NULL;
 """
