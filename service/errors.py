@@ -71,8 +71,20 @@ class RateLimited(ServiceError):
     status, type, code = 429, "rate_limit_error", "rate_limited"
 
 
+class StorageFull(ServiceError):
+    """A tenant whose files and batches fill its share of the job store (BATCH_MAX_STORED_BYTES)."""
+
+    status, type, code = 429, "rate_limit_error", "storage_quota_exceeded"
+
+
 class Unavailable(ServiceError):
     status, type, code = 503, "service_unavailable", "unavailable"
+
+
+class StoreUnavailable(Unavailable):
+    """The job store cannot be used (service/jobs/guard.py): the Batch API is off, the rest serves."""
+
+    code = "job_store_unavailable"
 
 
 class InternalError(ServiceError):

@@ -105,6 +105,12 @@ BATCH_LINES_RUNNING = Gauge(
     "qwen3vl_batch_lines_running", "batch lines this instance is running now", multiprocess_mode="livesum"
 )
 BATCH_LINES_RUN = Counter("qwen3vl_batch_lines_run_total", "batch lines this instance ran, by result", ["result"])
+JOB_STORE_USABLE = Gauge(
+    "qwen3vl_job_store_usable",
+    "1 while the job store answers; 0: the Batch API answers 503 (SQLite file unusable, replaced or removed; "
+    "Redis unreachable), the rest serves",
+    multiprocess_mode="livemostrecent",  # a process that never used the store (the master) has no say
+)
 
 
 def record_batch_lines(counts: dict[str, int]) -> None:
@@ -145,7 +151,7 @@ KV_DISK_READ_TIMEOUTS = Counter(
 KV_DISK_USABLE = Gauge(
     "qwen3vl_kv_disk_usable",
     "1 while the disk tier's folder is usable; 0: the tier is off (not a folder, read-only, unwritable, no inodes)",
-    multiprocess_mode="livemin",
+    multiprocess_mode="livemostrecent",  # set where the tier is made (the master, with PRELOAD) or turned off
 )
 KV_DISK_PENDING = Gauge(
     "qwen3vl_kv_disk_pending_writes", "kept conversations not yet written to the disk tier", multiprocess_mode="livesum"

@@ -197,6 +197,17 @@ class Settings(BaseSettings):
         60.0, gt=0, description="an instance's hold on a running line; a dead instance's lines run again after it"
     )
     batch_max_attempts: int = Field(3, ge=1, description="starts of a line whose instance keeps dying, then it fails")
+    batch_file_ttl: int = Field(
+        30 * 86400,
+        ge=1,
+        description="seconds an uploaded file, or a batch's output and error files, are kept when the request "
+        "sets no expires_after (OpenAI's default for batch files: 30 days)",
+    )
+    batch_max_stored_bytes: int = Field(
+        4 * 1024**3,
+        ge=1024,
+        description="bytes one tenant's files and running batches' requests may hold in the job store",
+    )
     conversation_history_max: int = Field(1024, ge=1, description="native-endpoint conversations remembered")
     conversation_history_ttl: float = Field(1800.0, gt=0, description="seconds an idle conversation is remembered")
     conversation_history_max_bytes: int = Field(512 * 1024**2, ge=0, description="bytes of remembered histories")

@@ -79,3 +79,11 @@ def test_the_ports_and_probes_are_the_containers_and_the_apps(shared_server):
         assert requests.get(shared_server + path).status_code == 200, path
     service = named("Service", "qwen3vl")
     assert service["spec"]["ports"][0]["targetPort"] == port["name"]
+
+
+def test_the_usable_gauges_are_1_where_the_disk_tier_and_the_job_store_serve(exposed, shared_server):
+    """The gauges Qwen3VLDiskTierOff and Qwen3VLJobStoreDown fire on at 0 read 1 on a healthy server
+    (the disk tier's read 0 everywhere: the Gunicorn master's untouched 0 won the minimum over the
+    live processes)."""
+    lines = requests.get(shared_server + "/metrics").text.splitlines()
+    assert "qwen3vl_kv_disk_usable 1.0" in lines and "qwen3vl_job_store_usable 1.0" in lines

@@ -1,12 +1,13 @@
-"""Settings: environment variables, overrides, and messages a user understands."""
+"""Settings: environment variables, overrides, messages a user understands, and a row for each in docs/settings.md."""
 
 from __future__ import annotations
 
+import re
 import runpy
 
 import pytest
 
-from service.settings import SettingsError, load_settings
+from service.settings import Settings, SettingsError, load_settings
 
 from servers import ROOT
 
@@ -80,3 +81,9 @@ def test_gunicorn_config_takes_its_values_from_the_settings(monkeypatch, tmp_pat
     monkeypatch.setenv("GRACEFUL_TIMEOUT", "soon")
     with pytest.raises(SettingsError, match="GRACEFUL_TIMEOUT"):
         runpy.run_path(str(GUNICORN_CONF))
+
+
+def test_every_setting_has_its_row_in_the_settings_page():
+    page = (ROOT / "docs" / "settings.md").read_text()
+    missing = [name.upper() for name in Settings.model_fields if not re.search(rf"`{name.upper()}[`=]", page)]
+    assert missing == []

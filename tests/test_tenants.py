@@ -35,12 +35,15 @@ from servers import nginx_proxy, openai_client
 
 ALICE, BOB = "sk-alice-4f1d2c9a7e3b", "sk-bob-8c2e5a1f9d7b"
 CAROL, DAVE, ERIN = "sk-carol-1a2b3c4d5e6f", "sk-dave-6f5e4d3c2b1a", "sk-erin-0f9e8d7c6b5a"
+FRANK, GRACE = "sk-frank-5c4b3a2f1e0d", "sk-grace-a1b2c3d4e5f6"
 KEYS_FILE = f"""# the test server's tenants beside API_KEYS' alice
 bob   {BOB}
 carol {CAROL} rpm=2
 dave  {DAVE}  tpm=40
+frank {FRANK} rpm=3
+grace {GRACE} rpm=3
 """
-SECRETS = (ALICE, BOB, CAROL, DAVE, ERIN)
+SECRETS = (ALICE, BOB, CAROL, DAVE, ERIN, FRANK, GRACE)
 PICTURE = data_url(encode(pattern(448, 448, seed=41), ".png"))
 OTHER_PICTURE = data_url(encode(pattern(448, 448, seed=42), ".png"))  # sent by no other test here
 # A document of ~3,000 tokens: its prefill, not the request's fixed costs, sets a cold first token's time.
@@ -177,7 +180,7 @@ def test_the_disk_tier_finds_only_the_blocks_of_the_requests_namespace(cache_dir
 @pytest.fixture(scope="module")
 def tenant_server(serve, tmp_path_factory):
     """(Nginx URL, Gunicorn URL, its master process, keys file, KV_DISK_DIR, log) of one Gunicorn with
-    four tenants (alice in API_KEYS, bob, carol, dave in API_KEYS_FILE), a batch of 4 and a queue of 4
+    six tenants (alice in API_KEYS, bob, carol, dave, frank, grace in API_KEYS_FILE), a batch of 4 and a queue of 4
     (each tenant's share: 2 and 2), behind an Nginx."""
     folder = tmp_path_factory.mktemp("tenants")
     keys, kv = folder / "keys", folder / "kv"
@@ -344,6 +347,33 @@ def test_requests_and_tokens_a_minute_are_limited_per_key(tenant_server, no_end_
     assert metric(base, "qwen3vl_tenant_requests_total", 'tenant="dave",status="429"') >= 1
     text = requests.get(base + "/metrics", headers=auth(BOB)).text
     assert 'tenant="carol"' in text and not any(key in text for key in SECRETS)
+
+
+def test_count_tokens_counts_against_the_tenants_requests_a_minute(tenant_server):
+    """Anthropic's count_tokens is a request like Messages: at rpm=3 the fourth in a minute is refused
+    (all ten were answered before)."""
+    url = tenant_server[0]
+    body = {"model": "m", "messages": [{"role": "user", "content": "How many tokens is this?"}]}
+    answers = [
+        requests.post(url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": FRANK}) for _ in range(4)
+    ]
+    assert [a.status_code for a in answers] == [200, 200, 200, 429]
+    assert answers[0].json()["input_tokens"] > 0
+    refused = answers[3].json()["error"]
+    assert refused["type"] == "rate_limit_error" and "rpm=3" in refused["message"]
+    assert 1 <= int(answers[3].headers["Retry-After"]) <= 60
+
+
+def test_uploads_and_batches_count_against_the_tenants_requests_a_minute(tenant_server):
+    """An upload is a request: at rpm=3 the fourth request in a minute is refused, naming the limit."""
+    client = openai_client(tenant_server[0], api_key=GRACE)
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"max_tokens": 1}}
+    uploaded = [client.files.create(file=("a.jsonl", json.dumps(line).encode()), purpose="batch") for _ in range(2)]
+    client.batches.create(input_file_id=uploaded[0].id, endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.RateLimitError) as limited:
+        client.files.create(file=("a.jsonl", json.dumps(line).encode()), purpose="batch")
+    assert limited.value.body["code"] == "tenant_rpm_exceeded" and "rpm=3" in limited.value.message
+    assert metric(tenant_server[1], "qwen3vl_tenant_refused_total", 'tenant="grace",limit="rpm"') >= 1
 
 
 def test_the_keys_file_reloads_on_sighup_under_load_and_loses_no_request(tenant_server, no_end_of_turn):

@@ -1,17 +1,24 @@
 """The job store's contract: what the Batch API keeps, and the rules every backend follows.
 
-- **Files** (`POST /v1/files`): bytes with a name and a purpose, owned by the key that uploaded them.
+- **Files** (`POST /v1/files`): bytes with a name and a purpose, owned by the key that uploaded them,
+  kept until their `expires_at` (or deleted). A file's content is written and read in chunks.
 - **Batches**: OpenAI's Batch object (status, timestamps, `request_counts`, output and error file
   ids) and its lines, each `pending` → `leased` (an instance runs it) → `done` (its result line
-  written) — or `cancelled` / `expired` before it ran.
+  written) — or `skipped` (cancelled or expired) before it ran.
 - **Leases.** An instance claims a pending line for `lease` seconds and renews the lease while the
   line runs; a line whose lease expired (its instance died) is claimed again by any instance, at most
   `max_attempts` times in all, then failed. Execution is at least once; the result is written once:
   `finish` writes only while the caller still holds the lease, so a second run of the same line
   (its first instance was only slow) changes nothing.
+- **Fair claims.** The owners with pending lines take turns, one line each (a line whose lease ran
+  out first); within an owner, its oldest batch first, in input order. A claim is a few index seeks.
 - When a batch's last line is done the instance that finished it writes the output file (the
   successful lines, in input order) and the error file (the failed ones), and the batch is
-  `completed` (or `cancelled` after a cancel: what had finished is kept).
+  `completed` (or `cancelled` after a cancel: what had finished is kept). Its lines (request bodies
+  and results) are then deleted; the batch object is kept as long as its output files.
+- **Retention.** A file expires at its `expires_at`; deleting (or the expiry of) a batch's input file
+  cancels the batch if it still runs, and its request bodies go. Each owner's files and running
+  batches' request bodies fit in a quota of bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import hashlib
 import json
 import secrets
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -48,6 +56,7 @@ class StoredFile:
     bytes: int
     created_at: int
     owner: str = ""
+    expires_at: int | None = None  # None: kept until deleted (files made before files expired)
 
     def public(self) -> dict:
         """OpenAI's File object."""
@@ -60,7 +69,7 @@ class StoredFile:
             "purpose": self.purpose,
             "status": "processed",
             "status_details": None,
-            "expires_at": None,
+            "expires_at": self.expires_at,
         }
 
 
@@ -91,7 +100,9 @@ class Claim:
 
 @dataclass
 class NewBatch:
-    """What the HTTP layer checked and hands the store."""
+    """What the HTTP layer checked and hands the store: `lines` may be iterated more than once (one at a
+    time); `output_ttl`: the seconds its output and error files are kept once written (and the batch
+    object with them)."""
 
     id: str
     owner: str
@@ -100,7 +111,8 @@ class NewBatch:
     completion_window: str
     window_seconds: int
     metadata: dict | None
-    lines: list[Line]
+    lines: Iterable[Line]
+    output_ttl: int
     created_at: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -153,17 +165,19 @@ class JobStore(Protocol):
 
     name: str  # "sqlite" or "redis", for logs and /metrics
 
-    def add_file(self, file: StoredFile, content: bytes) -> None: ...
+    def add_file(self, file: StoredFile, chunks: Iterable[bytes], quota: int) -> None:
+        """Keep `file.bytes` bytes read from `chunks`, unless its owner's stored bytes would pass
+        `quota` (service/errors.StorageFull)."""
 
     def file(self, file_id: str, owner: str) -> StoredFile | None: ...
 
-    def file_content(self, file_id: str, owner: str) -> bytes | None: ...
+    def file_chunks(self, file_id: str, owner: str) -> Iterator[bytes] | None: ...
 
     def delete_file(self, file_id: str, owner: str) -> bool: ...
 
     def files(self, owner: str, purpose: str | None, limit: int, after: str | None) -> list[StoredFile]: ...
 
-    def create_batch(self, batch: NewBatch) -> dict: ...
+    def create_batch(self, batch: NewBatch, quota: int) -> dict: ...
 
     def batch(self, batch_id: str, owner: str) -> dict | None: ...
 
@@ -181,6 +195,14 @@ class JobStore(Protocol):
 
     def finish(self, claim: Claim, ok: bool, line: str) -> bool: ...
 
+    def sweep(self) -> None:
+        """Expire what is due: batches past their window, files past their `expires_at`, ended
+        batches past their output files'."""
+
     def line_counts(self) -> dict[str, int]: ...
+
+    def problem(self) -> str | None:
+        """Why the store can no longer be used though its calls may still succeed (SQLite: its file
+        replaced or removed underneath), else None; cheap enough to ask before every call."""
 
     def close(self) -> None: ...

@@ -33,7 +33,9 @@ def messages():
 
 @anthropic_api.post(ENDPOINT + "/count_tokens")
 def count_tokens():
+    app_state, context = state(), request_context()
+    app_state.rates.admit(context.tenant)  # a request against the tenant's rpm; it generates no tokens
     body = CountTokensRequest.model_validate(json_body())
-    engine = state().require_engine()
-    gen_request, _ = messages_request(body, engine.limits, request_context())
+    engine = app_state.require_engine()
+    gen_request, _ = messages_request(body, engine.limits, context)
     return jsonify(CountTokensOut(input_tokens=engine.count_tokens(gen_request)).model_dump())

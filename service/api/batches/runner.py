@@ -4,8 +4,9 @@ Completions endpoint would, at BATCH_PRIORITY — so interactive requests go fir
 line's place when the batch is full (service/engine/admission.py): the line resumes later with the
 same answer. A line runs as its batch's tenant, in a request context of its own (service/api/context.py:
 its tenant's caches; ordered by priority alone, outside the fair share of interactive requests). Every
-instance on every machine sharing the store does the same; a line whose instance dies runs again
-elsewhere once its lease ends, and its result is written once."""
+instance on every machine sharing the store does the same (the store hands lines to the tenants in
+turn); a line whose instance dies runs again elsewhere once its lease ends, and its result is written
+once. The runner also sweeps the store (expired batches, files and ended batches past their time)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import time
 from pydantic import ValidationError
 
 from ... import metrics
-from ...errors import InternalError, QueueFull, ServiceError, Unavailable
+from ...errors import InternalError, QueueFull, ServiceError, StoreUnavailable, Unavailable
 from ...generation import Completion
 from ...jobs.store import Claim, JobStore, new_id, result_line
 from ...settings import Settings
@@ -33,6 +34,7 @@ log = logging.getLogger("service.batches")
 
 POLL_SECONDS = 0.5  # how often an idle runner looks for lines (a batch made here wakes it at once)
 RENEW_SECONDS = 1.0  # how often a running line renews its lease and sees a cancel
+SWEEP_SECONDS = 5.0  # how often the runner expires what is due in the store (service/jobs/book.Book.sweep)
 
 
 class BatchRunner:
@@ -65,9 +67,13 @@ class BatchRunner:
         self._wake.set()
 
     def _loop(self) -> None:
+        swept = -SWEEP_SECONDS
         while not self._stop.is_set():
             started = False
             try:
+                if time.monotonic() - swept >= SWEEP_SECONDS:
+                    swept = time.monotonic()
+                    self.store.sweep()
                 if self._has_room():
                     claim = self.store.claim(self.worker, self.settings.batch_lease_seconds)
                     if claim is not None:
@@ -77,7 +83,9 @@ class BatchRunner:
                         threading.Thread(target=self._run, args=(claim,), name="batch-line", daemon=True).start()
                         started = True
                 metrics.record_batch_lines(self.store.line_counts())
-            except Exception:  # the store unreachable for a while: try again at the next poll
+            except StoreUnavailable:  # its guard logged why: it is opened again at a later poll
+                pass
+            except Exception:
                 log.exception("batch runner: the job store failed")
             if not started:
                 self._wake.wait(POLL_SECONDS)
@@ -104,6 +112,14 @@ class BatchRunner:
                 self._running -= 1
             metrics.BATCH_LINES_RUNNING.dec()
             self._wake.set()
+
+    def _renewed(self, claim: Claim) -> bool:
+        """Whether the line is still this instance's. A store out of reach for now changes nothing: the
+        answer is written if the lease still holds once it is back (else the line runs again)."""
+        try:
+            return self.store.renew(claim, self.settings.batch_lease_seconds)
+        except StoreUnavailable:
+            return True
 
     def _answer(self, claim: Claim) -> tuple[bool, str | None]:
         """(ok, the line for the output or error file), or (False, None) when the line was given back
@@ -136,7 +152,7 @@ class BatchRunner:
                     done = event
                 elif time.monotonic() - renewed > RENEW_SECONDS:
                     renewed = time.monotonic()
-                    if not self.store.renew(claim, self.settings.batch_lease_seconds):
+                    if not self._renewed(claim):
                         generation.cancel()  # cancelled, expired, or no longer ours: stop at the next token
         except ServiceError as exc:
             return False, result_line(claim.custom_id, exc.status, exc.to_dict())

@@ -25,7 +25,8 @@ def health():
 @ops_api.get("/ready")
 def ready():
     """Ready to serve: the model is loaded (503 while loading or after a failed load), and which
-    INT8 kernels serve it."""
+    INT8 kernels serve it; `degraded` (still 200: the rest serves) names a part that cannot be used
+    now — the job store, as last seen (the Batch API then answers 503)."""
     app_state = state()
     try:
         engine = app_state.require_engine()
@@ -33,6 +34,9 @@ def ready():
         return error_response(exc)
     info = engine.info
     body = {"status": "ready", "model": info.name, "random_model": info.is_random, "thinking": info.thinking}
+    problem = app_state.batches.jobs.problem()
+    if problem is not None:
+        body["status"], body["degraded"] = "degraded", {"job_store": problem}
     if info.int8_kernels is not None:  # which kernel serves; what each measured is on /metrics (behind a key)
         body["int8_kernel"] = {part: info.int8_kernels[part] for part in ("decoder", "vision")}
     body["startup"] = startup.timeline()  # where the start's seconds went (service/startup.py)

@@ -109,8 +109,8 @@ class ResponseFiles:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             writers = (lambda f: f.write(json.dumps(document).encode()), lambda f: np.savez(f, **arrays))
-            for partial, write in zip(partials, writers):
-                with open(partial, "wb") as f:
+            for partial, write in zip(partials, writers):  # this user's alone: every tenant's conversations
+                with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                     write(f)
             os.replace(partials[1], paths[1])  # the pictures first: a reader finds them once the JSON is there
             os.replace(partials[0], paths[0])
