@@ -25,9 +25,18 @@ log = logging.getLogger(__name__)
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    "linear_attn.in_proj": (
+        "linear_attn.in_proj_qkv",
+        "linear_attn.in_proj_z",
+        "linear_attn.in_proj_b",
+        "linear_attn.in_proj_a",
+    ),
 }
 _LAYER = re.compile(r"^(model\.language_model\.layers\.\d+)\.(.+)\.(weight|bias)$")
 _EXPERTS = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# an expert stored as its own Linears (Qwen3.5-MoE's releases): gate and up rows into its `gate_up`
+_EXPERT = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def _files(path: Path) -> dict[str, str]:
@@ -58,6 +67,12 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 def _target(name: str) -> tuple[str, int, int] | None:
     """For a checkpoint tensor that is part of a fused Linear: (fused tensor, part index, parts)."""
+    expert = _EXPERT.match(name)
+    if expert is not None:
+        prefix, index, part = expert.groups()
+        if part == "down":
+            return f"{prefix}.down.{index}.weight", 0, 1
+        return f"{prefix}.gate_up.{index}.weight", ("gate", "up").index(part), 2
     match = _LAYER.match(name)
     if not match:
         return None
