@@ -31,13 +31,14 @@ from ..model.forward import TextForward
 from ..model.identity import serving_fingerprint
 from ..model.loading import LoadedModel
 from ..model.thinking import detect_thinking
+from ..model.skeleton import is_hybrid
 from ..settings import Settings
 from ..vision.encoders import make_vision_encoder
 from .admission import Admission, Ticket
 from .drafts import DraftBudget
 from .input import InputProcessor, Prepared
 from .output import OutputProcessor
-from .prefill import Prefiller, covered_positions
+from .prefill import Prefiller, StateSnapshots, covered_positions
 from .reasoning import ReasoningPhase
 from .sampling import Sampler, Sampling
 from .scheduler import Scheduler
@@ -112,6 +113,7 @@ class Engine:
             self.caches.vision,
             settings.prefill_chunk_tokens,
             kv_dtype,
+            self._snapshots(loaded, settings),
         )
 
     def submit(self, request: GenerationRequest) -> Generation:
@@ -173,6 +175,14 @@ class Engine:
             queue_wait=waited,
             marks=marks,
         )
+
+    @staticmethod
+    def _snapshots(loaded: LoadedModel, settings: Settings) -> StateSnapshots | None:
+        """A hybrid model's snapshot positions (None for Qwen3-VL, whose KV cache can be cut anywhere)."""
+        if not is_hybrid(loaded.model.config.text_config):
+            return None
+        turn = loaded.processor.tokenizer.convert_tokens_to_ids("<|im_start|>")
+        return StateSnapshots(turn if isinstance(turn, int) and turn >= 0 else None, settings.state_snapshot_tokens)
 
     def _keep_cache(self, sequence: Sequence) -> None:
         """Store a finished sequence's KV cache for the next turn (on the scheduler's thread): it

@@ -75,6 +75,24 @@ class PromptRows:
         return self.ids[start:end], self.positions[:, start:end], [Rows(cache, end - start, vision)]
 
 
+class StateSnapshots:
+    """Where a hybrid model's prefill keeps its recurrent state (service/model/hybrid.py): where each
+    turn starts (a later turn's re-rendered history shares the prompt up to there at least), every
+    `every` tokens (0: never), and at the prompt's end."""
+
+    def __init__(self, turn_token_id: int | None, every: int):
+        self.turn_token_id, self.every = turn_token_id, every
+
+    def points(self, token_ids: torch.Tensor) -> set[int]:
+        length = len(token_ids)
+        points = {length}
+        if self.every:
+            points.update(range(self.every, length, self.every))
+        if self.turn_token_id is not None:
+            points.update(int(i) for i in (token_ids == self.turn_token_id).nonzero()[:, 0] if i > 0)
+        return points
+
+
 class Prefiller:
     """Makes each request's prefill generator (`steps`) on one model, its caches and its encoder."""
 
@@ -87,15 +105,19 @@ class Prefiller:
         vision_cache: VisionFeatureCache,
         chunk_tokens: int,
         kv_dtype: torch.dtype,
+        snapshots: StateSnapshots | None = None,
     ):
         self.model, self.forward, self.vision_encoder = model, forward, vision_encoder
         self.kv_cache, self.vision_cache = kv_cache, vision_cache
         self.chunk_tokens, self.kv_dtype = chunk_tokens, kv_dtype
+        self.snapshots = snapshots  # a hybrid model's: where its prompts' recurrent states are kept
 
-    def piece_ends(self, length: int, reused: int) -> list[int]:
+    def piece_ends(self, length: int, reused: int, also: set[int] = frozenset()) -> list[int]:
         """Where the prefill pieces after a cache of `reused` tokens end: every PREFILL_CHUNK_TOKENS,
-        and at the end. (service/model/forward.py computes every row alike: where a prompt is cut changes no bit.)"""
-        return [*range(reused + self.chunk_tokens, length, self.chunk_tokens), length]
+        at the end, and at the positions in `also` (a hybrid model's snapshots). (service/model/forward.py
+        computes every row alike: where a prompt is cut changes no bit.)"""
+        ends = {*range(reused + self.chunk_tokens, length, self.chunk_tokens), length}
+        return sorted(ends | {p for p in also if reused < p < length})
 
     def _features(
         self, prompt: PreparedPrompt, reused: int, cache_namespace: str
@@ -154,10 +176,13 @@ class Prefiller:
             rows = PromptRows(self.model, prompt, merged, marks.reused, rope)
             cache.reserve(capacity)
             start, computing = marks.reused, 0.0
-            for end in self.piece_ends(prompt.num_tokens, marks.reused):
+            keep = self.snapshots.points(prompt.input_ids[0]) if self.snapshots is not None else set()
+            for end in self.piece_ends(prompt.num_tokens, marks.reused, keep):
                 yield
                 t2 = time.perf_counter()
                 logits = self.forward(*rows.piece(cache, start, end), logits_rows=torch.tensor([end - start - 1]))
+                if end in keep:
+                    cache.snapshot()
                 computing += time.perf_counter() - t2
                 start = end
             self.kv_cache.measured_prefill(prompt.num_tokens - marks.reused, computing)

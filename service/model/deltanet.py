@@ -126,6 +126,10 @@ class RecurrentLayer:
         other._before = other._inputs = None
         return other
 
+    def compact(self) -> None:
+        """Drop what only an undo needs (a kept state is not extended before a new call)."""
+        self._before = self._inputs = None
+
     def nbytes(self) -> int:
         spare = sum(t.numel() * 4 for t in self._before) if self._before is not None else 0
         return (self.conv.numel() + self.state.numel()) * 4 + spare

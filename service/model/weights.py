@@ -110,6 +110,8 @@ def load_weights(model: ServedModel, path: Path, dtype: torch.dtype | None = Non
                     _assign_experts(model, experts[1], experts[2], tensor)
                 elif name == "lm_head.weight" and tied_embeddings(model.config):
                     continue  # the embedding is the lm_head
+                elif name.startswith("mtp."):
+                    continue  # Qwen3.5's multi-token prediction head: not drafted with yet
                 else:
                     try:
                         model.get_parameter(name)
