@@ -181,8 +181,8 @@ class Engine:
         """A hybrid model's snapshot positions (None for Qwen3-VL, whose KV cache can be cut anywhere)."""
         if not is_hybrid(loaded.model.config.text_config):
             return None
-        turn = loaded.processor.tokenizer.convert_tokens_to_ids("<|im_start|>")
-        return StateSnapshots(turn if isinstance(turn, int) and turn >= 0 else None, settings.state_snapshot_tokens)
+        header = loaded.processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        return StateSnapshots(header, settings.state_snapshot_tokens)
 
     def _keep_cache(self, sequence: Sequence) -> None:
         """Store a finished sequence's KV cache for the next turn (on the scheduler's thread): it

@@ -77,20 +77,25 @@ class PromptRows:
 
 class StateSnapshots:
     """Where a hybrid model's prefill keeps its recurrent state (service/model/hybrid.py): where each
-    turn starts (a later turn's re-rendered history shares the prompt up to there at least), every
-    `every` tokens (0: never), and at the prompt's end."""
+    turn starts and where an assistant turn's header (`<|im_start|>assistant\n`) ends — a later turn's
+    re-rendered history shares the prompt up to there at least, even where the template writes the
+    answer back otherwise than it was prompted (a thinking block dropped) — every `every` tokens (0:
+    never), and at the prompt's end."""
 
-    def __init__(self, turn_token_id: int | None, every: int):
-        self.turn_token_id, self.every = turn_token_id, every
+    def __init__(self, header: list[int], every: int):
+        self.header, self.every = header, every
 
     def points(self, token_ids: torch.Tensor) -> set[int]:
         length = len(token_ids)
         points = {length}
         if self.every:
             points.update(range(self.every, length, self.every))
-        if self.turn_token_id is not None:
-            points.update(int(i) for i in (token_ids == self.turn_token_id).nonzero()[:, 0] if i > 0)
-        return points
+        if self.header:
+            for i in (token_ids == self.header[0]).nonzero()[:, 0].tolist():
+                points.add(i)
+                if token_ids[i : i + len(self.header)].tolist() == self.header:
+                    points.add(i + len(self.header))
+        return points - {0}
 
 
 class Prefiller:

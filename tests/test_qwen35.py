@@ -1,0 +1,190 @@
+"""Qwen3.5 (`qwen3_5`, `qwen3_5_moe`) on `tiny-qwen35` and `tiny-qwen35-moe`: three linear-attention
+(Gated DeltaNet) layers to one full-attention layer, a shared expert beside the routed ones, the MTP
+head's tensors, Qwen3.5's tokens and prompt format.
+
+The service's forward computes what transformers' Qwen3.5 forward computes (fp32, within float
+rounding, the same greedy tokens); with INT8 weights a token gets the same bits — logits, keys and
+values and the recurrent states — whichever path computes it: a prompt in one piece or in pieces, a
+generated token or the same token recomputed, alone or in a batch, after a decode step's guesses were
+taken back; and through the engine a greedy answer's every log-probability is the same alone, in a
+batch, with speculation on or off, and after a cache hit. The presets' shapes are the releases'."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_batching import Stream, request
+from test_caches import Engines, assistant, converse, image, user
+from test_forward import a_picture_and_a_question, decode, pieces, prefill, prompt_rows, same_kv, transformers_greedy
+
+from service.engine.engine import Engine, GenerationRequest
+from service.model.attention import ExactAttention
+from service.model.deltanet import RecurrentLayer
+from service.model.forward import Rows, TextForward
+from service.model.hybrid import HybridCache, StateUnavailable
+from service.model.loading import load_model
+from service.model.prompts import ChatMessage, ImagePart, TextPart
+
+from conftest import built_preset, make_settings, prepared, transformers_model
+
+PRESETS = ["tiny-qwen35", "tiny-qwen35-moe"]
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def preset_dir(request, cache_dir):
+    return built_preset(cache_dir, request.param)
+
+
+@pytest.fixture(scope="module")
+def engines(cache_dir, preset_dir):
+    """Engines on the preset by weights (fp32, int8 quantized at load) and settings."""
+    made = {}
+
+    def get(weights: str, **settings) -> Engine:
+        key = (weights, tuple(sorted(settings.items())))
+        if key not in made:
+            loaded = next((e.loaded for k, e in made.items() if k[0] == weights), None)
+            s = make_settings(cache_dir, model_path=preset_dir, quantization=weights, int8_kernel="native", **settings)
+            made[key] = Engine(loaded or load_model(s), s)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def attention():
+    return ExactAttention.load()
+
+
+def test_loads_as_a_hybrid_model(engines):
+    model = engines("int8").model
+    layers = model.model.language_model.layers
+    assert [hasattr(layer, "linear_attn") for layer in layers] == [True, True, True, False]
+    assert not hasattr(model.model.visual, "deepstack_merger_list") or len(model.model.visual.deepstack_merger_list) == 0
+    cache = TextForward(model, ExactAttention.load()).new_cache(torch.float32)
+    assert isinstance(cache, HybridCache) and isinstance(cache.layers[0], RecurrentLayer)
+
+
+def test_the_forward_computes_what_transformers_qwen35_forward_computes(engines, attention, preset_dir):
+    """A picture prompt, then 16 greedy tokens, through the service's forward and transformers'
+    untouched `Qwen3_5(Moe)ForConditionalGeneration` (its torch Gated DeltaNet, its MoE block), fp32:
+    the same tokens, logits within float rounding."""
+    from transformers import DynamicCache
+
+    engine = engines("fp32")
+    forward = TextForward(engine.model, attention)
+    model = transformers_model(preset_dir)
+    parts = a_picture_and_a_question(engine)
+    rows = prompt_rows(engine, parts)
+    prompt = prepared(engine, GenerationRequest([ChatMessage("user", parts)]))
+    ours, first = prefill(forward, rows, pieces(len(rows.ids), 24), torch.float32)
+    logits, (answer,) = decode(forward, [ours], first[-1:], [rows.rope_delta], steps=16)
+    reference = transformers_greedy(model, prompt, rows.rope_delta, DynamicCache(config=model.config.text_config))
+    got = torch.cat([first[-1:], logits[0]])
+    assert len(set(answer)) > 6  # a varied answer
+    assert [int(r.argmax()) for r in got] == [int(r.argmax()) for r in reference]
+    assert float((got - reference).abs().max() / reference.abs().max()) < 1e-4
+
+
+# -- INT8: the same bits on every path -------------------------------------------------------------
+
+
+def test_a_prompt_in_pieces_of_any_size_gives_the_same_bits(engines, attention):
+    engine = engines("int8")
+    forward = TextForward(engine.model, attention)
+    rows = prompt_rows(engine, a_picture_and_a_question(engine))
+    length = len(rows.ids)
+    whole_cache, whole = prefill(forward, rows, [length], torch.float32, every_row=True)
+    picture = int((rows.types == 1).nonzero()[0])
+    for ends in (list(range(1, length + 1)), pieces(length, 5, 17, 3), pieces(length, picture + 7, 1, 30)):
+        cache, logits = prefill(forward, rows, ends, torch.float32, every_row=True)
+        assert torch.equal(logits, whole)
+        assert same_kv(cache, whole_cache)
+
+
+def test_a_generated_token_gets_the_same_bits_a_later_prefill_computes_for_it(engines, attention):
+    engine = engines("int8")
+    forward = TextForward(engine.model, attention)
+    parts = a_picture_and_a_question(engine)
+    rows = prompt_rows(engine, parts)
+    cache, first = prefill(forward, rows, pieces(len(rows.ids), 24, 24), torch.float32)
+    logits, (answer,) = decode(forward, [cache], first[-1:], [rows.rope_delta])
+    again = prompt_rows(engine, parts, extra_ids=answer)
+    recomputed_cache, recomputed = prefill(forward, again, pieces(len(again.ids), 40, 7, 13), torch.float32, every_row=True)
+    assert same_kv(recomputed_cache, cache)
+    assert torch.equal(recomputed[len(rows.ids) - 1 :], torch.cat([first[-1:], logits[0]]))
+
+
+def test_sequences_alone_and_in_a_batch_give_the_same_bits(engines, attention):
+    engine = engines("int8")
+    forward = TextForward(engine.model, attention)
+    prompts = [
+        prompt_rows(engine, a_picture_and_a_question(engine)),
+        prompt_rows(engine, [TextPart("Hi.")]),
+        prompt_rows(engine, [TextPart("Tell me a long story about a red square and a blue circle, please.")]),
+    ]
+    alone = []
+    for p in prompts:
+        cache, first = prefill(forward, p, pieces(len(p.ids), 16), torch.float32)
+        alone.append((decode(forward, [cache], first[-1:], [p.rope_delta])[0][0], cache))
+    batch = [prefill(forward, p, pieces(len(p.ids), 16), torch.float32) for p in prompts]
+    together, _ = decode(
+        forward, [cache for cache, _ in batch], [first[-1] for _, first in batch], [p.rope_delta for p in prompts]
+    )
+    for (logits, cache), batched, (batched_cache, _) in zip(alone, together, batch, strict=True):
+        assert torch.equal(batched, logits)
+        assert same_kv(batched_cache, cache)
+
+
+def test_guesses_taken_back_leave_the_bits_of_a_run_without_them(engines, attention):
+    """A decode step feeds its token and four guesses (undoable rows); two are accepted: the cache
+    then holds what feeding only those would leave, and the next tokens get the same bits."""
+    engine = engines("int8")
+    forward = TextForward(engine.model, attention)
+    rows = prompt_rows(engine, [TextPart("Tell me a long story about a red square, please.")])
+    cache, first = prefill(forward, rows, [len(rows.ids)], torch.float32)
+    logits, (answer,) = decode(forward, [cache], first[-1:], [rows.rope_delta], steps=12)
+    replay, first = prefill(forward, rows, [len(rows.ids)], torch.float32)
+    start = replay.get_seq_length() + rows.rope_delta
+    fed = answer[:5]
+    forward(torch.tensor(fed), torch.arange(start, start + 5), [Rows(replay, 5, undoable=True)])
+    replay.crop(-2)  # three of the five kept
+    rest, _ = decode(forward, [replay], [logits[0][2]], [rows.rope_delta], steps=9)
+    assert torch.equal(rest[0], logits[0][3:])
+    with pytest.raises(StateUnavailable):  # only snapshots, the present and the last step's guesses
+        replay.crop(-4)
+
+
+# -- through the engine -------------------------------------------------------------------------
+
+
+def test_greedy_answers_alone_in_a_batch_and_without_speculation_are_the_same_bits(engines):
+    engine = engines("int8", max_batch_size=4, prefill_chunk_tokens=24, cache_enabled=False)
+    makes = [
+        lambda: request([TextPart("Hi.")], max_tokens=24, logprobs=3),
+        lambda: request([ImagePart(image(engine, 256, 256)), TextPart("What is in this picture, in detail?")], logprobs=3),
+        lambda: request([TextPart("Tell me a long story about a red square, please.")], max_tokens=20, logprobs=3),
+    ]
+    alone = [Stream(engine, dataclasses.replace(make(), speculative=False)).start().join().done for make in makes]
+    streams = [Stream(engine, make()).start() for make in makes]
+    together = [s.join().done for s in streams]
+    assert len({tuple(d.token_ids) for d in alone}) == 3
+    for a, b in zip(alone, together, strict=True):
+        assert list(a.token_ids) == list(b.token_ids)
+        assert a.logprobs == b.logprobs  # every log-probability and its alternatives, as floats
+
+
+def test_a_second_turn_from_the_cache_answers_the_bits_of_a_fresh_computation(engines, cache_dir):
+    engine = engines("int8")
+    plain = make_settings(cache_dir, model_path=engine.loaded.path, int8_kernel="native", cache_enabled=False)
+    pair = Engines(cached=engine, plain=Engine(engine.loaded, plain))
+    picture = image(engine, 224, 160, seed=4)
+    first, second = converse(pair, [user(picture, "What is in this picture?"), user("Tell me more.")], "q35-1")
+    # Qwen3.5's template writes the answer back without its thinking block: the history shares the
+    # first prompt up to its answer's `<think>\n` opening, where the prefill kept the state
+    assert second.cached_tokens == first.prompt_tokens - 2
+    # a stateless client resending its history: reused up to a snapshot of the state (a turn's start at least)
+    history = [user(picture, "What is in this picture?"), assistant(first.text), user("And the colours?")]
+    assert pair.ask(history).cached_tokens > 0
