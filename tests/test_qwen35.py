@@ -62,7 +62,9 @@ def test_loads_as_a_hybrid_model(engines):
     model = engines("int8").model
     layers = model.model.language_model.layers
     assert [hasattr(layer, "linear_attn") for layer in layers] == [True, True, True, False]
-    assert not hasattr(model.model.visual, "deepstack_merger_list") or len(model.model.visual.deepstack_merger_list) == 0
+    assert (
+        not hasattr(model.model.visual, "deepstack_merger_list") or len(model.model.visual.deepstack_merger_list) == 0
+    )
     cache = TextForward(model, ExactAttention.load()).new_cache(torch.float32)
     assert isinstance(cache, HybridCache) and isinstance(cache.layers[0], RecurrentLayer)
 
@@ -112,7 +114,9 @@ def test_a_generated_token_gets_the_same_bits_a_later_prefill_computes_for_it(en
     cache, first = prefill(forward, rows, pieces(len(rows.ids), 24, 24), torch.float32)
     logits, (answer,) = decode(forward, [cache], first[-1:], [rows.rope_delta])
     again = prompt_rows(engine, parts, extra_ids=answer)
-    recomputed_cache, recomputed = prefill(forward, again, pieces(len(again.ids), 40, 7, 13), torch.float32, every_row=True)
+    recomputed_cache, recomputed = prefill(
+        forward, again, pieces(len(again.ids), 40, 7, 13), torch.float32, every_row=True
+    )
     assert same_kv(recomputed_cache, cache)
     assert torch.equal(recomputed[len(rows.ids) - 1 :], torch.cat([first[-1:], logits[0]]))
 
@@ -164,7 +168,9 @@ def test_greedy_answers_alone_in_a_batch_and_without_speculation_are_the_same_bi
     engine = engines("int8", max_batch_size=4, prefill_chunk_tokens=24, cache_enabled=False)
     makes = [
         lambda: request([TextPart("Hi.")], max_tokens=24, logprobs=3),
-        lambda: request([ImagePart(image(engine, 256, 256)), TextPart("What is in this picture, in detail?")], logprobs=3),
+        lambda: request(
+            [ImagePart(image(engine, 256, 256)), TextPart("What is in this picture, in detail?")], logprobs=3
+        ),
         lambda: request([TextPart("Tell me a long story about a red square, please.")], max_tokens=20, logprobs=3),
     ]
     alone = [Stream(engine, dataclasses.replace(make(), speculative=False)).start().join().done for make in makes]
@@ -188,3 +194,32 @@ def test_a_second_turn_from_the_cache_answers_the_bits_of_a_fresh_computation(en
     # a stateless client resending its history: reused up to a snapshot of the state (a turn's start at least)
     history = [user(picture, "What is in this picture?"), assistant(first.text), user("And the colours?")]
     assert pair.ask(history).cached_tokens > 0
+
+
+# The releases' parameter counts (Hugging Face's safetensors totals: vision, text and the MTP head;
+# docs/models.md names the sources). 35B-A3B-e32: 224 of each sparse layer's 256 experts left out —
+# each 3 × 2048 × 512 weights and its router row of 2048 — in its 40 layers and the MTP layer.
+PUBLISHED_PARAMETERS = {
+    "qwen3.5-0.8b": 873_438_784,
+    "qwen3.5-2b": 2_274_069_824,
+    "qwen3.5-4b": 4_659_865_088,
+    "qwen3.5-9b": 9_653_104_368,
+    "qwen3.5-35b-a3b": 35_951_822_704,
+}
+PUBLISHED_PARAMETERS["qwen3.5-35b-a3b-e32"] = PUBLISHED_PARAMETERS["qwen3.5-35b-a3b"] - 41 * 224 * (
+    3 * 2048 * 512 + 2048
+)
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMETERS))
+def test_presets_have_the_releases_parameter_counts(preset):
+    """Every tensor a preset's checkpoint stores (built on the meta device: no memory), the MTP head's
+    included and a tied lm_head counted once: the release's parameter count to the last digit."""
+    import math
+
+    from service.random_checkpoints.presets import model_config
+    from service.random_checkpoints.random_weights import checkpoint_shapes
+
+    shapes = checkpoint_shapes(model_config(preset))
+    assert sum(math.prod(shape) for shape in shapes.values()) == PUBLISHED_PARAMETERS[preset]
+    assert sum(name.startswith("mtp.") for name in shapes) >= 15

@@ -27,11 +27,11 @@ from ..generation import Completion, Generation, GenerationRequest, SamplingPara
 from ..limits import RequestLimits
 from ..memory import MemoryGuard
 from ..model.attention import ExactAttention
+from ..model.deltanet import is_hybrid
 from ..model.forward import TextForward
 from ..model.identity import serving_fingerprint
 from ..model.loading import LoadedModel
 from ..model.thinking import detect_thinking
-from ..model.skeleton import is_hybrid
 from ..settings import Settings
 from ..vision.encoders import make_vision_encoder
 from .admission import Admission, Ticket

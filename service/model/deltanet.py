@@ -69,6 +69,11 @@ class _Sequence(ctypes.Structure):
     ]
 
 
+def is_hybrid(config) -> bool:
+    """Whether the text config mixes linear attention in (Qwen3.5): its `layer_types`."""
+    return "linear_attention" in (getattr(config, "layer_types", None) or [])
+
+
 @dataclass(frozen=True)
 class Shape:
     """A linear-attention layer's sizes (the checkpoint's text config)."""
@@ -215,7 +220,10 @@ class DeltaNetKernel:
         try:
             return cls(native.library(native.DELTANET, march))
         except native.BUILD_ERRORS as exc:
-            log.warning("the DeltaNet kernel is unavailable (%s): torch per token, slower and not the same bits on every CPU", exc)
+            log.warning(
+                "the DeltaNet kernel is unavailable (%s): torch per token, slower and not the same bits on every CPU",
+                exc,
+            )
             return TorchDeltaNet()
 
     def __call__(self, mixer: DeltaNetMixer, calls: list) -> None:

@@ -31,11 +31,10 @@ from torch import nn
 from ..quant.fusion import is_moe_block
 from ..vision.features import VisionFeatures
 from .attention import TorchAttention
-from .deltanet import DeltaNetMixer, Shape
+from .deltanet import DeltaNetMixer, Shape, is_hybrid
 from .hybrid import HybridCache
 from .kv import GrowingCache
 from .moe import MixtureOfExperts
-from .skeleton import is_hybrid
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +112,18 @@ class TextForward:
             attn = layer.linear_attn
             mixer = DeltaNetMixer(attn, self.shape, config.rms_norm_eps)
             return _Layer(
-                qkv=None, qk_norm=None, o_proj=attn.out_proj, in_proj=attn.in_proj, mixer=mixer, **common, **_mlp(layer.mlp)
+                qkv=None,
+                qk_norm=None,
+                o_proj=attn.out_proj,
+                in_proj=attn.in_proj,
+                mixer=mixer,
+                **common,
+                **_mlp(layer.mlp),
             )
         attn = layer.self_attn
-        qk_norm = torch.cat([norm(attn.q_norm.weight).expand(self.heads, -1), norm(attn.k_norm.weight).expand(self.kv_heads, -1)])
+        qk_norm = torch.cat(
+            [norm(attn.q_norm.weight).expand(self.heads, -1), norm(attn.k_norm.weight).expand(self.kv_heads, -1)]
+        )
         return _Layer(qkv=attn.qkv_proj, qk_norm=qk_norm, o_proj=attn.o_proj, **common, **_mlp(layer.mlp))
 
     def new_cache(self, dtype: torch.dtype) -> GrowingCache | HybridCache:

@@ -120,5 +120,7 @@ class HybridCache:
         elif length:
             for mine, (conv, state) in zip(other.recurrent, self.snapshots[length]):
                 mine.conv, mine.state, mine.length = conv.clone(), state.clone(), length
-        other.snapshots = {at: [(c.clone(), s.clone()) for c, s in snap] for at, snap in self.snapshots.items() if at <= length}
+        other.snapshots = {
+            at: [(c.clone(), s.clone()) for c, s in snap] for at, snap in self.snapshots.items() if at <= length
+        }
         return other

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -243,7 +242,11 @@ def tool_call_form(processor) -> str:
     (Qwen3.5's `<function=NAME>` / `<parameter=ARG>` blocks) or "json" (Qwen3-VL's JSON object)."""
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "probe", "arguments": {"x": 1}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "probe", "arguments": {"x": 1}}}],
+        },
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
     ]
     try:

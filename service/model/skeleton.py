@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..vision.tower import VisionTower
+from .deltanet import Shape, is_hybrid
 
 ACTIVATIONS = {"silu": nn.SiLU, "swish": nn.SiLU}  # transformers' ACT2FN: F.silu either way
 
@@ -95,8 +96,6 @@ class LinearAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        from .deltanet import Shape
-
         shape = Shape.of(config)
         self.in_proj = _linear(config.hidden_size, sum(shape.projection_widths))
         self.conv1d = _Tensor(shape.conv_channels, 1, shape.kernel)
@@ -155,11 +154,6 @@ def is_sparse_layer(config, index: int) -> bool:
     experts = getattr(config, "num_experts", 0) or 0
     step = getattr(config, "decoder_sparse_step", 1) or 1
     return experts > 0 and index not in (getattr(config, "mlp_only_layers", None) or []) and (index + 1) % step == 0
-
-
-def is_hybrid(config) -> bool:
-    """Whether the text config mixes linear attention in (Qwen3.5): its `layer_types`."""
-    return "linear_attention" in (getattr(config, "layer_types", None) or [])
 
 
 class DecoderLayer(nn.Module):

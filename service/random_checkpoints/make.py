@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
+from . import qwen35 as qwen35_tokens
 from .marker import RANDOM_MODEL_MARKER
 from .presets import model_config, preset_of
 from .safetensors_writer import write_safetensors
-from . import qwen35 as qwen35_tokens
 from .tokenizer import train_tokenizer
 
 log = logging.getLogger(__name__)

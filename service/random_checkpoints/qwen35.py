@@ -192,7 +192,9 @@ _TINY_TEXT = dict(
     rope_parameters={**_ROPE, "mrope_section": [2, 1, 1]},
     initializer_range=0.3,
 )
-_TINY_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64, initializer_range=0.3)
+_TINY_VISION = dict(
+    depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64, initializer_range=0.3
+)
 _VISION_S, _VISION_M, _VISION_L = (12, 768, 3072, 12), (24, 1024, 4096, 16), (27, 1152, 4304, 16)
 
 # name → the Preset fields (service/random_checkpoints/presets.py makes the Preset)
