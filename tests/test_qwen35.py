@@ -38,19 +38,37 @@ def preset_dir(request, cache_dir):
 
 
 @pytest.fixture(scope="module")
-def engines(cache_dir, preset_dir):
-    """Engines on the preset by weights (fp32, int8 quantized at load) and settings."""
+def quantized_dirs(cache_dir, preset_dir):
+    """The preset written by `python -m service quantize` (INT8) and `--bits 4`."""
+    from service.quant.writer import write_quantized
+
+    dirs = {"int8-checkpoint": cache_dir / f"{preset_dir.name}-int8", "int4": cache_dir / f"{preset_dir.name}-int4"}
+    for kind, path in dirs.items():
+        if not (path / "config.json").exists():
+            write_quantized(preset_dir, path, progress=False, bits=4 if kind == "int4" else 8)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def engines(cache_dir, preset_dir, quantized_dirs):
+    """Engines on the preset by weights — fp32, int8 (quantized at load), "int8-checkpoint" and "int4"
+    (the quantized checkpoints) — and settings."""
     made = {}
 
     def get(weights: str, **settings) -> Engine:
         key = (weights, tuple(sorted(settings.items())))
         if key not in made:
             loaded = next((e.loaded for k, e in made.items() if k[0] == weights), None)
-            s = make_settings(cache_dir, model_path=preset_dir, quantization=weights, int8_kernel="native", **settings)
+            path = quantized_dirs.get(weights, preset_dir)
+            quantization = "fp32" if weights == "fp32" else "int8"
+            s = make_settings(cache_dir, model_path=path, quantization=quantization, int8_kernel="native", **settings)
             made[key] = Engine(loaded or load_model(s), s)
         return made[key]
 
     return get
+
+
+WEIGHTS = pytest.mark.parametrize("weights", ["int8", "int4"])
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +111,9 @@ def test_the_forward_computes_what_transformers_qwen35_forward_computes(engines,
 # -- INT8: the same bits on every path -------------------------------------------------------------
 
 
-def test_a_prompt_in_pieces_of_any_size_gives_the_same_bits(engines, attention):
-    engine = engines("int8")
+@WEIGHTS
+def test_a_prompt_in_pieces_of_any_size_gives_the_same_bits(engines, weights, attention):
+    engine = engines(weights)
     forward = TextForward(engine.model, attention)
     rows = prompt_rows(engine, a_picture_and_a_question(engine))
     length = len(rows.ids)
@@ -106,8 +125,9 @@ def test_a_prompt_in_pieces_of_any_size_gives_the_same_bits(engines, attention):
         assert same_kv(cache, whole_cache)
 
 
-def test_a_generated_token_gets_the_same_bits_a_later_prefill_computes_for_it(engines, attention):
-    engine = engines("int8")
+@WEIGHTS
+def test_a_generated_token_gets_the_same_bits_a_later_prefill_computes_for_it(engines, weights, attention):
+    engine = engines(weights)
     forward = TextForward(engine.model, attention)
     parts = a_picture_and_a_question(engine)
     rows = prompt_rows(engine, parts)
@@ -121,8 +141,9 @@ def test_a_generated_token_gets_the_same_bits_a_later_prefill_computes_for_it(en
     assert torch.equal(recomputed[len(rows.ids) - 1 :], torch.cat([first[-1:], logits[0]]))
 
 
-def test_sequences_alone_and_in_a_batch_give_the_same_bits(engines, attention):
-    engine = engines("int8")
+@WEIGHTS
+def test_sequences_alone_and_in_a_batch_give_the_same_bits(engines, weights, attention):
+    engine = engines(weights)
     forward = TextForward(engine.model, attention)
     prompts = [
         prompt_rows(engine, a_picture_and_a_question(engine)),
@@ -142,10 +163,11 @@ def test_sequences_alone_and_in_a_batch_give_the_same_bits(engines, attention):
         assert same_kv(batched_cache, cache)
 
 
-def test_guesses_taken_back_leave_the_bits_of_a_run_without_them(engines, attention):
+@WEIGHTS
+def test_guesses_taken_back_leave_the_bits_of_a_run_without_them(engines, weights, attention):
     """A decode step feeds its token and four guesses (undoable rows); two are accepted: the cache
     then holds what feeding only those would leave, and the next tokens get the same bits."""
-    engine = engines("int8")
+    engine = engines(weights)
     forward = TextForward(engine.model, attention)
     rows = prompt_rows(engine, [TextPart("Tell me a long story about a red square, please.")])
     cache, first = prefill(forward, rows, [len(rows.ids)], torch.float32)
@@ -161,11 +183,26 @@ def test_guesses_taken_back_leave_the_bits_of_a_run_without_them(engines, attent
         replay.crop(-4)
 
 
+def test_the_int8_checkpoint_answers_as_quantizing_at_load_and_the_4bit_one_is_4bit(engines, attention):
+    """The INT8 checkpoint's Linears (the linear attention's fused input projection included) are the ones
+    quantizing at load makes: the same logits, bit for bit; the 4-bit checkpoint's text Linears are 4-bit."""
+    from service.quant.int4_linear import Int4Linear
+
+    layer = engines("int4").model.model.language_model.layers[0]
+    assert isinstance(layer.linear_attn.in_proj, Int4Linear) and isinstance(layer.linear_attn.out_proj, Int4Linear)
+    at_load, checkpoint = engines("int8"), engines("int8-checkpoint")
+    rows = prompt_rows(at_load, a_picture_and_a_question(at_load))
+    _, expected = prefill(TextForward(at_load.model, attention), rows, [len(rows.ids)], torch.float32, every_row=True)
+    _, got = prefill(TextForward(checkpoint.model, attention), rows, [len(rows.ids)], torch.float32, every_row=True)
+    assert torch.equal(got, expected)
+
+
 # -- through the engine -------------------------------------------------------------------------
 
 
-def test_greedy_answers_alone_in_a_batch_and_without_speculation_are_the_same_bits(engines):
-    engine = engines("int8", max_batch_size=4, prefill_chunk_tokens=24, cache_enabled=False)
+@WEIGHTS
+def test_greedy_answers_alone_in_a_batch_and_without_speculation_are_the_same_bits(engines, weights):
+    engine = engines(weights, max_batch_size=4, prefill_chunk_tokens=24, cache_enabled=False)
     makes = [
         lambda: request([TextPart("Hi.")], max_tokens=24, logprobs=3),
         lambda: request(
@@ -182,8 +219,9 @@ def test_greedy_answers_alone_in_a_batch_and_without_speculation_are_the_same_bi
         assert a.logprobs == b.logprobs  # every log-probability and its alternatives, as floats
 
 
-def test_a_second_turn_from_the_cache_answers_the_bits_of_a_fresh_computation(engines, cache_dir):
-    engine = engines("int8")
+@WEIGHTS
+def test_a_second_turn_from_the_cache_answers_the_bits_of_a_fresh_computation(engines, cache_dir, weights):
+    engine = engines(weights)
     plain = make_settings(cache_dir, model_path=engine.loaded.path, int8_kernel="native", cache_enabled=False)
     pair = Engines(cached=engine, plain=Engine(engine.loaded, plain))
     picture = image(engine, 224, 160, seed=4)

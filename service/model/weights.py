@@ -17,22 +17,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..quant.packing import FUSED_PROJECTIONS
 from .skeleton import ServedModel, tied_embeddings
 
 log = logging.getLogger(__name__)
 
-# the skeleton's fused Linear → the checkpoint's Linears it holds, in row order
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
-    "linear_attn.in_proj": (
-        "linear_attn.in_proj_qkv",
-        "linear_attn.in_proj_z",
-        "linear_attn.in_proj_b",
-        "linear_attn.in_proj_a",
-    ),
-}
 _LAYER = re.compile(r"^(model\.language_model\.layers\.\d+)\.(.+)\.(weight|bias)$")
 _EXPERTS = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 # an expert stored as its own Linears (Qwen3.5-MoE's releases): gate and up rows into its `gate_up`
@@ -77,7 +66,7 @@ def _target(name: str) -> tuple[str, int, int] | None:
     if not match:
         return None
     layer, module, kind = match.groups()
-    for fused, parts in _FUSED.items():
+    for fused, parts in FUSED_PROJECTIONS.items():
         if module in parts:
             return f"{layer}.{fused}.{kind}", parts.index(module), len(parts)
     return None
