@@ -38,6 +38,12 @@ def inputs():
     return module, projected
 
 
+def _split(projected):
+    """The two input projections' rows (q/k/v/z, b/a) of the fixture's one tensor of all six parts."""
+    at = SHAPE.conv_channels + SHAPE.values
+    return projected[:, :at], projected[:, at:]
+
+
 def _mixer(module, kernel) -> DeltaNetMixer:
     return DeltaNetMixer(module, SHAPE, 1e-6, kernel)
 
@@ -46,7 +52,7 @@ def _run(mixer, projected, pieces, layer=None):
     layer = layer or RecurrentLayer(SHAPE)
     outs, at = [], 0
     for n in pieces:
-        outs.append(mixer([layer], projected[at : at + n], [n], [False]))
+        outs.append(mixer([layer], *_split(projected[at : at + n]), [n], [False]))
         at += n
     return torch.cat(outs), layer
 
@@ -98,7 +104,7 @@ def test_a_token_has_the_same_bits_alone_in_pieces_and_in_a_batch(inputs):
     first, second = RecurrentLayer(SHAPE), RecurrentLayer(SHAPE)
     generator = torch.Generator().manual_seed(3)
     neighbour = torch.randn(11, projected.shape[1], generator=generator)
-    out = mixer([first, second], torch.cat([projected[:20], neighbour]), [20, 11], [False, False])
+    out = mixer([first, second], *_split(torch.cat([projected[:20], neighbour])), [20, 11], [False, False])
     assert torch.equal(out[:20], whole[:20])
 
 
@@ -120,7 +126,7 @@ def test_rejected_guesses_leave_the_state_as_if_never_fed(inputs):
     whole, _ = _run(mixer, projected, [TOKENS])
     layer = RecurrentLayer(SHAPE)
     _run(mixer, projected[:10], [10], layer)
-    mixer([layer], projected[10:15], [5], [True])
+    mixer([layer], *_split(projected[10:15]), [5], [True])
     layer.rewind(2, mixer)
     assert layer.length == 13
     rest, _ = _run(mixer, projected[13:], [TOKENS - 13], layer)

@@ -18,6 +18,7 @@ import torch
 from test_batching import Stream, request
 from test_caches import Engines, assistant, converse, image, user
 from test_forward import a_picture_and_a_question, decode, pieces, prefill, prompt_rows, same_kv, transformers_greedy
+from test_int4 import copied_without_weights, greedy, publish_linear, save_published
 
 from service.engine.engine import Engine, GenerationRequest
 from service.model.attention import ExactAttention
@@ -189,7 +190,7 @@ def test_the_int8_checkpoint_answers_as_quantizing_at_load_and_the_4bit_one_is_4
     from service.quant.int4_linear import Int4Linear
 
     layer = engines("int4").model.model.language_model.layers[0]
-    assert isinstance(layer.linear_attn.in_proj, Int4Linear) and isinstance(layer.linear_attn.out_proj, Int4Linear)
+    assert isinstance(layer.linear_attn.in_proj_qkvz, Int4Linear) and isinstance(layer.linear_attn.out_proj, Int4Linear)
     at_load, checkpoint = engines("int8"), engines("int8-checkpoint")
     rows = prompt_rows(at_load, a_picture_and_a_question(at_load))
     _, expected = prefill(TextForward(at_load.model, attention), rows, [len(rows.ids)], torch.float32, every_row=True)
@@ -261,3 +262,49 @@ def test_presets_have_the_releases_parameter_counts(preset):
     shapes = checkpoint_shapes(model_config(preset))
     assert sum(math.prod(shape) for shape in shapes.values()) == PUBLISHED_PARAMETERS[preset]
     assert sum(name.startswith("mtp.") for name in shapes) >= 15
+
+
+# -- published GPTQ / AWQ checkpoints -------------------------------------------------------------
+
+
+def write_published(preset_dir, dst, method: str) -> dict[str, tuple]:
+    """The preset as GPTQModel / AutoAWQ publish a Qwen3.5: every text Linear 4-bit (each expert its own
+    Linears, as Qwen3.5-MoE's releases store them) but the small b and a projections (a row per value head:
+    4 here, where both pack zero points 8 output rows to a word) and the shared expert's gate; the vision
+    tower, embedding, lm_head and the MTP head left as they were. Returns each published Linear's
+    (values, zeros, scales)."""
+    tensors, quantized = copied_without_weights(preset_dir, dst), {}
+    linears = [k for k in tensors if k.startswith("model.language_model.layers.") and "proj" in k.split(".")[-2]]
+    for key in linears:
+        if key.endswith(("in_proj_a.weight", "in_proj_b.weight")):
+            continue
+        name = key.removesuffix(".weight")
+        quantized[name] = publish_linear(tensors, name, tensors.pop(key), method)
+    save_published(dst, tensors, method)
+    return quantized
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_published_qwen35_loads_with_exactly_its_weights_and_answers(cache_dir, preset_dir, tmp_path, method):
+    """MODEL_PATH at a GPTQ or AWQ Qwen3.5: its linear attention's q/k/v and z projections hold exactly
+    the published values, zero points and scales side by side (as the forward fuses them), the b and a
+    projections left unquantized INT8, every expert its own; and it answers."""
+    from service.quant.int4_linear import Int4Linear, pack
+    from service.quant.int8_linear import Int8Linear
+
+    src = tmp_path / method
+    quantized = write_published(preset_dir, src, method)
+    settings = make_settings(cache_dir, model_path=src)
+    loaded = load_model(settings)
+    assert loaded.quantization == "int4"
+    prefix = "model.language_model.layers.0.linear_attn"
+    attn = loaded.model.get_submodule(prefix)
+    parts = [quantized[f"{prefix}.{p}"] for p in ("in_proj_qkv", "in_proj_z")]
+    assert isinstance(attn.in_proj_qkvz, Int4Linear)
+    for name, tensor in pack(*[torch.cat([part[i] for part in parts]) for i in range(3)]).items():
+        assert torch.equal(getattr(attn.in_proj_qkvz, name), tensor), name
+    assert isinstance(attn.in_proj_ba, Int8Linear)
+    mlp = loaded.model.model.language_model.layers[0].mlp
+    if hasattr(mlp, "experts"):
+        assert all(isinstance(m, Int4Linear) for m in [*mlp.experts.gate_up, *mlp.experts.down])
+    assert greedy(Engine(loaded, settings), "Hello there.").completion_tokens == 16

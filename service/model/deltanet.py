@@ -104,7 +104,7 @@ class Shape:
 
     @property
     def projection_widths(self) -> list[int]:
-        """The fused input projection's parts, in row order: q, k, v (convolved together), z, b, a."""
+        """The input projections' parts, in row order: q, k, v (convolved together), z; then b, a."""
         return [self.conv_channels, self.values, self.value_heads, self.value_heads]
 
     @property
@@ -172,7 +172,7 @@ class RecurrentLayer:
 
 
 class DeltaNetMixer:
-    """One linear-attention layer's token mixer: `mixer(states, parts, counts)` for the call's rows."""
+    """One linear-attention layer's token mixer: `mixer(states, qkvz, ba, counts, undoable)` for the call's rows."""
 
     def __init__(self, attention_module, shape: Shape, eps: float, kernel=None):
         self.shape = shape
@@ -184,11 +184,20 @@ class DeltaNetMixer:
         self.eps = eps
         self.kernel = kernel or DeltaNetKernel.load()
 
-    def __call__(self, layers: list[RecurrentLayer], projected: torch.Tensor, counts: list[int], undoable: list[bool]):
-        """The mixed values (rows × value heads·dv) of the call's rows, `counts[i]` consecutive rows
-        for sequence i, each sequence's state advanced in `layers[i]`."""
-        parts = projected.split(self.shape.projection_widths, dim=-1)
-        out = torch.empty(len(projected), self.shape.values)
+    def __call__(
+        self,
+        layers: list[RecurrentLayer],
+        qkvz: torch.Tensor,
+        ba: torch.Tensor,
+        counts: list[int],
+        undoable: list[bool],
+    ):
+        """The mixed values (rows × value heads·dv) of the call's rows — their input projections `qkvz`
+        (q, k, v, z) and `ba` (b, a) — `counts[i]` consecutive rows for sequence i, each sequence's state
+        advanced in `layers[i]`; `undoable[i]`: sequence i's rows may be taken back (RecurrentLayer.rewind)."""
+        widths = self.shape.projection_widths
+        parts = (*qkvz.split(widths[:2], dim=-1), *ba.split(widths[2:], dim=-1))
+        out = torch.empty(len(qkvz), self.shape.values)
         calls, at = [], 0
         for layer, count, may_undo in zip(layers, counts, undoable):
             inputs = tuple(p[at : at + count] for p in parts)

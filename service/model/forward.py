@@ -50,7 +50,7 @@ class _Layer:
     down: nn.Module | None
     act: nn.Module | None
     experts: MixtureOfExperts | None = None  # a mixture-of-experts layer's router and experts
-    in_proj: nn.Module | None = None  # a linear-attention layer's (Qwen3.5): q, k, v, z, b, a
+    in_proj: tuple[nn.Module, nn.Module] | None = None  # a linear-attention layer's (Qwen3.5): q/k/v/z, b/a
     mixer: DeltaNetMixer | None = None  # and its token mixer
 
 
@@ -115,7 +115,7 @@ class TextForward:
                 qkv=None,
                 qk_norm=None,
                 o_proj=attn.out_proj,
-                in_proj=attn.in_proj,
+                in_proj=(attn.in_proj_qkvz, attn.in_proj_ba),
                 mixer=mixer,
                 **common,
                 **_mlp(layer.mlp),
@@ -180,7 +180,8 @@ class TextForward:
             if layer.mixer is not None:  # linear attention: each sequence's state advanced by its rows
                 mixed = layer.mixer(
                     [s.cache.layers[i] for s in sequences],
-                    layer.in_proj(h),
+                    layer.in_proj[0](h),
+                    layer.in_proj[1](h),
                     [s.count for s in sequences],
                     [s.undoable for s in sequences],
                 )

@@ -90,14 +90,16 @@ class _Tensor(nn.Module):
 
 
 class LinearAttention(nn.Module):
-    """Qwen3.5's Gated DeltaNet layer: one input projection (q, k, v, z, b, a side by side: the
-    checkpoint's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a), the causal convolution's weights,
-    the decay's parameters, the gated norm and out_proj (service/model/deltanet.py computes it)."""
+    """Qwen3.5's Gated DeltaNet layer: its input projections (q, k, v and z side by side, the
+    checkpoint's in_proj_qkv and in_proj_z; b and a, its in_proj_b and in_proj_a), the causal
+    convolution's weights, the decay's parameters, the gated norm and out_proj
+    (service/model/deltanet.py computes it)."""
 
     def __init__(self, config):
         super().__init__()
         shape = Shape.of(config)
-        self.in_proj = _linear(config.hidden_size, sum(shape.projection_widths))
+        self.in_proj_qkvz = _linear(config.hidden_size, shape.conv_channels + shape.values)
+        self.in_proj_ba = _linear(config.hidden_size, 2 * shape.value_heads)
         self.conv1d = _Tensor(shape.conv_channels, 1, shape.kernel)
         self.dt_bias = nn.Parameter(torch.zeros(shape.value_heads))
         self.A_log = nn.Parameter(torch.zeros(shape.value_heads))
