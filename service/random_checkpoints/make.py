@@ -91,7 +91,7 @@ def make_checkpoint(
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     qwen35 = recipe.family == "qwen3_5"
-    family = (qwen35_tokens.TOKENS, qwen35_tokens.CHAT_TEMPLATE) if qwen35 else None
+    family = qwen35_tokens if qwen35 else None
     ids = train_tokenizer(out_dir, 1024 if recipe.tiny else 4096, thinking=recipe.thinking, family=family)
     write_image_processor_config(out_dir)
     # The tiny models' vocabulary is exactly their tokenizer's, so every sampled id decodes to text.

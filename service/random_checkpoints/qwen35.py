@@ -49,6 +49,16 @@ TOKENS = [
     ("<tts_text_bos_single>", True),
     ("<|audio_pad|>", True),
 ]
+TOKENIZER_CLASS = "Qwen3_5Tokenizer"
+
+
+def pretokenize_regex() -> str:
+    """Qwen3.5's pre-tokenizer (letters with their combining marks), as transformers writes it."""
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+
+    return PRETOKENIZE_REGEX
+
+
 FIRST_ID = 248044
 REAL_IDS = {token: FIRST_ID + i for i, (token, _) in enumerate(TOKENS)}
 VOCAB_SIZE = 248320  # the embedding's rows (the tokenizer's 248,077 padded)

@@ -54,9 +54,9 @@ def _corpus() -> list[str]:
     return lines
 
 
-def train_bpe(texts, vocab_size: int, added: list[tuple[str, bool]] | None = None):
-    """A Qwen2-style byte-level BPE (Qwen's pre-tokenizer regex, byte alphabet, NFC) trained on
-    `texts`, with Qwen's special tokens (or `added`: (token, special) pairs, in their order) after its
+def train_bpe(texts, vocab_size: int, added: list[tuple[str, bool]] | None = None, regex: str | None = None):
+    """A Qwen2-style byte-level BPE (Qwen's pre-tokenizer regex — or `regex` — byte alphabet, NFC) trained
+    on `texts`, with Qwen's special tokens (or `added`: (token, special) pairs, in their order) after its
     `vocab_size` learned ones."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -65,7 +65,7 @@ def train_bpe(texts, vocab_size: int, added: list[tuple[str, bool]] | None = Non
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(regex or PRETOKENIZE_REGEX), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -85,18 +85,18 @@ def train_bpe(texts, vocab_size: int, added: list[tuple[str, bool]] | None = Non
     return tokenizer
 
 
-def train_tokenizer(
-    out_dir: Path, vocab_size: int, thinking: bool = False, family: tuple[list, str] | None = None
-) -> dict[str, int]:
+def train_tokenizer(out_dir: Path, vocab_size: int, thinking: bool = False, family=None) -> dict[str, int]:
     """Train the checkpoints' tokenizer on a fixed corpus; returns the special-token ids (and the
     thinking tags' with `thinking`, whose chat template is then the Thinking one). `family`: another
-    model family's (added tokens as (token, special) pairs in their order, chat template)."""
+    model family's module (service/random_checkpoints/qwen35.py): its added tokens as (token, special)
+    pairs in their order, pre-tokenizer regex, tokenizer class and chat template."""
     from tokenizers import AddedToken
 
+    tokenizer_class = "Qwen2Tokenizer"
     if family is not None:
-        tokens, template = family
-        tokenizer = train_bpe(_corpus(), vocab_size - len(tokens), tokens)
-        added = [token for token, _ in tokens]
+        tokenizer = train_bpe(_corpus(), vocab_size - len(family.TOKENS), family.TOKENS, family.pretokenize_regex())
+        added, template = [token for token, _ in family.TOKENS], family.CHAT_TEMPLATE
+        tokenizer_class = family.TOKENIZER_CLASS
     else:
         tokenizer = train_bpe(_corpus(), vocab_size - len(SPECIAL_TOKENS))
         thinking_tags = THINKING_TOKENS if thinking else []
@@ -105,7 +105,7 @@ def train_tokenizer(
     tokenizer.save(str(out_dir / "tokenizer.json"))
     ids = {token: tokenizer.token_to_id(token) for token in added}
     tokenizer_config = {
-        "tokenizer_class": "Qwen2Tokenizer",
+        "tokenizer_class": tokenizer_class,
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
