@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 from test_batching import Stream, request
-from test_caches import Engines, assistant, converse, image, user
+from test_caches import Engines, assistant, converse, image, turn, user
 from test_forward import a_picture_and_a_question, decode, pieces, prefill, prompt_rows, same_kv, transformers_greedy
 from test_int4 import copied_without_weights, greedy, publish_linear, save_published
 
@@ -308,3 +308,43 @@ def test_a_published_qwen35_loads_with_exactly_its_weights_and_answers(cache_dir
     if hasattr(mlp, "experts"):
         assert all(isinstance(m, Int4Linear) for m in [*mlp.experts.gate_up, *mlp.experts.down])
     assert greedy(Engine(loaded, settings), "Hello there.").completion_tokens == 16
+
+
+# -- the disk tier: keys and values, and the recurrent states ---------------------------------------
+
+
+@WEIGHTS
+def test_a_second_turn_from_disk_has_the_bits_of_one_from_memory_and_of_a_recompute(
+    engines, cache_dir, tmp_path, weights
+):
+    """A conversation's first turn kept on disk — its attention layers' blocks and its recurrent states
+    (where its turns start and end) — and the store copied as a restart finds it: the second turn on
+    another engine resumes from disk, where memory resumed, with the same bits as from memory and as a
+    recompute."""
+    import shutil
+
+    from test_kv_disk import QUESTION
+
+    from service.caches.kv_disk import BLOCK_TOKENS
+
+    loaded = engines(weights).loaded
+
+    def tiered(folder, **settings) -> Engine:
+        quantization = "fp32" if weights == "fp32" else "int8"
+        s = make_settings(cache_dir, model_path=loaded.path, quantization=quantization, kv_disk_dir=folder, **settings)
+        return Engine(loaded, s)
+
+    first = tiered(tmp_path / "kv")
+    history = [user(image(first, seed=5), QUESTION)]
+    _, done = turn(first, history, "A")
+    assert first.caches.kv.disk.flush(30)
+    assert list((tmp_path / "kv").rglob("*.state"))  # the states, beside the blocks
+    follow = history + [assistant(done.text), user("Tell me more.")]
+    shutil.copytree(tmp_path / "kv", tmp_path / "copy")
+    memory_ids, from_memory = turn(first, follow, "A")
+    disk_ids, from_disk = turn(tiered(tmp_path / "copy"), follow, "A")
+    plain_ids, plain = turn(tiered(tmp_path / "off", cache_enabled=False), follow)
+    assert (from_memory.cached_from, from_disk.cached_from, plain.cached_from) == ("memory", "disk", None)
+    assert from_disk.cached_tokens == from_memory.cached_tokens >= BLOCK_TOKENS
+    assert disk_ids == memory_ids == plain_ids
+    assert from_disk.logprobs == from_memory.logprobs == plain.logprobs

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import requests
+
 from clips import write_clip
 from imaging import data_url, encode, pattern
 

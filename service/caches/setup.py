@@ -79,9 +79,6 @@ def _kv_disk(settings: Settings, loaded, encoder: str, encoder_input: str, layou
     exactly this checkpoint, quantization, vision encoder and KV layout; None (one warning, the
     qwen3vl_kv_disk_usable gauge at 0) when its folder cannot be used: an optional cache never stops
     the model from serving."""
-    if "linear_attention" in (getattr(loaded.model.config.text_config, "layer_types", None) or []):
-        log.warning("KV disk tier off: it does not keep a hybrid model's (Qwen3.5) recurrent states yet")
-        return None
     if not settings.cache_enabled or settings.kv_disk_mb == 0:
         return None
     root = settings.kv_disk_dir or settings.cache_dir / "kv"

@@ -181,8 +181,10 @@ class Engine:
         """A hybrid model's snapshot positions (None for Qwen3-VL, whose KV cache can be cut anywhere)."""
         if not is_hybrid(loaded.model.config.text_config):
             return None
-        header = loaded.processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-        return StateSnapshots(header, settings.state_snapshot_tokens)
+        tokenizer = loaded.processor.tokenizer
+        header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        turn_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        return StateSnapshots(header, settings.state_snapshot_tokens, turn_end if isinstance(turn_end, int) else None)
 
     def _keep_cache(self, sequence: Sequence) -> None:
         """Store a finished sequence's KV cache for the next turn (on the scheduler's thread): it

@@ -79,11 +79,12 @@ class StateSnapshots:
     """Where a hybrid model's prefill keeps its recurrent state (service/model/hybrid.py): where each
     turn starts and where an assistant turn's header (`<|im_start|>assistant\n`) ends — a later turn's
     re-rendered history shares the prompt up to there at least, even where the template writes the
-    answer back otherwise than it was prompted (a thinking block dropped) — every `every` tokens (0:
-    never), and at the prompt's end."""
+    answer back otherwise than it was prompted (a thinking block dropped) — before each turn's end
+    token (where a kept answer's cache ends: a resent history finds it there), every `every` tokens
+    (0: never), and at the prompt's end. The same positions are where a lookup looks for a state."""
 
-    def __init__(self, header: list[int], every: int):
-        self.header, self.every = header, every
+    def __init__(self, header: list[int], every: int, turn_end: int | None = None):
+        self.header, self.every, self.turn_end = header, every, turn_end
 
     def points(self, token_ids: torch.Tensor) -> set[int]:
         length = len(token_ids)
@@ -95,6 +96,8 @@ class StateSnapshots:
                 points.add(i)
                 if token_ids[i : i + len(self.header)].tolist() == self.header:
                     points.add(i + len(self.header))
+        if self.turn_end is not None:  # before each turn's end: where a kept answer's cache ends
+            points.update((token_ids == self.turn_end).nonzero()[:, 0].tolist())
         return points - {0}
 
 
@@ -164,8 +167,9 @@ class Prefiller:
         rope = prompt_positions(
             self.model, prompt
         )  # the disk tier's blocks are checked against them, and rows use them
+        keep = sorted(self.snapshots.points(prompt.input_ids[0])) if self.snapshots is not None else []
         reuse = yield from self.kv_cache.lookup(
-            prompt.input_ids[0], rope[0], media, conversation_id, capacity, cache_namespace
+            prompt.input_ids[0], rope[0], media, conversation_id, capacity, cache_namespace, keep
         )
         marks.reused = reuse.tokens if reuse else 0
         marks.reused_from = reuse.source if reuse else None
@@ -181,8 +185,7 @@ class Prefiller:
             rows = PromptRows(self.model, prompt, merged, marks.reused, rope)
             cache.reserve(capacity)
             start, computing = marks.reused, 0.0
-            keep = self.snapshots.points(prompt.input_ids[0]) if self.snapshots is not None else set()
-            for end in self.piece_ends(prompt.num_tokens, marks.reused, keep):
+            for end in self.piece_ends(prompt.num_tokens, marks.reused, set(keep)):
                 yield
                 t2 = time.perf_counter()
                 logits = self.forward(*rows.piece(cache, start, end), logits_rows=torch.tensor([end - start - 1]))

@@ -174,6 +174,9 @@ class TextForward:
             x[index] = features.pooler.to(x.dtype)
         cos, sin = self.rotary(positions)
         starts = [s.cache.get_seq_length() for s in sequences]
+        for s in sequences:  # a hybrid cache recomputes with them when a decode step's guesses are taken back
+            if isinstance(s.cache, HybridCache):
+                s.cache.mixers = self.mixers
         attended = torch.empty(rows, self.heads, self.head_dim)
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)

@@ -20,6 +20,8 @@ import torch
 from .deltanet import DeltaNetMixer, RecurrentLayer, Shape
 from .kv import GrowingLayer
 
+MAX_SNAPSHOTS = 8  # kept per cache: the first (a shared system prompt's end, say) and the latest
+
 
 class StateUnavailable(ValueError):
     """A recurrent state was asked for at a length the cache holds no snapshot of."""
@@ -79,8 +81,35 @@ class HybridCache:
     # -- snapshots ---------------------------------------------------------------------------------
 
     def snapshot(self) -> None:
-        """Keep a copy of every linear layer's state at the present length."""
+        """Keep a copy of every linear layer's state at the present length (at most MAX_SNAPSHOTS: the
+        first one and the latest, where a later request most likely resumes)."""
         self.snapshots[self.get_seq_length()] = [(layer.conv.clone(), layer.state.clone()) for layer in self.recurrent]
+        while len(self.snapshots) > MAX_SNAPSHOTS:
+            del self.snapshots[sorted(self.snapshots)[1]]
+
+    def states_to_keep(self, tokens: int) -> list[tuple[int, list]]:
+        """(length, each linear layer's (conv, state)) of every snapshot within `tokens` and of the
+        present state if the cache holds `tokens` — copies: what a store may keep while this cache goes on."""
+        kept = [(at, states) for at, states in sorted(self.snapshots.items()) if at <= tokens]
+        if self.get_seq_length() == tokens and tokens not in self.snapshots:
+            kept.append((tokens, [(layer.conv.clone(), layer.state.clone()) for layer in self.recurrent]))
+        return kept
+
+    @classmethod
+    def holding(
+        cls, layer_types: list[str], shape: Shape, keys: list, values: list, length: int, states: list
+    ) -> HybridCache:
+        """A cache over its attention layers' buffers (1 × heads × capacity × head_dim, the first `length`
+        positions filled: room to grow in place) and its linear layers' states at `length`."""
+        cache = cls(layer_types, shape, keys[0].dtype)
+        for i, layer_keys, layer_values in zip(cache.attention, keys, values, strict=True):
+            layer = cache.layers[i]
+            layer.lazy_initialization(layer_keys[:, :, :0], layer_values[:, :, :0])
+            layer._keys_buffer, layer._values_buffer = layer_keys, layer_values
+            layer.keys, layer.values = layer_keys[:, :, :length], layer_values[:, :, :length]
+        for layer, (conv, state) in zip(cache.recurrent, states, strict=True):
+            layer.conv, layer.state, layer.length = conv.clone(), state.clone(), length
+        return cache
 
     def resumable(self, length: int) -> int:
         """The longest length at or below `length` whose recurrent state this cache can give back."""
