@@ -22,7 +22,7 @@ WEATHER = {
         "description": "The weather in a city",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
             "required": ["city", "days"],
         },
     },

@@ -20,7 +20,7 @@ import json
 import re
 
 from .structured import json_rule
-from .tools import CLOSE, OPEN, ToolCall, ToolCallDelta, ToolCallParser, _call_id
+from .tools import CLOSE, OPEN, ToolCall, ToolCallDelta, ToolCallParser, _call_id, tags
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n")
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n(.*?)\n</parameter>\n?", re.S)
@@ -51,42 +51,51 @@ def value_of(text: str, types: set[str]):
         return text
 
 
-def _value_rule(name: str, schema: dict) -> str:
-    """A parameter's value: JSON for what is not a plain string; a string's text up to its closing tag."""
-    if isinstance(schema, dict) and schema.get("type") == "string" and not ({"enum", "const"} & schema.keys()):
-        return "TEXT"
-    if isinstance(schema, dict) and "const" in schema and isinstance(schema["const"], str):
-        return _lark_string(schema["const"])
-    if isinstance(schema, dict) and schema.get("type") == "string" and "enum" in schema:
-        return "(" + " | ".join(_lark_string(v) for v in schema["enum"]) + ")"
-    return json_rule(schema)
+_CLOSE_PARAMETER = "\\n</parameter>\\n"  # as Lark writes it
 
 
-def call_rules(functions: list[dict], parallel: bool) -> str:
+def _parameter(rule: str, name: str, schema: dict) -> list[str]:
+    """Lark rules for one parameter, `rule` its name: its tag, then its value — JSON where it is not a
+    plain string (a JSON value ends by itself); a string's text within its minLength and maxLength and its
+    closing tag as one lexeme, which ends at the first closing tag (as the parser reads it: the lexer
+    would otherwise take the closing's newline into the text and meet its `<` too late)."""
+    tag = _lark_string(f"<parameter={name}>\n")
+    plain = isinstance(schema, dict) and schema.get("type") == "string" and not ({"enum", "const"} & schema.keys())
+    if plain:
+        least, most = int(schema.get("minLength", 0)), schema.get("maxLength")
+        span = f"{{{least},{'' if most is None else int(most)}}}"
+        closing = r"\n<\/parameter>\n"
+        text = f"/(.|\\n){span}{closing}/ & ~/(.|\\n)*{closing}(.|\\n)+/"
+        return [f"{rule}: {tag} {rule.upper()}_VALUE", f"{rule.upper()}_VALUE: {text}"]
+    if isinstance(schema, dict) and isinstance(schema.get("const"), str):
+        value = _lark_string(schema["const"])
+    elif isinstance(schema, dict) and schema.get("type") == "string" and "enum" in schema:
+        value = "(" + " | ".join(_lark_string(v) for v in schema["enum"]) + ")"
+    else:
+        value = json_rule(schema)
+    return [f'{rule}: {tag} {value} "{_CLOSE_PARAMETER}"']
+
+
+def call_rules(functions: list[dict], parallel: bool, tag_tokens: bool = False) -> str:
     """Lark rules defining `calls` (one call, or with `parallel` one or more) of any of `functions`,
     their required parameters in the schema's order, then any optional ones, each value valid."""
+    opening, closing = tags(tag_tokens)
+    names = [f"function_{i}" for i in range(len(functions))]
     rules = [
         f"calls: call{' (NL call)*' if parallel else ''}",
+        f'call: {opening} "\\n" ({" | ".join(names)}) {closing}',
         'NL: "\\n"',
-        # a string value: any text that does not close its parameter early
-        r"TEXT: /(.|\n)*/ & ~/(.|\n)*\n<\/parameter>(.|\n)*/",
     ]
-    names = []
     for i, function in enumerate(functions):
         parameters = function.get("parameters", {})
         properties = parameters.get("properties") or {}
         required = [p for p in properties if p in (parameters.get("required") or [])]
-        optional = [p for p in properties if p not in required]
         parts = []
-        for j, name in enumerate(required + optional):
-            rule = f"f{i}_p{j}"
-            tag = _lark_string(f"<parameter={name}>\n")
-            rules.append(f'{rule}: {tag} {_value_rule(name, properties[name])} "\\n</parameter>\\n"')
-            parts.append(rule if name in required else f"{rule}?")
+        for j, name in enumerate(required + [p for p in properties if p not in required]):
+            rules += _parameter(f"f{i}_p{j}", name, properties[name])
+            parts.append(f"f{i}_p{j}" if name in required else f"f{i}_p{j}?")
         head = _lark_string(f"<function={function['name']}>\n")
         rules.append(f'function_{i}: {head} {" ".join(parts)} "</function>\\n"')
-        names.append(f"function_{i}")
-    rules.insert(1, f'call: "{OPEN}\\n" ({" | ".join(names)}) "{CLOSE}"')
     return "\n".join(rules) + "\n"
 
 
@@ -94,8 +103,8 @@ class XMLToolCallParser(ToolCallParser):
     """ToolCallParser for the XML form: a call's name goes out once its `<function=…>` line is
     seen, its arguments as a JSON object, a parameter at a time as each one closes."""
 
-    def __init__(self, max_calls: int | None = None, functions: list[dict] | None = None):
-        super().__init__(max_calls)
+    def __init__(self, max_calls: int | None = None, forced: bool = False, functions: list[dict] | None = None):
+        super().__init__(max_calls, forced)
         self._types = {f["name"]: _types(f) for f in functions or []}
         self._arguments = ""  # the open call's arguments sent so far
         self._consumed = 0  # where in the block's text the next parameter starts
@@ -131,7 +140,7 @@ class XMLToolCallParser(ToolCallParser):
 
 def parse_calls(text: str, functions: list[dict] | None = None) -> list[ToolCall]:
     """Every whole call in `text` (for tests and tools): what XMLToolCallParser finds."""
-    parser = XMLToolCallParser(None, functions)
+    parser = XMLToolCallParser(None, functions=functions)
     parser.feed(text)
     parser.flush()
     return parser.calls

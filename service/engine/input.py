@@ -42,7 +42,7 @@ class InputProcessor:
         self.grammars = GrammarCompiler(self.processor.tokenizer, self.vocab_size, loaded.eos_token_ids)
         self.renders_tools = renders_tools(self.processor)
         self.thinking = thinking
-        self.tool_form = tool_call_form(self.processor)  # "json" (Qwen3-VL) or "xml" (Qwen3.5): how calls are written
+        self.tool_form = tool_call_form(self.processor)  # how its calls are written: Qwen3-VL's JSON, Qwen3.5's XML
 
     def prepare(self, request: GenerationRequest) -> Prepared:
         """Check the request and prepare it; raises the 4xx (or the 503) a client should get."""
@@ -72,7 +72,7 @@ class InputProcessor:
             self.limits.prompt,
             request.tools,
             template_kwargs,
-            xml_calls=self.tool_form == "xml",
+            xml_calls=self.tool_form.xml,
         )
 
     def _reasoning(self, request: GenerationRequest, prompt: PreparedPrompt) -> tuple[Opening, int | None] | None:

@@ -8,6 +8,7 @@ from functools import cached_property
 
 import torch
 
+from ..answer.tool_forms import ToolForm
 from ..answer.tools import ToolCall
 from ..errors import BadRequest, PromptTooLong
 from ..media.images import DecodedImage
@@ -237,9 +238,12 @@ def validate_conversation(messages: list[ChatMessage], limits: PromptLimits) -> 
             raise BadRequest("a system message is accepted only first", param=f"messages[{i}]")
 
 
-def tool_call_form(processor) -> str:
-    """How the checkpoint's model writes a tool call, as its chat template writes one back: "xml"
-    (Qwen3.5's `<function=NAME>` / `<parameter=ARG>` blocks) or "json" (Qwen3-VL's JSON object)."""
+def tool_call_form(processor) -> ToolForm:
+    """How the checkpoint's model writes a tool call, as its chat template writes one back — Qwen3.5's
+    `<function=NAME>` / `<parameter=ARG>` blocks or Qwen3-VL's JSON object — and whether its tokenizer
+    has the `<tool_call>` tags as tokens of their own."""
+    tags = processor.tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    tag_tokens = all(isinstance(t, int) and t != processor.tokenizer.unk_token_id and t >= 0 for t in tags)
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
         {
@@ -252,8 +256,8 @@ def tool_call_form(processor) -> str:
     try:
         text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception:  # a template that takes no tool calls: they are never rendered back
-        return "json"
-    return "xml" if "<function=probe>" in text else "json"
+        text = ""
+    return ToolForm(xml="<function=probe>" in text, tag_tokens=tag_tokens)
 
 
 def renders_tools(processor) -> bool:
