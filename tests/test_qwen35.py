@@ -348,3 +348,23 @@ def test_a_second_turn_from_disk_has_the_bits_of_one_from_memory_and_of_a_recomp
     assert from_disk.cached_tokens == from_memory.cached_tokens >= BLOCK_TOKENS
     assert disk_ids == memory_ids == plain_ids
     assert from_disk.logprobs == from_memory.logprobs == plain.logprobs
+
+
+@pytest.mark.parametrize("change", ["missing", "unknown"])
+def test_a_checkpoint_with_a_missing_or_unknown_tensor_is_refused_by_name(cache_dir, preset_dir, tmp_path, change):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "broken"
+    shutil.copytree(preset_dir, copy)
+    tensors = load_file(copy / "model.safetensors")
+    name = "model.language_model.layers.0.linear_attn.A_log"
+    if change == "missing":
+        del tensors[name]
+    else:
+        name = "model.language_model.layers.0.linear_attn.mystery.weight"
+        tensors[name] = torch.zeros(4)
+    save_file(tensors, copy / "model.safetensors")
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        load_model(make_settings(cache_dir, model_path=copy, quantization="fp32"))

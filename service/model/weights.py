@@ -110,8 +110,11 @@ def load_weights(model: ServedModel, path: Path, dtype: torch.dtype | None = Non
                     _assign(model, name, tensor)
     if pending:
         raise ValueError(f"{path} is incomplete: parts of {sorted(pending)[:3]} are missing")
-    if ignored:
-        log.warning("%d tensors of %s are not Qwen3-VL's and were left out: %s", len(ignored), path, ignored[:3])
+    if ignored:  # another architecture's, or a damaged file: never served half understood
+        raise ValueError(
+            f"{path} has {len(ignored)} tensors this service does not know for its config "
+            f"({model.config.model_type}): {', '.join(sorted(ignored)[:5])}"
+        )
     if tied_embeddings(model.config):
         model.lm_head.weight = model.model.language_model.embed_tokens.weight
     missing = [n for n, t in model.named_parameters() if t.is_meta]
