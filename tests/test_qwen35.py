@@ -368,3 +368,16 @@ def test_a_checkpoint_with_a_missing_or_unknown_tensor_is_refused_by_name(cache_
     save_file(tensors, copy / "model.safetensors")
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         load_model(make_settings(cache_dir, model_path=copy, quantization="fp32"))
+
+
+@WEIGHTS
+def test_a_paused_answer_has_the_bits_of_one_never_paused(engines, weights):
+    """A full batch of one: a less urgent answer pauses (its recurrent states and keys kept as they are)
+    while an urgent one runs, then resumes — the same tokens and log-probabilities as never paused."""
+    from test_priorities import background_request, preempted_run, run, same_bits, urgent_request
+
+    engine = engines(weights, max_batch_size=1, queue_size=4, prefill_chunk_tokens=24, cache_enabled=False)
+    expected = run(engine, background_request(engine, "greedy"))
+    low, urgent, seen = preempted_run(engine, background_request(engine, "greedy"))
+    assert low.preempted == 1 and "paused" in seen
+    assert same_bits(low, expected) and same_bits(urgent, run(engine, urgent_request()))
