@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .answer.tool_forms import JSON_FORM, ToolForm
 from .media.images import ImageLimits, image_limits
 from .media.video import VideoLimits
-from .model.prompts import PromptLimits
+from .model.prompts import PromptLimits, tool_call_form
 from .settings import Settings
 
 
@@ -19,6 +20,7 @@ class RequestLimits:
     max_stop_strings: int
     default_max_tokens: int
     max_new_tokens: int  # the most a request's max_tokens may ask (HTTP: a 400 beyond); clipped to the context's room
+    tool_form: ToolForm = JSON_FORM  # how the checkpoint's model writes a tool call (Qwen3-VL's JSON, Qwen3.5's XML)
 
     @classmethod
     def build(cls, settings: Settings, processor, thinking: bool = False) -> RequestLimits:
@@ -33,6 +35,7 @@ class RequestLimits:
             max_stop_strings=settings.max_stop_strings,
             default_max_tokens=min(settings.default_max_tokens, cap),
             max_new_tokens=cap,
+            tool_form=tool_call_form(processor),
         )
 
     def published(self) -> dict:

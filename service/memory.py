@@ -63,16 +63,32 @@ def unreclaimable_bytes(process: psutil.Process | None = None) -> int:
 
 
 def kv_shape(config) -> tuple[int, int, int]:
-    """(layers, key/value heads, head dim) of this (Qwen3-VL) config's KV cache."""
+    """(layers, key/value heads, head dim) of this config's KV cache: every layer of Qwen3-VL, the
+    full-attention ones of a hybrid model (Qwen3.5; its linear ones keep a state instead)."""
     text = getattr(config, "text_config", config)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers, text.num_key_value_heads, head_dim
+    kinds = getattr(text, "layer_types", None) or []
+    layers = kinds.count("full_attention") if "linear_attention" in kinds else text.num_hidden_layers
+    return layers, text.num_key_value_heads, head_dim
+
+
+def state_bytes(config) -> int:
+    """One sequence's recurrent state, fp32, in every linear-attention layer of a hybrid model (0 for
+    Qwen3-VL): each value head's key × value matrix and the convolution's last inputs."""
+    text = getattr(config, "text_config", config)
+    linear = (getattr(text, "layer_types", None) or []).count("linear_attention")
+    if not linear:
+        return 0
+    heads, key_dim, value_dim = text.linear_num_value_heads, text.linear_key_head_dim, text.linear_value_head_dim
+    channels = 2 * text.linear_num_key_heads * key_dim + heads * value_dim
+    return 4 * linear * (heads * key_dim * value_dim + (text.linear_conv_kernel_dim - 1) * channels)
 
 
 def kv_cache_bytes(config, tokens: int, bytes_per_value: int = 4) -> int:
-    """Bytes of a KV cache holding `tokens` tokens for this (Qwen3-VL) config (fp32: 4 bytes a value)."""
+    """Bytes of one sequence's cache holding `tokens` tokens (keys and values at `bytes_per_value`;
+    a hybrid model's state twice: a decode step's guesses write beside the state they may fall back to)."""
     layers, heads, head_dim = kv_shape(config)
-    return tokens * layers * 2 * heads * head_dim * bytes_per_value
+    return tokens * layers * 2 * heads * head_dim * bytes_per_value + 2 * state_bytes(config)
 
 
 def cgroup_memory(

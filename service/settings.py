@@ -120,6 +120,14 @@ class Settings(BaseSettings):
         "batch's decode steps (each step reads every weight once: larger pieces "
         "prefill faster, smaller ones pause running streams less)",
     )
+    state_snapshot_tokens: int = Field(
+        1024,
+        ge=0,
+        description="a hybrid model's (Qwen3.5) recurrent state is kept every this many prompt tokens, as well "
+        "as where each turn starts and where the prompt ends, so that a later request sharing the prefix "
+        "resumes there instead of recomputing it (each copy holds the state's bytes: 18.6 MiB on Qwen3.5-2B); "
+        "0: turn starts and prompt ends only",
+    )
     speculative: Literal["on", "off"] = Field(
         "on",
         description="exact speculative decoding: guessed tokens (a grammar's forced ones, prompt lookup) "

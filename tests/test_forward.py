@@ -119,8 +119,12 @@ def decode(forward, caches, first_logits, rope_deltas, steps=STEPS):
 
 
 def same_kv(a: GrowingCache, b: GrowingCache) -> bool:
+    """The same keys and values in every layer (a hybrid model's recurrent layers: the same states)."""
     return a.get_seq_length() == b.get_seq_length() and all(
-        torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values) for x, y in zip(a.layers, b.layers)
+        torch.equal(x.state, y.state) and torch.equal(x.conv, y.conv)
+        if hasattr(x, "state")
+        else torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+        for x, y in zip(a.layers, b.layers)
     )
 
 

@@ -119,9 +119,9 @@ def test_tokens_choose_different_experts(engines, attention, monkeypatch):
     route = MixtureOfExperts.route
 
     def recording(self, h):
-        weights, experts = route(self, h)
+        weights, experts, shared = route(self, h)
         chosen.append(experts)
-        return weights, experts
+        return weights, experts, shared
 
     monkeypatch.setattr(MixtureOfExperts, "route", recording)
     rows = prompt_rows(engine, a_picture_and_a_question(engine))
@@ -302,7 +302,7 @@ def test_4bit_experts_run_in_one_call_that_computes_one_call_per_expert():
     assert torch.equal(torch.cat([moe(h[i : i + 1]) for i in range(0, 300, 7)]), one_call[::7])
     order = torch.randperm(300, generator=torch.Generator().manual_seed(2))
     assert torch.equal(moe(h[order]), one_call[order])
-    weights, chosen = moe.route(h)
+    weights, chosen, _ = moe.route(h)
     # every row's first choice expert 3 (a row that chose 3 later gets its own first choice there)
     crowded = torch.where(chosen == 3, chosen[:, :1], chosen)
     crowded[:, 0] = 3

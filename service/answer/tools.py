@@ -54,14 +54,22 @@ def _call_schema(function: dict) -> dict:
     }
 
 
-def call_rules(functions: list[dict], parallel: bool) -> str:
+def tags(tag_tokens: bool) -> tuple[str, str]:
+    """The call tags as Lark writes them: the tokens `<tool_call>` and `</tool_call>` where the tokenizer
+    has them as tokens of their own (the releases' do: llguidance matches such a token only by name), else
+    their text."""
+    return (f"{OPEN}", f"{CLOSE}") if tag_tokens else (f'"{OPEN}"', f'"{CLOSE}"')
+
+
+def call_rules(functions: list[dict], parallel: bool, tag_tokens: bool = False) -> str:
     """Lark rules defining `calls`: one call (or, `parallel`, one or more) of any of `functions`
     (OpenAI function objects: name, parameters), each argument object valid against its schema."""
     names = [f"function_{i}" for i in range(len(functions))]
+    opening, closing = tags(tag_tokens)
     rules = [
         f"calls: call{' (NL call)*' if parallel else ''}",
         'NL: "\\n"',
-        f'call: "{OPEN}\\n" ({" | ".join(names)}) "\\n{CLOSE}"',
+        f'call: {opening} "\\n" ({" | ".join(names)}) "\\n" {closing}',
         *(f"{name}: {json_rule(_call_schema(f))}" for name, f in zip(names, functions)),
     ]
     return "\n".join(rules) + "\n"

@@ -11,7 +11,8 @@ from jsonschema.validators import validator_for
 
 from ..answer.grounding import GROUNDING_SCHEMA
 from ..answer.structured import OutputGrammar, closed_objects, json_grammar, json_rule
-from ..answer.tools import ToolCall, ToolCallParser, call_rules
+from ..answer.tool_forms import JSON_FORM, ToolForm
+from ..answer.tools import ToolCall, ToolCallParser
 from ..errors import BadRequest
 from .schemas import NamedToolChoice, ResponseFormat, Tool
 
@@ -22,6 +23,7 @@ class AnswerShape:
     prompt_tools: list[dict] | None = None  # rendered into the prompt; their calls are parsed out of the answer
     max_calls: int | None = None  # parallel_tool_calls false: the first call only
     forced_calls: bool = False  # tool_choice required or named: the grammar makes the answer calls only
+    form: ToolForm = JSON_FORM  # how the model writes a call: Qwen3-VL's JSON object or Qwen3.5's XML form
 
     @property
     def parse_tool_calls(self) -> bool:
@@ -29,7 +31,9 @@ class AnswerShape:
 
     def tool_call_parser(self) -> ToolCallParser | None:
         """What finds the calls in a streamed answer (None: the answer holds none)."""
-        return ToolCallParser(self.max_calls, self.forced_calls) if self.parse_tool_calls else None
+        if not self.parse_tool_calls:
+            return None
+        return self.form.parser(self.max_calls, self.forced_calls, [t["function"] for t in self.prompt_tools])
 
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
         """A whole answer's content and its tool calls, as its stream's parser finds them (none looked
@@ -74,10 +78,12 @@ def answer_shape(
     tools: list[Tool] | None = None,
     tool_choice: str | NamedToolChoice | None = None,
     parallel_tool_calls: bool = True,
+    form: ToolForm = JSON_FORM,
 ) -> AnswerShape:
     """auto: the model may call tools (with a response_format: a tool call or JSON in that format);
     required / a named function: it must, and the grammar makes the call parse; none: tools are
-    left out of the prompt."""
+    left out of the prompt. `form`: how the checkpoint's model writes a call (RequestLimits.tool_form)."""
+    rules = form.call_rules
     schema = answer_schema(response_format)
     answer = None if schema is None else json_grammar(schema, "response_format")
     choice = tool_choice or "auto"
@@ -94,17 +100,17 @@ def answer_shape(
     max_calls = None if parallel_tool_calls else 1
     if choice == "auto":
         if schema is None:
-            return AnswerShape(None, prompt_tools, max_calls)
-        lark = f"start: answer | calls\nanswer: {json_rule(schema)}\n" + call_rules(functions, parallel_tool_calls)
-        return AnswerShape(OutputGrammar(lark, "response_format"), prompt_tools, max_calls)
+            return AnswerShape(None, prompt_tools, max_calls, form=form)
+        lark = f"start: answer | calls\nanswer: {json_rule(schema)}\n" + rules(functions, parallel_tool_calls)
+        return AnswerShape(OutputGrammar(lark, "response_format"), prompt_tools, max_calls, form=form)
     if choice == "required":
         forced, parallel = functions, parallel_tool_calls
     else:
         forced, parallel = [f for f in functions if f["name"] == choice.function.name], False
         if not forced:
             raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice")
-    lark = "start: calls\n" + call_rules(forced, parallel)
-    return AnswerShape(OutputGrammar(lark, "tools"), prompt_tools, max_calls, forced_calls=True)
+    lark = "start: calls\n" + rules(forced, parallel)
+    return AnswerShape(OutputGrammar(lark, "tools"), prompt_tools, max_calls, forced_calls=True, form=form)
 
 
 def _function(tool: Tool, index: int) -> dict:

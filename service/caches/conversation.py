@@ -22,12 +22,16 @@ import torch
 from transformers import DynamicCache
 
 from .. import metrics
+from ..model.hybrid import HybridCache
 from ..model.kv import GrowingCache, compacted
 from ..model.prompts import VisionSpan
 from .lru import BudgetedLRU, tensor_bytes
 
 
-def kv_bytes(cache: DynamicCache) -> int:
+def kv_bytes(cache: DynamicCache | HybridCache) -> int:
+    """What a kept cache holds: its keys and values (and a hybrid model's states and snapshots)."""
+    if isinstance(cache, HybridCache):
+        return cache.nbytes()
     return tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values))
 
 
@@ -69,12 +73,16 @@ def reusable_prefix(entry: KVEntry, token_ids: torch.Tensor, images: list[Vision
         if start >= n:
             break
         if end > n or mine.get((start, end)) != theirs.get((start, end)):
-            return start
-    return n
+            n = start
+            break
+    # a hybrid model's recurrent state resumes only where the entry kept it (a snapshot, or its end)
+    return entry.cache.resumable(n) if isinstance(entry.cache, HybridCache) else n
 
 
-def copy_prefix(cache: DynamicCache, tokens: int, config) -> DynamicCache:
+def copy_prefix(cache: DynamicCache | HybridCache, tokens: int, config) -> DynamicCache | HybridCache:
     """A new cache holding the first `tokens` positions of `cache` (its own memory)."""
+    if isinstance(cache, HybridCache):
+        return cache.prefix(tokens)
     return GrowingCache(
         ddp_cache_data=[
             (layer.keys[..., :tokens, :].clone(), layer.values[..., :tokens, :].clone()) for layer in cache.layers

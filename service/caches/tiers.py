@@ -51,6 +51,7 @@ class ConversationTiers:
         conversation_id: str | None,
         capacity: int,
         namespace: str = "",
+        points: list[int] = (),
     ) -> Generator[Future, None, KVReuse | None]:
         """The cache of the longest reusable prefix of `token_ids` (at M-RoPE `positions`, 3 × tokens) in
         `namespace` (a request's cache_namespace: nothing of another is found), with room for `capacity`
@@ -60,7 +61,8 @@ class ConversationTiers:
 
         The disk is read only when it holds full blocks of the prompt (found by name, without
         reading: with none it holds nothing usable) beyond what memory holds — memory holds the
-        latest turn of the conversations it has — so a new prompt never waits for the reader."""
+        latest turn of the conversations it has — so a new prompt never waits for the reader. A hybrid
+        model's prefix from disk ends at one of `points` (the prompt's snapshot positions)."""
         in_memory = self.memory.reusable(token_ids, images, conversation_id, namespace)
         if self.disk is not None and self.disk.readable:
             limit = len(token_ids) - 1
@@ -71,7 +73,7 @@ class ConversationTiers:
             elif blocks and blocks[-1].end > in_memory:
                 timeout = self.read_timeout(blocks[-1].end - in_memory)
                 reading = self.disk.read_async(
-                    token_ids, positions, images, limit, capacity, in_memory, stored, timeout
+                    token_ids, positions, images, limit, capacity, in_memory, stored, timeout, points, namespace
                 )
                 while not reading.done():
                     yield reading

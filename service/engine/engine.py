@@ -27,6 +27,7 @@ from ..generation import Completion, Generation, GenerationRequest, SamplingPara
 from ..limits import RequestLimits
 from ..memory import MemoryGuard
 from ..model.attention import ExactAttention
+from ..model.deltanet import is_hybrid
 from ..model.forward import TextForward
 from ..model.identity import serving_fingerprint
 from ..model.loading import LoadedModel
@@ -37,7 +38,7 @@ from .admission import Admission, Ticket
 from .drafts import DraftBudget
 from .input import InputProcessor, Prepared
 from .output import OutputProcessor
-from .prefill import Prefiller, covered_positions
+from .prefill import Prefiller, StateSnapshots, covered_positions
 from .reasoning import ReasoningPhase
 from .sampling import Sampler, Sampling
 from .scheduler import Scheduler
@@ -112,6 +113,7 @@ class Engine:
             self.caches.vision,
             settings.prefill_chunk_tokens,
             kv_dtype,
+            self._snapshots(loaded, settings),
         )
 
     def submit(self, request: GenerationRequest) -> Generation:
@@ -173,6 +175,16 @@ class Engine:
             queue_wait=waited,
             marks=marks,
         )
+
+    @staticmethod
+    def _snapshots(loaded: LoadedModel, settings: Settings) -> StateSnapshots | None:
+        """A hybrid model's snapshot positions (None for Qwen3-VL, whose KV cache can be cut anywhere)."""
+        if not is_hybrid(loaded.model.config.text_config):
+            return None
+        tokenizer = loaded.processor.tokenizer
+        header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        turn_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        return StateSnapshots(header, settings.state_snapshot_tokens, turn_end if isinstance(turn_end, int) else None)
 
     def _keep_cache(self, sequence: Sequence) -> None:
         """Store a finished sequence's KV cache for the next turn (on the scheduler's thread): it

@@ -12,7 +12,7 @@ from ..generation import GenerationRequest
 from ..limits import RequestLimits
 from ..memory import MemoryGuard, kv_cache_bytes
 from ..model.kv import HEADROOM
-from ..model.prompts import PreparedPrompt, prepare_prompt, renders_tools
+from ..model.prompts import PreparedPrompt, prepare_prompt, renders_tools, tool_call_form
 from ..model.thinking import SWITCH, Opening, ThinkingTokens
 
 
@@ -42,6 +42,7 @@ class InputProcessor:
         self.grammars = GrammarCompiler(self.processor.tokenizer, self.vocab_size, loaded.eos_token_ids)
         self.renders_tools = renders_tools(self.processor)
         self.thinking = thinking
+        self.tool_form = tool_call_form(self.processor)  # how its calls are written: Qwen3-VL's JSON, Qwen3.5's XML
 
     def prepare(self, request: GenerationRequest) -> Prepared:
         """Check the request and prepare it; raises the 4xx (or the 503) a client should get."""
@@ -65,7 +66,14 @@ class InputProcessor:
             raise BadRequest("this checkpoint's chat template does not render tools", param="tools")
         switch_off = self.thinking is not None and self.thinking.has_switch and not request.enable_thinking
         template_kwargs = {SWITCH: False} if switch_off else None
-        return prepare_prompt(self.processor, request.messages, self.limits.prompt, request.tools, template_kwargs)
+        return prepare_prompt(
+            self.processor,
+            request.messages,
+            self.limits.prompt,
+            request.tools,
+            template_kwargs,
+            xml_calls=self.tool_form.xml,
+        )
 
     def _reasoning(self, request: GenerationRequest, prompt: PreparedPrompt) -> tuple[Opening, int | None] | None:
         """How a thinking model's answer opens, and its thinking budget: thinking switched off where

@@ -75,6 +75,32 @@ class PromptRows:
         return self.ids[start:end], self.positions[:, start:end], [Rows(cache, end - start, vision)]
 
 
+class StateSnapshots:
+    """Where a hybrid model's prefill keeps its recurrent state (service/model/hybrid.py): where each
+    turn starts and where an assistant turn's header (`<|im_start|>assistant\n`) ends — a later turn's
+    re-rendered history shares the prompt up to there at least, even where the template writes the
+    answer back otherwise than it was prompted (a thinking block dropped) — before each turn's end
+    token (where a kept answer's cache ends: a resent history finds it there), every `every` tokens
+    (0: never), and at the prompt's end. The same positions are where a lookup looks for a state."""
+
+    def __init__(self, header: list[int], every: int, turn_end: int | None = None):
+        self.header, self.every, self.turn_end = header, every, turn_end
+
+    def points(self, token_ids: torch.Tensor) -> set[int]:
+        length = len(token_ids)
+        points = {length}
+        if self.every:
+            points.update(range(self.every, length, self.every))
+        if self.header:
+            for i in (token_ids == self.header[0]).nonzero()[:, 0].tolist():
+                points.add(i)
+                if token_ids[i : i + len(self.header)].tolist() == self.header:
+                    points.add(i + len(self.header))
+        if self.turn_end is not None:  # before each turn's end: where a kept answer's cache ends
+            points.update((token_ids == self.turn_end).nonzero()[:, 0].tolist())
+        return points - {0}
+
+
 class Prefiller:
     """Makes each request's prefill generator (`steps`) on one model, its caches and its encoder."""
 
@@ -87,15 +113,19 @@ class Prefiller:
         vision_cache: VisionFeatureCache,
         chunk_tokens: int,
         kv_dtype: torch.dtype,
+        snapshots: StateSnapshots | None = None,
     ):
         self.model, self.forward, self.vision_encoder = model, forward, vision_encoder
         self.kv_cache, self.vision_cache = kv_cache, vision_cache
         self.chunk_tokens, self.kv_dtype = chunk_tokens, kv_dtype
+        self.snapshots = snapshots  # a hybrid model's: where its prompts' recurrent states are kept
 
-    def piece_ends(self, length: int, reused: int) -> list[int]:
+    def piece_ends(self, length: int, reused: int, also: set[int] = frozenset()) -> list[int]:
         """Where the prefill pieces after a cache of `reused` tokens end: every PREFILL_CHUNK_TOKENS,
-        and at the end. (service/model/forward.py computes every row alike: where a prompt is cut changes no bit.)"""
-        return [*range(reused + self.chunk_tokens, length, self.chunk_tokens), length]
+        at the end, and at the positions in `also` (a hybrid model's snapshots). (service/model/forward.py
+        computes every row alike: where a prompt is cut changes no bit.)"""
+        ends = {*range(reused + self.chunk_tokens, length, self.chunk_tokens), length}
+        return sorted(ends | {p for p in also if reused < p < length})
 
     def _features(
         self, prompt: PreparedPrompt, reused: int, cache_namespace: str
@@ -137,8 +167,9 @@ class Prefiller:
         rope = prompt_positions(
             self.model, prompt
         )  # the disk tier's blocks are checked against them, and rows use them
+        keep = sorted(self.snapshots.points(prompt.input_ids[0])) if self.snapshots is not None else []
         reuse = yield from self.kv_cache.lookup(
-            prompt.input_ids[0], rope[0], media, conversation_id, capacity, cache_namespace
+            prompt.input_ids[0], rope[0], media, conversation_id, capacity, cache_namespace, keep
         )
         marks.reused = reuse.tokens if reuse else 0
         marks.reused_from = reuse.source if reuse else None
@@ -154,10 +185,12 @@ class Prefiller:
             rows = PromptRows(self.model, prompt, merged, marks.reused, rope)
             cache.reserve(capacity)
             start, computing = marks.reused, 0.0
-            for end in self.piece_ends(prompt.num_tokens, marks.reused):
+            for end in self.piece_ends(prompt.num_tokens, marks.reused, set(keep)):
                 yield
                 t2 = time.perf_counter()
                 logits = self.forward(*rows.piece(cache, start, end), logits_rows=torch.tensor([end - start - 1]))
+                if end in keep:
+                    cache.snapshot()
                 computing += time.perf_counter() - t2
                 start = end
             self.kv_cache.measured_prefill(prompt.num_tokens - marks.reused, computing)

@@ -208,7 +208,7 @@ class Scheduler:
             start = len(sequence.token_ids) - 1 + sequence.rope_delta
             ids += fed
             positions += range(start, start + len(fed))
-            rows.append(Rows(sequence.cache, len(fed)))
+            rows.append(Rows(sequence.cache, len(fed), undoable=len(fed) > 1))  # a hybrid state can drop guesses
             plans.append((drafts, looked_up))
         try:
             logits = self.forward(torch.tensor(ids), torch.tensor(positions), rows)

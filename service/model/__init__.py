@@ -1,4 +1,4 @@
-"""The model room: a Qwen3-VL checkpoint as the service runs it.
+"""The model room: a Qwen3-VL or Qwen3.5 checkpoint as the service runs it.
 
 `loading` builds the processor and the model — a checkpoint (`weights`: its tensors into the
 service's own modules, `skeleton`), a quantized one, or the embedded random test model — and
@@ -6,9 +6,10 @@ service's own modules, `skeleton`), a quantized one, or the embedded random test
 weights for caches kept outside the process. `processor` is the service's own Qwen3-VL processor,
 `prompts` turns chat messages into token ids and patches with the checkpoint's chat template (and
 marks each picture's token span, `VisionSpan`), `positions` gives their M-RoPE positions, and
-`thinking` recognises a Thinking checkpoint. `forward` is the text decoder's one forward for
-prefill pieces, decode steps and batches, with `attention` (the exact kernel,
-service/native/attention.c), `moe` (a mixture of experts' MLP) and `kv` (a sequence's keys and
-values, grown in place). May import random_checkpoints, answer, vision, quant, media, native and
-the basic top-level modules.
+`thinking` recognises a Thinking checkpoint. `forward` is the text decoder's one forward for prefill
+pieces, decode steps and batches, with `attention` (the exact kernel, service/native/attention.c),
+`moe` (a mixture of experts' MLP), `deltanet` (Qwen3.5's linear-attention layers and their recurrent
+state, service/native/deltanet.c) and `kv` (a sequence's keys and values, grown in place; `hybrid`:
+a hybrid model's, with its recurrent states and their snapshots). May import random_checkpoints,
+answer, vision, quant, media, native and the basic top-level modules.
 """

@@ -31,6 +31,8 @@ from torch import nn
 from ..quant.fusion import is_moe_block
 from ..vision.features import VisionFeatures
 from .attention import TorchAttention
+from .deltanet import DeltaNetMixer, Shape, is_hybrid
+from .hybrid import HybridCache
 from .kv import GrowingCache
 from .moe import MixtureOfExperts
 
@@ -40,14 +42,16 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: nn.Module
-    qk_norm: torch.Tensor  # (heads + kv_heads) × head_dim: q_norm's weight per query head, then k_norm's
-    o_proj: nn.Module
+    qkv: nn.Module | None  # a full-attention layer's fused q/k/v (Qwen3.5's: each query beside its gate)
+    qk_norm: torch.Tensor | None  # (heads + kv_heads) × head_dim: q_norm's weight per query head, then k_norm's
+    o_proj: nn.Module  # the attention's output projection (a linear-attention layer's out_proj)
     post_norm: torch.Tensor
     gate_up: nn.Module | None  # a dense MLP's; None in a mixture-of-experts layer
     down: nn.Module | None
     act: nn.Module | None
     experts: MixtureOfExperts | None = None  # a mixture-of-experts layer's router and experts
+    in_proj: tuple[nn.Module, nn.Module] | None = None  # a linear-attention layer's (Qwen3.5): q/k/v/z, b/a
+    mixer: DeltaNetMixer | None = None  # and its token mixer
 
 
 @dataclass
@@ -63,9 +67,10 @@ class VisionRows:
 class Rows:
     """One sequence's part of a call: `count` consecutive rows, its KV cache, its vision rows."""
 
-    cache: object  # a GrowingCache (service/model/kv.py): extended in place by these rows
+    cache: object  # a GrowingCache (service/model/kv.py) or HybridCache (hybrid.py): extended in place by these rows
     count: int
     vision: list[VisionRows] = field(default_factory=list)
+    undoable: bool = False  # a decode step's guesses: a hybrid cache can take the rejected ones back
 
 
 class TextForward:
@@ -75,6 +80,7 @@ class TextForward:
         lm = model.model.language_model
         config = lm.config
         self.model_config = model.config
+        self.layer_types = list(config.layer_types) if is_hybrid(config) else None
         self.embed_tokens = lm.embed_tokens
         self.lm_head = model.lm_head
         self.hidden = config.hidden_size
@@ -88,27 +94,45 @@ class TextForward:
         self.inv_freq = lm.rotary_emb.inv_freq.float()
         self.rope_scaling = lm.rotary_emb.attention_scaling
         self.axis_of_frequency = _mrope_axes(lm.rotary_emb.mrope_section, len(self.inv_freq))
-        self.final_norm = lm.norm.weight
-        self.layers = [
-            _Layer(
-                input_norm=layer.input_layernorm.weight,
-                qkv=layer.self_attn.qkv_proj,
-                qk_norm=torch.cat(
-                    [
-                        layer.self_attn.q_norm.weight.expand(self.heads, -1),
-                        layer.self_attn.k_norm.weight.expand(self.kv_heads, -1),
-                    ]
-                ),
-                o_proj=layer.self_attn.o_proj,
-                post_norm=layer.post_attention_layernorm.weight,
-                **_mlp(layer.mlp),
-            )
-            for layer in lm.layers
-        ]
+        self.rotated = 2 * len(self.inv_freq)  # Qwen3.5 rotates the first quarter of each head only
+        # Qwen3.5's RMSNorms scale by 1 + weight (zero-centred weights); its attention gates its output
+        self.gated = self.layer_types is not None
+        norm = _centred if self.gated else _plain
+        self.final_norm = norm(lm.norm.weight)
+        self.shape = Shape.of(config) if self.gated else None
+        self.layers = [self._layer(layer, norm, config) for layer in lm.layers]
+        self.mixers = [layer.mixer for layer in self.layers if layer.mixer is not None]
         self._qk_width = (self.heads + self.kv_heads) * self.head_dim
 
-    def new_cache(self, dtype: torch.dtype) -> GrowingCache:
-        """An empty KV cache for one sequence, keys and values stored in `dtype`."""
+    def _layer(self, layer: nn.Module, norm, config) -> _Layer:
+        common = dict(
+            input_norm=norm(layer.input_layernorm.weight), post_norm=norm(layer.post_attention_layernorm.weight)
+        )
+        if hasattr(layer, "linear_attn"):
+            attn = layer.linear_attn
+            mixer = DeltaNetMixer(attn, self.shape, config.rms_norm_eps)
+            return _Layer(
+                qkv=None,
+                qk_norm=None,
+                o_proj=attn.out_proj,
+                in_proj=(attn.in_proj_qkvz, attn.in_proj_ba),
+                mixer=mixer,
+                **common,
+                **_mlp(layer.mlp),
+            )
+        attn = layer.self_attn
+        qk_norm = torch.cat(
+            [norm(attn.q_norm.weight).expand(self.heads, -1), norm(attn.k_norm.weight).expand(self.kv_heads, -1)]
+        )
+        return _Layer(qkv=attn.qkv_proj, qk_norm=qk_norm, o_proj=attn.o_proj, **common, **_mlp(layer.mlp))
+
+    def new_cache(self, dtype: torch.dtype) -> GrowingCache | HybridCache:
+        """An empty cache for one sequence, keys and values stored in `dtype` (a hybrid model's
+        recurrent states in fp32)."""
+        if self.layer_types is not None:
+            cache = HybridCache(self.layer_types, self.shape, dtype)
+            cache.mixers = self.mixers
+            return cache
         return GrowingCache(config=self.model_config, dtype=dtype)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,10 +143,13 @@ class TextForward:
         cos, sin = freqs.cos() * self.rope_scaling, freqs.sin() * self.rope_scaling
         return torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None]
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """x·cos + rotate_half(x)·sin, rotate_half(x) = (-x2, x1): the same products, one roll."""
-        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x·cos + rotate_half(x)·sin, rotate_half(x) = (-x2, x1): the same products, one roll — over
+        the rotated part of each head (all of it but in Qwen3.5), the rest passed as it is."""
+        if self.rotated == x.shape[-1]:
+            return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+        part = x[..., : self.rotated]
+        return torch.cat([part * cos + part.roll(self.rotated // 2, -1) * signed_sin, x[..., self.rotated :]], -1)
 
     @torch.inference_mode()
     def __call__(
@@ -147,23 +174,23 @@ class TextForward:
             x[index] = features.pooler.to(x.dtype)
         cos, sin = self.rotary(positions)
         starts = [s.cache.get_seq_length() for s in sequences]
+        for s in sequences:  # a hybrid cache recomputes with them when a decode step's guesses are taken back
+            if isinstance(s.cache, HybridCache):
+                s.cache.mixers = self.mixers
         attended = torch.empty(rows, self.heads, self.head_dim)
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
-            qkv = layer.qkv(h)
-            # q and k heads normed and rotated in one go: one call each instead of two
-            qk = qkv[:, : self._qk_width].view(rows, self.heads + self.kv_heads, self.head_dim)
-            qk = self._rotate(F.rms_norm(qk, (self.head_dim,), eps=self.eps) * layer.qk_norm, cos, sin)
-            v = qkv[:, self._qk_width :].view(rows, self.kv_heads, self.head_dim)
-            lo = 0
-            for sequence, start in zip(sequences, starts):
-                hi = lo + sequence.count
-                keys, values = sequence.cache.layers[i].update(
-                    qk[lo:hi, self.heads :].transpose(0, 1)[None], v[lo:hi].transpose(0, 1)[None]
+            if layer.mixer is not None:  # linear attention: each sequence's state advanced by its rows
+                mixed = layer.mixer(
+                    [s.cache.layers[i] for s in sequences],
+                    layer.in_proj[0](h),
+                    layer.in_proj[1](h),
+                    [s.count for s in sequences],
+                    [s.undoable for s in sequences],
                 )
-                self.attention(qk[lo:hi, : self.heads], keys, values, start, attended[lo:hi])
-                lo = hi
-            x = x + layer.o_proj(attended.view(rows, -1))
+                x = x + layer.o_proj(mixed)
+            else:
+                x = x + layer.o_proj(self._attend(i, layer, h, cos, sin, sequences, starts, attended))
             h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
             if layer.experts is not None:
                 x = x + layer.experts(h)
@@ -177,12 +204,48 @@ class TextForward:
             x = x[logits_rows]
         return self.lm_head(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps))
 
+    def _attend(self, i, layer, h, cos, sin, sequences, starts, attended) -> torch.Tensor:
+        """Full attention of layer i for the call's rows: each sequence's queries over its own keys."""
+        rows = len(h)
+        qkv = layer.qkv(h)
+        if self.gated:  # Qwen3.5: each head's query beside its gate, then the keys and values
+            width = 2 * self.heads * self.head_dim
+            query_gate = qkv[:, :width].view(rows, self.heads, 2, self.head_dim)
+            keys = qkv[:, width : width + self.kv_heads * self.head_dim].view(rows, self.kv_heads, self.head_dim)
+            qk = torch.cat([query_gate[:, :, 0], keys], 1)
+            v = qkv[:, width + self.kv_heads * self.head_dim :].view(rows, self.kv_heads, self.head_dim)
+        else:  # q and k heads side by side already: normed and rotated in one call each
+            qk = qkv[:, : self._qk_width].view(rows, self.heads + self.kv_heads, self.head_dim)
+            v = qkv[:, self._qk_width :].view(rows, self.kv_heads, self.head_dim)
+        qk = self._rotate(F.rms_norm(qk, (self.head_dim,), eps=self.eps) * layer.qk_norm, cos, sin)
+        lo = 0
+        for sequence, start in zip(sequences, starts):
+            hi = lo + sequence.count
+            keys, values = sequence.cache.layers[i].update(
+                qk[lo:hi, self.heads :].transpose(0, 1)[None], v[lo:hi].transpose(0, 1)[None]
+            )
+            self.attention(qk[lo:hi, : self.heads], keys, values, start, attended[lo:hi])
+            lo = hi
+        out = attended.view(rows, -1)
+        if self.gated:
+            out = out * torch.sigmoid(query_gate[:, :, 1].reshape(rows, -1))
+        return out
+
 
 def _mlp(mlp: nn.Module) -> dict:
     """A layer's MLP as `_Layer` holds it: a dense one's fused Linears, or a mixture of experts."""
     if is_moe_block(mlp):
         return dict(gate_up=None, down=None, act=None, experts=MixtureOfExperts(mlp))
     return dict(gate_up=mlp.gate_up_proj, down=mlp.down_proj, act=mlp.act_fn)
+
+
+def _plain(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+def _centred(weight: torch.Tensor) -> torch.Tensor:
+    """A zero-centred RMSNorm's scale (Qwen3.5's): 1 + weight, in fp32."""
+    return 1.0 + weight.float()
 
 
 def _offsets(sequences: list[Rows]) -> list[int]:

@@ -111,7 +111,9 @@ class GrowingCache(DynamicCache):
 def compacted(cache: DynamicCache) -> DynamicCache:
     """The cache with no spare room behind any layer (in place): for caches that are kept, not extended."""
     for layer in cache.layers:
-        if (
+        if hasattr(layer, "compact"):  # a hybrid model's recurrent layer (service/model/deltanet.py)
+            layer.compact()
+        elif (
             layer.is_initialized
             and layer.keys.numel()
             and layer.keys.untyped_storage().nbytes() > layer.keys.numel() * layer.keys.element_size()

@@ -71,25 +71,39 @@ class MixtureOfExperts:
 
     def __init__(self, block: nn.Module):
         self.router = block.gate.weight.detach().float().contiguous()  # experts × hidden, kept in fp32
+        # Qwen3.5's shared expert: its gate's row is computed with the router's (the same fixed-order sums)
+        self.shared = getattr(block, "shared_expert", None)
+        if self.shared is not None:
+            self.router = torch.cat([self.router, block.shared_expert_gate.weight.detach().float()]).contiguous()
         self.top_k = block.gate.top_k
         self.gate_up = list(block.experts.gate_up)
         self.down = list(block.experts.down)
         self.act = block.experts.act_fn
-        self.experts = len(self.gate_up)
+        self.experts = len(self.gate_up)  # routed ones
         # 4-bit experts: all of them in one native call per layer (int4_gemm.c's `int4_experts`)
         self.int4 = Int4Experts(self.gate_up, self.down) if all_int4(self.gate_up, self.down) else None
         if getattr(block.gate, "norm_topk_prob", True) is False:
             raise ValueError("a router that does not renormalise its top-k probabilities: not a Qwen3-VL-MoE one")
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, experts), rows × top_k each, in rank order: transformers' router."""
-        probabilities = F.softmax(router_logits(h, self.router), dim=-1, dtype=torch.float32)
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(weights, experts), rows × top_k each, in rank order: transformers' router; and the shared
+        expert's gate logit per row (None without a shared expert)."""
+        logits = router_logits(h, self.router)
+        shared = logits[:, self.experts :] if self.shared is not None else None
+        probabilities = F.softmax(logits[:, : self.experts], dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probabilities, self.top_k, dim=-1)
-        return weights / weights.sum(dim=-1, keepdim=True), chosen
+        return weights / weights.sum(dim=-1, keepdim=True), chosen, shared
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        weights, chosen, shared = self.route(h)
+        routed = self._routed(h, weights, chosen)
+        if shared is None:
+            return routed
+        gate, up = self.shared.gate_up_proj(h).chunk(2, dim=-1)
+        return routed + torch.sigmoid(shared) * self.shared.down_proj(self.shared.act_fn(gate) * up)
+
+    def _routed(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         rows, hidden = h.shape
-        weights, chosen = self.route(h)
         if self.int4 is not None:
             return self.int4(h, weights, chosen)
         slots = chosen.flatten()  # slot row·k + rank: the rank-th expert of the row

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 
+from ..answer.tool_forms import ToolForm
 from ..answer.tools import ToolCall
 from ..errors import BadRequest, PromptTooLong
 from ..media.images import DecodedImage
@@ -151,7 +153,22 @@ class PreparedPrompt:
 _PART_TYPES = {ImagePart: "image", VideoPart: "video"}
 
 
-def _template_messages(messages: list[ChatMessage]) -> list[dict]:
+def _arguments(text: str, xml: bool):
+    """A call's arguments as the template takes them: the JSON text as the client sent it (Qwen3-VL's
+    template writes it back as it is), or, for a template of the XML form (Qwen3.5's), the mapping it
+    spells (the template writes a parameter per key)."""
+    if not xml:
+        return text
+    try:
+        arguments = json.loads(text or "{}")
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise BadRequest("a tool call's arguments must be a JSON object", param="messages", code="invalid_tool_call")
+    return arguments
+
+
+def _template_messages(messages: list[ChatMessage], xml_calls: bool = False) -> list[dict]:
     rendered = []
     for m in messages:
         if m.role not in ROLES:
@@ -163,7 +180,10 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
         if m.role != "user" and any(type(p) in _PART_TYPES for p in m.parts):
             raise BadRequest(f"images and videos are accepted in user messages only, not {m.role}", param="messages")
         if m.role == "assistant":  # text only; the template writes the calls after it (empty is falsy)
-            calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+            calls = [
+                {"type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments, xml_calls)}}
+                for c in m.tool_calls
+            ]
             rendered.append({"role": m.role, "content": m.text, "tool_calls": calls, "reasoning_content": m.reasoning})
         else:
             rendered.append({"role": m.role, "content": content})
@@ -218,6 +238,28 @@ def validate_conversation(messages: list[ChatMessage], limits: PromptLimits) -> 
             raise BadRequest("a system message is accepted only first", param=f"messages[{i}]")
 
 
+def tool_call_form(processor) -> ToolForm:
+    """How the checkpoint's model writes a tool call, as its chat template writes one back — Qwen3.5's
+    `<function=NAME>` / `<parameter=ARG>` blocks or Qwen3-VL's JSON object — and whether its tokenizer
+    has the `<tool_call>` tags as tokens of their own."""
+    tags = processor.tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    tag_tokens = all(isinstance(t, int) and t != processor.tokenizer.unk_token_id and t >= 0 for t in tags)
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "probe", "arguments": {"x": 1}}}],
+        },
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
+    try:
+        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template that takes no tool calls: they are never rendered back
+        text = ""
+    return ToolForm(xml="<function=probe>" in text, tag_tokens=tag_tokens)
+
+
 def renders_tools(processor) -> bool:
     """Whether the checkpoint's chat template shows the model a `tools` list (Qwen3-VL's does)."""
     probe = [{"type": "function", "function": {"name": "probe_function_7f3a", "parameters": {"type": "object"}}}]
@@ -232,13 +274,15 @@ def prepare_prompt(
     limits: PromptLimits,
     tools: list[dict] | None = None,
     template_kwargs: dict | None = None,
+    xml_calls: bool = False,
 ) -> PreparedPrompt:
-    """Render the chat template (with `tools`, OpenAI tool objects, if given, and `template_kwargs`:
-    variables such as enable_thinking), tokenize, expand image and video pads and patchify the
-    (pre-sized) images and frames."""
+    """Render the chat template (with `tools`, OpenAI tool objects, if given, `template_kwargs`:
+    variables such as enable_thinking, and earlier tool calls' arguments as mappings where the
+    template writes calls in the XML form: `xml_calls`), tokenize, expand image and video pads and
+    patchify the (pre-sized) images and frames."""
     validate_conversation(messages, limits)
     text = processor.apply_chat_template(
-        _template_messages(messages),
+        _template_messages(messages, xml_calls),
         tools=tools or None,
         tokenize=False,
         add_generation_prompt=True,

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..vision.tower import VisionTower
+from .deltanet import Shape, is_hybrid
 
 ACTIVATIONS = {"silu": nn.SiLU, "swish": nn.SiLU}  # transformers' ACT2FN: F.silu either way
 
@@ -60,6 +61,52 @@ class Attention(nn.Module):
         self.k_norm = Norm(self.head_dim, config.rms_norm_eps)
 
 
+class GatedAttention(nn.Module):
+    """Qwen3.5's full attention: q_proj gives each head its query and an output gate side by side
+    (fused here with k and v as `qkv_proj`: heads × (query, gate), then keys, then values)."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.split_sizes = [
+            2 * config.num_attention_heads * self.head_dim,
+            config.num_key_value_heads * self.head_dim,
+            config.num_key_value_heads * self.head_dim,
+        ]
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = _linear(config.hidden_size, sum(self.split_sizes), bias)
+        self.o_proj = _linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias)
+        self.q_norm = Norm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = Norm(self.head_dim, config.rms_norm_eps)
+
+
+class _Tensor(nn.Module):
+    """A module holding one `weight` (a checkpoint tensor the forward reads as it is)."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(*shape))
+
+
+class LinearAttention(nn.Module):
+    """Qwen3.5's Gated DeltaNet layer: its input projections (q, k, v and z side by side, the
+    checkpoint's in_proj_qkv and in_proj_z; b and a, its in_proj_b and in_proj_a), the causal
+    convolution's weights, the decay's parameters, the gated norm and out_proj
+    (service/model/deltanet.py computes it)."""
+
+    def __init__(self, config):
+        super().__init__()
+        shape = Shape.of(config)
+        self.in_proj_qkvz = _linear(config.hidden_size, shape.conv_channels + shape.values)
+        self.in_proj_ba = _linear(config.hidden_size, 2 * shape.value_heads)
+        self.conv1d = _Tensor(shape.conv_channels, 1, shape.kernel)
+        self.dt_bias = nn.Parameter(torch.zeros(shape.value_heads))
+        self.A_log = nn.Parameter(torch.zeros(shape.value_heads))
+        self.norm = Norm(shape.value_dim, config.rms_norm_eps)
+        self.out_proj = _linear(shape.values, config.hidden_size)
+
+
 class DenseMLP(nn.Module):
     def __init__(self, config, width: int):
         super().__init__()
@@ -92,10 +139,16 @@ class Experts(nn.Module):
 
 
 class SparseMLP(nn.Module):
+    """Routed experts; Qwen3.5's add a shared expert, weighted by sigmoid(shared_expert_gate · x)."""
+
     def __init__(self, config):
         super().__init__()
         self.gate = Router(config)
         self.experts = Experts(config)
+        shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+        if shared:
+            self.shared_expert = DenseMLP(config, shared)
+            self.shared_expert_gate = _Tensor(1, config.hidden_size)  # a float row beside the router's
 
 
 def is_sparse_layer(config, index: int) -> bool:
@@ -108,7 +161,12 @@ def is_sparse_layer(config, index: int) -> bool:
 class DecoderLayer(nn.Module):
     def __init__(self, config, index: int):
         super().__init__()
-        self.self_attn = Attention(config, index)
+        if not is_hybrid(config):
+            self.self_attn = Attention(config, index)
+        elif config.layer_types[index] == "linear_attention":
+            self.linear_attn = LinearAttention(config)
+        else:
+            self.self_attn = GatedAttention(config, index)
         self.mlp = SparseMLP(config) if is_sparse_layer(config, index) else DenseMLP(config, config.intermediate_size)
         self.input_layernorm = Norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = Norm(config.hidden_size, config.rms_norm_eps)
@@ -124,6 +182,7 @@ class Rotary(nn.Module):
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"rope_type {rope['rope_type']!r}: this service computes the default M-RoPE only")
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(dim * rope.get("partial_rotary_factor", 1.0))  # Qwen3.5 rotates a quarter of each head
         exponents = torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim
         self.register_buffer("inv_freq", 1.0 / (rope["rope_theta"] ** exponents), persistent=False)
         self.attention_scaling = 1.0

@@ -17,17 +17,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..quant.packing import FUSED_PROJECTIONS
 from .skeleton import ServedModel, tied_embeddings
 
 log = logging.getLogger(__name__)
 
-# the skeleton's fused Linear → the checkpoint's Linears it holds, in row order
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
 _LAYER = re.compile(r"^(model\.language_model\.layers\.\d+)\.(.+)\.(weight|bias)$")
 _EXPERTS = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# an expert stored as its own Linears (Qwen3.5-MoE's releases): gate and up rows into its `gate_up`
+_EXPERT = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def _files(path: Path) -> dict[str, str]:
@@ -58,11 +56,17 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 def _target(name: str) -> tuple[str, int, int] | None:
     """For a checkpoint tensor that is part of a fused Linear: (fused tensor, part index, parts)."""
+    expert = _EXPERT.match(name)
+    if expert is not None:
+        prefix, index, part = expert.groups()
+        if part == "down":
+            return f"{prefix}.down.{index}.weight", 0, 1
+        return f"{prefix}.gate_up.{index}.weight", ("gate", "up").index(part), 2
     match = _LAYER.match(name)
     if not match:
         return None
     layer, module, kind = match.groups()
-    for fused, parts in _FUSED.items():
+    for fused, parts in FUSED_PROJECTIONS.items():
         if module in parts:
             return f"{layer}.{fused}.{kind}", parts.index(module), len(parts)
     return None
@@ -95,6 +99,8 @@ def load_weights(model: ServedModel, path: Path, dtype: torch.dtype | None = Non
                     _assign_experts(model, experts[1], experts[2], tensor)
                 elif name == "lm_head.weight" and tied_embeddings(model.config):
                     continue  # the embedding is the lm_head
+                elif name.startswith("mtp."):
+                    continue  # Qwen3.5's multi-token prediction head: not drafted with yet
                 else:
                     try:
                         model.get_parameter(name)
@@ -104,8 +110,11 @@ def load_weights(model: ServedModel, path: Path, dtype: torch.dtype | None = Non
                     _assign(model, name, tensor)
     if pending:
         raise ValueError(f"{path} is incomplete: parts of {sorted(pending)[:3]} are missing")
-    if ignored:
-        log.warning("%d tensors of %s are not Qwen3-VL's and were left out: %s", len(ignored), path, ignored[:3])
+    if ignored:  # another architecture's, or a damaged file: never served half understood
+        raise ValueError(
+            f"{path} has {len(ignored)} tensors this service does not know for its config "
+            f"({model.config.model_type}): {', '.join(sorted(ignored)[:5])}"
+        )
     if tied_embeddings(model.config):
         model.lm_head.weight = model.model.language_model.embed_tokens.weight
     missing = [n for n, t in model.named_parameters() if t.is_meta]

@@ -52,7 +52,9 @@ INT8_GEMM = Kernel(HERE / "int8_gemm.c", ("-ffp-contract=off",), (SIMD,))
 INT4_GEMM = Kernel(HERE / "int4_gemm.c", ("-ffp-contract=off",), (SIMD,))
 # a mixture of experts' router: float sums in one fixed order, so no fused multiply-adds it did not write
 ROUTER = Kernel(HERE / "router.c", ("-ffp-contract=off",))
-KERNELS = (ATTENTION, INT8_GEMM, INT4_GEMM, ROUTER)
+# Qwen3.5's linear attention: the same bits on every instruction set (16-float vectors, its own exp and log)
+DELTANET = Kernel(HERE / "deltanet.c", ("-ffp-contract=off", "-Wno-psabi"))
+KERNELS = (ATTENTION, INT8_GEMM, INT4_GEMM, ROUTER, DELTANET)
 
 
 @functools.cache

@@ -130,11 +130,19 @@ def is_moe_block(mlp: nn.Module) -> bool:
 
 
 def model_class(config):
-    """transformers' class for a Qwen3-VL config: the dense model or the mixture of experts."""
-    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
+    """transformers' class for a config: Qwen3-VL or Qwen3.5, the dense model or the mixture of experts."""
+    import transformers
 
-    moe = getattr(config, "model_type", None) == "qwen3_vl_moe"
-    return Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+    names = {
+        "qwen3_vl": "Qwen3VLForConditionalGeneration",
+        "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+        "qwen3_5": "Qwen3_5ForConditionalGeneration",
+        "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    }
+    model_type = getattr(config, "model_type", None)
+    if model_type not in names:
+        raise ValueError(f"model_type {model_type!r}: this service serves {', '.join(names)}")
+    return getattr(transformers, names[model_type])
 
 
 def text_layers(model) -> list[tuple[str, nn.Module]]:

@@ -48,9 +48,15 @@ DTYPES = {
     "F64": torch.float64,
 }
 # fused module → the checkpoint's modules it replaces, in output order, inside each text decoder layer
+# A decoder layer's Linears that share an input, as the model computes them: one Linear each, its rows
+# the checkpoint's parts in this order (Qwen3.5's linear attention: q/k/v and z, b and a; its shared expert's gate/up).
 FUSED_PROJECTIONS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    # two, as vLLM fuses them: a published checkpoint may leave the small b and a unquantized
+    "linear_attn.in_proj_qkvz": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+    "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
 }
 _TEXT_LAYER = re.compile(r"^(model\.language_model\.layers\.\d+)\.(.+)$")  # (layer, module in it)
 

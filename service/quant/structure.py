@@ -26,8 +26,17 @@ def quantization_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(names[id(b)], b) for b in blocks]
 
 
+# Linears kept as float matrices: Qwen3.5's shared-expert gate, one row the router's kernel computes beside its own
+FLOAT_LINEARS = ("shared_expert_gate",)
+
+
 def linear_names(name: str, block: nn.Module) -> list[str]:
-    return [f"{name}.{n}" if n else name for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+    """The Linears of `block` (named `name`) that are quantized."""
+    return [
+        f"{name}.{n}" if n else name
+        for n, m in block.named_modules()
+        if isinstance(m, nn.Linear) and not n.endswith(FLOAT_LINEARS)
+    ]
 
 
 def embedding_name(model: nn.Module) -> str:

@@ -129,6 +129,15 @@ def _expert_weights(source, prefix: str, experts: nn.Module):
     then up rows) and `prefix.down.E`, service/quant/fusion.py's `ExpertLinears` — from the layer's
     3-D tensors, in transformers 5's layout or transposed as the releases store them, read one expert
     at a time (a 30B-A3B layer's gate_up tensor is 0.8 GB in bf16; one expert of it, 6 MB)."""
+    if f"{prefix}.0.down_proj.weight" in source:  # an expert's own Linears (Qwen3.5-MoE's releases)
+        for e in range(getattr(experts, EXPERT_TENSORS[0]).shape[0]):
+            parts = source.read([f"{prefix}.{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")])
+            yield (
+                f"{prefix}.gate_up.{e}",
+                torch.cat([parts[f"{prefix}.{e}.{p}.weight"] for p in ("gate_proj", "up_proj")]),
+            )
+            yield f"{prefix}.down.{e}", parts[f"{prefix}.{e}.down_proj.weight"]
+        return
     for tensor, part in zip(EXPERT_TENSORS, ("gate_up", "down")):
         expected = tuple(getattr(experts, tensor).shape)
         key = f"{prefix}.{tensor}"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import qwen35 as qwen35_tokens
 from .marker import RANDOM_MODEL_MARKER
 from .presets import model_config, preset_of
 from .safetensors_writer import write_safetensors
@@ -89,10 +90,13 @@ def make_checkpoint(
         writer.check_empty(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    ids = train_tokenizer(out_dir, 1024 if recipe.tiny else 4096, thinking=recipe.thinking)
+    qwen35 = recipe.family == "qwen3_5"
+    family = qwen35_tokens if qwen35 else None
+    ids = train_tokenizer(out_dir, 1024 if recipe.tiny else 4096, thinking=recipe.thinking, family=family)
     write_image_processor_config(out_dir)
     # The tiny models' vocabulary is exactly their tokenizer's, so every sampled id decodes to text.
-    config = model_config(preset, ids, max(ids.values()) + 1 if recipe.tiny else 151936, shapes)
+    vocabulary = qwen35_tokens.VOCAB_SIZE if qwen35 else 151936
+    config = model_config(preset, ids, max(ids.values()) + 1 if recipe.tiny else vocabulary, shapes)
     dtype = torch.float32 if recipe.tiny else torch.bfloat16
     config.dtype = dtype
     setattr(config, RANDOM_MODEL_MARKER, True)
@@ -125,7 +129,7 @@ def make_checkpoint(
             **({"shard_bytes": quantization["shard_bytes"]} if "shard_bytes" in quantization else {}),
         )
         writer.write_config(out_dir, config_dict, marker)
-    log.info("wrote %s random Qwen3-VL checkpoint to %s in %.1f s", preset, out_dir, time.perf_counter() - start)
+    log.info("wrote %s random checkpoint to %s in %.1f s", preset, out_dir, time.perf_counter() - start)
     return out_dir
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, replace
 
+from . import qwen35
+
 # The released checkpoints' ids of the special tokens the configs name.
 REAL_IDS = {
     "<|endoftext|>": 151643,
@@ -37,6 +39,7 @@ class Preset:
     tiny: bool = False  # a test model: fp32, its vocabulary exactly its (1024-token) tokenizer's
     whole_model_init: bool = False  # transformers' init after torch.manual_seed(0), not seeded per tensor
     quantized_only: bool = False  # written only straight into the INT8 / 4-bit format (too large in bf16)
+    family: str = "qwen3_vl"  # or "qwen3_5": its config class, tokens and prompt format (qwen35.py)
 
 
 _ROPE = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20], "mrope_interleaved": True}
@@ -119,6 +122,7 @@ PRESETS: dict[str, Preset] = {
         experts=dict(num_experts=32, num_experts_per_tok=8, moe_intermediate_size=768),
     ),
 }
+PRESETS.update({name: Preset(**fields, family="qwen3_5") for name, fields in qwen35.PRESETS.items()})
 BUILT = tuple(name for name, preset in PRESETS.items() if not preset.quantized_only)  # in bf16 (fp32: tiny) too
 
 
@@ -136,6 +140,8 @@ def model_config(preset: str, ids: dict[str, int] | None = None, vocab_size: int
     from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     recipe = preset_of(preset)
+    if recipe.family == "qwen3_5":
+        return qwen35.model_config(recipe, ids, vocab_size, shapes)
     ids = ids or REAL_IDS
     text = {"vocab_size": vocab_size, **copy.deepcopy(recipe.text)}  # the config keeps (and may change) them
     vision = copy.deepcopy(recipe.vision)

@@ -64,16 +64,43 @@ def generate(
 
 def checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:
     """The tensors a checkpoint of `config` stores, as the releases store them: the model's state dict
-    (built on the meta device) without a tied lm_head, experts' 3-D tensors transposed."""
+    (built on the meta device) without a tied lm_head, experts' 3-D tensors transposed (Qwen3-VL-MoE)
+    or one expert's Linears apiece (Qwen3.5-MoE), and Qwen3.5's MTP head (which transformers does not build)."""
     from ..quant.structure import skeleton
 
     shapes = {n: tuple(t.shape) for n, t in skeleton(config).state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
-    for name, shape in shapes.items():
-        if name.endswith(RELEASED_EXPERTS):
+    per_expert = getattr(config, "model_type", None) == "qwen3_5_moe"
+    for name, shape in list(shapes.items()):
+        if name.endswith(RELEASED_EXPERTS) and per_expert:
+            del shapes[name]
+            shapes.update(_expert_linears(name.rpartition(".")[0], shape, name.endswith("gate_up_proj")))
+        elif name.endswith(RELEASED_EXPERTS):
             shapes[name] = (shape[0], shape[2], shape[1])
+    shapes.update(_mtp_shapes(config, shapes, per_expert))
     return dict(sorted(shapes.items()))
+
+
+def _expert_linears(prefix: str, shape: tuple[int, ...], gate_up: bool) -> dict[str, tuple[int, ...]]:
+    """A 3-D expert tensor (experts × out × in, transformers' layout) as each expert's own Linears."""
+    experts, out, inputs = shape
+    if gate_up:
+        return {f"{prefix}.{e}.{p}_proj.weight": (out // 2, inputs) for e in range(experts) for p in ("gate", "up")}
+    return {f"{prefix}.{e}.down_proj.weight": (out, inputs) for e in range(experts)}
+
+
+def _mtp_shapes(config, shapes: dict[str, tuple[int, ...]], per_expert: bool) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5's MTP head: fc (2·hidden → hidden), three norms and one full-attention decoder layer."""
+    text = getattr(config, "text_config", config)
+    if not getattr(text, "mtp_num_hidden_layers", 0):
+        return {}
+    hidden = text.hidden_size
+    layer = f"model.language_model.layers.{text.layer_types.index('full_attention')}."
+    out = {"mtp.fc.weight": (hidden, 2 * hidden)}
+    out.update({f"mtp.{n}.weight": (hidden,) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")})
+    out.update({"mtp.layers.0." + n[len(layer) :]: s for n, s in shapes.items() if n.startswith(layer)})
+    return out
 
 
 class _Tensors:
@@ -112,10 +139,18 @@ class RandomTensors(_Tensors):
         text = getattr(config, "text_config", config)
         vision = getattr(config, "vision_config", text)
         self.std = {"text": text.initializer_range, "vision": vision.initializer_range}
+        self.centred_norms = "linear_attention" in (getattr(text, "layer_types", None) or [])
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         std = self.std["vision" if name.startswith("model.visual.") else "text"]
+        if self.centred_norms and _is_centred_norm(name):  # 1 + weight: zeros are transformers' init
+            return torch.zeros(min(stop, self.shapes[name][0]) - start, dtype=self.dtype)
         return generate(name, self.shapes[name], self.dtype, std, start, stop)
+
+
+def _is_centred_norm(name: str) -> bool:
+    """Qwen3.5's zero-centred RMSNorm weights: every text norm but the linear attention's gated one."""
+    return not name.startswith("model.visual.") and name.endswith("norm.weight") and ".linear_attn." not in name
 
 
 class ModelTensors(_Tensors):

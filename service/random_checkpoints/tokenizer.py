@@ -54,17 +54,18 @@ def _corpus() -> list[str]:
     return lines
 
 
-def train_bpe(texts, vocab_size: int):
-    """A Qwen2-style byte-level BPE (Qwen's pre-tokenizer regex, byte alphabet, NFC) trained on
-    `texts`, with Qwen's special tokens after its `vocab_size` learned ones."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+def train_bpe(texts, vocab_size: int, added: list[tuple[str, bool]] | None = None, regex: str | None = None):
+    """A Qwen2-style byte-level BPE (Qwen's pre-tokenizer regex — or `regex` — byte alphabet, NFC) trained
+    on `texts`, with Qwen's special tokens (or `added`: (token, special) pairs, in their order) after its
+    `vocab_size` learned ones."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(regex or PRETOKENIZE_REGEX), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -73,22 +74,38 @@ def train_bpe(texts, vocab_size: int):
         vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    if added is None:
+        tokenizer.add_special_tokens(SPECIAL_TOKENS)
+        return tokenizer
+    for token, special in added:  # one at a time: their ids follow the list's order
+        if special:
+            tokenizer.add_special_tokens([token])
+        else:
+            tokenizer.add_tokens([AddedToken(token, special=False, normalized=False)])
     return tokenizer
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int, thinking: bool = False) -> dict[str, int]:
+def train_tokenizer(out_dir: Path, vocab_size: int, thinking: bool = False, family=None) -> dict[str, int]:
     """Train the checkpoints' tokenizer on a fixed corpus; returns the special-token ids (and the
-    thinking tags' with `thinking`, whose chat template is then the Thinking one)."""
+    thinking tags' with `thinking`, whose chat template is then the Thinking one). `family`: another
+    model family's module (service/random_checkpoints/qwen35.py): its added tokens as (token, special)
+    pairs in their order, pre-tokenizer regex, tokenizer class and chat template."""
     from tokenizers import AddedToken
 
-    tokenizer = train_bpe(_corpus(), vocab_size - len(SPECIAL_TOKENS))
-    added = THINKING_TOKENS if thinking else []
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    tokenizer_class = "Qwen2Tokenizer"
+    if family is not None:
+        tokenizer = train_bpe(_corpus(), vocab_size - len(family.TOKENS), family.TOKENS, family.pretokenize_regex())
+        added, template = [token for token, _ in family.TOKENS], family.CHAT_TEMPLATE
+        tokenizer_class = family.TOKENIZER_CLASS
+    else:
+        tokenizer = train_bpe(_corpus(), vocab_size - len(SPECIAL_TOKENS))
+        thinking_tags = THINKING_TOKENS if thinking else []
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in thinking_tags])
+        added, template = SPECIAL_TOKENS + thinking_tags, THINKING_CHAT_TEMPLATE if thinking else CHAT_TEMPLATE
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS + added}
+    ids = {token: tokenizer.token_to_id(token) for token in added}
     tokenizer_config = {
-        "tokenizer_class": "Qwen2Tokenizer",
+        "tokenizer_class": tokenizer_class,
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
@@ -98,5 +115,5 @@ def train_tokenizer(out_dir: Path, vocab_size: int, thinking: bool = False) -> d
         "split_special_tokens": False,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    (out_dir / "chat_template.jinja").write_text(THINKING_CHAT_TEMPLATE if thinking else CHAT_TEMPLATE)
+    (out_dir / "chat_template.jinja").write_text(template)
     return ids

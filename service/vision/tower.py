@@ -195,9 +195,10 @@ class VisionTower(nn.Module):
         self.rotary_pos_emb = RotaryEmbedding(config)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
         self.merger = PatchMerger(config, use_postshuffle_norm=False)
-        self.deepstack_visual_indexes = config.deepstack_visual_indexes
+        # Qwen3.5's tower has no DeepStack: its config has no such indexes
+        self.deepstack_visual_indexes = list(getattr(config, "deepstack_visual_indexes", None) or [])
         self.deepstack_merger_list = nn.ModuleList(
-            PatchMerger(config, use_postshuffle_norm=True) for _ in config.deepstack_visual_indexes
+            PatchMerger(config, use_postshuffle_norm=True) for _ in self.deepstack_visual_indexes
         )
 
     @property

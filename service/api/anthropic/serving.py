@@ -94,7 +94,7 @@ def chat_messages(body: ap.CountTokensRequest, limits: RequestLimits) -> list[Ch
     return out
 
 
-def _shape(body: ap.CountTokensRequest) -> AnswerShape:
+def _shape(body: ap.CountTokensRequest, form: str) -> AnswerShape:
     """Anthropic's tools and tool_choice as the service's answer shape (the grammar, the prompt's tools)."""
     tools = [
         Tool(
@@ -118,7 +118,7 @@ def _shape(body: ap.CountTokensRequest) -> AnswerShape:
         response_format = ResponseFormat(
             type="json_schema", json_schema=JSONSchemaFormat(schema=output.schema_, strict=True)
         )
-    return answer_shape(response_format, tools or None, mapped, not choice.disable_parallel_tool_use)
+    return answer_shape(response_format, tools or None, mapped, not choice.disable_parallel_tool_use, form)
 
 
 def _thinking(body: ap.CountTokensRequest) -> dict:
@@ -134,7 +134,7 @@ def messages_request(
     body: ap.CountTokensRequest, limits: RequestLimits, context: RequestContext
 ) -> tuple[GenerationRequest, AnswerShape]:
     """The engine's request for a Messages body (a count_tokens body: the same prompt, nothing to sample)."""
-    shape = _shape(body)
+    shape = _shape(body, limits.tool_form)
     params = SamplingParams()
     if isinstance(body, ap.MessagesRequest):
         thinking = body.thinking

@@ -51,7 +51,9 @@ def chat_request(
     body: ChatCompletionRequest, limits: RequestLimits, context: RequestContext, conversation_id: str | None
 ) -> tuple[GenerationRequest, AnswerShape]:
     """A Chat Completions body as the engine's request, and the shape its answer takes."""
-    shape = answer_shape(body.response_format, body.tools, body.tool_choice, body.parallel_tool_calls is not False)
+    shape = answer_shape(
+        body.response_format, body.tools, body.tool_choice, body.parallel_tool_calls is not False, limits.tool_form
+    )
     pictures = picture_limits(limits.image, grounding=body.grounding)
     messages = to_chat_messages(body.messages, limits, pictures, clip_limits(limits.video, *body.clip_sampling()))
     gen_request = generation_request(

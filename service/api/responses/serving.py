@@ -79,7 +79,7 @@ def input_messages(body: rp.ResponsesRequest, limits: RequestLimits) -> list[Cha
     return out
 
 
-def _shape(body: rp.ResponsesRequest) -> AnswerShape:
+def _shape(body: rp.ResponsesRequest, form: str) -> AnswerShape:
     fmt = body.text.format if body.text else None
     response_format = None
     if fmt is not None and fmt.type != "text":
@@ -97,7 +97,7 @@ def _shape(body: rp.ResponsesRequest) -> AnswerShape:
     choice = body.tool_choice
     if isinstance(choice, rp.FunctionChoice):
         choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
-    return answer_shape(response_format, tools or None, choice, body.parallel_tool_calls is not False)
+    return answer_shape(response_format, tools or None, choice, body.parallel_tool_calls is not False, form)
 
 
 # -- the input items a response was made from -----------------------------------------------------
@@ -187,7 +187,7 @@ def responses_request(
 ) -> tuple[GenerationRequest, AnswerShape, list[ChatMessage]]:
     """The engine's request for `body` continuing `history` (a stored conversation, or none), its
     answer shape, and the conversation without the instructions (what a stored response keeps)."""
-    shape = _shape(body)
+    shape = _shape(body, limits.tool_form)
     conversation = history + input_messages(body, limits)
     instructions = body.instructions
     prefix = [ChatMessage("system", [TextPart(checked_text(instructions, "instructions"))])] if instructions else []

@@ -23,7 +23,8 @@ low priority (`writer`), reads on a few reader threads with a deadline (`readers
 scheduler's; the budget (KV_DISK_MB) is kept by removing the least recently used files (a hit
 refreshes a file's time), under a lock file so that two instances do not both evict (`sweep`). A
 folder that cannot be written (not a folder, read-only, not ours, out of inodes) turns the tier off,
-at the start or when a write meets it. `store.KVDiskStore` puts these together: the tier's one
+at the start or when a write meets it. A hybrid model's (Qwen3.5) recurrent states are kept beside its
+blocks, named by the same chain (`states`). `store.KVDiskStore` puts these together: the tier's one
 interface, imported from here.
 """
 

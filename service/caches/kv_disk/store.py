@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from ... import metrics
+from ...model.deltanet import Shape, is_hybrid
+from ...model.hybrid import HybridCache
 from ...model.kv import GrowingCache
 from ...model.prompts import VisionSpan
 from ...native import huge_pages
@@ -23,6 +25,7 @@ from .block_files import NotABlock, entry_kind, open_block, remove_entry, touch
 from .block_format import BlockFormat, KVLayout, Rejected, differs
 from .names import Block, BlockNames
 from .readers import Readers
+from .states import StateFormat, StateLayout, points_within, state_block
 from .sweep import Sweeper
 from .writer import BlockWriter
 
@@ -64,9 +67,13 @@ class KVDiskStore:
         self.min_tokens = min_tokens
         self.names = BlockNames(self.root, fingerprint)
         self.format = BlockFormat(fingerprint, layout)
+        # a hybrid model's (Qwen3.5) recurrent states, beside its attention layers' keys and values (states.py)
+        self.states = StateFormat(fingerprint) if is_hybrid(getattr(config, "text_config", config)) else None
         self._readers = Readers(READERS, "kv-disk-read")
         sweeper = Sweeper(self.root, budget_bytes, self.name, self._failed)
-        self._writer = BlockWriter(self.names, self.format, sweeper, lambda: self.usable, self._failed)
+        self._writer = BlockWriter(
+            self.names, self.format, sweeper, lambda: self.usable, self._failed, state_format=self.states
+        )
         check_writable(self.root)
         self.usable = True  # False once the folder turned out unusable while serving: the tier is off
         metrics.KV_DISK_USABLE.set(1)
@@ -119,11 +126,33 @@ class KVDiskStore:
         return blocks, after
 
     def read_async(
-        self, token_ids, positions, images, limit: int, capacity: int, beat: int, stored, timeout: float
+        self,
+        token_ids,
+        positions,
+        images,
+        limit: int,
+        capacity: int,
+        beat: int,
+        stored,
+        timeout: float,
+        points=(),
+        namespace: str = "",
     ) -> Future:
         """`read` on a reader thread; the Future fails with TimeoutError after `timeout` seconds (the
         read, given up, stops at its next block)."""
-        return self._readers.submit(timeout, self.read, token_ids, positions, images, limit, capacity, beat, stored)
+        return self._readers.submit(
+            timeout,
+            self.read,
+            token_ids,
+            positions,
+            images,
+            limit,
+            capacity,
+            beat,
+            stored,
+            points=points,
+            namespace=namespace,
+        )
 
     def read(
         self,
@@ -135,13 +164,16 @@ class KVDiskStore:
         beat: int = 0,
         stored: tuple[list[Block], bytes] | None = None,
         deadline: float | None = None,
+        points: list[int] = (),
+        namespace: str = "",
     ) -> KVReuse | None:
         """The keys and values of the longest prefix of `token_ids` (at M-RoPE `positions`, 3 × tokens)
         the disk holds (at most `limit` tokens, no image split), in a cache with room for `capacity`
         positions — the stored full blocks (`stored`: what `stored_blocks` found already), then as much
         of a block stored after them as matches (a re-tokenized answer, a tail) — or None when that is
         under `min_tokens` or not more than `beat` tokens (the memory tier's), or once past `deadline`
-        (time.monotonic(): the lookup gave up and counted its miss)."""
+        (time.monotonic(): the lookup gave up and counted its miss). A hybrid model's prefix ends at one of
+        `points` (the request's snapshot positions) whose recurrent state is on disk too."""
         started = time.perf_counter()
         blocks, after = stored or self.stored_blocks(token_ids, positions, images, limit)
         blocks = list(blocks)
@@ -150,10 +182,13 @@ class KVDiskStore:
         if continuation is not None:
             blocks.append(continuation)
         tokens = whole_images(blocks[-1].end if blocks else 0, images)
+        state = None
+        if self.states is not None:
+            tokens, state = self._state(token_ids, positions, images, points, tokens, beat, namespace)
         if tokens < self.min_tokens or tokens <= beat:
             metrics.CACHE_MISSES.labels(cache=self.name).inc()
             return None
-        reuse = self._load(blocks, tokens, token_ids, positions, images, max(capacity, tokens), deadline)
+        reuse = self._load(blocks, tokens, token_ids, positions, images, max(capacity, tokens), deadline, state)
         if deadline is not None and time.monotonic() > deadline:
             return None
         if reuse is None or reuse.tokens <= beat:
@@ -176,7 +211,7 @@ class KVDiskStore:
             candidates = [
                 Path(e.path)
                 for e in os.scandir(self.root / prefix[:2])
-                if e.name.startswith(prefix) and e.is_file(follow_symlinks=False)
+                if e.name.startswith(prefix) and e.name.endswith(".kv") and e.is_file(follow_symlinks=False)
             ]
         except (FileNotFoundError, NotADirectoryError):
             return None
@@ -215,9 +250,11 @@ class KVDiskStore:
         images: list[VisionSpan],
         capacity: int,
         deadline: float | None,
+        state: list | None = None,
     ) -> KVReuse | None:
         """A cache of the blocks' keys and values for the first `tokens` tokens; shorter if a block went
-        missing or was rejected on the way, or the deadline passed; None under `min_tokens`."""
+        missing or was rejected on the way, or the deadline passed; None under `min_tokens` (a hybrid
+        model's: exactly `tokens`, with the recurrent `state` there, or None)."""
         layout = self.layout
         buffers = []
         for _ in range(layout.layers):
@@ -242,11 +279,38 @@ class KVDiskStore:
             done = upto
             touch(block.path)
         metrics.KV_DISK_READ_BYTES.inc(read)
+        if state is not None:
+            if done < tokens:
+                return None
+            text = self.config.text_config
+            cache = HybridCache.holding(
+                text.layer_types, Shape.of(text), [k for k, _ in buffers], [v for _, v in buffers], tokens, state
+            )
+            return KVReuse(cache=cache, tokens=tokens, source="disk")
         tokens = whole_images(done, images)
         if tokens < self.min_tokens:
             return None
         cache = GrowingCache.holding([k for k, _ in buffers], [v for _, v in buffers], tokens, self.config)
         return KVReuse(cache=cache, tokens=tokens, source="disk")
+
+    def _state(self, token_ids, positions, images, points, tokens: int, beat: int, namespace: str):
+        """(the longest of `points` within `tokens`, past `beat`, whose recurrent state is on disk and
+        reads back whole; its state), or (0, None)."""
+        layout = StateLayout.of_shape(Shape.of(self.config.text_config), self.config.text_config.layer_types)
+        for at in points_within(points, tokens):
+            if at <= beat:
+                break
+            block = state_block(self.names, token_ids, positions, images, at, namespace)
+            try:
+                with open_block(block.path) as f:
+                    return at, self.states.read(f, block, token_ids, positions, images, layout)
+            except (FileNotFoundError, NotABlock):
+                continue
+            except OSError as exc:
+                self._reject(block.path, Rejected("unreadable", str(exc)))
+            except Rejected as bad:
+                self._reject(block.path, bad)
+        return 0, None
 
     def _read(
         self, block: Block, token_ids: torch.Tensor, positions: torch.Tensor, images: list[VisionSpan]
@@ -289,11 +353,14 @@ class KVDiskStore:
     ) -> None:
         """Queue a kept cache's keys and values (covering `token_ids`, at M-RoPE `positions`, in `namespace`'s
         chain) for the writer; returns at once."""
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        hybrid = isinstance(cache, HybridCache)
+        attention = [cache.layers[i] for i in cache.attention] if hybrid else cache.layers
+        layers = [(layer.keys, layer.values) for layer in attention]
         if not self.usable or not layers or layers[0][0].dtype != self.layout.dtype or len(token_ids) < self.min_tokens:
             return
         spans = [s for s in images if s.start < len(token_ids)]
-        self._writer.queue(cache, layers, token_ids, positions, spans, namespace)
+        states = cache.states_to_keep(len(token_ids)) if hybrid else ()
+        self._writer.queue(cache, layers, token_ids, positions, spans, namespace, states)
 
     def truncate(self, cache, tokens: int) -> None:
         """`cache` is being extended in place from `tokens` on: its queued writes stop there."""

@@ -24,9 +24,12 @@ SCAN_EVERY = 0.05  # of the budget written between two scans of the folder (othe
 STALE_TEMPORARY_SECONDS = 3600.0  # a writer's unfinished file older than this was left by a crash
 
 
+STORED = (".kv", ".state")  # blocks of keys and values, a hybrid model's recurrent states (states.py)
+
+
 def held_bytes(root: Path) -> int:
-    """Bytes of the block files under `root` now."""
-    return sum(_size(p) for p in Path(root).glob("*/*.kv"))
+    """Bytes of the block and state files under `root` now."""
+    return sum(_size(p) for suffix in STORED for p in Path(root).glob(f"*/*{suffix}"))
 
 
 def default_budget_bytes(root: Path, held: int = 0) -> int:
@@ -98,7 +101,7 @@ class Sweeper:
                 if entry.name.startswith(".tmp-"):
                     if now - stat.st_mtime > STALE_TEMPORARY_SECONDS:
                         remove_entry(Path(entry.path))
-                elif not entry.name.endswith(".kv"):
+                elif not entry.name.endswith(STORED):
                     continue
                 elif kind is None:
                     files.append((stat.st_mtime, stat.st_size, entry.path))

@@ -23,6 +23,7 @@ from ...model.prompts import VisionSpan
 from .block_files import entry_kind, remove_entry, touch
 from .block_format import BlockFormat
 from .names import Block, BlockNames, chain
+from .states import StateFormat, state_block
 from .sweep import Sweeper
 
 log = logging.getLogger(__package__)  # the tier's one logger, named as its package
@@ -43,6 +44,7 @@ class _Write:
     owner: weakref.ref  # the cache it was queued from
     namespace: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    states: list[tuple[int, list]] = field(default_factory=list)  # a hybrid model's: (tokens, each layer's state)
 
 
 class BlockWriter:
@@ -57,8 +59,9 @@ class BlockWriter:
         sweeper: Sweeper,
         usable: Callable[[], bool],
         failed: Callable[[str, OSError], None],
+        state_format: StateFormat | None = None,
     ):
-        self.names, self.format, self.sweeper = names, block_format, sweeper
+        self.names, self.format, self.sweeper, self.state_format = names, block_format, sweeper, state_format
         self.usable, self.failed = usable, failed
         self._jobs: queue.Queue[_Write] = queue.Queue()
         self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache → its queued _Writes
@@ -76,9 +79,13 @@ class BlockWriter:
         positions: torch.Tensor,
         images: list[VisionSpan],
         namespace: str,
+        states: list[tuple[int, list]] = (),
     ) -> None:
-        """Queue `cache`'s keys and values (`layers`, covering `token_ids`) for the writer thread."""
-        job = _Write(layers, token_ids, positions, images, len(token_ids), weakref.ref(cache), namespace)
+        """Queue `cache`'s keys and values (`layers`, covering `token_ids`) for the writer thread, and a
+        hybrid model's recurrent `states` ((tokens, each linear layer's (conv, state)): copies, unchanging)."""
+        job = _Write(
+            layers, token_ids, positions, images, len(token_ids), weakref.ref(cache), namespace, states=list(states)
+        )
         with self._pending_lock:
             self._pending.setdefault(cache, []).append(job)
         with self._idle:
@@ -149,7 +156,7 @@ class BlockWriter:
                 jobs.remove(job)
                 if not jobs:
                     del self._pending[cache]
-        job.layers = []
+        job.layers, job.states = [], []
 
     def _write(self, job: _Write) -> None:
         length, previous, end = len(job.token_ids), self.names.seed_of(job.namespace), 0
@@ -159,7 +166,28 @@ class BlockWriter:
             previous, end = key, block.end
         if end < length:  # the tail: what follows the last full block
             key = chain(previous, job.token_ids, job.positions, end, length, job.images)
-            self._write_block(job, Block(self.names.path(previous, key), end, length, previous))
+            if not self._write_block(job, Block(self.names.path(previous, key), end, length, previous)):
+                return
+        for tokens, states in job.states:
+            if tokens <= job.limit:
+                self._write_state(job, tokens, states)
+
+    def _write_state(self, job: _Write, tokens: int, states: list) -> None:
+        """A hybrid model's recurrent state at `tokens`, unless on disk already (states.py)."""
+        block = state_block(self.names, job.token_ids, job.positions, job.images, tokens, job.namespace)
+        kind = entry_kind(block.path)
+        if kind == "file":
+            touch(block.path)
+            return
+        if kind is not None and not remove_entry(block.path):
+            return
+        try:
+            written = self.state_format.write(block.path, block, job.token_ids, job.positions, job.images, states)
+        except OSError as exc:
+            self.failed("writing a recurrent state", exc)
+            return
+        self.sweeper.wrote(written)
+        metrics.KV_DISK_WRITTEN_BYTES.inc(written)
 
     def _write_block(self, job: _Write, block: Block) -> bool:
         """Write the block's tokens unless on disk already; False once past the job's limit or when
