@@ -21,7 +21,7 @@ import requests
 from tqdm import tqdm
 
 from bench.core.client import chat
-from bench.core.harness import percentile
+from bench.core.harness import add_speculation, percentile
 from bench.core.results import markdown_table, report
 from bench.core.servers import gunicorn_server
 
@@ -98,8 +98,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model-path", help="default: the embedded tiny random model")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "qwen3vl-service"))
     parser.add_argument("--no-save", action="store_true")
+    add_speculation(parser)
     args = parser.parse_args(argv)
-    env = {"QUEUE_SIZE": str(args.queue_size), "CACHE_DIR": args.cache_dir}
+    env = {"QUEUE_SIZE": str(args.queue_size), "CACHE_DIR": args.cache_dir, "SPECULATIVE": args.speculative}
     if args.model_path:
         env["MODEL_PATH"] = args.model_path
     log = Path(args.cache_dir) / "load-gunicorn.log"

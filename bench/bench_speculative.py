@@ -175,6 +175,7 @@ def main(argv=None) -> int:
             "SPECULATIVE_TOKENS": 8,
         },
         body,
+        speculation="on and off, each figure's row says which (the scenario's own engines: --speculative has no say)",
     )
 
 

@@ -3,6 +3,8 @@ the arguments given; bench/RESULTS.md one section per scenario and machine, the 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bench.__main__ import SCENARIOS, main
@@ -75,3 +77,30 @@ def test_a_machine_is_named_by_its_widest_vector_extension_and_cpu_family():
     assert results.machine_name("AMD EPYC 7763 64-Core Processor", ["avx2"]) == "AVX2-only EPYC 7763 64-Core"
     line = f"2026-12-01 17:28 UTC · {results.machine_line(2)}"
     assert results.machine_of(line) == results.machine_name(results.cpu_model(), results.instruction_sets())
+
+
+def test_every_decode_figure_of_the_results_says_whether_speculation_was_on():
+    """Exact speculation on random weights accepts guesses a real model would not: a decode figure is
+    raw decode only where its section says speculation was off (issue 58)."""
+    with_figure = [(t, s) for t, s in results.sections(results.RESULTS.read_text()) if results.DECODE_FIGURE.search(s)]
+    assert with_figure, "bench/RESULTS.md gives decode figures"
+    unstated = [t for t, s in with_figure if f"\n{results.SPECULATION_PREFIX}" not in s]
+    assert unstated == [], "sections with a decode figure but no “Speculation:” line"
+
+
+def test_a_section_with_a_decode_figure_cannot_be_written_without_its_speculation_setting(results_file):
+    with pytest.raises(ValueError, match="speculation"):
+        _written("Peer: 4b", "| decode | 12.3 tok/s |")
+    results.write_section(results.section("Peer: 4b", {}, "| decode | 12.3 tok/s |", speculation="off (test)"))
+    assert "\nSpeculation: off (test)\n" in results.RESULTS.read_text()
+
+
+def test_the_benchmarks_decode_with_speculation_off_unless_asked(monkeypatch, tiny_dir):
+    from bench.core.harness import parse, parser
+
+    monkeypatch.setenv("SPECULATIVE", "on")  # the service's default; restored after the test
+    args = parse(parser("A benchmark."), ["--model-path", str(tiny_dir), "--no-save"])
+    assert args.speculative == "off"
+    assert os.environ["SPECULATIVE"] == "off"  # what every Session and server the benchmark starts reads
+    assert parse(parser("A benchmark."), ["--model-path", str(tiny_dir), "--speculative", "on"]).speculative == "on"
+    assert os.environ["SPECULATIVE"] == "on"

@@ -184,7 +184,26 @@ def parser(doc: str, quantization: bool = True, baseline: str | None = None) -> 
         "--tiny", action="store_true", help="the embedded tiny model: a quick check, its figures meaningless"
     )
     p.add_argument("--no-save", action="store_true", help="print the tables, leave bench/RESULTS.md alone")
+    add_speculation(p)
     return p
+
+
+def add_speculation(p: argparse.ArgumentParser) -> None:
+    """--speculative: exact speculative decoding in every engine and server the benchmark starts (`parse`
+    exports it as SPECULATIVE). Off by default: on random weights prompt lookup accepts far more guesses
+    than a real model's answers allow, so a decode figure with it on is not raw decode."""
+    p.add_argument(
+        "--speculative",
+        choices=["off", "on"],
+        default="off",
+        help="exact speculative decoding in what the benchmark serves (default off: a token a forward)",
+    )
+
+
+def serve_with_speculation(setting: str) -> None:
+    """SPECULATIVE for every Session, fresh process and Gunicorn server this benchmark starts (each reads
+    the environment); a scenario's explicit setting (bench_speculative's) still wins."""
+    os.environ["SPECULATIVE"] = setting
 
 
 def parse(p: argparse.ArgumentParser, argv=None, source: bool = False) -> argparse.Namespace:
@@ -193,6 +212,7 @@ def parse(p: argparse.ArgumentParser, argv=None, source: bool = False) -> argpar
     INT8, unless `source`: the checkpoint the copies are made from).
     Exits with how to make it if it is missing."""
     args = p.parse_args(argv)
+    serve_with_speculation(args.speculative)
     if args.tiny:
         args.model_path = tiny_model_path()
     elif args.model_path is None and getattr(args, "model", None):

@@ -3,9 +3,11 @@
 A section is headed `## TITLE · MACHINE · COMMAND` — what the scenario measured, the machine it ran
 on ("AMX Xeon", "AVX2-only EPYC": its widest vector extension and CPU family) and the command that
 runs it (`python -m bench.bench_x`) — then the exact command line, the commit it ran on, the date,
-the machine in full and the settings. Rerunning a scenario on a machine replaces that machine's
-section in place (earlier runs stay in git history); a first run on another machine goes beside the
-scenario's other sections. Plots go to bench/plots/, one per scenario and machine likewise.
+the machine in full and the settings, and — where it gives a decode figure — whether exact speculative
+decoding was on (`Speculation:`; the benchmarks run with it off unless asked). Rerunning a scenario on
+a machine replaces that machine's section in place (earlier runs stay in git history); a first run on
+another machine goes beside the scenario's other sections. Plots go to bench/plots/, one per scenario
+and machine likewise.
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ PREAMBLE = (
     "git history). Timings are from one run on the machine named. Do not edit by hand.\n"
 )
 COMMAND_PREFIX = "Command: `"
+SPECULATION_PREFIX = "Speculation: "  # the line every section with a decode figure has
+DECODE_FIGURE = re.compile(r"\btok(?:ens)?/s\b")
+SPECULATION = {
+    "off": "off (`SPECULATIVE=off`): every decode figure is a token a forward",
+    "on": "on (`SPECULATIVE=on`): decode figures count the guesses exact speculative decoding verified, which "
+    "random weights accept far more often than a real model's answers would",
+}
 SEPARATOR = " · "  # between a heading's title, machine and command
 OUTPUTS = (":!bench/RESULTS.md", ":!bench/plots")  # pathspecs: what the benches write
 WIDEST = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2-only"))  # flag → machine name, widest first
@@ -137,13 +146,17 @@ def heading(title: str) -> str:
     return SEPARATOR.join([title, this_machine(), scenario_command()])
 
 
-def section(title: str, settings: dict, body: str, threads: int | None = None) -> str:
-    """`## heading`, the command, commit, date, machine and settings lines, then `body`."""
+def section(title: str, settings: dict, body: str, threads: int | None = None, speculation: str | None = None) -> str:
+    """`## heading`, the command, commit, date, machine and settings lines, the speculation line (required
+    when `body` has a decode figure), then `body`."""
+    if speculation is None and DECODE_FIGURE.search(body):
+        raise ValueError(f"“{title}” has a decode figure: its section must say whether speculation was on")
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     setting_text = ", ".join(f"{k}={v}" for k, v in settings.items())
+    said = f"{SPECULATION_PREFIX}{speculation}\n\n" if speculation else ""
     return (
         f"## {heading(title)}\n\n{COMMAND_PREFIX}{command_line()}` · commit {commit()}\n\n"
-        f"{stamp} · {machine_line(threads)}\n\nSettings: {setting_text}\n\n{body.strip()}\n\n"
+        f"{stamp} · {machine_line(threads)}\n\nSettings: {setting_text}\n\n{said}{body.strip()}\n\n"
     )
 
 
@@ -162,11 +175,22 @@ def write_section(text: str) -> None:
     _write(kept)
 
 
-def report(args, title: str, settings: dict, body: str, threads: int | None = None, save: bool | None = None) -> int:
+def report(
+    args,
+    title: str,
+    settings: dict,
+    body: str,
+    threads: int | None = None,
+    save: bool | None = None,
+    speculation: str | None = None,
+) -> int:
     """Print the section of `title` (with the benchmark's `args.threads`, unless `threads`) and write it
-    to bench/RESULTS.md, unless the benchmark's --no-save (or `save`) says not to. 0: the
-    benchmark's exit status."""
-    text = section(title, settings, body, threads if threads is not None else getattr(args, "threads", None))
+    to bench/RESULTS.md, unless the benchmark's --no-save (or `save`) says not to. Its speculation line
+    says `speculation`, else the benchmark's --speculative setting. 0: the benchmark's exit status."""
+    if speculation is None and getattr(args, "speculative", None):
+        speculation = SPECULATION[args.speculative]
+    threads = threads if threads is not None else getattr(args, "threads", None)
+    text = section(title, settings, body, threads, speculation)
     if save if save is not None else not args.no_save:
         write_section(text)
     print("\n" + text)
