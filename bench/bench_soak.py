@@ -103,7 +103,16 @@ class Soak:
             received = b""
             while received.count(b"\n") < 12 and (chunk := sock.recv(4096)):
                 received += chunk
+        self._until_nothing_generates()
         return 200 if received.startswith(b"HTTP/1.1 200") else int(received[9:12] or 0)
+
+    def _until_nothing_generates(self, timeout: float = 30) -> None:
+        """Wait for the abandoned stream's generation to stop: the next request must not overlap it, or
+        Gunicorn's thread pool grows by one (its threads are made on demand, never ended) and a leak check
+        over thread counts would see a thread that is no leak."""
+        deadline = time.monotonic() + timeout
+        while metric(self.base, "qwen3vl_generating") > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def step(self) -> int:
         kind = self.rng.choices(["native_image", "follow_up", "openai_stream", "disconnect"], [40, 25, 20, 15])[0]

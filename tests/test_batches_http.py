@@ -383,8 +383,9 @@ def test_an_upload_is_counted_as_it_streams_in_bounded_memory(roomy_server, mib)
 
 
 def test_a_large_upload_and_the_batch_made_of_it_take_bounded_memory(roomy_server):
-    """A 93 MiB file of 45,000 lines is kept, and a batch made of it, with the worker growing a few MiB
-    each (283 and 291 MiB before: the file read whole, split whole, its requests held two and three times)."""
+    """A 93 MiB file of 45,000 lines is kept, and a batch made of it, with the worker growing a few tens
+    of MiB at most (283 and 291 MiB before: the file read whole, split whole, its requests held two and
+    three times; 64 MiB leaves room for the allocator's arenas, which once put 51 MiB into a bounded run)."""
     base, master, _ = roomy_server
     [worker] = psutil.Process(master.pid).children()
     body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x" * 2000}]}
@@ -392,10 +393,10 @@ def test_a_large_upload_and_the_batch_made_of_it_take_bounded_memory(roomy_serve
     post = lambda: requests.post(base + "/v1/files", files=files, data={"purpose": "batch"}, timeout=300)  # noqa: E731
     kept, grew = growth_while(worker, post)
     assert kept.status_code == 200 and kept.json()["bytes"] > 90 * 2**20
-    assert grew < 48, f"the worker grew {grew:.0f} MiB keeping a 93 MiB upload"
+    assert grew < 64, f"the worker grew {grew:.0f} MiB keeping a 93 MiB upload"
     made = {"input_file_id": kept.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
     created, grew = growth_while(worker, lambda: requests.post(base + "/v1/batches", json=made, timeout=300))
-    assert created.status_code == 200 and grew < 48, f"the worker grew {grew:.0f} MiB making a batch of 93 MiB"
+    assert created.status_code == 200 and grew < 64, f"the worker grew {grew:.0f} MiB making a batch of 93 MiB"
     cancelled = requests.post(f"{base}/v1/batches/{created.json()['id']}/cancel").json()
     assert cancelled["status"] in ("cancelling", "cancelled")
     requests.delete(f"{base}/v1/files/{kept.json()['id']}")
