@@ -138,6 +138,11 @@ class Settings(BaseSettings):
     speculative_tokens: int = Field(
         4, ge=0, le=8, description="guessed tokens a sequence may verify per decode step, at most"
     )
+    mtp_drafting: Literal["on", "off"] = Field(
+        "on",
+        description="a checkpoint's multi-token prediction head (Qwen3.5's `mtp.*` tensors) guesses the tokens "
+        "exact speculative decoding verifies, instead of prompt lookup; off: the head is not loaded",
+    )
 
     # Caches (per process): conversation KV cache and vision-feature cache
     cache_enabled: bool = Field(True, description="False turns both caches off (every prompt computed in full)")
