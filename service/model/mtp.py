@@ -1,7 +1,7 @@
 """Qwen3.5's multi-token prediction head (the checkpoint's `mtp.*` tensors) as a drafter for exact
 speculative decoding: what it computes (`MTPHead`) and what it keeps per sequence (`DraftCache`).
 
-Read from vLLM's Qwen3.5 MTP (`qwen3_5_mtp.py` and its EAGLE-style proposer): at position p the head
+Read from vLLM's Qwen3.5 MTP model and its EAGLE-style proposer: at position p the head
 takes the hidden state the model's last layer left there, after its final norm, and the input
 embedding of token p + 1 — the vision feature where that token is a picture's placeholder, as vLLM
 merges them — normalises each (`pre_fc_norm_hidden`, `pre_fc_norm_embedding`), maps the embedding
@@ -23,15 +23,10 @@ of a hybrid cache (service/model/hybrid.py) keeps the hidden state its position 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from .kv import GrowingLayer
-
-if TYPE_CHECKING:
-    from .forward import TextForward
 
 
 class HeadUnavailable(ValueError):
@@ -196,7 +191,7 @@ class MTPHead:
     counts)` → its output rows (after its final norm), `counts[i]` consecutive rows for `drafts[i]`,
     whose keys and values they extend; `logits` of output rows; `embed` of token ids (the model's)."""
 
-    def __init__(self, module: nn.Module, forward: TextForward):
+    def __init__(self, module: nn.Module, forward):  # forward: the model's TextForward (service/model/forward.py)
         self.forward = forward
         self.fc = module.fc
         self.embedding_scale = forward.norm_scale(module.pre_fc_norm_embedding.weight)
