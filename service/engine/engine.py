@@ -96,7 +96,9 @@ class Engine:
         self.caches = Caches.from_settings(
             settings, loaded, self.memory, self.vision_encoder.name, kv_dtype, head=self.head is not None
         )
-        self.inputs = InputProcessor(loaded, self.limits, self.memory, kv_dtype.itemsize, thinking)
+        self.inputs = InputProcessor(
+            loaded, self.limits, self.memory, kv_dtype.itemsize, thinking, head_layers=int(self.head is not None)
+        )
         serving_kernels = kernels and {part: kernels[part] for part in ("decoder", "vision")}  # not their timings
         fingerprint = serving_fingerprint(loaded.path, loaded.quantization, serving_kernels, settings.kv_dtype)
         self.info = ModelInfo(

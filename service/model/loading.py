@@ -155,10 +155,11 @@ def _load(settings: Settings) -> LoadedModel:
             len(pending),
         )
     log.info(
-        "loaded %s (%s%s) from %s in %.1f s",
+        "loaded %s (%s%s%s) from %s in %.1f s",
         loaded.name,
         f"{loaded.quantization}, INT8 kernels: {kernels.describe()}" if kernels else "fp32",
         ", pre-quantized" if prequantized else "",
+        ", with its multi-token prediction head" if getattr(model, "mtp", None) is not None else "",
         path,
         loaded.load_seconds,
     )
