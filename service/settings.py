@@ -130,7 +130,8 @@ class Settings(BaseSettings):
     )
     speculative: Literal["on", "off"] = Field(
         "on",
-        description="exact speculative decoding: guessed tokens (a grammar's forced ones, prompt lookup) "
+        description="exact speculative decoding: guessed tokens (a grammar's forced ones, a checkpoint's "
+        "multi-token prediction head or prompt lookup) "
         "verified in the decode step's one pass; greedy answers are the same bits with it on or off. "
         "INT8 weights only (fp32 GEMMs compute a few rows one at a time: no gain). A request's "
         "`speculative: false` turns it off for that request",

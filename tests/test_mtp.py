@@ -175,6 +175,25 @@ def test_a_checkpoint_without_the_head_serves_without_it(cache_dir, preset_dir, 
     assert run(engine, greedy([TextPart("Hello there.")], max_tokens=8)).completion_tokens == 8
 
 
+def test_the_heads_parameters_docs_models_md_gives_are_the_presets():
+    """docs/models.md's table: each Qwen3.5 preset's parameters, and of them the head's, from the tensors
+    its checkpoint stores (the meta device: no memory)."""
+    import math
+    from pathlib import Path
+
+    from service.random_checkpoints.presets import model_config
+    from service.random_checkpoints.random_weights import checkpoint_shapes
+
+    text = (Path(__file__).parents[1] / "docs" / "models.md").read_text().split("## Qwen3.5's MTP head")[1]
+    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| `qwen3.5-")]
+    assert len(rows) == 5
+    for name, total, head in rows:
+        shapes = checkpoint_shapes(model_config(name.strip().strip("`")))
+        count = {n: math.prod(s) for n, s in shapes.items()}
+        assert int(total.replace(",", "")) == sum(count.values())
+        assert int(head.replace(",", "")) == sum(n for k, n in count.items() if k.startswith("mtp."))
+
+
 # -- what the head computes -----------------------------------------------------------------------------
 
 

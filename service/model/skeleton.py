@@ -203,9 +203,13 @@ class TextModel(nn.Module):
 
 
 def head_layers(config) -> int:
-    """The decoder layers of the checkpoint's multi-token prediction head (Qwen3.5's `mtp.*`; 0: none)."""
+    """The decoder layers of the checkpoint's multi-token prediction head (Qwen3.5's `mtp.*`, its
+    config's `mtp_num_hidden_layers`: 1 in every release); 0: none, or one with an embedding of its own
+    (`mtp_use_dedicated_embeddings`, false in every release), which the service does not read."""
     text = getattr(config, "text_config", config)
-    return int(getattr(text, "mtp_num_hidden_layers", 0) or 0) if is_hybrid(text) else 0
+    if not is_hybrid(text) or getattr(text, "mtp_use_dedicated_embeddings", False):
+        return 0
+    return int(getattr(text, "mtp_num_hidden_layers", 0) or 0)
 
 
 class MultiTokenPrediction(nn.Module):
