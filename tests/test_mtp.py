@@ -341,7 +341,8 @@ def test_a_second_turn_from_memory_or_disk_guesses_and_answers_as_a_fresh_comput
     done = run(first, asked(history, 24, "A"))
     assert first.caches.kv.disk.flush(30)
     shutil.copytree(tmp_path / "kv", tmp_path / "copy")
-    second = asked(history + [assistant(done.text), user("Tell me more.")], 24, "A")
+    follow = history + [assistant(done.text), user("Tell me more.")]
+    second = asked(follow, 24, "A")
     fresh_engine = tiered(tmp_path / "none", kv_disk_mb=0)
     disk_engine = tiered(tmp_path / "copy")
     before = mtp_guesses()
@@ -354,6 +355,35 @@ def test_a_second_turn_from_memory_or_disk_guesses_and_answers_as_a_fresh_comput
     assert len(counts) == 1 and next(iter(counts))[0] > 0
     heads = [kept(e, "A").cache.draft for e in (first, disk_engine, fresh_engine)]
     assert same_head(heads[0], heads[2]) and same_head(heads[1], heads[2])
+    branch = run(first, asked(follow, 24, "B"))  # another conversation: a copy of A's prefix
+    assert branch.cached_from == "memory" and same_bits(branch, fresh)
+    assert (branch.drafted_tokens, branch.accepted_tokens) == (fresh.drafted_tokens, fresh.accepted_tokens)
+    assert same_head(kept(first, "B").cache.draft, heads[2])
+
+
+@WEIGHTS
+def test_a_cache_cut_back_or_copied_to_a_snapshot_holds_the_heads_entries_a_recompute_gives(engines, weights):
+    """A prompt prefilled in pieces, its state kept at each piece's end: cut back (or copied) to any of
+    them, the cache's head part is the bits a prefill of that many tokens leaves."""
+    engine = engines(weights)
+    ids = torch.tensor([11, 305, 42, 7, 512, 88, 3, 260, 19, 77, 140, 9, 31, 650, 2, 48, 17, 5, 90, 61])
+    ends = [3, 8, 9, 15, len(ids)]
+
+    def prefilled(length: int, snapshots=()):
+        cache, start = engine.forward.new_cache(torch.float32, draft=True), 0
+        for end in [e for e in ends if e < length] + [length]:
+            engine.forward(ids[start:end], torch.arange(start, end), [Rows(cache, end - start)])
+            engine.head.settle([cache.draft])
+            if end in snapshots:
+                cache.snapshot()
+            start = end
+        return cache
+
+    whole = prefilled(len(ids), ends)
+    for length in reversed(ends[:-1]):
+        assert same_head(whole.prefix(length).draft, prefilled(length).draft), length
+        whole.crop(length - whole.get_seq_length())
+        assert same_head(whole.draft, prefilled(length).draft), length
 
 
 @WEIGHTS

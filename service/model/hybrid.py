@@ -68,7 +68,7 @@ class HybridCache:
         if target >= length:
             return
         if self.draft is not None and not self.draft.croppable(target):
-            raise StateUnavailable(f"no head state at {target} tokens")
+            self.draft = None  # the head cannot follow there: the sequence guesses without it
         if target == 0 or target in self.snapshots:
             fresh = [(torch.zeros_like(layer.conv), torch.zeros_like(layer.state)) for layer in self.recurrent]
             for layer, (conv, state) in zip(self.recurrent, self.snapshots.get(target, fresh)):
