@@ -322,6 +322,24 @@ def test_the_heads_entries_are_those_a_recompute_of_the_same_tokens_gives(engine
     assert same_head(alone.cache.draft, recomputed.draft) and same_head(batched.cache.draft, recomputed.draft)
 
 
+def test_unread_rows_read_without_guessing_leave_the_same_entries(engines, monkeypatch):
+    """A sequence that does not guess for a while (its budget paused after misses) has its unread rows
+    read anyway once MAX_UNREAD gather (here: at once): the same answer, the same entries."""
+    from service.engine import mtp_drafts
+
+    monkeypatch.setattr(mtp_drafts, "MAX_UNREAD", 1)
+    engine = engines("int8", kv_dtype="float32")
+    parts = [TextPart("Tell me a long story about a red square and a blue circle, please.")]
+    done = run(engine, greedy(parts, 40, "read"))
+    assert 0 < done.drafted_tokens < done.completion_tokens - 1  # some steps guessed, some did not
+    assert same_bits(done, run(engine, dataclasses.replace(greedy(parts, 40), speculative=False)))
+    tokens = kept(engine, "read").token_ids
+    recomputed = engine.forward.new_cache(torch.float32, draft=True)
+    engine.forward(tokens, torch.arange(len(tokens)), [Rows(recomputed, len(tokens))])
+    engine.head.settle([recomputed.draft])
+    assert same_head(kept(engine, "read").cache.draft, recomputed.draft)
+
+
 @WEIGHTS
 def test_a_second_turn_from_memory_or_disk_guesses_and_answers_as_a_fresh_computation(
     engines, cache_dir, tmp_path, weights

@@ -244,11 +244,11 @@ class Scheduler:
     def _head_guesses(self, running: list[Sequence], guesses: list[Guesses]) -> None:
         """The multi-token prediction head's guesses for the sequences that draft with it, made for all
         of them at once (and its unread rows read: service/engine/mtp_drafts.py)."""
-        drafting = [(s, g) for s, g in zip(running, guesses) if s.head is not None]
+        drafting = [(s, g) for s, g in zip(running, guesses) if s.head_cache is not None]
         if self.head is None or not drafting:
             return
         made = self.head.propose(
-            [s.head for s, _ in drafting], [s.token_ids[-1] for s, _ in drafting], [g.wanted for _, g in drafting]
+            [s.head_cache for s, _ in drafting], [s.token_ids[-1] for s, _ in drafting], [g.wanted for _, g in drafting]
         )
         for (_, guess), tokens in zip(drafting, made):
             if guess.source == "mtp":

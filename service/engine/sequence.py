@@ -209,7 +209,7 @@ class Sequence:
         return token
 
     @property
-    def head(self):
+    def head_cache(self):
         """Its cache's part for the multi-token prediction head (service/model/mtp.py), if it drafts with one."""
         return getattr(self.cache, "draft", None) if self.drafts is not None else None
 
@@ -223,7 +223,7 @@ class Sequence:
         if phase is not None and phase.forced:  # certain, as a grammar's forced tokens
             return Guesses(phase.forced[: max(0, min(room, self.drafts.max_tokens))])
         constraint = self.constraint if phase is None or phase.answering else None
-        if self.head is not None:
+        if self.head_cache is not None:
             forced, wanted = self.drafts.head_drafts(constraint, room)
             return Guesses(forced) if forced else Guesses([], "mtp", wanted)
         tokens, looked_up = self.drafts.drafts(self.token_ids, constraint, room)
