@@ -203,7 +203,7 @@ class Engine:
         cache, prompt = sequence.cache, sequence.prompt
         if cache is None or sequence.error is not None:
             return
-        if getattr(cache, "draft", None) is not None:  # the head's entries up to the last position kept
+        if self.head is not None and getattr(cache, "draft", None) is not None:  # its entries up to the last position
             self.head.settle([cache.draft])
         covered = torch.tensor(sequence.token_ids[: cache.get_seq_length()])
         positions = covered_positions(self.model, prompt, len(covered))

@@ -100,7 +100,6 @@ class TextForward:
         self.gated = self.layer_types is not None
         self.final_norm = self.norm_scale(lm.norm.weight)
         self.shape = Shape.of(config) if self.gated else None
-        self.config = config
         self.layers = [self.layer_of(layer) for layer in lm.layers]
         self.mixers = [layer.mixer for layer in self.layers if layer.mixer is not None]
         self._qk_width = (self.heads + self.kv_heads) * self.head_dim
