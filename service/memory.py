@@ -84,11 +84,12 @@ def state_bytes(config) -> int:
     return 4 * linear * (heads * key_dim * value_dim + (text.linear_conv_kernel_dim - 1) * channels)
 
 
-def kv_cache_bytes(config, tokens: int, bytes_per_value: int = 4) -> int:
-    """Bytes of one sequence's cache holding `tokens` tokens (keys and values at `bytes_per_value`;
-    a hybrid model's state twice: a decode step's guesses write beside the state they may fall back to)."""
+def kv_cache_bytes(config, tokens: int, bytes_per_value: int = 4, head_layers: int = 0) -> int:
+    """Bytes of one sequence's cache holding `tokens` tokens (keys and values at `bytes_per_value`, of
+    its attention layers and `head_layers` more: a multi-token prediction head's; a hybrid model's state
+    twice: a decode step's guesses write beside the state they may fall back to)."""
     layers, heads, head_dim = kv_shape(config)
-    return tokens * layers * 2 * heads * head_dim * bytes_per_value + 2 * state_bytes(config)
+    return tokens * (layers + head_layers) * 2 * heads * head_dim * bytes_per_value + 2 * state_bytes(config)
 
 
 def cgroup_memory(

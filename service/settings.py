@@ -130,13 +130,19 @@ class Settings(BaseSettings):
     )
     speculative: Literal["on", "off"] = Field(
         "on",
-        description="exact speculative decoding: guessed tokens (a grammar's forced ones, prompt lookup) "
+        description="exact speculative decoding: guessed tokens (a grammar's forced ones, a checkpoint's "
+        "multi-token prediction head or prompt lookup) "
         "verified in the decode step's one pass; greedy answers are the same bits with it on or off. "
         "INT8 weights only (fp32 GEMMs compute a few rows one at a time: no gain). A request's "
         "`speculative: false` turns it off for that request",
     )
     speculative_tokens: int = Field(
         4, ge=0, le=8, description="guessed tokens a sequence may verify per decode step, at most"
+    )
+    mtp_drafting: Literal["on", "off"] = Field(
+        "on",
+        description="a checkpoint's multi-token prediction head (Qwen3.5's `mtp.*` tensors) guesses the tokens "
+        "exact speculative decoding verifies, instead of prompt lookup; off: the head is not loaded",
     )
 
     # Caches (per process): conversation KV cache and vision-feature cache

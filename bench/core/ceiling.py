@@ -2,10 +2,10 @@
 
 A decode step reads every text weight once (attention, norms, routers, the output head) but, in a
 mixture of experts, only its top-k experts of each layer; the vision tower, the embedding table (one
-row) and Qwen3.5's multi-token prediction head (`mtp.*`, which neither server drafts with) it does not
-read. At best a token then takes active bytes ÷ read bandwidth: the ceiling a decode rate is compared
-with. Both sides are counted from their files: this service's checkpoint (safetensors headers) and
-llama.cpp's GGUF (its tensor table).
+row) and Qwen3.5's multi-token prediction head (`mtp.*`, which only drafts: decoding with speculation
+off, as the compared rows do, never runs it) it does not read. At best a token then takes active bytes ÷
+read bandwidth: the ceiling a decode rate is compared with. Both sides are counted from their files:
+this service's checkpoint (safetensors headers) and llama.cpp's GGUF (its tensor table).
 """
 
 from __future__ import annotations

@@ -72,8 +72,8 @@ QWEN35 = ("qwen3_5", "qwen3_5_moe")  # config.json model_types
 def gguf_weights(source: Path, llama: Path, out_dir: Path, log: Path, q4: bool) -> dict[str, Path]:
     """The checkpoint as GGUF (converted once): text Q8_0, vision F16 (mmproj), text Q4_0 (by way of an
     F16 text file, deleted once Q4_0 is made). Qwen3-VL's pre-tokenizer is Qwen2's (the same regex);
-    Qwen3.5's is its own, and its multi-token prediction head (`mtp.*`) is left out, as the service
-    leaves it out at load: llama-server drafts with it only when told to (`--spec-type draft-mtp`)."""
+    Qwen3.5's is its own, and its multi-token prediction head (`mtp.*`) is left out: llama-server drafts
+    with it only when told to (`--spec-type draft-mtp`), and the compared decode rows run no drafts."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {"q8_0": out_dir / "text-q8_0.gguf", "mmproj": out_dir / "mmproj-f16.gguf"}
     if q4:

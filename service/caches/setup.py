@@ -31,10 +31,17 @@ class Caches:
 
     @classmethod
     def from_settings(
-        cls, settings: Settings, loaded, memory: MemoryGuard, vision_encoder_name: str, kv_dtype: torch.dtype
+        cls,
+        settings: Settings,
+        loaded,
+        memory: MemoryGuard,
+        vision_encoder_name: str,
+        kv_dtype: torch.dtype,
+        head: bool = False,
     ) -> Caches:
         """The caches for `loaded` (a LoadedModel), sized from what the memory budget leaves after
-        loading; near the budget they give memory back (KV first: the largest)."""
+        loading; near the budget they give memory back (KV first: the largest). `head`: sequences keep
+        a multi-token prediction head's keys and values too, which the disk tier stores beside theirs."""
         kv_bytes, vision_bytes = _budgets(settings, memory)
         config, encoder_input = loaded.model.config, vision_settings(loaded.processor.image_processor)
         memory_tier = ConversationCache(
@@ -50,7 +57,7 @@ class Caches:
         metrics.MEMORY_BUDGET.set(memory.budget_bytes or 0)
         metrics.show_cache(memory_tier.name, kv_bytes)
         metrics.show_cache(vision.name, vision_bytes)
-        disk = _kv_disk(settings, loaded, vision_encoder_name, encoder_input, KVLayout.of(config, kv_dtype))
+        disk = _kv_disk(settings, loaded, vision_encoder_name, encoder_input, KVLayout.of(config, kv_dtype, int(head)))
         return cls(ConversationTiers(memory_tier, disk, settings.kv_disk_read_timeout_share), vision)
 
 

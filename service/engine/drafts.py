@@ -6,14 +6,17 @@ may bring up to `max_tokens` guesses per step, from:
 
 - its grammar (structured outputs, tool calls): the tokens it forces next (llguidance's
   fast-forward) — keys, quotes, punctuation, the rest of an enum value; always right;
-- the text so far (prompt lookup): the tokens that followed the last place where the answer's
-  latest n-gram (3, then 2, then 1 tokens) appeared before, in the prompt or the answer — answers
-  that copy (extracting fields, reformatting, correcting an earlier turn) are guessed well.
+- the checkpoint's multi-token prediction head, where it has one (Qwen3.5's `mtp.*`, MTP_DRAFTING):
+  service/engine/mtp_drafts.py makes them for the whole batch at once, how many each sequence asks
+  for (`DraftBudget.head_drafts`);
+- otherwise the text so far (prompt lookup): the tokens that followed the last place where the
+  answer's latest n-gram (3, then 2, then 1 tokens) appeared before, in the prompt or the answer —
+  answers that copy (extracting fields, reformatting, correcting an earlier turn) are guessed well.
 
 The scheduler verifies them (service/engine/scheduler.py); `DraftBudget` keeps guessing where it pays:
 each sequence's recent acceptance decides how many it guesses, and a run of misses pauses its
-prompt lookup for a while (doubling each time), so a sequence whose guesses keep failing costs
-next to nothing.
+head or prompt lookup for a while (doubling each time), so a sequence whose guesses keep failing
+costs next to nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +45,21 @@ def prompt_lookup(token_ids: list[int], count: int) -> list[int]:
             at = int(hits[-1]) + n  # the token after the most recent earlier occurrence
             return window[at : at + count].tolist()
     return []
+
+
+@dataclass
+class Guesses:
+    """One sequence's guesses for a decode step: `tokens`, from `source` — "grammar" (certain: its
+    grammar's or its reasoning budget's forced tokens), "lookup" or "mtp" (the head: `wanted` of them,
+    made for the whole batch before the step and put in `tokens`)."""
+
+    tokens: list[int]
+    source: str = "grammar"
+    wanted: int = 0
+
+    @property
+    def certain(self) -> bool:
+        return self.source == "grammar"
 
 
 def forced_tokens(constraint: Constraint | None, count: int) -> list[int]:
@@ -77,7 +95,22 @@ class DraftBudget:
             return [], False
         return prompt_lookup(token_ids, min(self.guess, room)), True
 
+    def head_drafts(self, constraint: Constraint | None, room: int) -> tuple[list[int], int]:
+        """This step's guesses for a sequence that drafts with the multi-token prediction head: the
+        tokens its grammar forces, or how many the head is to guess (at most `room`)."""
+        room = min(room, self.max_tokens)
+        if room <= 0:
+            return [], 0
+        forced = forced_tokens(constraint, room)
+        if forced:
+            return forced, 0
+        if self.pause > 0:
+            self.pause -= 1
+            return [], 0
+        return [], min(self.guess, room)
+
     def record(self, drafted: int, accepted: int, looked_up: bool) -> None:
+        """A step's outcome: `looked_up`, the guesses were not certain (prompt lookup, the head)."""
         self.drafted += drafted
         self.accepted += accepted
         if not looked_up or not drafted:

@@ -31,12 +31,14 @@ from ..model.deltanet import is_hybrid
 from ..model.forward import TextForward
 from ..model.identity import serving_fingerprint
 from ..model.loading import LoadedModel
+from ..model.mtp import MTPHead
 from ..model.thinking import detect_thinking
 from ..settings import Settings
 from ..vision.encoders import make_vision_encoder
 from .admission import Admission, Ticket
 from .drafts import DraftBudget
 from .input import InputProcessor, Prepared
+from .mtp_drafts import HeadDrafts
 from .output import OutputProcessor
 from .prefill import Prefiller, StateSnapshots, covered_positions
 from .reasoning import ReasoningPhase
@@ -77,7 +79,9 @@ class Engine:
         # One forward for prefill pieces and decode steps: a token's bits never depend on the path.
         native.configure(settings.cache_dir)
         self.forward = TextForward(loaded.model, ExactAttention.load())
-        self.scheduler = Scheduler(self.forward, settings.threads)
+        # the checkpoint's multi-token prediction head guesses, where it has one and speculation runs
+        self.head = HeadDrafts(MTPHead(loaded.model.mtp, self.forward)) if self._head_drafts(loaded, settings) else None
+        self.scheduler = Scheduler(self.forward, settings.threads, self.head)
         self.admission = Admission(
             settings.queue_size,
             settings.queue_timeout,
@@ -89,8 +93,12 @@ class Engine:
         # The memory budget: near it the caches give memory back, over it requests get 503.
         self.memory = MemoryGuard.from_settings(settings)
         kv_dtype = getattr(torch, settings.kv_dtype)
-        self.caches = Caches.from_settings(settings, loaded, self.memory, self.vision_encoder.name, kv_dtype)
-        self.inputs = InputProcessor(loaded, self.limits, self.memory, kv_dtype.itemsize, thinking)
+        self.caches = Caches.from_settings(
+            settings, loaded, self.memory, self.vision_encoder.name, kv_dtype, head=self.head is not None
+        )
+        self.inputs = InputProcessor(
+            loaded, self.limits, self.memory, kv_dtype.itemsize, thinking, head_layers=int(self.head is not None)
+        )
         serving_kernels = kernels and {part: kernels[part] for part in ("decoder", "vision")}  # not their timings
         fingerprint = serving_fingerprint(loaded.path, loaded.quantization, serving_kernels, settings.kv_dtype)
         self.info = ModelInfo(
@@ -114,6 +122,7 @@ class Engine:
             settings.prefill_chunk_tokens,
             kv_dtype,
             self._snapshots(loaded, settings),
+            self.head,
         )
 
     def submit(self, request: GenerationRequest) -> Generation:
@@ -157,20 +166,22 @@ class Engine:
 
     def _sequence(self, request: GenerationRequest, prepared: Prepared, ticket: Ticket, waited: float) -> Sequence:
         """The request as the scheduler runs it: its prefill steps, sampler, stream and limits."""
-        marks = PrefillMarks()
+        marks, speculates = PrefillMarks(), self._speculates(request)
         return Sequence(
             request=request,
             prompt=prepared.prompt,
             max_new_tokens=prepared.max_new_tokens,
             deadline=request.received_at + self.settings.request_deadline,
-            prefill=self.prefiller.steps(prepared.prompt, request.conversation_id, marks, request.cache_namespace),
+            prefill=self.prefiller.steps(
+                prepared.prompt, request.conversation_id, marks, request.cache_namespace, head=speculates
+            ),
             sampler=Sampler(Sampling.resolve(request.params, self.model.generation_config), self.inputs.vocab_size),
             stream=TokenStream(self.processor.tokenizer),
             eos_token_ids=frozenset(self.loaded.eos_token_ids),
             on_leave=self._keep_cache,
             ticket=ticket,
             constraint=prepared.constraint,
-            drafts=DraftBudget(self.settings.speculative_tokens) if self._speculates(request) else None,
+            drafts=DraftBudget(self.settings.speculative_tokens) if speculates else None,
             reasoning=ReasoningPhase(self.inputs.thinking, *prepared.reasoning) if prepared.reasoning else None,
             queue_wait=waited,
             marks=marks,
@@ -192,6 +203,8 @@ class Engine:
         cache, prompt = sequence.cache, sequence.prompt
         if cache is None or sequence.error is not None:
             return
+        if self.head is not None and getattr(cache, "draft", None) is not None:  # its entries up to the last position
+            self.head.settle([cache.draft])
         covered = torch.tensor(sequence.token_ids[: cache.get_seq_length()])
         positions = covered_positions(self.model, prompt, len(covered))
         media = prompt.spans["image"] + prompt.spans["video"]
@@ -200,13 +213,20 @@ class Engine:
             request.conversation_id, covered, positions, media, prompt.num_tokens, cache, request.cache_namespace
         )
 
+    @staticmethod
+    def _head_drafts(loaded: LoadedModel, settings: Settings) -> bool:
+        """Whether the checkpoint's multi-token prediction head guesses (service/model/mtp.py): it
+        carries one (loaded under MTP_DRAFTING=on), MTP_DRAFTING is on and speculation runs on these weights."""
+        carries = getattr(loaded.model, "mtp", None) is not None and settings.mtp_drafting == "on"
+        return carries and Engine._speculative_weights(loaded, settings)
+
+    @staticmethod
+    def _speculative_weights(loaded: LoadedModel, settings: Settings) -> bool:
+        """SPECULATIVE on and INT8 or 4-bit weights in memory (fp32 GEMMs compute up to 4 rows one at a
+        time here: verifying k guesses costs k steps; mapped INT8 weights take another path past a few
+        rows, so a verify pass would not be exact)."""
+        return settings.speculative == "on" and loaded.quantization in ("int8", "int4") and not loaded.weights_mapped
+
     def _speculates(self, request: GenerationRequest) -> bool:
-        """Guessed tokens for this request: SPECULATIVE on, the request not against, INT8 or 4-bit weights in
-        memory (fp32 GEMMs compute up to 4 rows one at a time here: verifying k guesses costs k steps;
-        mapped INT8 weights take another path past a few rows, so a verify pass would not be exact)."""
-        return (
-            self.settings.speculative == "on"
-            and request.speculative
-            and self.loaded.quantization in ("int8", "int4")
-            and not self.loaded.weights_mapped
-        )
+        """Guessed tokens for this request: the request not against, and weights that speculate."""
+        return request.speculative and self._speculative_weights(self.loaded, self.settings)

@@ -31,13 +31,20 @@ class InputProcessor:
     thinking tokens, None for a model that does not think)."""
 
     def __init__(
-        self, loaded, limits: RequestLimits, memory: MemoryGuard, kv_itemsize: int, thinking: ThinkingTokens | None
+        self,
+        loaded,
+        limits: RequestLimits,
+        memory: MemoryGuard,
+        kv_itemsize: int,
+        thinking: ThinkingTokens | None,
+        head_layers: int = 0,
     ):
         self.processor = loaded.processor
         self.config = loaded.model.config
         self.limits = limits
         self.memory = memory
         self.kv_itemsize = kv_itemsize
+        self.head_layers = head_layers  # a multi-token prediction head's, whose keys and values a sequence keeps too
         self.vocab_size = getattr(self.config, "text_config", self.config).vocab_size
         self.grammars = GrammarCompiler(self.processor.tokenizer, self.vocab_size, loaded.eos_token_ids)
         self.renders_tools = renders_tools(self.processor)
@@ -97,4 +104,4 @@ class InputProcessor:
     def _check_memory(self, prompt: PreparedPrompt, max_new_tokens: int) -> None:
         """Unavailable (503) if this request's KV cache would not fit the memory budget, caches evicted first."""
         tokens = prompt.num_tokens + max_new_tokens + HEADROOM  # GrowingCache's room
-        self.memory.check(kv_cache_bytes(self.config, tokens, self.kv_itemsize))
+        self.memory.check(kv_cache_bytes(self.config, tokens, self.kv_itemsize, self.head_layers))

@@ -17,6 +17,7 @@ from ..model.kv import HEADROOM
 from ..model.prompts import PreparedPrompt
 from ..vision.features import VisionFeatures
 from ..vision.steps import image_steps, video_steps
+from .mtp_drafts import HeadDrafts
 from .sequence import Prefilled, PrefillMarks
 
 _TYPE_IDS = {"image": 1, "video": 2}  # the processor's mm_token_type_ids
@@ -114,11 +115,13 @@ class Prefiller:
         chunk_tokens: int,
         kv_dtype: torch.dtype,
         snapshots: StateSnapshots | None = None,
+        head: HeadDrafts | None = None,
     ):
         self.model, self.forward, self.vision_encoder = model, forward, vision_encoder
         self.kv_cache, self.vision_cache = kv_cache, vision_cache
         self.chunk_tokens, self.kv_dtype = chunk_tokens, kv_dtype
         self.snapshots = snapshots  # a hybrid model's: where its prompts' recurrent states are kept
+        self.head = head  # the multi-token prediction head's entries, for sequences that draft with it
 
     def piece_ends(self, length: int, reused: int, also: set[int] = frozenset()) -> list[int]:
         """Where the prefill pieces after a cache of `reused` tokens end: every PREFILL_CHUNK_TOKENS,
@@ -157,10 +160,17 @@ class Prefiller:
         return features, hits
 
     def steps(
-        self, prompt: PreparedPrompt, conversation_id: str | None, marks: PrefillMarks, cache_namespace: str = ""
+        self,
+        prompt: PreparedPrompt,
+        conversation_id: str | None,
+        marks: PrefillMarks,
+        cache_namespace: str = "",
+        head: bool = False,
     ) -> Generator[object, None, Prefilled]:
         """The prefill, a step per `yield` (which yields what it waits for, if it waits for a read);
-        records cache use and timings in `marks`. The caches are those of `cache_namespace` only."""
+        records cache use and timings in `marks`. The caches are those of `cache_namespace` only. With
+        `head`, the sequence drafts with the multi-token prediction head: its cache carries the head's
+        entries for every prompt position (a reused cache that holds none: it guesses otherwise)."""
         t0 = time.perf_counter()
         media = prompt.spans["image"] + prompt.spans["video"]  # what the KV cache matches: the same for both
         capacity = prompt.num_tokens + HEADROOM
@@ -174,7 +184,10 @@ class Prefiller:
         marks.reused = reuse.tokens if reuse else 0
         marks.reused_from = reuse.source if reuse else None
         # The request owns the cache: each piece extends it in place.
-        cache = reuse.cache if reuse is not None else self.forward.new_cache(self.kv_dtype)
+        head = head and self.head is not None
+        cache = reuse.cache if reuse is not None else self.forward.new_cache(self.kv_dtype, draft=head)
+        if not head and getattr(cache, "draft", None) is not None:
+            cache.draft = None  # this request does not guess: the head's entries would not follow its answer
         marks.cache_lookup = time.perf_counter() - t0
         try:
             t1 = time.perf_counter()
@@ -189,6 +202,8 @@ class Prefiller:
                 yield
                 t2 = time.perf_counter()
                 logits = self.forward(*rows.piece(cache, start, end), logits_rows=torch.tensor([end - start - 1]))
+                if getattr(cache, "draft", None) is not None:
+                    self.head.settle([cache.draft])
                 if end in keep:
                     cache.snapshot()
                 computing += time.perf_counter() - t2

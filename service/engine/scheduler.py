@@ -41,6 +41,8 @@ import torch
 from .. import metrics
 from ..model.forward import Rows, TextForward
 from ..threads import compute_on
+from .drafts import Guesses
+from .mtp_drafts import HeadDrafts
 from .sequence import Prefilled, Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -56,9 +58,10 @@ READ_WAIT = 0.05
 class Scheduler:
     """Runs sequences on one model; see the module docstring. `submit` and `cancel_all` from any thread."""
 
-    def __init__(self, forward: TextForward, threads: int):
+    def __init__(self, forward: TextForward, threads: int, head: HeadDrafts | None = None):
         self.forward = forward
         self.threads = threads
+        self.head = head  # the multi-token prediction head's guesses (service/engine/mtp_drafts.py), if it drafts
         self._wake = threading.Condition()
         self._inbox: list[Sequence] = []
         self._waiting: list[Sequence] = []  # WAITING, READING or PREFILLING, oldest first
@@ -199,33 +202,35 @@ class Scheduler:
         speculative decoding: each row gets the bits it would get alone, so the guesses the model
         makes cost no exactness; rejected rows leave the KV cache as if never written)."""
         running = self._running
-        room, ids, positions, rows, plans = VERIFY_ROWS, [], [], [], []
+        room, guesses = VERIFY_ROWS, []
         for sequence in running:
-            drafts, looked_up = sequence.guesses(room)
-            room -= len(drafts)
-            fed = [sequence.token_ids[-1], *drafts]
-            # The last token sits at index len - 1; M-RoPE shifts every index by the sequence's delta.
-            start = len(sequence.token_ids) - 1 + sequence.rope_delta
-            ids += fed
-            positions += range(start, start + len(fed))
-            rows.append(Rows(sequence.cache, len(fed), undoable=len(fed) > 1))  # a hybrid state can drop guesses
-            plans.append((drafts, looked_up))
+            guess = sequence.guesses(room)
+            room -= len(guess.tokens) + guess.wanted
+            guesses.append(guess)
+        ids, positions, rows = [], [], []
         try:
+            self._head_guesses(running, guesses)
+            for sequence, guess in zip(running, guesses):
+                fed = [sequence.token_ids[-1], *guess.tokens]
+                # The last token sits at index len - 1; M-RoPE shifts every index by the sequence's delta.
+                start = len(sequence.token_ids) - 1 + sequence.rope_delta
+                ids += fed
+                positions += range(start, start + len(fed))
+                rows.append(Rows(sequence.cache, len(fed), undoable=len(fed) > 1))  # a hybrid state can drop guesses
             logits = self.forward(torch.tensor(ids), torch.tensor(positions), rows)
         except Exception as exc:  # their caches' state is unknown now: fail the sequences (caches not kept)
             log.exception("decode step failed for a batch of %d", len(running))
             self._fail(list(running), exc)
             return
         at = 0
-        for sequence, row, (drafts, looked_up) in zip(list(running), rows, plans):
+        for sequence, row, guess in zip(list(running), rows, guesses):
             try:
-                compared, accepted = sequence.verify(logits[at : at + row.count], drafts)
+                compared, accepted = sequence.verify(logits[at : at + row.count], guess.tokens)
                 rejected = compared - accepted
                 if compared:
-                    sequence.drafts.record(compared, accepted, looked_up)
-                    source = "lookup" if looked_up else "grammar"
-                    metrics.DRAFT_TOKENS.labels(source=source, result="accepted").inc(accepted)
-                    metrics.DRAFT_TOKENS.labels(source=source, result="rejected").inc(rejected)
+                    sequence.drafts.record(compared, accepted, not guess.certain)
+                    metrics.DRAFT_TOKENS.labels(source=guess.source, result="accepted").inc(accepted)
+                    metrics.DRAFT_TOKENS.labels(source=guess.source, result="rejected").inc(rejected)
                 end = sequence.reached_end()
                 if end is not None:
                     sequence.finish(end)
@@ -235,6 +240,19 @@ class Scheduler:
                 self._running.remove(sequence)
                 self._end_with_error(sequence, exc)
             at += row.count
+
+    def _head_guesses(self, running: list[Sequence], guesses: list[Guesses]) -> None:
+        """The multi-token prediction head's guesses for the sequences that draft with it, made for all
+        of them at once (and its unread rows read: service/engine/mtp_drafts.py)."""
+        drafting = [(s, g) for s, g in zip(running, guesses) if s.head_cache is not None]
+        if self.head is None or not drafting:
+            return
+        made = self.head.propose(
+            [s.head_cache for s, _ in drafting], [s.token_ids[-1] for s, _ in drafting], [g.wanted for _, g in drafting]
+        )
+        for (_, guess), tokens in zip(drafting, made):
+            if guess.source == "mtp":
+                guess.tokens = tokens
 
     def _end_with_error(self, sequence: Sequence, exc: Exception) -> None:
         sequence.finish(Status.FINISHED_ERROR)

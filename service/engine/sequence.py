@@ -34,7 +34,7 @@ from ..answer.structured import Constraint
 from ..generation import GenerationRequest
 from ..model.prompts import PreparedPrompt
 from .admission import Ticket
-from .drafts import DraftBudget
+from .drafts import DraftBudget, Guesses
 from .reasoning import ReasoningPhase
 from .sampling import Sampler
 from .streaming import TokenStream
@@ -208,17 +208,26 @@ class Sequence:
         self.stream.put_token(token)
         return token
 
-    def guesses(self, room: int) -> tuple[list[int], bool]:
-        """This step's guessed tokens (at most `room`, and never past its token limit), and
-        whether they came from prompt lookup."""
+    @property
+    def head_cache(self):
+        """Its cache's part for the multi-token prediction head (service/model/mtp.py), if it drafts with one."""
+        return getattr(self.cache, "draft", None) if self.drafts is not None else None
+
+    def guesses(self, room: int) -> Guesses:
+        """This step's guesses (at most `room`, and never past its token limit): certain ones, prompt
+        lookup's, or how many the multi-token prediction head is to make (service/engine/drafts.py)."""
         if self.drafts is None:
-            return [], False
+            return Guesses([])
         room = min(room, self.max_new_tokens - self.generated - 1)
         phase = self.reasoning
         if phase is not None and phase.forced:  # certain, as a grammar's forced tokens
-            return phase.forced[: max(0, min(room, self.drafts.max_tokens))], False
+            return Guesses(phase.forced[: max(0, min(room, self.drafts.max_tokens))])
         constraint = self.constraint if phase is None or phase.answering else None
-        return self.drafts.drafts(self.token_ids, constraint, room)
+        if self.head_cache is not None:
+            forced, wanted = self.drafts.head_drafts(constraint, room)
+            return Guesses(forced) if forced else Guesses([], "mtp", wanted)
+        tokens, looked_up = self.drafts.drafts(self.token_ids, constraint, room)
+        return Guesses(tokens, "lookup" if looked_up else "grammar")
 
     def verify(self, logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
         """Choose a token from each row of `logits` (the rows fed: the last token, then `drafts`)

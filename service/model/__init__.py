@@ -9,7 +9,8 @@ marks each picture's token span, `VisionSpan`), `positions` gives their M-RoPE p
 `thinking` recognises a Thinking checkpoint. `forward` is the text decoder's one forward for prefill
 pieces, decode steps and batches, with `attention` (the exact kernel, service/native/attention.c),
 `moe` (a mixture of experts' MLP), `deltanet` (Qwen3.5's linear-attention layers and their recurrent
-state, service/native/deltanet.c) and `kv` (a sequence's keys and values, grown in place; `hybrid`:
-a hybrid model's, with its recurrent states and their snapshots). May import random_checkpoints,
+state, service/native/deltanet.c), `mtp` (Qwen3.5's multi-token prediction head: what it computes
+and the keys and values it keeps per sequence) and `kv` (a sequence's keys and values, grown in place;
+`hybrid`: a hybrid model's, with its recurrent states and their snapshots). May import random_checkpoints,
 answer, vision, quant, media, native and the basic top-level modules.
 """

@@ -35,6 +35,7 @@ from .deltanet import DeltaNetMixer, Shape, is_hybrid
 from .hybrid import HybridCache
 from .kv import GrowingCache
 from .moe import MixtureOfExperts
+from .mtp import DraftCache
 
 log = logging.getLogger(__name__)
 
@@ -97,20 +98,31 @@ class TextForward:
         self.rotated = 2 * len(self.inv_freq)  # Qwen3.5 rotates the first quarter of each head only
         # Qwen3.5's RMSNorms scale by 1 + weight (zero-centred weights); its attention gates its output
         self.gated = self.layer_types is not None
-        norm = _centred if self.gated else _plain
-        self.final_norm = norm(lm.norm.weight)
+        self.final_norm = self.norm_scale(lm.norm.weight)
         self.shape = Shape.of(config) if self.gated else None
-        self.layers = [self._layer(layer, norm, config) for layer in lm.layers]
+        self.layers = [self.layer_of(layer) for layer in lm.layers]
         self.mixers = [layer.mixer for layer in self.layers if layer.mixer is not None]
         self._qk_width = (self.heads + self.kv_heads) * self.head_dim
 
-    def _layer(self, layer: nn.Module, norm, config) -> _Layer:
+    def norm_scale(self, weight: torch.Tensor) -> torch.Tensor:
+        """The scale an RMSNorm of this model multiplies by, from its checkpoint weight: the weight,
+        or Qwen3.5's zero-centred 1 + weight (fp32)."""
+        return _centred(weight) if self.gated else weight
+
+    def norm(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of each row of `x` (hidden wide), times `scale` (norm_scale's)."""
+        return F.rms_norm(x, (self.hidden,), scale, self.eps)
+
+    def layer_of(self, layer: nn.Module) -> _Layer:
+        """A decoder layer's weights as the forward computes them (a multi-token prediction head's
+        layer too: service/model/mtp.py)."""
         common = dict(
-            input_norm=norm(layer.input_layernorm.weight), post_norm=norm(layer.post_attention_layernorm.weight)
+            input_norm=self.norm_scale(layer.input_layernorm.weight),
+            post_norm=self.norm_scale(layer.post_attention_layernorm.weight),
         )
         if hasattr(layer, "linear_attn"):
             attn = layer.linear_attn
-            mixer = DeltaNetMixer(attn, self.shape, config.rms_norm_eps)
+            mixer = DeltaNetMixer(attn, self.shape, self.eps)
             return _Layer(
                 qkv=None,
                 qk_norm=None,
@@ -122,16 +134,22 @@ class TextForward:
             )
         attn = layer.self_attn
         qk_norm = torch.cat(
-            [norm(attn.q_norm.weight).expand(self.heads, -1), norm(attn.k_norm.weight).expand(self.kv_heads, -1)]
+            [
+                self.norm_scale(attn.q_norm.weight).expand(self.heads, -1),
+                self.norm_scale(attn.k_norm.weight).expand(self.kv_heads, -1),
+            ]
         )
         return _Layer(qkv=attn.qkv_proj, qk_norm=qk_norm, o_proj=attn.o_proj, **common, **_mlp(layer.mlp))
 
-    def new_cache(self, dtype: torch.dtype) -> GrowingCache | HybridCache:
+    def new_cache(self, dtype: torch.dtype, draft: bool = False) -> GrowingCache | HybridCache:
         """An empty cache for one sequence, keys and values stored in `dtype` (a hybrid model's
-        recurrent states in fp32)."""
+        recurrent states in fp32); with `draft`, room for a multi-token prediction head's keys and
+        values and for what it is yet to read (service/model/mtp.py)."""
         if self.layer_types is not None:
             cache = HybridCache(self.layer_types, self.shape, dtype)
             cache.mixers = self.mixers
+            if draft:
+                cache.draft = DraftCache(dtype)
             return cache
         return GrowingCache(config=self.model_config, dtype=dtype)
 
@@ -161,7 +179,9 @@ class TextForward:
     ) -> torch.Tensor:
         """Logits (len(logits_rows) × vocab; every row's if None) after feeding `token_ids` (rows)
         at M-RoPE `positions` (3 × rows, or rows when all three axes agree, as after the prompt):
-        `sequences` take consecutive rows, in order, and each one's cache grows by its rows."""
+        `sequences` take consecutive rows, in order, and each one's cache grows by its rows — a
+        cache with a multi-token prediction head's part (`draft`) also takes every row's final
+        hidden state and input embedding, what the head reads (service/model/mtp.py)."""
         rows = len(token_ids)
         if sum(s.count for s in sequences) != rows:
             raise ValueError("the sequences' rows do not add up to the rows given")
@@ -169,43 +189,57 @@ class TextForward:
             positions = positions.expand(3, rows)
         x = self.embed_tokens(token_ids)
         # vision rows of the whole call: placeholders' embeddings replaced by the features
-        vision = [(v.rows + offset, v.features) for offset, s in zip(_offsets(sequences), sequences) for v in s.vision]
+        offsets = _offsets(sequences)
+        vision = [(v.rows + offset, v.features) for offset, s in zip(offsets, sequences) for v in s.vision]
         for index, features in vision:
             x[index] = features.pooler.to(x.dtype)
+        inputs = x  # the layers below make new tensors: these rows stay the call's input embeddings
         cos, sin = self.rotary(positions)
-        starts = [s.cache.get_seq_length() for s in sequences]
         for s in sequences:  # a hybrid cache recomputes with them when a decode step's guesses are taken back
             if isinstance(s.cache, HybridCache):
                 s.cache.mixers = self.mixers
-        attended = torch.empty(rows, self.heads, self.head_dim)
+        counts, undoable = [s.count for s in sequences], [s.undoable for s in sequences]
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
-            if layer.mixer is not None:  # linear attention: each sequence's state advanced by its rows
-                mixed = layer.mixer(
-                    [s.cache.layers[i] for s in sequences],
-                    layer.in_proj[0](h),
-                    layer.in_proj[1](h),
-                    [s.count for s in sequences],
-                    [s.undoable for s in sequences],
-                )
-                x = x + layer.o_proj(mixed)
-            else:
-                x = x + layer.o_proj(self._attend(i, layer, h, cos, sin, sequences, starts, attended))
-            h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
-            if layer.experts is not None:
-                x = x + layer.experts(h)
-            else:
-                gate, up = layer.gate_up(h).chunk(2, dim=-1)
-                x = x + layer.down(layer.act(gate) * up)
+            x = self.decoder_layer(layer, x, cos, sin, [s.cache.layers[i] for s in sequences], counts, undoable)
             for index, features in vision:
                 if i < len(features.deepstack):
                     x[index] = x[index] + features.deepstack[i].to(x.dtype)
-        if logits_rows is not None:
-            x = x[logits_rows]
-        return self.lm_head(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps))
+        drafts = [(offset, s) for offset, s in zip(offsets, sequences) if getattr(s.cache, "draft", None) is not None]
+        if not drafts:
+            return self.lm_head(self.norm(x if logits_rows is None else x[logits_rows], self.final_norm))
+        x = self.norm(x, self.final_norm)  # every row's: the head reads them all
+        for offset, s in drafts:
+            rows_of = slice(offset, offset + s.count)
+            s.cache.draft.fed(x[rows_of], inputs[rows_of], positions[:, rows_of])
+        return self.lm_head(x if logits_rows is None else x[logits_rows])
 
-    def _attend(self, i, layer, h, cos, sin, sequences, starts, attended) -> torch.Tensor:
-        """Full attention of layer i for the call's rows: each sequence's queries over its own keys."""
+    def decoder_layer(
+        self,
+        layer: _Layer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        caches: list,
+        counts: list[int],
+        undoable: list[bool] | None = None,
+    ) -> torch.Tensor:
+        """One decoder layer over the call's rows `x`: `counts[i]` consecutive rows for sequence i,
+        whose keys and values (or recurrent state) `caches[i]` holds and takes."""
+        h = self.norm(x, layer.input_norm)
+        if layer.mixer is not None:  # linear attention: each sequence's state advanced by its rows
+            undoable = undoable or [False] * len(counts)
+            mixed = layer.mixer(caches, layer.in_proj[0](h), layer.in_proj[1](h), counts, undoable)
+            x = x + layer.o_proj(mixed)
+        else:
+            x = x + layer.o_proj(self._attend(layer, h, cos, sin, caches, counts))
+        h = self.norm(x, layer.post_norm)
+        if layer.experts is not None:
+            return x + layer.experts(h)
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+        return x + layer.down(layer.act(gate) * up)
+
+    def _attend(self, layer, h, cos, sin, caches, counts) -> torch.Tensor:
+        """Full attention of one layer for the call's rows: each sequence's queries over its own keys."""
         rows = len(h)
         qkv = layer.qkv(h)
         if self.gated:  # Qwen3.5: each head's query beside its gate, then the keys and values
@@ -218,12 +252,11 @@ class TextForward:
             qk = qkv[:, : self._qk_width].view(rows, self.heads + self.kv_heads, self.head_dim)
             v = qkv[:, self._qk_width :].view(rows, self.kv_heads, self.head_dim)
         qk = self._rotate(F.rms_norm(qk, (self.head_dim,), eps=self.eps) * layer.qk_norm, cos, sin)
+        attended = torch.empty(rows, self.heads, self.head_dim)
         lo = 0
-        for sequence, start in zip(sequences, starts):
-            hi = lo + sequence.count
-            keys, values = sequence.cache.layers[i].update(
-                qk[lo:hi, self.heads :].transpose(0, 1)[None], v[lo:hi].transpose(0, 1)[None]
-            )
+        for cache, count in zip(caches, counts):
+            hi, start = lo + count, cache.get_seq_length()
+            keys, values = cache.update(qk[lo:hi, self.heads :].transpose(0, 1)[None], v[lo:hi].transpose(0, 1)[None])
             self.attention(qk[lo:hi, : self.heads], keys, values, start, attended[lo:hi])
             lo = hi
         out = attended.view(rows, -1)
@@ -237,10 +270,6 @@ def _mlp(mlp: nn.Module) -> dict:
     if is_moe_block(mlp):
         return dict(gate_up=None, down=None, act=None, experts=MixtureOfExperts(mlp))
     return dict(gate_up=mlp.gate_up_proj, down=mlp.down_proj, act=mlp.act_fn)
-
-
-def _plain(weight: torch.Tensor) -> torch.Tensor:
-    return weight
 
 
 def _centred(weight: torch.Tensor) -> torch.Tensor:

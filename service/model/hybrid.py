@@ -11,6 +11,10 @@ first: the longest snapshot at or below it.
 
 A snapshot costs its state's bytes (`HybridCache.state_bytes`: 18.6 MiB for Qwen3.5-2B's 18 linear
 layers), counted with the keys and values wherever the cache is kept.
+
+A sequence that drafts with the checkpoint's multi-token prediction head carries the head's part too
+(`draft`, service/model/mtp.py): it follows every crop and prefix, and a snapshot keeps the hidden state
+the head needs to resume there.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from .deltanet import DeltaNetMixer, RecurrentLayer, Shape
 from .kv import GrowingLayer
+from .mtp import DraftCache
 
 MAX_SNAPSHOTS = 8  # kept per cache: the first (a shared system prompt's end, say) and the latest
 
@@ -41,6 +46,7 @@ class HybridCache:
         self.recurrent = [layer for layer in self.layers if isinstance(layer, RecurrentLayer)]
         self.snapshots: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.mixers: list[DeltaNetMixer] = []  # set by the forward: what a rewind recomputes with
+        self.draft: DraftCache | None = None  # a multi-token prediction head's part, when it drafts
 
     # -- what the forward and the engine ask of any cache -----------------------------------------
 
@@ -61,6 +67,8 @@ class HybridCache:
         target = length + tokens_to_remove
         if target >= length:
             return
+        if self.draft is not None and not self.draft.croppable(target):
+            self.draft = None  # the head cannot follow there: the sequence guesses without it
         if target == 0 or target in self.snapshots:
             fresh = [(torch.zeros_like(layer.conv), torch.zeros_like(layer.state)) for layer in self.recurrent]
             for layer, (conv, state) in zip(self.recurrent, self.snapshots.get(target, fresh)):
@@ -74,6 +82,8 @@ class HybridCache:
         for i in self.attention:
             self.layers[i].crop(target - length)
         self.snapshots = {at: s for at, s in self.snapshots.items() if at <= target}
+        if self.draft is not None:
+            self.draft.crop(target)
 
     def _undoable(self, tokens: int) -> bool:
         return all(len(layer._inputs[0]) >= tokens for layer in self.recurrent)
@@ -86,22 +96,41 @@ class HybridCache:
         self.snapshots[self.get_seq_length()] = [(layer.conv.clone(), layer.state.clone()) for layer in self.recurrent]
         while len(self.snapshots) > MAX_SNAPSHOTS:
             del self.snapshots[sorted(self.snapshots)[1]]
+        if self.draft is not None:
+            self.draft.keep()
+            self.draft.prune(self.snapshots)
 
-    def states_to_keep(self, tokens: int) -> list[tuple[int, list]]:
-        """(length, each linear layer's (conv, state)) of every snapshot within `tokens` and of the
-        present state if the cache holds `tokens` — copies: what a store may keep while this cache goes on."""
-        kept = [(at, states) for at, states in sorted(self.snapshots.items()) if at <= tokens]
+    def states_to_keep(self, tokens: int) -> list[tuple[int, list, torch.Tensor | None]]:
+        """(length, each linear layer's (conv, state), the head's hidden state there or None) of every
+        snapshot within `tokens` and of the present state if the cache holds `tokens` — copies: what a
+        store may keep while this cache goes on."""
+        draft = self.draft
+        kept = [
+            (at, states, draft.kept[at][0] if draft is not None and at in draft.kept else None)
+            for at, states in sorted(self.snapshots.items())
+            if at <= tokens
+        ]
         if self.get_seq_length() == tokens and tokens not in self.snapshots:
-            kept.append((tokens, [(layer.conv.clone(), layer.state.clone()) for layer in self.recurrent]))
+            present = [(layer.conv.clone(), layer.state.clone()) for layer in self.recurrent]
+            kept.append((tokens, present, draft.last_hidden() if draft is not None else None))
         return kept
 
     @classmethod
     def holding(
-        cls, layer_types: list[str], shape: Shape, keys: list, values: list, length: int, states: list
+        cls,
+        layer_types: list[str],
+        shape: Shape,
+        keys: list,
+        values: list,
+        length: int,
+        states: list,
+        draft: DraftCache | None = None,
     ) -> HybridCache:
         """A cache over its attention layers' buffers (1 × heads × capacity × head_dim, the first `length`
-        positions filled: room to grow in place) and its linear layers' states at `length`."""
+        positions filled: room to grow in place) and its linear layers' states at `length` (and the
+        head's part, `draft`)."""
         cache = cls(layer_types, shape, keys[0].dtype)
+        cache.draft = draft
         for i, layer_keys, layer_values in zip(cache.attention, keys, values, strict=True):
             layer = cache.layers[i]
             layer.lazy_initialization(layer_keys[:, :, :0], layer_values[:, :, :0])
@@ -130,7 +159,8 @@ class HybridCache:
             for t in (self.layers[i].keys, self.layers[i].values)
         )
         live = sum(layer.nbytes() for layer in self.recurrent)
-        return kv + live + self.state_bytes * len(self.snapshots)
+        head = self.draft.nbytes() if self.draft is not None else 0
+        return kv + live + head + self.state_bytes * len(self.snapshots)
 
     def prefix(self, length: int) -> HybridCache:
         """A new cache of the first `length` tokens (its own memory): `length` must be resumable."""
@@ -152,4 +182,5 @@ class HybridCache:
         other.snapshots = {
             at: [(c.clone(), s.clone()) for c, s in snap] for at, snap in self.snapshots.items() if at <= length
         }
+        other.draft = self.draft.prefix(length) if self.draft is not None and self.draft.croppable(length) else None
         return other

@@ -110,6 +110,8 @@ class GrowingCache(DynamicCache):
 
 def compacted(cache: DynamicCache) -> DynamicCache:
     """The cache with no spare room behind any layer (in place): for caches that are kept, not extended."""
+    if getattr(cache, "draft", None) is not None:  # a multi-token prediction head's keys and values
+        cache.draft.compact()
     for layer in cache.layers:
         if hasattr(layer, "compact"):  # a hybrid model's recurrent layer (service/model/deltanet.py)
             layer.compact()

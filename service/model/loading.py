@@ -26,7 +26,7 @@ from ..random_checkpoints.embedded import embedded_model_dir
 from ..random_checkpoints.marker import RANDOM_MODEL_WARNING, is_random_test_model
 from ..settings import Settings
 from ..threads import in_own_thread
-from .skeleton import skeleton
+from .skeleton import head_layers, skeleton
 from .weights import generation_config, load_weights
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,10 @@ def _load(settings: Settings) -> LoadedModel:
     kernels = int8_kernels(settings, path) if settings.quantization == "int8" else None
     pending: list = []
     with _OnceWarnings():
-        model = skeleton(AutoConfig.from_pretrained(path))  # Qwen3-VL or Qwen3-VL-MoE, as the config says
+        config = AutoConfig.from_pretrained(path)
+        model = skeleton(config, mtp=settings.mtp_drafting == "on")  # Qwen3-VL or Qwen3.5, as the config says
+        if settings.mtp_drafting == "on" and head_layers(config) > 1:
+            log.warning("a multi-token prediction head of %d layers: not drafted with (one only)", head_layers(config))
         model.generation_config = generation_config(path, model.config)
         if prequantized:
             guard = MemoryGuard.from_settings(settings)
@@ -152,10 +155,11 @@ def _load(settings: Settings) -> LoadedModel:
             len(pending),
         )
     log.info(
-        "loaded %s (%s%s) from %s in %.1f s",
+        "loaded %s (%s%s%s) from %s in %.1f s",
         loaded.name,
         f"{loaded.quantization}, INT8 kernels: {kernels.describe()}" if kernels else "fp32",
         ", pre-quantized" if prequantized else "",
+        ", with its multi-token prediction head" if getattr(model, "mtp", None) is not None else "",
         path,
         loaded.load_seconds,
     )

@@ -202,6 +202,33 @@ class TextModel(nn.Module):
         return self.embed_tokens
 
 
+def head_layers(config) -> int:
+    """The decoder layers of the checkpoint's multi-token prediction head (Qwen3.5's `mtp.*`, its
+    config's `mtp_num_hidden_layers`: 1 in every release); 0: none, or one with an embedding of its own
+    (`mtp_use_dedicated_embeddings`, false in every release), which the service does not read."""
+    text = getattr(config, "text_config", config)
+    if not is_hybrid(text) or getattr(text, "mtp_use_dedicated_embeddings", False):
+        return 0
+    return int(getattr(text, "mtp_num_hidden_layers", 0) or 0)
+
+
+class MultiTokenPrediction(nn.Module):
+    """Qwen3.5's multi-token prediction head, as its checkpoints store it (`mtp.*`, vLLM's reading):
+    `fc` over the normed embedding of the next token beside the normed hidden state the model left,
+    one full-attention decoder layer, a final norm; the embedding and lm_head are the model's
+    (service/model/mtp.py computes it)."""
+
+    def __init__(self, config):
+        super().__init__()
+        hidden = config.hidden_size
+        self.fc = _linear(2 * hidden, hidden)
+        self.pre_fc_norm_embedding = Norm(hidden, config.rms_norm_eps)
+        self.pre_fc_norm_hidden = Norm(hidden, config.rms_norm_eps)
+        full = config.layer_types.index("full_attention")  # a decoder layer of that kind, MLP as the model's
+        self.layers = nn.ModuleList([DecoderLayer(config, full)])
+        self.norm = Norm(hidden, config.rms_norm_eps)
+
+
 class VisionLanguage(nn.Module):
     """transformers' `Qwen3VLModel` part: the vision tower, the text decoder, and the M-RoPE positions."""
 
@@ -222,7 +249,7 @@ class VisionLanguage(nn.Module):
 class ServedModel(nn.Module):
     """transformers' `Qwen3VLForConditionalGeneration` (or its MoE twin) as far as serving reads it."""
 
-    def __init__(self, config):
+    def __init__(self, config, mtp: bool = False):
         super().__init__()
         self.config = config
         self.generation_config = None  # the checkpoint's generation_config.json, set by the loader
@@ -231,6 +258,9 @@ class ServedModel(nn.Module):
         self.lm_head = _linear(text.hidden_size, text.vocab_size)
         if tied_embeddings(config):
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
+        # the multi-token prediction head, when asked for and the config has one (the loaders drop it
+        # when the checkpoint's files hold none of its tensors)
+        self.mtp = MultiTokenPrediction(text) if mtp and head_layers(config) == 1 else None
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.language_model.get_input_embeddings()
@@ -278,7 +308,8 @@ def _without_initialization():
                 cls.reset_parameters = reset
 
 
-def skeleton(config) -> ServedModel:
-    """The model with every checkpoint tensor on the meta device (no memory): the loaders fill them."""
+def skeleton(config, mtp: bool = False) -> ServedModel:
+    """The model with every checkpoint tensor on the meta device (no memory): the loaders fill them;
+    with `mtp`, the multi-token prediction head too, if the config has one."""
     with _without_initialization(), torch.device("meta"):
-        return ServedModel(config)
+        return ServedModel(config, mtp)

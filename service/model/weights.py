@@ -18,14 +18,16 @@ import torch
 from torch import nn
 
 from ..quant.packing import FUSED_PROJECTIONS
+from ..quant.structure import drop_absent_head
 from .skeleton import ServedModel, tied_embeddings
 
 log = logging.getLogger(__name__)
 
-_LAYER = re.compile(r"^(model\.language_model\.layers\.\d+)\.(.+)\.(weight|bias)$")
-_EXPERTS = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_DECODER_LAYER = r"(?:model\.language_model|mtp)\.layers\.\d+"  # the model's, or its MTP head's (Qwen3.5)
+_LAYER = re.compile(rf"^({_DECODER_LAYER})\.(.+)\.(weight|bias)$")
+_EXPERTS = re.compile(rf"^({_DECODER_LAYER}\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 # an expert stored as its own Linears (Qwen3.5-MoE's releases): gate and up rows into its `gate_up`
-_EXPERT = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(rf"^({_DECODER_LAYER}\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def _files(path: Path) -> dict[str, str]:
@@ -83,6 +85,8 @@ def load_weights(model: ServedModel, path: Path, dtype: torch.dtype | None = Non
     for file in sorted(set(file_of.values())):
         with safe_open(path / file, "pt") as f:
             for name in f.keys():
+                if name.startswith("mtp.") and getattr(model, "mtp", None) is None:
+                    continue  # Qwen3.5's multi-token prediction head, not loaded (MTP_DRAFTING=off)
                 tensor = f.get_tensor(name)
                 if dtype is not None:
                     tensor = tensor.to(dtype)
@@ -99,8 +103,6 @@ def load_weights(model: ServedModel, path: Path, dtype: torch.dtype | None = Non
                     _assign_experts(model, experts[1], experts[2], tensor)
                 elif name == "lm_head.weight" and tied_embeddings(model.config):
                     continue  # the embedding is the lm_head
-                elif name.startswith("mtp."):
-                    continue  # Qwen3.5's multi-token prediction head: not drafted with yet
                 else:
                     try:
                         model.get_parameter(name)
@@ -117,6 +119,7 @@ def load_weights(model: ServedModel, path: Path, dtype: torch.dtype | None = Non
         )
     if tied_embeddings(model.config):
         model.lm_head.weight = model.model.language_model.embed_tokens.weight
+    drop_absent_head(model)
     missing = [n for n, t in model.named_parameters() if t.is_meta]
     if missing:
         raise ValueError(f"{path} is incomplete: no weights for {missing[:3]} (and {max(0, len(missing) - 3)} more)")

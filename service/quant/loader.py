@@ -29,7 +29,7 @@ from .packing import (
     linear_bytes,
     quantized_marker,
 )
-from .structure import embedding_name, replace_module, set_tensor
+from .structure import drop_absent_head, embedding_name, replace_module, set_tensor
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +103,9 @@ def load_quantized(
     resident = safe_open(path / marker["resident"], "pt")
     embed_name = embedding_name(model)
     padding_idx = model.get_submodule(embed_name).padding_idx
+    skipped = () if getattr(model, "mtp", None) is not None else ("mtp.",)  # a head not loaded (MTP_DRAFTING=off)
     for name in resident.keys():
-        if name.endswith(SCALE):
+        if name.endswith(SCALE) or name.startswith(skipped):
             continue
         module_name = name.rpartition(".")[0]
         if module_name == embed_name:
@@ -116,6 +117,8 @@ def load_quantized(
     for f in (safe_open(path / shard, "pt") for shard in marker["linear_shards"]):
         keys = set(f.keys())
         for name in packing.native_int8_names(keys):
+            if name.startswith(skipped):
+                continue
             out_features, in_features = (int(v) for v in f.get_tensor(f"{name}{PACKED_SHAPE}"))
             layout = f.get_tensor(f"{name}{PACKED}"), f.get_tensor(f"{name}{COLUMN_SUMS}")
             scales = f.get_tensor(f"{name}{SCALE}")
@@ -133,6 +136,8 @@ def load_quantized(
             else:
                 packing_jobs[name] = (None, scales, bias, "per_token", chosen, layout, in_features)
         for name in int4_names(keys):  # the 4-bit kernel computes from the stored layout as it is
+            if name.startswith(skipped):
+                continue
             replace_module(model, name, int4_linear(name, f.get_tensor, keys.__contains__))
     if packing_jobs:  # FBGEMM's or oneDNN's own layouts, made on `threads` threads of one OpenMP thread each
         with ThreadPoolExecutor(max(1, threads), initializer=torch.set_num_threads, initargs=(1,)) as pool:
@@ -146,6 +151,7 @@ def load_quantized(
         packed, scales, hidden = layouts["lm_head"]  # tied: the embedding is the lm_head's packed rows
         replace_module(model, embed_name, PackedInt8Embedding(packed, scales, hidden, padding_idx))
     release_memory(full=True)
+    drop_absent_head(model)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"{path} is incomplete: no weights for {left[:3]} (and {max(0, len(left) - 3)} more)")

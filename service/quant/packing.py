@@ -58,7 +58,8 @@ FUSED_PROJECTIONS = {
     "linear_attn.in_proj_qkvz": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
     "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
 }
-_TEXT_LAYER = re.compile(r"^(model\.language_model\.layers\.\d+)\.(.+)$")  # (layer, module in it)
+# (layer, module in it): the model's decoder layers and its multi-token prediction head's (Qwen3.5's `mtp`)
+_TEXT_LAYER = re.compile(r"^((?:model\.language_model|mtp)\.layers\.\d+)\.(.+)$")
 
 
 def native_int8_tensors(name: str, rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> dict:

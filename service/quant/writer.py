@@ -333,6 +333,8 @@ def write_quantized_tensors(
 
     bits = spec["bits"]
     model = skeleton(config)
+    if getattr(model, "mtp", None) is not None and "mtp.fc.weight" not in source:
+        model.mtp = None  # a copy without its multi-token prediction head: written without it
     embed_name = embedding_name(model)
     tied = f"{embed_name}.weight" if bool(getattr(config, "tie_word_embeddings", False)) else None
     shards = ShardWriter(dst, shard_bytes)

@@ -64,8 +64,8 @@ def generate(
 
 def checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:
     """The tensors a checkpoint of `config` stores, as the releases store them: the model's state dict
-    (built on the meta device) without a tied lm_head, experts' 3-D tensors transposed (Qwen3-VL-MoE)
-    or one expert's Linears apiece (Qwen3.5-MoE), and Qwen3.5's MTP head (which transformers does not build)."""
+    (built on the meta device, Qwen3.5's MTP head included: service/quant/structure.py) without a tied
+    lm_head, experts' 3-D tensors transposed (Qwen3-VL-MoE) or one expert's Linears apiece (Qwen3.5-MoE)."""
     from ..quant.structure import skeleton
 
     shapes = {n: tuple(t.shape) for n, t in skeleton(config).state_dict().items()}
@@ -78,7 +78,6 @@ def checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:
             shapes.update(_expert_linears(name.rpartition(".")[0], shape, name.endswith("gate_up_proj")))
         elif name.endswith(RELEASED_EXPERTS):
             shapes[name] = (shape[0], shape[2], shape[1])
-    shapes.update(_mtp_shapes(config, shapes, per_expert))
     return dict(sorted(shapes.items()))
 
 
@@ -88,19 +87,6 @@ def _expert_linears(prefix: str, shape: tuple[int, ...], gate_up: bool) -> dict[
     if gate_up:
         return {f"{prefix}.{e}.{p}_proj.weight": (out // 2, inputs) for e in range(experts) for p in ("gate", "up")}
     return {f"{prefix}.{e}.down_proj.weight": (out, inputs) for e in range(experts)}
-
-
-def _mtp_shapes(config, shapes: dict[str, tuple[int, ...]], per_expert: bool) -> dict[str, tuple[int, ...]]:
-    """Qwen3.5's MTP head: fc (2·hidden → hidden), three norms and one full-attention decoder layer."""
-    text = getattr(config, "text_config", config)
-    if not getattr(text, "mtp_num_hidden_layers", 0):
-        return {}
-    hidden = text.hidden_size
-    layer = f"model.language_model.layers.{text.layer_types.index('full_attention')}."
-    out = {"mtp.fc.weight": (hidden, 2 * hidden)}
-    out.update({f"mtp.{n}.weight": (hidden,) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")})
-    out.update({"mtp.layers.0." + n[len(layer) :]: s for n, s in shapes.items() if n.startswith(layer)})
-    return out
 
 
 class _Tensors:

@@ -24,8 +24,9 @@ scheduler's; the budget (KV_DISK_MB) is kept by removing the least recently used
 refreshes a file's time), under a lock file so that two instances do not both evict (`sweep`). A
 folder that cannot be written (not a folder, read-only, not ours, out of inodes) turns the tier off,
 at the start or when a write meets it. A hybrid model's (Qwen3.5) recurrent states are kept beside its
-blocks, named by the same chain (`states`). `store.KVDiskStore` puts these together: the tier's one
-interface, imported from here.
+blocks, named by the same chain (`states`); a multi-token prediction head's keys and values ride in the
+blocks as one more layer, its hidden state in each state file (service/model/mtp.py).
+`store.KVDiskStore` puts these together: the tier's one interface, imported from here.
 """
 
 from .block_format import MAGIC, KVLayout

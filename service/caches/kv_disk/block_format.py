@@ -29,22 +29,30 @@ _TRAILER = struct.Struct("<I")  # CRC-32 of header and payload
 @dataclass(frozen=True)
 class KVLayout:
     """How keys and values lie in a block's payload: per layer, keys then values, each
-    kv_heads × tokens × head_dim values of `dtype`."""
+    kv_heads × tokens × head_dim values of `dtype` — the model's attention layers, then (`head`) its
+    multi-token prediction head's, whose entry for a token's position lies at the next token's index
+    (it depends on that token: service/model/mtp.py's `DraftCache.stored`)."""
 
     layers: int
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    head: int = 0
 
     @classmethod
-    def of(cls, config, dtype: torch.dtype) -> KVLayout:
-        return cls(*kv_shape(config), dtype)
+    def of(cls, config, dtype: torch.dtype, head: int = 0) -> KVLayout:
+        return cls(*kv_shape(config), dtype, head)
 
     def described(self) -> dict:
-        return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "dtype": str(self.dtype)}
+        described = {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+        return {**described, "dtype": str(self.dtype), **({"head": self.head} if self.head else {})}
+
+    @property
+    def stored_layers(self) -> int:
+        return self.layers + self.head
 
     def payload_bytes(self, tokens: int) -> int:
-        return self.layers * 2 * self.kv_heads * tokens * self.head_dim * self.dtype.itemsize
+        return self.stored_layers * 2 * self.kv_heads * tokens * self.head_dim * self.dtype.itemsize
 
 
 class Rejected(Exception):
@@ -127,7 +135,7 @@ class BlockFormat:
         (crc,) = _TRAILER.unpack(f.read(_TRAILER.size))
         if zlib.crc32(payload.numpy(), zlib.crc32(header["_bytes"])) != crc:
             raise Rejected("corrupt", "checksum")
-        return payload.view(layout.dtype).view(layout.layers, 2, layout.kv_heads, tokens, layout.head_dim)
+        return payload.view(layout.dtype).view(layout.stored_layers, 2, layout.kv_heads, tokens, layout.head_dim)
 
 
 def spans_in(images: list[VisionSpan], start: int, end: int) -> list[list]:

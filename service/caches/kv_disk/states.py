@@ -33,24 +33,31 @@ _TRAILER = struct.Struct("<I")  # CRC-32 of header and payload
 @dataclass(frozen=True)
 class StateLayout:
     """One snapshot's payload: per linear-attention layer, its convolution's last inputs (kernel - 1 ×
-    channels) then its recurrent matrices (value heads × key dim × value dim), fp32."""
+    channels) then its recurrent matrices (value heads × key dim × value dim), then (`hidden` floats,
+    0 without) the model's final hidden state at the snapshot's last position — what a multi-token
+    prediction head resumes from (service/model/mtp.py) — fp32."""
 
     layers: int
     conv: tuple[int, int]
     state: tuple[int, int, int]
+    hidden: int = 0
 
     @classmethod
-    def of_shape(cls, shape, layer_types: list[str]) -> StateLayout:
-        """A model's: its linear-attention layers' `Shape` (service/model/deltanet.py) and how many there are."""
+    def of_shape(cls, shape, layer_types: list[str], hidden: int = 0) -> StateLayout:
+        """A model's: its linear-attention layers' `Shape` (service/model/deltanet.py) and how many there
+        are, and the hidden size when its head drafts."""
         conv = (shape.kernel - 1, shape.conv_channels)
-        return cls(layer_types.count("linear_attention"), conv, (shape.value_heads, shape.key_dim, shape.value_dim))
+        state = (shape.value_heads, shape.key_dim, shape.value_dim)
+        return cls(layer_types.count("linear_attention"), conv, state, hidden)
 
     def described(self) -> dict:
-        return {"layers": self.layers, "conv": list(self.conv), "state": list(self.state)}
+        described = {"layers": self.layers, "conv": list(self.conv), "state": list(self.state)}
+        return {**described, **({"hidden": self.hidden} if self.hidden else {})}
 
     @property
     def floats(self) -> int:
-        return self.layers * (self.conv[0] * self.conv[1] + self.state[0] * self.state[1] * self.state[2])
+        per_layer = self.conv[0] * self.conv[1] + self.state[0] * self.state[1] * self.state[2]
+        return self.layers * per_layer + self.hidden
 
 
 def state_block(names: BlockNames, token_ids, positions, images: list[VisionSpan], at: int, namespace: str) -> Block:
@@ -68,10 +75,11 @@ class StateFormat:
     def __init__(self, fingerprint: str):
         self.fingerprint = fingerprint
 
-    def write(self, path: Path, block: Block, token_ids, positions, images, states: list) -> int:
-        """Write the state (each linear layer's (conv, state)) at `block.end` tokens to `path`, whole
-        or not at all; the bytes written."""
-        layout = StateLayout(len(states), tuple(states[0][0].shape), tuple(states[0][1].shape))
+    def write(self, path: Path, block: Block, token_ids, positions, images, states: list, hidden=None) -> int:
+        """Write the state (each linear layer's (conv, state), and the head's `hidden` state, 1 × hidden)
+        at `block.end` tokens to `path`, whole or not at all; the bytes written."""
+        width = 0 if hidden is None else hidden.numel()
+        layout = StateLayout(len(states), tuple(states[0][0].shape), tuple(states[0][1].shape), width)
         header = json.dumps(
             {
                 "version": FORMAT_VERSION,
@@ -85,7 +93,8 @@ class StateFormat:
                 "images": spans_in(images, block.start, block.end),
             }
         ).encode()
-        payload = torch.cat([t.reshape(-1) for pair in states for t in pair]).numpy()
+        tensors = [t.reshape(-1) for pair in states for t in pair] + ([hidden.reshape(-1)] if width else [])
+        payload = torch.cat(tensors).float().numpy()
         temporary = path.parent / f".tmp-{path.stem}-{os.getpid()}"
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -100,9 +109,10 @@ class StateFormat:
                 temporary.unlink()
         return _HEAD.size + len(header) + payload.nbytes + _TRAILER.size
 
-    def read(self, f, block: Block, token_ids, positions, images, layout: StateLayout) -> list:
-        """The states of a state file (each linear layer's (conv, state)), every check passed: this
-        format and fingerprint, the layout the model needs, everything its name stands for, the checksum."""
+    def read(self, f, block: Block, token_ids, positions, images, layout: StateLayout) -> tuple[list, torch.Tensor]:
+        """The states of a state file (each linear layer's (conv, state)) and the head's hidden state
+        (1 × hidden; 0 wide without), every check passed: this format and fingerprint, the layout the
+        model needs, everything its name stands for, the checksum."""
         head = f.read(_HEAD.size)
         if len(head) < _HEAD.size:
             raise Rejected("truncated", "no header")
@@ -135,7 +145,7 @@ class StateFormat:
             at += conv_floats
             states.append((conv, payload[at : at + state_floats].view(layout.state)))
             at += state_floats
-        return states
+        return states, payload[at:].view(1, layout.hidden)
 
 
 def points_within(points: list[int], tokens: int) -> list[int]:

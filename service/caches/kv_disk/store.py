@@ -18,6 +18,7 @@ from ... import metrics
 from ...model.deltanet import Shape, is_hybrid
 from ...model.hybrid import HybridCache
 from ...model.kv import GrowingCache
+from ...model.mtp import DraftCache
 from ...model.prompts import VisionSpan
 from ...native import huge_pages
 from ..conversation import KVReuse
@@ -257,7 +258,7 @@ class KVDiskStore:
         model's: exactly `tokens`, with the recurrent `state` there, or None)."""
         layout = self.layout
         buffers = []
-        for _ in range(layout.layers):
+        for _ in range(layout.stored_layers):
             pair = []
             for _ in range(2):
                 buffer = torch.empty((1, layout.kv_heads, capacity, layout.head_dim), dtype=layout.dtype)
@@ -283,8 +284,13 @@ class KVDiskStore:
             if done < tokens:
                 return None
             text = self.config.text_config
+            (states, hidden), model = state, buffers[: layout.layers]
+            draft = None
+            if layout.head:  # the head's keys and values, after the model's, and its hidden state at the end
+                (keys, values), position = buffers[layout.layers], positions[:, tokens - 1 : tokens]
+                draft = DraftCache.holding(keys, values, tokens, hidden, position)
             cache = HybridCache.holding(
-                text.layer_types, Shape.of(text), [k for k, _ in buffers], [v for _, v in buffers], tokens, state
+                text.layer_types, Shape.of(text), [k for k, _ in model], [v for _, v in model], tokens, states, draft
             )
             return KVReuse(cache=cache, tokens=tokens, source="disk")
         tokens = whole_images(done, images)
@@ -295,8 +301,9 @@ class KVDiskStore:
 
     def _state(self, token_ids, positions, images, points, tokens: int, beat: int, namespace: str):
         """(the longest of `points` within `tokens`, past `beat`, whose recurrent state is on disk and
-        reads back whole; its state), or (0, None)."""
-        layout = StateLayout.of_shape(Shape.of(self.config.text_config), self.config.text_config.layer_types)
+        reads back whole; (its state, the head's hidden state there)), or (0, None)."""
+        text = self.config.text_config
+        layout = StateLayout.of_shape(Shape.of(text), text.layer_types, text.hidden_size if self.layout.head else 0)
         for at in points_within(points, tokens):
             if at <= beat:
                 break
@@ -358,8 +365,14 @@ class KVDiskStore:
         layers = [(layer.keys, layer.values) for layer in attention]
         if not self.usable or not layers or layers[0][0].dtype != self.layout.dtype or len(token_ids) < self.min_tokens:
             return
-        spans = [s for s in images if s.start < len(token_ids)]
         states = cache.states_to_keep(len(token_ids)) if hybrid else ()
+        if self.layout.head:  # blocks hold the head's keys and values too: a cache without them stays in memory
+            draft = cache.draft if hybrid else None
+            if draft is None or draft.entries < len(token_ids) - 1:
+                return
+            layers.append(draft.stored(len(token_ids)))
+            states = [kept for kept in states if kept[2] is not None]
+        spans = [s for s in images if s.start < len(token_ids)]
         self._writer.queue(cache, layers, token_ids, positions, spans, namespace, states)
 
     def truncate(self, cache, tokens: int) -> None:

@@ -44,7 +44,8 @@ class _Write:
     owner: weakref.ref  # the cache it was queued from
     namespace: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
-    states: list[tuple[int, list]] = field(default_factory=list)  # a hybrid model's: (tokens, each layer's state)
+    # a hybrid model's: (tokens, each layer's state, the multi-token prediction head's hidden state there)
+    states: list[tuple[int, list, torch.Tensor | None]] = field(default_factory=list)
 
 
 class BlockWriter:
@@ -79,10 +80,11 @@ class BlockWriter:
         positions: torch.Tensor,
         images: list[VisionSpan],
         namespace: str,
-        states: list[tuple[int, list]] = (),
+        states: list[tuple[int, list, torch.Tensor | None]] = (),
     ) -> None:
         """Queue `cache`'s keys and values (`layers`, covering `token_ids`) for the writer thread, and a
-        hybrid model's recurrent `states` ((tokens, each linear layer's (conv, state)): copies, unchanging)."""
+        hybrid model's recurrent `states` ((tokens, each linear layer's (conv, state), the head's hidden
+        state or None): copies, unchanging)."""
         job = _Write(
             layers, token_ids, positions, images, len(token_ids), weakref.ref(cache), namespace, states=list(states)
         )
@@ -168,12 +170,13 @@ class BlockWriter:
             key = chain(previous, job.token_ids, job.positions, end, length, job.images)
             if not self._write_block(job, Block(self.names.path(previous, key), end, length, previous)):
                 return
-        for tokens, states in job.states:
+        for tokens, states, hidden in job.states:
             if tokens <= job.limit:
-                self._write_state(job, tokens, states)
+                self._write_state(job, tokens, states, hidden)
 
-    def _write_state(self, job: _Write, tokens: int, states: list) -> None:
-        """A hybrid model's recurrent state at `tokens`, unless on disk already (states.py)."""
+    def _write_state(self, job: _Write, tokens: int, states: list, hidden) -> None:
+        """A hybrid model's recurrent state at `tokens` (and the head's `hidden` state there, if it
+        drafts with one), unless on disk already (states.py)."""
         block = state_block(self.names, job.token_ids, job.positions, job.images, tokens, job.namespace)
         kind = entry_kind(block.path)
         if kind == "file":
@@ -182,7 +185,9 @@ class BlockWriter:
         if kind is not None and not remove_entry(block.path):
             return
         try:
-            written = self.state_format.write(block.path, block, job.token_ids, job.positions, job.images, states)
+            written = self.state_format.write(
+                block.path, block, job.token_ids, job.positions, job.images, states, hidden
+            )
         except OSError as exc:
             self.failed("writing a recurrent state", exc)
             return
@@ -204,7 +209,8 @@ class BlockWriter:
         with job.lock:
             if end > job.limit:
                 return False
-            payload = torch.empty((layout.layers, 2, layout.kv_heads, end - start, layout.head_dim), dtype=layout.dtype)
+            shape = (layout.stored_layers, 2, layout.kv_heads, end - start, layout.head_dim)
+            payload = torch.empty(shape, dtype=layout.dtype)
             for (keys, values), out in zip(job.layers, payload):
                 out[0].copy_(keys[0, :, start:end])
                 out[1].copy_(values[0, :, start:end])
