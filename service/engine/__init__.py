@@ -6,7 +6,8 @@ grammar, memory) and admission (`admission`: limits, the queue, preemption), the
 batching): its prefill in steps (`prefill`: cache lookup, vision encoder, prompt pieces), then
 decode steps shared with the batch, verifying guessed tokens (`drafts`); `sampling` chooses each
 token, `reasoning` follows a thinking model's reasoning, `streaming` carries the tokens to the
-request's thread and `output` turns them into its events. May import every room below it (caches,
-model, answer, vision, random_checkpoints, quant, media, native, jobs) and the top-level modules;
-nothing but the HTTP layer and the CLI imports it.
+request's thread and `output` turns them into its events. `search` runs embedding and rerank requests
+(Qwen3-VL-Embedding, -Reranker) on the same model: many inputs a forward, their shared head once.
+May import every room below it (caches, model, answer, vision, random_checkpoints, quant, media,
+native, jobs) and the top-level modules; nothing but the HTTP layer and the CLI imports it.
 """

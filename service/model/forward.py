@@ -158,10 +158,12 @@ class TextForward:
         positions: torch.Tensor,
         sequences: list[Rows],
         logits_rows: torch.Tensor | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """Logits (len(logits_rows) × vocab; every row's if None) after feeding `token_ids` (rows)
         at M-RoPE `positions` (3 × rows, or rows when all three axes agree, as after the prompt):
-        `sequences` take consecutive rows, in order, and each one's cache grows by its rows."""
+        `sequences` take consecutive rows, in order, and each one's cache grows by its rows. `hidden`:
+        those rows' final-normed hidden states instead (what an embedding model pools), no lm_head."""
         rows = len(token_ids)
         if sum(s.count for s in sequences) != rows:
             raise ValueError("the sequences' rows do not add up to the rows given")
@@ -202,7 +204,8 @@ class TextForward:
                     x[index] = x[index] + features.deepstack[i].to(x.dtype)
         if logits_rows is not None:
             x = x[logits_rows]
-        return self.lm_head(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps))
+        x = F.rms_norm(x, (self.hidden,), self.final_norm, self.eps)
+        return x if hidden else self.lm_head(x)
 
     def _attend(self, i, layer, h, cos, sin, sequences, starts, attended) -> torch.Tensor:
         """Full attention of layer i for the call's rows: each sequence's queries over its own keys."""
