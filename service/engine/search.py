@@ -67,6 +67,7 @@ class SearchRequest:
     priority: int = 0
     tenant: TenantShare = TenantShare()
     cache_namespace: str = ""
+    cancelled: threading.Event | None = None  # set: the request ends at the scheduler's next step
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ class SearchJob:
     ticket: Ticket
     deadline: float
     prefill: Generator = None
+    cancelled: threading.Event | None = None  # the caller's own cancel
     status: Status = Status.WAITING
     reading: object = None
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -174,7 +176,8 @@ class SearchJob:
     def ending(self, now: float) -> Status | None:
         if now >= self.deadline:
             return Status.FINISHED_DEADLINE
-        return Status.FINISHED_CANCELLED if self._cancel.is_set() else None
+        asked = self._cancel.is_set() or (self.cancelled is not None and self.cancelled.is_set())
+        return Status.FINISHED_CANCELLED if asked else None
 
     def finish(self, status: Status) -> None:
         if self.status is Status.PAUSED:
@@ -271,7 +274,7 @@ class Searcher:
         self.memory.check(kv_cache_bytes(self.model.config, self.batch_tokens + longest, self.kv_dtype.itemsize))
         ticket = self.admission.acquire(request.priority, request.received_at, tenant=request.tenant)
         try:
-            job = SearchJob(ticket, request.received_at + self.deadline)
+            job = SearchJob(ticket, request.received_at + self.deadline, cancelled=request.cancelled)
             job.prefill = self._steps(request, prompts, groups)
             self.scheduler.submit(job)
             job.done.wait()
