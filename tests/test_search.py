@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from service import metrics
 from service.engine.engine import Engine
 from service.engine.search import SearchRequest, last_token_vector
+from service.engine.search_reference import official_embedding, official_score, reference_model
 from service.errors import BadRequest, ServiceError
 from service.generation import GenerationRequest
 from service.media.images import decode_image
@@ -133,47 +135,26 @@ def test_a_score_is_the_same_float_alone_batched_in_pieces_and_from_the_cache(ca
     assert picture_query.shared_tokens > 3 * together.shared_tokens // len(documents)  # the query's picture shared
 
 
-def _official_embedding(model, prompt) -> torch.Tensor:
-    """The official reading (Qwen3VLEmbedder.process): the backbone's last hidden state (final-normed)
-    at the last token, L2-normalised."""
-    inputs = dict(input_ids=prompt.input_ids, mm_token_type_ids=prompt.mm_token_type_ids)
-    if prompt.pixel_values:
-        inputs.update(pixel_values=torch.cat(prompt.pixel_values), image_grid_thw=prompt.image_grid_thw)
-    hidden = model.model(**inputs).last_hidden_state[:, -1]
-    return F.normalize(hidden, p=2, dim=-1)[0]
-
-
 def test_fp32_vectors_match_the_official_reading_on_transformers_backbone(cache_dir, embedding_dir):
-    from conftest import transformers_model
-
     engine = _engine(cache_dir, embedding_dir, "fp32", kv_dtype="float32")
-    reference = transformers_model(embedding_dir)
+    reference = reference_model(embedding_dir)
     prompts = _inputs()
     ours = _embed(engine, prompts).vectors
     for prompt, vector in zip(prompts, ours):
         prepared = prepare_prompt(engine.processor, prompt.messages, engine.limits.prompt)
-        official = _official_embedding(reference, prepared)
-        assert float(torch.dot(vector, official)) > 1 - 1e-5
+        assert float(torch.dot(vector, official_embedding(reference, prepared))) > 1 - 1e-5
 
 
 def test_fp32_scores_match_the_official_reading_on_transformers_backbone(cache_dir, reranker_dir):
-    from conftest import transformers_model
-
     engine = _engine(cache_dir, reranker_dir, "fp32", kv_dtype="float32")
-    reference = transformers_model(reranker_dir)
+    reference = reference_model(reranker_dir)
     vocab = engine.processor.tokenizer.get_vocab()
-    weight = reference.lm_head.weight
-    head = weight[vocab["yes"]] - weight[vocab["no"]]  # the official score_linear
     query = [TextPart("a cat")]
     documents = [[TextPart(t)] for t in TEXTS] + [[ImagePart(_picture(6))]]
     ours = _rerank(engine, query, documents).scores
     for document, score in zip(documents, ours):
         prepared = prepare_prompt(engine.processor, rerank_prompt(query, document, None).messages, engine.limits.prompt)
-        inputs = dict(input_ids=prepared.input_ids, mm_token_type_ids=prepared.mm_token_type_ids)
-        if prepared.pixel_values:
-            inputs.update(pixel_values=torch.cat(prepared.pixel_values), image_grid_thw=prepared.image_grid_thw)
-        last = reference.model(**inputs).last_hidden_state[0, -1]
-        assert abs(score - float(torch.sigmoid(last @ head))) < 1e-5
+        assert abs(score - official_score(reference, prepared, vocab["yes"], vocab["no"])) < 1e-5
 
 
 def test_the_prompts_are_written_as_the_official_code_writes_them(cache_dir, embedding_dir):
@@ -291,3 +272,13 @@ def test_the_comparison_sees_fp32_rows_round_by_their_neighbours(cache_dir, embe
     alone = [_embed(engine, [p], cache_namespace=f"control-{i}").vectors[0] for i, p in enumerate(prompts)]
     assert not all(torch.equal(a, b) for a, b in zip(alone, together))
     assert all(float(torch.dot(a, b)) > 1 - 1e-5 for a, b in zip(alone, together))
+
+
+def test_pictures_go_through_the_vision_cache(cache_dir, embedding_dir):
+    engine = _engine(cache_dir, embedding_dir, "int8")
+    hits = metrics.CACHE_HITS.labels(cache="vision")
+    prompt = embedding_prompt([ImagePart(_picture(7))], None)
+    first = _embed(engine, [prompt], cache_namespace="pictures").vectors[0]
+    before = hits._value.get()
+    again = _embed(engine, [prompt, embedding_prompt([TextPart("x")], None)], cache_namespace="pictures").vectors[0]
+    assert hits._value.get() == before + 1 and torch.equal(first, again)

@@ -185,3 +185,13 @@ def test_a_chat_server_refuses_embeddings_clearly(shared_server):
     with pytest.raises(openai.BadRequestError) as refused:
         openai_client(shared_server).embeddings.create(model="m", input="hi")
     assert refused.value.body["code"] == "wrong_model_task" and "/v1/chat/completions" in refused.value.message
+
+
+def test_search_requests_need_the_api_key_where_keys_are_set(keyed_server):
+    from conftest import AUTH
+
+    base, _ = keyed_server
+    for path, body in (("/v1/embeddings", {"input": "x"}), ("/v1/rerank", {"query": "q", "documents": ["d"]})):
+        assert requests.post(base + path, json=body, timeout=30).status_code == 401
+        keyed = requests.post(base + path, json=body, headers=AUTH, timeout=30)
+        assert keyed.status_code == 400 and keyed.json()["error"]["code"] == "wrong_model_task"

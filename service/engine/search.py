@@ -286,6 +286,8 @@ class Searcher:
             raise ServiceError(
                 f"the request ended ({job.status.value}) before its results", status=503, code=job.status.value
             )
+        metrics.SEARCH_ITEMS.labels(request.kind).inc(len(prompts))
+        metrics.SEARCH_SECONDS.labels(request.kind).observe(job.result.seconds)
         return job.result
 
     def _prepared(self, prompt: SearchPrompt, param: str) -> PreparedPrompt:
