@@ -335,8 +335,14 @@ def cmd_compare_search(args) -> int:
     from .model.search_prompts import embedding_prompt, rerank_prompt
     from .settings import load_settings
 
+    overrides = {"cache_dir": args.cache_dir} if args.cache_dir else {}
     settings = load_settings(
-        model_path=args.model_path, quantization="fp32", kv_dtype="float32", model_task=args.task, threads=args.threads
+        model_path=args.model_path,
+        quantization="fp32",
+        kv_dtype="float32",
+        model_task=args.task,
+        threads=args.threads,
+        **overrides,
     )
     engine = Engine(load_model(settings), settings)
     task = engine.info.task
@@ -486,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("model_path", help="a Qwen3-VL-Embedding or -Reranker checkpoint directory")
     compare.add_argument("--task", default="auto", choices=["auto", "embedding", "rerank"], help="MODEL_TASK")
     compare.add_argument("--threads", type=int, default=2)
+    compare.add_argument("--cache-dir", help="CACHE_DIR: where the service's kernels are built")
     compare.set_defaults(func=cmd_compare_search)
     return parser
 

@@ -282,3 +282,24 @@ def test_pictures_go_through_the_vision_cache(cache_dir, embedding_dir):
     before = hits._value.get()
     again = _embed(engine, [prompt, embedding_prompt([TextPart("x")], None)], cache_namespace="pictures").vectors[0]
     assert hits._value.get() == before + 1 and torch.equal(first, again)
+
+
+def test_mapped_4_bit_weights_embed_with_the_same_bits(cache_dir, embedding_dir):
+    """Over the memory budget a 4-bit checkpoint is served from the mapped file, by the same kernel."""
+    path = _quantized(embedding_dir, cache_dir, 4)
+    mapped = load_model(make_settings(cache_dir, model_path=path, model_task="embedding", max_memory_mb=1))
+    assert mapped.weights_mapped and mapped.task == "embedding"
+    engine = Engine(mapped, make_settings(cache_dir, model_path=path, model_task="embedding"))
+    prompts = _inputs()
+    in_memory = _embed(_engine(cache_dir, embedding_dir, "int4"), prompts).vectors
+    assert all(torch.equal(a, b) for a, b in zip(_embed(engine, prompts).vectors, in_memory))
+
+
+def test_compare_search_reports_the_official_reading_on_a_checkpoint(cache_dir, embedding_dir, reranker_dir):
+    from conftest import run_cli
+
+    for path, unit in ((embedding_dir, "1 - cosine"), (reranker_dir, "|score difference|")):
+        done = run_cli("compare-search", str(path), "--cache-dir", str(cache_dir), timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        worst = next(line for line in done.stdout.splitlines() if line.startswith("worst:"))
+        assert unit in worst and float(worst.split("= ")[1].split()[0]) < 1e-5
