@@ -13,7 +13,8 @@ at load, the 4-bit one serves its `quantize --bits 4` copy (written once beside 
 to the server (the vision cache never hits; the instruction's head, shared by every input, is computed
 once and kept, as in use). Inputs go in the official embedding prompt (system: "Represent the user's
 input.", the input, the assistant's turn opened); llama.cpp embeds that same text (its special tokens
-parsed) with last-token pooling, L2-normalised — the same tokens through the same layers. Its
+parsed) with last-token pooling, L2-normalised — the same tokens through the same layers (the table gives
+the cosine of one text's vectors from both). Its
 /v1/embeddings takes text only: it has no picture rows. Its converter takes the 2B-shaped checkpoint
 (Qwen3VLForConditionalGeneration); not Qwen3-VL-Embedding-8B's files, which hold no lm_head
 (QwenLM/Qwen3-VL-Embedding#89). llama.cpp's weight repacking crashed on a Xeon with AMX: a server that
@@ -78,10 +79,14 @@ def embed(base: str):
     return lambda items: _post(base, "/v1/embeddings", {"input": items})
 
 
-def measure_ours(base: str, model_path: Path, count: int, reranker: str | None) -> dict[str, float]:
-    """Our rows on a server of the embedding checkpoint (and of the reranker at `reranker`, if given)."""
+PROBE = "A probe: " + SENTENCE  # one text both embed, to see that they compute the same thing
+
+
+def measure_ours(base: str, model_path: Path, count: int, reranker: str | None) -> dict:
+    """Our rows on a server of the embedding checkpoint (and of the reranker at `reranker`, if given),
+    and the probe's vector (`probe`)."""
     send, rows = embed(base), {}
-    send(short_texts(2, 999))  # warm: the instruction's head kept, the kernels loaded
+    rows["probe"] = send([PROBE])["data"][0]["embedding"]  # and warm: the instruction's head kept
     for many in (False, True):
         mode = "many" if many else "one"
         rows[f"short texts, {mode}"] = per_second(send, short_texts(count, 10 + many), many)
@@ -113,8 +118,8 @@ def rendered(processor, text: str) -> str:
     return rendered_chat(processor, embedding_prompt([TextPart(text)], None).messages)
 
 
-def measure_peer(base: str, model_path: Path, count: int) -> dict[str, float]:
-    """llama.cpp's text rows: the same prompts' texts to its /v1/embeddings."""
+def measure_peer(base: str, model_path: Path, count: int) -> dict:
+    """llama.cpp's text rows, and the probe's vector: the same prompts' texts to its /v1/embeddings."""
     from service.model.loading import load_processor
 
     processor = load_processor(model_path)
@@ -122,8 +127,7 @@ def measure_peer(base: str, model_path: Path, count: int) -> dict[str, float]:
     def send(items):
         return _post(base, "/v1/embeddings", {"input": [rendered(processor, t) for t in items]})
 
-    send(short_texts(2, 999))
-    rows = {}
+    rows = {"probe": send([PROBE])["data"][0]["embedding"]}
     for many in (False, True):
         mode = "many" if many else "one"
         rows[f"short texts, {mode}"] = per_second(send, short_texts(count, 10 + many), many)
@@ -205,32 +209,31 @@ def main(argv=None) -> int:
 
             columns[kind] = without_repacking_if_it_crashes(run, kind, no_repack)
     kinds = list(columns)
+    probes = {k: columns[k].pop("probe") for k in kinds}
     names = list(columns["ours INT8"])
     rows = [[name, *(f"{columns[k][name]:.2f}" if name in columns[k] else "—" for k in kinds)] for name in names]
-    ratios = []
-    for name in names:
-        if name.endswith(", many"):
-            one = name.removesuffix(", many") + ", one"
-            ratios.append(
-                [name.removesuffix(", many") + ": many / one", *(_ratio(columns[k], name, one) for k in kinds)]
-            )
-    for k in kinds[2:]:
-        for ours_kind in kinds[:2]:
-            ratios.append(
-                [f"{ours_kind} / {k}, short texts, many", _ratio_of(columns, ours_kind, k), *[""] * (len(kinds) - 1)]
-            )
+    ratios = [
+        [name.removesuffix(", many") + ": many / one", *(_ratio(columns[k], name) for k in kinds)]
+        for name in names
+        if name.endswith(", many")
+    ]
     body = (
         f"Items a second ({args.count} short texts a row, {args.count // 4 or 1} documents and pictures; "
         "one = an input a request, one after another; many = all in one request):\n\n"
         + markdown_table(["row", *kinds], rows)
         + "\n\n"
-        + markdown_table(["ratio", *kinds], ratios)
-        + (
-            "\n\nllama.cpp started with -nr (no repacking: the default crashed) for " + ", ".join(sorted(no_repack))
-            if no_repack
-            else ""
-        )
+        + markdown_table(["many / one", *kinds], ratios)
     )
+    pairs = [(a, b) for a, b in (("ours INT8", "llama.cpp Q8_0"), ("ours 4-bit", "llama.cpp Q4_0")) if b in columns]
+    if pairs:
+        shared = [name for name in columns[pairs[0][1]]]
+        against = [[name, *(f"{columns[a][name] / columns[b][name]:.2f}×" for a, b in pairs)] for name in shared]
+        against.append(["cosine of one text's vectors", *(f"{_cosine(probes[a], probes[b]):.5f}" for a, b in pairs)])
+        body += "\n\nOurs against llama.cpp on the same weights (its text rows):\n\n" + markdown_table(
+            ["row", *(f"{a} / {b}" for a, b in pairs)], against
+        )
+    if no_repack:
+        body += "\n\nllama.cpp started with -nr (no repacking: the default crashed) for " + ", ".join(sorted(no_repack))
     settings = {
         "checkpoint": str(model_path),
         "reranker": str(reranker) if reranker else "none (no rerank rows)",
@@ -240,13 +243,16 @@ def main(argv=None) -> int:
     return report(args, "Embeddings, rerank and score throughput", settings, body)
 
 
-def _ratio(column: dict, many: str, one: str) -> str:
+def _ratio(column: dict, many: str) -> str:
+    one = many.removesuffix(", many") + ", one"
     return f"{column[many] / column[one]:.2f}×" if many in column and one in column else "—"
 
 
-def _ratio_of(columns: dict, ours_kind: str, peer: str) -> str:
-    name = "short texts, many"
-    return f"{columns[ours_kind][name] / columns[peer][name]:.2f}×"
+def _cosine(a: list[float], b: list[float]) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 if __name__ == "__main__":
