@@ -95,6 +95,19 @@ class open_form:
         return False
 
 
+def test_a_clip_embeds_beside_pictures_and_texts(embedding_server, tmp_path):
+    from clips import write_clip
+
+    clip = base64.b64encode(write_clip(tmp_path / "clip.mp4", frames=20, fps=10.0)).decode("ascii")
+    body = {"input": [{"video": clip}, {"video": clip, "text": "a moving square"}, "a moving square"]}
+    response = requests.post(embedding_server + "/v1/embeddings", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    vectors = [d["embedding"] for d in response.json()["data"]]
+    assert len(vectors) == 3 and len({tuple(v) for v in vectors}) == 3
+    broken = requests.post(embedding_server + "/v1/embeddings", json={"input": [{"video": "AAAA"}]}, timeout=60)
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "input[0].video"
+
+
 def test_bad_embedding_requests_get_a_400_naming_the_field(embedding_server):
     url = embedding_server + "/v1/embeddings"
 
