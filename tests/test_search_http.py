@@ -208,3 +208,30 @@ def test_search_requests_need_the_api_key_where_keys_are_set(keyed_server):
         assert requests.post(base + path, json=body, timeout=30).status_code == 401
         keyed = requests.post(base + path, json=body, headers=AUTH, timeout=30)
         assert keyed.status_code == 400 and keyed.json()["error"]["code"] == "wrong_model_task"
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/embeddings", {"input": 5}),
+        ("/v1/embeddings", {"input": [[1, 2, 3]]}),
+        ("/v1/embeddings", {"input": {"image": 5}}),
+        ("/v1/embeddings", {"input": "x", "dimensions": "many"}),
+        ("/v1/embeddings", {"input": "x", "encoding_format": "hex"}),
+        ("/v1/embeddings", {"input": "x", "messages": [{"role": "user", "content": "y"}]}),
+        ("/v1/embeddings", {"messages": [{"role": "assistant", "content": "y"}]}),
+        ("/v1/embeddings", {"input": [{"content": []}]}),
+        (
+            "/v1/embeddings",
+            {"input": [{"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}]}]},
+        ),
+        ("/v1/embeddings", {"input": ["\ud800"]}),
+        ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c"]}),
+        ("/v1/score", {"text_1": "a", "text_2": []}),
+    ],
+)
+def test_hostile_search_bodies_get_a_4xx_and_the_worker_keeps_serving(embedding_server, path, body):
+    response = requests.post(embedding_server + path, data=json.dumps(body), timeout=60,
+                             headers={"Content-Type": "application/json"})  # fmt: skip
+    assert 400 <= response.status_code < 500 and response.json()["error"]["message"], response.text
+    assert requests.post(embedding_server + "/v1/embeddings", json={"input": "ok"}, timeout=60).status_code == 200
