@@ -31,6 +31,7 @@ SCENARIOS = {
     "vision": "the vision encoder: torch against ONNX Runtime, fp32 and INT8",
     "video": "a 10-second clip: decoding and sampling, visual tokens, first token",
     "batch_exactness": "logits in a decode batch against alone, fp32 and INT8",
+    "embeddings": "search: texts/s, pictures/s, rerank and score, one a request against many, beside llama.cpp",
     # the INT8 suite: `all` runs the three
     "quantize": "`python -m service quantize` as a user runs it: time, peak memory, sizes",
     "fidelity": "INT8 and 4-bit against fp32: logit cosine, greedy agreement, with activation spikes",

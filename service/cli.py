@@ -1,4 +1,5 @@
-"""Command line: `python -m service chat|make-model|quantize ...`. Flags override environment settings."""
+"""Command line: `python -m service chat|make-model|quantize|compare-search ...`. Flags override environment
+settings."""
 
 from __future__ import annotations
 
@@ -309,6 +310,73 @@ def cmd_batch(args) -> int:
     return 0
 
 
+COMPARE_TEXTS = (
+    "A woman playing with her dog on a beach at sunset.",
+    "Quarterly revenue grew 12 % on strong cloud demand.",
+    "如何在家里种植番茄？",
+    "def add(a, b):\n    return a + b",
+)
+COMPARE_LIMIT = 1e-4  # cosine (1 − it) or score difference past which compare-search fails
+
+
+def cmd_compare_search(args) -> int:
+    """An embedding or reranker checkpoint: the service's fp32 vectors (scores) against the official
+    code's reading on transformers' backbone (service/engine/search_reference.py), a few texts and a
+    picture; prints each difference and the worst, exits 1 past COMPARE_LIMIT."""
+    import numpy as np
+    import torch
+
+    from .engine.engine import Engine
+    from .engine.search import SearchRequest
+    from .engine.search_reference import official_embedding, official_score, reference_model
+    from .media.images import decode_image
+    from .model.loading import load_model
+    from .model.prompts import ImagePart, TextPart, prepare_prompt
+    from .model.search_prompts import embedding_prompt, rerank_prompt
+    from .settings import load_settings
+
+    overrides = {"cache_dir": args.cache_dir} if args.cache_dir else {}
+    settings = load_settings(
+        model_path=args.model_path,
+        quantization="fp32",
+        kv_dtype="float32",
+        model_task=args.task,
+        threads=args.threads,
+        **overrides,
+    )
+    engine = Engine(load_model(settings), settings)
+    task = engine.info.task
+    if task == "chat":
+        print(f"error: {args.model_path} is a chat checkpoint; name its task with --task", file=sys.stderr)
+        return 2
+    import cv2
+
+    gradient = np.linspace(0, 255, 448 * 448 * 3).reshape(448, 448, 3).astype(np.uint8)
+    picture = decode_image(cv2.imencode(".png", gradient)[1].tobytes(), engine.limits.image)
+    items = [[TextPart(t)] for t in COMPARE_TEXTS] + [[ImagePart(picture)], [ImagePart(picture), TextPart("a chart")]]
+    if task == "embedding":
+        prompts = [embedding_prompt(parts, None) for parts in items]
+    else:
+        prompts = [rerank_prompt([TextPart(COMPARE_TEXTS[0])], parts, None) for parts in items]
+    result = engine.run_search(SearchRequest(task, prompts, time.perf_counter(), item_param="items"))
+    reference = reference_model(engine.loaded.path)
+    vocab = engine.processor.tokenizer.get_vocab()
+    worst = 0.0
+    for i, prompt in enumerate(prompts):
+        prepared = prepare_prompt(engine.processor, prompt.messages, engine.limits.prompt)
+        if task == "embedding":
+            gap = 1 - float(torch.dot(result.vectors[i], official_embedding(reference, prepared)))
+            print(f"input {i}: cosine {1 - gap:.8f}")
+        else:
+            gap = abs(result.scores[i] - official_score(reference, prepared, vocab["yes"], vocab["no"]))
+            print(f"pair {i}: score {result.scores[i]:.6f}, |difference| {gap:.2e}")
+        worst = max(worst, abs(gap))
+    print(
+        f"worst: {'1 - cosine' if task == 'embedding' else '|score difference|'} = {worst:.2e} (limit {COMPARE_LIMIT})"
+    )
+    return 0 if worst <= COMPARE_LIMIT else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .random_checkpoints.presets import PRESETS
 
@@ -417,6 +485,15 @@ def build_parser() -> argparse.ArgumentParser:
     results.add_argument("-o", "--output", help="write the answers here (default: stdout)")
     results.add_argument("--errors", help="write the failed lines here (default: stderr)")
     batch.set_defaults(func=cmd_batch)
+
+    compare = sub.add_parser(
+        "compare-search", help="an embedding or reranker checkpoint: the service's fp32 results vs the official code's"
+    )
+    compare.add_argument("model_path", help="a Qwen3-VL-Embedding or -Reranker checkpoint directory")
+    compare.add_argument("--task", default="auto", choices=["auto", "embedding", "rerank"], help="MODEL_TASK")
+    compare.add_argument("--threads", type=int, default=2)
+    compare.add_argument("--cache-dir", help="CACHE_DIR: where the service's kernels are built")
+    compare.set_defaults(func=cmd_compare_search)
     return parser
 
 

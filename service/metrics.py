@@ -128,6 +128,13 @@ GRAMMARS = Counter("qwen3vl_grammars_total", "answer grammars requested, by how 
 CACHE_HITS = Counter("qwen3vl_cache_hits_total", "cache lookups that reused something", ["cache"])
 CACHE_MISSES = Counter("qwen3vl_cache_misses_total", "cache lookups that reused nothing", ["cache"])
 CACHE_REUSED_TOKENS = Counter("qwen3vl_cache_reused_tokens_total", "prompt tokens taken from the KV cache")
+SEARCH_ITEMS = Counter("qwen3vl_search_items_total", "inputs embedded or documents scored (search requests)", ["task"])
+SEARCH_SECONDS = Histogram(
+    "qwen3vl_search_seconds",
+    "a search request's forwards, from its first step to its result",
+    ["task"],
+    buckets=_LATENCY,
+)
 CACHE_EVICTIONS = Counter("qwen3vl_cache_evictions_total", "entries evicted", ["cache", "reason"])
 CACHE_BYTES = Gauge("qwen3vl_cache_bytes", "bytes held by each cache", ["cache"], multiprocess_mode="livesum")
 CACHE_ENTRIES = Gauge("qwen3vl_cache_entries", "entries held by each cache", ["cache"], multiprocess_mode="livesum")

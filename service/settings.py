@@ -32,6 +32,13 @@ class Settings(BaseSettings):
     model_path: Path | None = Field(
         None, description="Qwen3-VL checkpoint directory; unset = embedded random test model"
     )
+    model_task: Literal["auto", "chat", "embedding", "rerank"] = Field(
+        "auto",
+        description="what the checkpoint serves: chat (Qwen3-VL, Qwen3.5), embedding (Qwen3-VL-Embedding: "
+        "/v1/embeddings) or rerank (Qwen3-VL-Reranker: /v1/rerank, /v1/score); auto = told from the checkpoint "
+        "(an untied one without an lm_head is an embedding model) and its directory's name (…Embedding…, "
+        "…Reranker…: a reranker's files are a chat model's, so a renamed one needs this setting)",
+    )
     quantization: Literal["int8", "fp32"] = Field(
         "int8",
         description="int8 = INT8 Linear layers, activations quantized per token (a 4-bit checkpoint written by "
@@ -112,6 +119,20 @@ class Settings(BaseSettings):
     context_limit: int = Field(8192, ge=64, description="prompt + new tokens, at most")
     max_batch_size: int = Field(
         4, ge=1, le=64, description="sequences decoded together (continuous batching); more wait in the queue"
+    )
+    search_max_items: int = Field(
+        256,
+        ge=1,
+        le=65536,
+        description="inputs one /v1/embeddings request may hold, documents one /v1/rerank or /v1/score request may "
+        "score (more: 400 naming the field)",
+    )
+    search_batch_tokens: int = Field(
+        512,
+        ge=16,
+        le=8192,
+        description="prompt tokens of many embedding or rerank inputs computed in one forward (each weight read "
+        "once for all of them); a longer input is computed in pieces of this size — the same bits either way",
     )
     prefill_chunk_tokens: int = Field(
         128,

@@ -180,7 +180,7 @@ def test_limits_are_refused_at_upload_naming_them(server):
         client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
     uploaded = client.files.create(file=("ok.jsonl", jsonl([line("a", question(1))])), purpose="batch")
     with pytest.raises(openai.BadRequestError) as endpoint:
-        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
     assert endpoint.value.body["param"] == "endpoint"
 
 

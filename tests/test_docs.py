@@ -111,7 +111,8 @@ DOTTED_REFERENCE = re.compile(r"(?<![\w/.-])service(?:\.[A-Za-z_]\w*)+")
 # `block_files.py`, `int8_gemm.c`, `RESULTS.md`: a bare file name names a file somewhere in the repository.
 BARE_FILE = re.compile(r"(?<![\w/.*-])[A-Za-z_][\w-]*(?:\.[\w-]+)*\.(?:py|c|h|md)\b")
 # Files of other projects the prose names on purpose.
-OUTSIDE_FILES = {"convert_hf_to_gguf.py"}  # llama.cpp's converter (bench/bench_peer.py)
+# llama.cpp's converter (bench/bench_peer.py); the official Qwen3-VL-Embedding code (service/model/search_prompts.py)
+OUTSIDE_FILES = {"convert_hf_to_gguf.py", "qwen3_vl_embedding.py", "qwen3_vl_reranker.py", "reranker_template.jinja"}
 C_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 
 

@@ -133,6 +133,20 @@ def llama_server(llama: Path, text: Path, mmproj: Path, threads: int, log_path: 
         yield up
 
 
+@contextmanager
+def llama_embedding_server(llama: Path, text: Path, threads: int, log_path: Path, no_repack: bool = False):
+    """Yield (base_url, process) of `llama-server --embeddings` on the text GGUF `text`: last-token pooling
+    (L2-normalised, its default), batches of up to 4096 tokens, 8 slots sharing one cache (a request's
+    inputs are computed together)."""
+    command = [
+        str(llama / "build" / "bin" / "llama-server"), "-m", str(text), "--embeddings", "--pooling", "last",
+        "-t", str(threads), "-tb", str(threads), "-c", "16384", "-b", "4096", "-ub", "4096", "-np", "8", "-kvu",
+        "--host", "127.0.0.1", "--port", "{port}", "--no-webui", *(["-nr"] if no_repack else []),
+    ]  # fmt: skip
+    with _serving(command, log_path, "/health", 900, 0.05) as up:
+        yield up
+
+
 def without_repacking_if_it_crashes(run, kind: str, no_repack: set[str]):
     """run(no_repack) for the llama.cpp server `kind`: if it crashes (exits, or drops a connection under
     a request) with its default weight repacking, once more with `-nr` — the default segfaulted on a

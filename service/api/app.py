@@ -35,6 +35,7 @@ from .ops.routes import ops_api
 from .ops.web import web_api
 from .responses.routes import responses_api
 from .responses.store import ResponseStore
+from .search.routes import search_api
 from .state import EXTENSION, AppState
 
 log = logging.getLogger("service.api")
@@ -78,7 +79,7 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
     app_state.on_serving.append(batches.start_runner)
     app.extensions[EXTENSION] = app_state
     cors_origins = settings.cors_origin_list
-    for blueprint in (chat_api, responses_api, anthropic_api, native_api, batch_api, ops_api, web_api):
+    for blueprint in (chat_api, responses_api, anthropic_api, native_api, search_api, batch_api, ops_api, web_api):
         app.register_blueprint(blueprint)
 
     @app.before_request

@@ -11,6 +11,7 @@ from .chat.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRe
 from .native.protocol import FORM_FIELDS, NativeAnswer, NativeChatRequest, NativeDelta, NativeDone, NativeHead
 from .ops.protocol import ModelCard, ModelList
 from .responses import protocol as responses_protocol
+from .search import protocol as search_protocol
 
 _REF = "#/components/schemas/{model}"
 
@@ -152,6 +153,67 @@ def _responses_paths(components: dict) -> dict:
     }
 
 
+def _search_paths(components: dict) -> dict:
+    """Embeddings, rerank (Cohere/Jina, as vLLM serves it; /v2/rerank the same) and vLLM's score."""
+    errors = _errors(400, 401, 413, 415, 422, 429, 503)
+
+    def post(summary: str, request_model, answer_model, form: dict | None = None) -> dict:
+        content = {"application/json": {"schema": _schema(request_model, components)}}
+        if form is not None:
+            content["multipart/form-data"] = {"schema": form}
+        answer = {
+            "description": "the answer",
+            "content": {"application/json": {"schema": _schema(answer_model, components)}},
+        }
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {"required": True, "content": content},
+                "responses": {"200": answer, **errors},
+            }
+        }
+
+    text, texts = {"type": "string"}, {"type": "array", "items": {"type": "string"}}
+    files = {"type": "array", "items": {"type": "string", "format": "binary"}}
+    embedding_form = {
+        "type": "object",
+        "properties": {"input": texts, "image": files, "instruction": text, "dimensions": {"type": "integer"}},
+    }
+    rerank_form = {
+        "type": "object",
+        "required": ["query"],
+        "properties": {
+            "query": text,
+            "query_image": files,
+            "documents": texts,
+            "document_image": files,
+            "top_n": {"type": "integer"},
+            "instruction": text,
+        },
+    }
+    rerank = post(
+        "relevance of each document to the query (a reranker)",
+        search_protocol.RerankRequest,
+        search_protocol.RerankResponse,
+        rerank_form,
+    )
+    return {
+        "/v1/embeddings": post(
+            "OpenAI embeddings (an embedding model): texts, pictures, clips, or a user message",
+            search_protocol.EmbeddingsRequest,
+            search_protocol.EmbeddingList,
+            embedding_form,
+        ),
+        "/v1/rerank": rerank,
+        "/v2/rerank": rerank,
+        "/v1/score": post(
+            "vLLM's score: a reranker's relevance, or an embedding model's cosine similarity, per pair",
+            search_protocol.ScoreRequest,
+            search_protocol.ScoreResponse,
+        ),
+    }
+
+
 def _anthropic_paths(components: dict) -> dict:
     """Anthropic's Messages API: the request, the message, each stream event, the token count."""
     components["AnthropicError"] = _ANTHROPIC_ERROR_SCHEMA
@@ -223,12 +285,16 @@ def _document() -> dict:
     chat_errors = _errors(400, 401, 413, 415, 422, 429, 503)
     anthropic_paths = _anthropic_paths(components)
     responses_paths = _responses_paths(components)
+    search_paths = _search_paths(components)
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "Qwen3-VL CPU service",
             "version": "1.0.0",
-            "description": "OpenAI Chat Completions and Responses, Anthropic Messages, a curl-first JSON-lines API.",
+            "description": (
+                "OpenAI Chat Completions, Responses and Embeddings, Anthropic Messages, rerank and score, "
+                "a curl-first JSON-lines API."
+            ),
         },
         "paths": {
             "/v1/chat/completions": {
@@ -283,6 +349,7 @@ def _document() -> dict:
             },
             **responses_paths,
             **anthropic_paths,
+            **search_paths,
             "/v1/models": {
                 "get": {
                     "summary": "the loaded model",

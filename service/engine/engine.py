@@ -44,6 +44,7 @@ from .prefill import Prefiller, StateSnapshots, covered_positions
 from .reasoning import ReasoningPhase
 from .sampling import Sampler, Sampling
 from .scheduler import Scheduler
+from .search import Searcher, SearchRequest, SearchResult
 from .sequence import PrefillMarks, Sequence
 from .streaming import TokenStream
 
@@ -63,6 +64,7 @@ class ModelInfo:
     int8_kernels: dict | None = None  # the KernelChoice serving INT8 weights, as a dict
     thinking: bool = False  # a thinking checkpoint: its reasoning comes apart from its answer
     fingerprint: str = ""  # OpenAI's system_fingerprint: the checkpoint and what computes with it
+    task: str = "chat"  # chat, embedding or rerank (service/model/task.py)
 
 
 class Engine:
@@ -109,6 +111,7 @@ class Engine:
             kernels,
             thinking is not None,
             fingerprint,
+            loaded.task,
         )
         if thinking is not None:
             log.info("%s is a thinking checkpoint: its reasoning is reported apart from its answer", loaded.name)
@@ -124,11 +127,23 @@ class Engine:
             self._snapshots(loaded, settings),
             self.head,
         )
+        self.search = Searcher(
+            loaded,
+            self.forward,
+            self.prefiller,
+            self.admission,
+            self.scheduler,
+            self.memory,
+            self.limits.prompt,
+            kv_dtype,
+            settings,
+        )
 
     def submit(self, request: GenerationRequest) -> Generation:
         """Check, tokenize and admit now — so 4xx, 429 and 503 are raised before any byte is sent —
         and hand the request to the scheduler; returns its Generation. The model slot is released
         once the stream has ended or been closed and the scheduler has let go of it."""
+        self.search.refuse_unless("chat")  # an embedding model or a reranker does not chat
         prepared = self.inputs.prepare(request)
         asked = time.perf_counter()
         ticket = self.admission.acquire(request.priority, request.received_at, tenant=request.tenant)
@@ -145,6 +160,11 @@ class Engine:
             self.admission.release(ticket)
 
         return Generation(self.outputs.events(sequence), sequence, release)
+
+    def run_search(self, request: SearchRequest) -> SearchResult:
+        """An embeddings or rerank request's vectors or scores (service/engine/search.py), on the model
+        beside the chat requests; 4xx before it waits, 429 and 503 as for chat."""
+        return self.search.run(request)
 
     def count_tokens(self, request: GenerationRequest) -> int:
         """The tokens of the request's prompt, as `submit` would compute them (checked the same way);

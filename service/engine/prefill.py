@@ -130,7 +130,7 @@ class Prefiller:
         ends = {*range(reused + self.chunk_tokens, length, self.chunk_tokens), length}
         return sorted(ends | {p for p in also if reused < p < length})
 
-    def _features(
+    def features(
         self, prompt: PreparedPrompt, reused: int, cache_namespace: str
     ) -> Generator[None, None, tuple[dict, int]]:
         """Features of each image and video after the first `reused` tokens (the rest are in the KV
@@ -191,7 +191,7 @@ class Prefiller:
         marks.cache_lookup = time.perf_counter() - t0
         try:
             t1 = time.perf_counter()
-            features, marks.vision_hits = yield from self._features(prompt, marks.reused, cache_namespace)
+            features, marks.vision_hits = yield from self.features(prompt, marks.reused, cache_namespace)
             marks.prefill_start = time.perf_counter()
             marks.vision_encode = marks.prefill_start - t1
             merged = {m: VisionFeatures.cat([f[i] for i in sorted(f)]) for m, f in features.items() if f}

@@ -19,6 +19,10 @@ Preemption (service/engine/admission.py decides): a sequence whose place went to
 request is PAUSED at the next step — taken out of the steps, its state untouched — and resumed when
 admission gives it a place back; nothing it computes depends on when, so its answer is the same.
 
+A search request (embeddings, relevance scores: service/engine/search.py) is a waiting record of the
+same kind whose prefill steps are all its work — a forward over many inputs' rows each — and which
+leaves with their result instead of joining the decode batch.
+
 Every transition of a sequence's status (service/engine/sequence.py) is made here, on this thread,
 where it happens — but one: a stop string, which the request's thread finds in the text.
 
@@ -183,6 +187,11 @@ class Scheduler:
             self._end_with_error(sequence, exc)
             return
         self._waiting.remove(sequence)
+        if not isinstance(prefilled, Prefilled):  # a search job's result (service/engine/search.py): all its work
+            sequence.result = prefilled
+            sequence.finish(Status.FINISHED_STOP)
+            self._leave_alone(sequence)
+            return
         try:
             sequence.start_decoding(prefilled)
         except Exception as exc:

@@ -176,12 +176,14 @@ class TextForward:
         positions: torch.Tensor,
         sequences: list[Rows],
         logits_rows: torch.Tensor | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """Logits (len(logits_rows) × vocab; every row's if None) after feeding `token_ids` (rows)
         at M-RoPE `positions` (3 × rows, or rows when all three axes agree, as after the prompt):
         `sequences` take consecutive rows, in order, and each one's cache grows by its rows — a
         cache with a multi-token prediction head's part (`draft`) also takes every row's final
-        hidden state and input embedding, what the head reads (service/model/mtp.py)."""
+        hidden state and input embedding, what the head reads (service/model/mtp.py). `hidden`: those
+        rows' final-normed hidden states instead (what an embedding model pools), no lm_head."""
         rows = len(token_ids)
         if sum(s.count for s in sequences) != rows:
             raise ValueError("the sequences' rows do not add up to the rows given")
@@ -206,12 +208,14 @@ class TextForward:
                     x[index] = x[index] + features.deepstack[i].to(x.dtype)
         drafts = [(offset, s) for offset, s in zip(offsets, sequences) if getattr(s.cache, "draft", None) is not None]
         if not drafts:
-            return self.lm_head(self.norm(x if logits_rows is None else x[logits_rows], self.final_norm))
+            x = self.norm(x if logits_rows is None else x[logits_rows], self.final_norm)
+            return x if hidden else self.lm_head(x)
         x = self.norm(x, self.final_norm)  # every row's: the head reads them all
         for offset, s in drafts:
             rows_of = slice(offset, offset + s.count)
             s.cache.draft.fed(x[rows_of], inputs[rows_of], positions[:, rows_of])
-        return self.lm_head(x if logits_rows is None else x[logits_rows])
+        x = x if logits_rows is None else x[logits_rows]
+        return x if hidden else self.lm_head(x)
 
     def decoder_layer(
         self,

@@ -27,6 +27,7 @@ from ..random_checkpoints.marker import RANDOM_MODEL_WARNING, is_random_test_mod
 from ..settings import Settings
 from ..threads import in_own_thread
 from .skeleton import head_layers, skeleton
+from .task import checkpoint_task, is_headless, tie_missing_head
 from .weights import generation_config, load_weights
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class LoadedModel:
     weights_mapped: bool = False  # Linear weights memory-mapped: the model did not fit MAX_MEMORY_MB
     # INT8 Linears the native kernel serves until their measured kernel's layout is packed (warm_up)
     pending_packing: list = field(default_factory=list)
+    task: str = "chat"  # chat, embedding or rerank (service/model/task.py)
 
 
 def load_processor(path: Path):
@@ -104,6 +106,9 @@ def _load(settings: Settings) -> LoadedModel:
     pending: list = []
     with _OnceWarnings():
         config = AutoConfig.from_pretrained(path)
+        task = checkpoint_task(settings.model_task, path, (settings.model_path or path).name, config)
+        if task == "embedding" and is_headless(path, config):
+            tie_missing_head(config)
         model = skeleton(config, mtp=settings.mtp_drafting == "on")  # Qwen3-VL or Qwen3.5, as the config says
         if settings.mtp_drafting == "on" and head_layers(config) > 1:
             log.warning("a multi-token prediction head of %d layers: not drafted with (one only)", head_layers(config))
@@ -147,6 +152,7 @@ def _load(settings: Settings) -> LoadedModel:
         weights_mapped=mapped,
         kernels=kernels,
         pending_packing=pending,
+        task=task,
     )
     if pending:
         log.info(
@@ -155,13 +161,14 @@ def _load(settings: Settings) -> LoadedModel:
             len(pending),
         )
     log.info(
-        "loaded %s (%s%s%s) from %s in %.1f s",
+        "loaded %s (%s%s%s) from %s in %.1f s, serving %s",
         loaded.name,
         f"{loaded.quantization}, INT8 kernels: {kernels.describe()}" if kernels else "fp32",
         ", pre-quantized" if prequantized else "",
         ", with its multi-token prediction head" if getattr(model, "mtp", None) is not None else "",
         path,
         loaded.load_seconds,
+        {"chat": "chat", "embedding": "embeddings (/v1/embeddings)", "rerank": "relevance scores (/v1/rerank)"}[task],
     )
     return loaded
 

@@ -190,6 +190,12 @@ def _template_messages(messages: list[ChatMessage], xml_calls: bool = False) -> 
     return rendered
 
 
+def rendered_chat(processor, messages: list[ChatMessage]) -> str:
+    """The chat template's text for `messages`, the assistant's turn opened (pictures and clips as their
+    unexpanded placeholders): what `prepare_prompt` tokenizes."""
+    return processor.apply_chat_template(_template_messages(messages), tokenize=False, add_generation_prompt=True)
+
+
 def messages_bytes(messages: list[ChatMessage]) -> int:
     """What remembering `messages` costs: decoded pictures and clips, texts, reasoning, token ids."""
     return (

@@ -92,7 +92,8 @@ def make_checkpoint(
     start = time.perf_counter()
     qwen35 = recipe.family == "qwen3_5"
     family = qwen35_tokens if qwen35 else None
-    ids = train_tokenizer(out_dir, 1024 if recipe.tiny else 4096, thinking=recipe.thinking, family=family)
+    words = ("yes", "no") if recipe.task == "rerank" else ()  # the reranker's answer tokens
+    ids = train_tokenizer(out_dir, 1024 if recipe.tiny else 4096, thinking=recipe.thinking, family=family, words=words)
     write_image_processor_config(out_dir)
     # The tiny models' vocabulary is exactly their tokenizer's, so every sampled id decodes to text.
     vocabulary = qwen35_tokens.VOCAB_SIZE if qwen35 else 151936
@@ -112,6 +113,10 @@ def make_checkpoint(
         source, how = random_weights.RandomTensors(config, dtype), "seeded per tensor"
     else:
         source, how = random_weights.legacy_tensors(config, dtype), "torch.manual_seed(0), whole model"
+    if recipe.headless:  # as the release: no lm_head stored (loaded tied to the embedding, never used)
+        source.shapes.pop("lm_head.weight", None)
+        if bits is not None:  # the quantized format records it as what it loads as: tied
+            config.tie_word_embeddings = config.text_config.tie_word_embeddings = True
     config_dict = config_json(config)
     if bits is None:
         write_safetensors(source, out_dir, progress=progress)

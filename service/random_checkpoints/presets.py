@@ -6,7 +6,9 @@ sources). `tiny` and `tiny-moe` are the test models: the same structure, a few u
 `30b-a3b-e32`: 30B-A3B's every per-token shape with 32 experts instead of 128 (the top 8 kept), for
 the steps the full one does not fit (a bf16 checkpoint for llama.cpp's GGUF conversion: ~19 GB, not
 ~62). `tiny-thinking` and `2b-thinking`: the Thinking twins of `tiny` and `2b`, with a Thinking chat
-template and the <think> tags in the tokenizer. A preset of another model family is one more entry.
+template and the <think> tags in the tokenizer. `tiny-embedding`, `tiny-reranker`, `2b-`/`8b-embedding`
+and `2b-`/`8b-reranker`: Qwen3-VL-Embedding's and -Reranker's (the chat model's shapes; a directory named
+after the preset is recognised by its name). A preset of another model family is one more entry.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Preset:
     whole_model_init: bool = False  # transformers' init after torch.manual_seed(0), not seeded per tensor
     quantized_only: bool = False  # written only straight into the INT8 / 4-bit format (too large in bf16)
     family: str = "qwen3_vl"  # or "qwen3_5": its config class, tokens and prompt format (qwen35.py)
+    task: str = "chat"  # or "embedding", "rerank": Qwen3-VL-Embedding's / -Reranker's (service/model/task.py)
+    headless: bool = False  # its files hold no lm_head though its config is untied (Qwen3-VL-Embedding-8B)
 
 
 _ROPE = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20], "mrope_interleaved": True}
@@ -79,6 +83,7 @@ _TINY_TEXT, _TINY_VISION = _configs(
 )
 _TINY = Preset(_TINY_TEXT, _TINY_VISION, tied=True, tiny=True, whole_model_init=True)
 _2B = _release((2048, 6144, 28, 16, 8), (24, 1024, 4096, 16, [5, 11, 17]), tied=True)
+_8B = _release((4096, 12288, 36, 32, 8), (27, 1152, 4304, 16, [8, 16, 24]), tied=False)
 # 30B-A3B: 128 experts, the top 8 per token (their probabilities renormalised over the 8), expert MLP
 # 2048 → 768 → 2048, every layer sparse (decoder_sparse_step 1, mlp_only_layers []); its MLP width unused.
 _30B_A3B_TEXT = (2048, 6144, 48, 32, 4)
@@ -107,7 +112,7 @@ PRESETS: dict[str, Preset] = {
     "2b": _2B,
     "2b-thinking": replace(_2B, thinking=True),
     "4b": _release((2560, 9728, 36, 32, 8), (24, 1024, 4096, 16, [5, 11, 17]), tied=True),
-    "8b": _release((4096, 12288, 36, 32, 8), (27, 1152, 4304, 16, [8, 16, 24]), tied=False),
+    "8b": _8B,
     "30b-a3b": _release(
         _30B_A3B_TEXT,
         _30B_A3B_VISION,
@@ -122,6 +127,18 @@ PRESETS: dict[str, Preset] = {
         experts=dict(num_experts=32, num_experts_per_tok=8, moe_intermediate_size=768),
     ),
 }
+# Search: Qwen3-VL-Embedding and -Reranker are Qwen3-VL-2B / -8B fine-tuned, the same shapes and config
+# (their directories' names tell them: service/model/task.py); Embedding-8B's files hold no lm_head.
+PRESETS.update(
+    {
+        "tiny-embedding": replace(_TINY, task="embedding"),
+        "tiny-reranker": replace(_TINY, task="rerank"),
+        "2b-embedding": replace(_2B, task="embedding"),
+        "8b-embedding": replace(_8B, task="embedding", headless=True),
+        "2b-reranker": replace(_2B, task="rerank"),
+        "8b-reranker": replace(_8B, task="rerank"),
+    }
+)
 PRESETS.update({name: Preset(**fields, family="qwen3_5") for name, fields in qwen35.PRESETS.items()})
 BUILT = tuple(name for name, preset in PRESETS.items() if not preset.quantized_only)  # in bf16 (fp32: tiny) too
 

@@ -85,20 +85,24 @@ def train_bpe(texts, vocab_size: int, added: list[tuple[str, bool]] | None = Non
     return tokenizer
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int, thinking: bool = False, family=None) -> dict[str, int]:
+def train_tokenizer(
+    out_dir: Path, vocab_size: int, thinking: bool = False, family=None, words: tuple[str, ...] = ()
+) -> dict[str, int]:
     """Train the checkpoints' tokenizer on a fixed corpus; returns the special-token ids (and the
     thinking tags' with `thinking`, whose chat template is then the Thinking one). `family`: another
     model family's module (service/random_checkpoints/qwen35.py): its added tokens as (token, special)
-    pairs in their order, pre-tokenizer regex, tokenizer class and chat template."""
+    pairs in their order, pre-tokenizer regex, tokenizer class and chat template. `words`: lines of the
+    corpus besides (a reranker's "yes" and "no", which must be tokens of their own)."""
     from tokenizers import AddedToken
 
     tokenizer_class = "Qwen2Tokenizer"
     if family is not None:
-        tokenizer = train_bpe(_corpus(), vocab_size - len(family.TOKENS), family.TOKENS, family.pretokenize_regex())
+        corpus = _corpus() + list(words)
+        tokenizer = train_bpe(corpus, vocab_size - len(family.TOKENS), family.TOKENS, family.pretokenize_regex())
         added, template = [token for token, _ in family.TOKENS], family.CHAT_TEMPLATE
         tokenizer_class = family.TOKENIZER_CLASS
     else:
-        tokenizer = train_bpe(_corpus(), vocab_size - len(SPECIAL_TOKENS))
+        tokenizer = train_bpe(_corpus() + list(words), vocab_size - len(SPECIAL_TOKENS))
         thinking_tags = THINKING_TOKENS if thinking else []
         tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in thinking_tags])
         added, template = SPECIAL_TOKENS + thinking_tags, THINKING_CHAT_TEMPLATE if thinking else CHAT_TEMPLATE

@@ -2,7 +2,8 @@
 the job store (service/jobs/: a lease, renewed while a line runs) and runs each as the Chat
 Completions endpoint would, at BATCH_PRIORITY — so interactive requests go first and take a running
 line's place when the batch is full (service/engine/admission.py): the line resumes later with the
-same answer. A line runs as its batch's tenant, in a request context of its own (service/api/context.py:
+same answer (`/v1/embeddings` lines run as the embeddings endpoint runs them). A line runs as its
+batch's tenant, in a request context of its own (service/api/context.py:
 its tenant's caches; ordered by priority alone, outside the fair share of interactive requests). Every
 instance on every machine sharing the store does the same (the store hands lines to the tenants in
 turn); a line whose instance dies runs again elsewhere once its lease ends, and its result is written
@@ -10,6 +11,7 @@ once. The runner also sweeps the store (expired batches, files and ended batches
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,6 +31,8 @@ from ..chat.protocol import ChatCompletionRequest
 from ..chat.serving import chat_request, completion_body
 from ..context import context_for
 from ..error_shapes import validation_error
+from ..search.protocol import EmbeddingsRequest
+from ..search.serving import embedding_list, embeddings_request
 
 log = logging.getLogger("service.batches")
 
@@ -122,6 +126,52 @@ class BatchRunner:
             return True
 
     def _answer(self, claim: Claim) -> tuple[bool, str | None]:
+        if claim.endpoint == "/v1/embeddings":
+            return self._embed(claim)
+        return self._chat(claim)
+
+    def _embed(self, claim: Claim) -> tuple[bool, str | None]:
+        """An embeddings line: run as the endpoint runs it, its lease renewed meanwhile (a line of many
+        inputs may take longer than a lease); cancelled at the next forward once it is no longer ours."""
+        request_id = new_id("batch_req_")
+        context = context_for(
+            self.tenants, self.tenants.by_owner(claim.owner), request_id, time.perf_counter(), fair_share=False
+        )
+        cancelled, finished = threading.Event(), threading.Event()
+
+        def renew():
+            while not finished.wait(RENEW_SECONDS):
+                if not self._renewed(claim):
+                    cancelled.set()
+                    return
+
+        renewer = threading.Thread(target=renew, name="batch-line-lease", daemon=True)
+        try:
+            body = EmbeddingsRequest.model_validate(json.loads(claim.body))
+            line = body.model_copy(update={"priority": self.settings.batch_priority})
+            search = embeddings_request(line, self.engine.limits, context)
+            renewer.start()
+            result = self.engine.run_search(dataclasses.replace(search, cancelled=cancelled))
+        except (QueueFull, Unavailable):  # an interactive burst took the room first, or the line was cancelled
+            self.store.release(claim)
+            return False, None
+        except ValidationError as exc:
+            error = validation_error(exc)
+            return False, result_line(claim.custom_id, error.status, error.to_dict())
+        except ServiceError as exc:
+            if cancelled.is_set():  # its batch cancelled, or its lease lost: no result of ours to write
+                self.store.release(claim)
+                return False, None
+            return False, result_line(claim.custom_id, exc.status, exc.to_dict())
+        except Exception:
+            log.exception("batch line %s/%s failed", claim.batch_id, claim.custom_id)
+            error = InternalError(request_id)
+            return False, result_line(claim.custom_id, error.status, error.to_dict())
+        finally:
+            finished.set()
+        return True, result_line(claim.custom_id, 200, embedding_list(line, self.engine.info.name, result))
+
+    def _chat(self, claim: Claim) -> tuple[bool, str | None]:
         """(ok, the line for the output or error file), or (False, None) when the line was given back
         (the engine too busy, its batch cancelled, the instance stopping)."""
         request_id = new_id("batch_req_")

@@ -23,7 +23,7 @@ from ...settings import Settings
 from ..access.tenants import Tenants
 from .runner import BatchRunner
 
-ENDPOINTS = ("/v1/chat/completions",)
+ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")
 PURPOSES = ("batch", "user_data", "vision")  # what uploads may say; only `batch` files make batches
 WINDOW = re.compile(r"^([1-9][0-9]{0,2})h$")  # OpenAI's "24h"; up to a week
 MAX_WINDOW_HOURS = 168
