@@ -77,8 +77,10 @@ def test_records_keep_each_tenant_within_its_count_and_bytes_oldest_out_first(sh
     assert records.get("alice", "d") == b"x" * 100  # 3 records, 950 bytes: within both bounds
     assert not records.put("alice", "huge", b"z" * 1001)  # larger than what a tenant may keep
     client = shared.client
-    assert int(client.get("qwen3vl:s:test:alice:bytes")) == 950 == sum(
-        int(v) for v in client.hvals("qwen3vl:s:test:alice:sizes")
+    assert (
+        int(client.get("qwen3vl:s:test:alice:bytes"))
+        == 950
+        == sum(int(v) for v in client.hvals("qwen3vl:s:test:alice:sizes"))
     )
 
 

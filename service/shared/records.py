@@ -3,8 +3,9 @@ used go first), each record kept `ttl` seconds after it was last written or read
 Lua script, so instances on many machines never see a record half-changed nor the bounds overrun.
 
 Keys, under `qwen3vl:s:<kind>:<owner>` (owner "-" without API keys): `:r:<id>` the record (with its
-TTL), `:used` (ids by last use, Redis's clock in microseconds, to find the least recently used and the expired), `:sizes`
-(id → bytes) and `:bytes` (their sum). One Redis, not Redis Cluster: a script touches any of a tenant's keys.
+TTL), `:used` (ids by last use, Redis's clock in microseconds: the least recently used and the expired
+are found there), `:sizes` (id → bytes) and `:bytes` (their sum). One Redis, not Redis Cluster: a
+script touches any of a tenant's keys.
 """
 
 from __future__ import annotations
