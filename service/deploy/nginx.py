@@ -18,6 +18,7 @@ AFFINITY_SCRIPT = ROOT / "nginx" / "affinity.js"
 # to the same folder).
 JS_MODULE_PLACES = ("/usr/lib/nginx/modules", "/usr/share/nginx/modules", "/etc/nginx/modules")
 JS_MODULE = "ngx_http_js_module.so"
+BALANCE = {"affinity": "hash $affinity_key consistent;", "round-robin": "# round-robin: Nginx's default"}
 _FIELD = re.compile(r"\{\{([A-Z_]+)\}\}")
 
 
@@ -51,10 +52,14 @@ def nginx_config(
     graceful_timeout: float = 30,
     module: str | None = None,
     script: str | None = None,
+    balance: str = "affinity",
 ) -> str:
     """The Nginx configuration that fronts `instances` (Instances, or "host:port" addresses) with the
     given settings; `module`: the njs module's path (default: this machine's), `script`: where
-    affinity.js will be (default: in `run_dir`, where write_config puts it)."""
+    affinity.js will be (default: in `run_dir`, where write_config puts it); `balance`: "affinity" (each
+    conversation to its instance) or "round-robin" (bench_cluster's comparison)."""
+    if balance not in BALANCE:
+        raise ValueError(f"balance is affinity or round-robin, not {balance!r}")
     addresses = [i if isinstance(i, str) else i.address for i in instances]
     servers = "\n".join(f"        server {address} max_fails=1 fail_timeout=5s;" for address in addresses)
     return render(
@@ -63,6 +68,7 @@ def nginx_config(
             "JS_MODULE": module or js_module(),
             "AFFINITY_SCRIPT": script or str(Path(run_dir) / AFFINITY_SCRIPT.name),
             "RUN_DIR": str(run_dir),
+            "BALANCE": BALANCE[balance],
             "ACCESS_LOG": access_log,
             "UPSTREAM_SERVERS": servers,
             "LISTEN": settings.nginx_listen,

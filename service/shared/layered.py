@@ -1,10 +1,11 @@
 """A store of one kind of record that many instances share: the shared records (records.py) are the
 truth where there are any, and this instance keeps a copy of what it wrote or read, bounded like today's
 stores, to serve from while they cannot be reached. Without a shared store it is that copy alone, as
-before. What is written while the shared store is down is marked so, and goes up when it is read again
-once the store is back; a copy the store no longer holds (expired, evicted, deleted by another instance)
-is dropped, never brought back. A delete needs the shared store (503 while it is down): done on one
-instance alone, the record would come back from the store."""
+before. What is written while the shared store is down is marked so, and goes up as soon as the store is
+back (`write_up`) — or, where that has not happened yet, when it is read here — so another instance
+continues each conversation from its latest turn; a copy the store no longer holds (expired, evicted,
+deleted by another instance) is dropped, never brought back. A delete needs the shared store (503 while
+it is down): done on one instance alone, the record would come back from the store."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ class LayeredStore(Generic[V]):
     ):
         self.local, self.shared = local, shared
         self._to_blob, self._from_blob, self._size_of = to_blob, from_blob, size_of
+        if shared is not None:
+            shared.link.on_back.append(self.write_up)
 
     @staticmethod
     def _key(owner: str, record_id: str) -> str:
@@ -69,6 +72,9 @@ class LayeredStore(Generic[V]):
         copy = self.local.get(key)
         if copy is not None and copy.shared == digest:
             return copy.value  # the copy is what the store holds: no decoding
+        if copy is not None and copy.shared is None:  # written here while the store was down: newer
+            self.put(owner, record_id, copy.value)
+            return copy.value
         try:
             value = self._from_blob(blob)
         except (RecordCorrupt, PictureMismatch, KeyError, TypeError, ValueError) as exc:
@@ -113,6 +119,19 @@ class LayeredStore(Generic[V]):
                 self.local.pop(key)
                 existed = True
         return existed
+
+    def write_up(self) -> None:
+        """Write to the shared store what was kept here alone while it was down (it runs when the store
+        is back), so another instance continues each conversation from its latest turn."""
+        for key in self.local.keys():
+            copy = self.local.peek(key)
+            if copy is not None and copy.shared is None:
+                owner, _, record_id = key.partition("/")
+                try:
+                    self.put(owner, record_id, copy.value)
+                except Exception:  # the store failed again (its link says so): the next return retries
+                    log.exception("shared %s record %s not written up", self.shared.kind, record_id)
+                    return
 
     def _local(self, key: str) -> V | None:
         copy = self.local.get(key)

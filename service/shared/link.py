@@ -36,6 +36,7 @@ class SharedLink:
         self._retry_at = 0.0
         self._checked_at = 0.0
         self._lock = threading.Lock()
+        self.on_back: list[Callable[[], None]] = []  # run (in a thread of their own) when Redis is back
         metrics.SHARED_STATE_USABLE.set(1)
 
     def run(self, call: Callable[[redis.Redis], T]) -> T:
@@ -69,10 +70,14 @@ class SharedLink:
     def _succeeded(self) -> None:
         with self._lock:
             self._checked_at = time.monotonic()
-            if self._problem is not None:
+            back = self._problem is not None
+            if back:
                 log.warning("shared store %s usable again: conversations are shared again", self.where)
                 self._problem = None
             metrics.SHARED_STATE_USABLE.set(1)
+        if back:
+            for call in self.on_back:
+                threading.Thread(target=call, name="shared-state-back", daemon=True).start()
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
