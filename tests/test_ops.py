@@ -39,13 +39,20 @@ def alert_expressions() -> list[str]:
     return [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
 
 
-@pytest.fixture(scope="module")
-def exposed(shared_server) -> set[str]:
+def names_on(base: str) -> set[str]:
     """The metric names a server exposes once it has answered a request."""
-    answer = requests.post(shared_server + "/v1/chat", json={"prompt": "Hi.", "max_tokens": 2, "stream": False})
+    answer = requests.post(base + "/v1/chat", json={"prompt": "Hi.", "max_tokens": 2, "stream": False})
     answer.raise_for_status()
-    text = requests.get(shared_server + "/metrics").text
+    text = requests.get(base + "/metrics").text
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+@pytest.fixture(scope="module")
+def exposed(shared_server, serve, redis_url) -> set[str]:
+    """The metric names servers expose: the shared one, and one whose JOB_STORE_URL is Redis (the shared
+    state's and affinity's metrics are there)."""
+    with serve({"JOB_STORE_URL": redis_url}, "ops-redis") as (with_redis, _):
+        return names_on(shared_server) | names_on(with_redis)
 
 
 def test_every_metric_the_dashboard_and_alerts_name_is_on_metrics(exposed):
