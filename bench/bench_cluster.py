@@ -74,7 +74,7 @@ class Turns:
 
     def _chat(self, text: str, started: float):
         if not self.history:
-            self.history = [{"role": "system", "content": f"{SYSTEM} ({self.tag})"}]
+            self.history = [{"role": "system", "content": f"({self.tag}) {SYSTEM}"}]
         self.history.append({"role": "user", "content": text})
         stream = _openai(self.url).chat.completions.create(
             model="m", messages=self.history, max_tokens=self.tokens, stream=True,
@@ -94,7 +94,7 @@ class Turns:
         client = anthropic.Anthropic(base_url=self.url, api_key="unused", max_retries=0, timeout=600)
         first = None
         with client.messages.stream(
-            model="m", max_tokens=self.tokens, system=f"{SYSTEM} ({self.tag})", messages=self.history,
+            model="m", max_tokens=self.tokens, system=f"({self.tag}) {SYSTEM}", messages=self.history,
             extra_headers=self._headers(),
         ) as stream:  # fmt: skip
             for _ in stream.text_stream:
@@ -109,13 +109,13 @@ class Turns:
         extra = {}
         if by_conversation:
             if self.last_id is None:
-                made = client.conversations.create(items=[{"role": "system", "content": f"{SYSTEM} ({self.tag})"}])
+                made = client.conversations.create(items=[{"role": "system", "content": f"({self.tag}) {SYSTEM}"}])
                 self.last_id = made.id
             extra = {"conversation": self.last_id}
-        elif self.last_id is not None:
-            extra = {"previous_response_id": self.last_id}
-        else:
-            extra = {"instructions": f"{SYSTEM} ({self.tag})"}
+        else:  # instructions are not carried on by previous_response_id: a client sends them each turn
+            extra = {"instructions": f"({self.tag}) {SYSTEM}"}
+            if self.last_id is not None:
+                extra["previous_response_id"] = self.last_id
         first, usage = None, None
         stream = client.responses.create(
             model="m", input=text, max_output_tokens=self.tokens, stream=True, extra_headers=self._headers(), **extra
@@ -136,7 +136,7 @@ class Turns:
         body = {"prompt": text, "max_tokens": self.tokens}
         if self.last_id is None:
             body["images"] = [self.picture]
-            body["prompt"] = f"{text} ({self.tag})"
+            body["prompt"] = f"({self.tag}) {text}"
         else:
             body["conversation_id"] = self.last_id
         first, done = None, None
@@ -169,11 +169,13 @@ def start_batch(url: str, tokens: int) -> str:
     return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h").id
 
 
-def workload(url: str, tokens: int, picture: str, bar) -> dict:
+def workload(url: str, tokens: int, bar) -> dict:
     """The mixed workload through `url`: second turns' and resends' cached shares and first tokens, and
-    the conversations (for the machine-loss step)."""
+    the conversations (for the machine-loss step). Each conversation its own words and picture from its
+    first token: what one shares with another is nothing but the template's first tokens."""
     batch = start_batch(url, tokens)
-    conversations = [Turns(kind, url, tokens, picture) for kind in KINDS for _ in range(CONVERSATIONS)]
+    kinds = [kind for kind in KINDS for _ in range(CONVERSATIONS)]
+    conversations = [Turns(kind, url, tokens, photo_url(seed=i)) for i, kind in enumerate(kinds)]
     for c in conversations:
         c.turn("Describe what a lighthouse does and why it matters.")
         bar.update()
@@ -185,7 +187,7 @@ def workload(url: str, tokens: int, picture: str, bar) -> dict:
         bar.update()
     # a stateless client resending its first turn whole (a retry): the first messages find their machine
     for c in conversations[:CONVERSATIONS]:
-        resend = Turns("chat", url, tokens, picture)
+        resend = Turns("chat", url, tokens, c.picture)
         resend.tag, resend.history = c.tag, c.history[:2]
         first, prompt, cached = resend.turn(c.history[1]["content"])
         seconds.setdefault("resend", []).append(first)
@@ -219,7 +221,7 @@ def per_machine_rate(url: str, tokens: int) -> float:
     return done["timings"]["decode_tokens_per_s"]
 
 
-def run_arm(arm: str, model: Path, logs: Path, tokens: int, picture: str, bar) -> dict:
+def run_arm(arm: str, model: Path, logs: Path, tokens: int, bar) -> dict:
     machines = 1 if arm == "one machine" else MACHINES
     balance = "round-robin" if arm == "round-robin" else "affinity"
     env = {**ENV, "THREADS": "1"}  # three instances share 2 cores; the one machine alike, for comparison
@@ -231,7 +233,7 @@ def run_arm(arm: str, model: Path, logs: Path, tokens: int, picture: str, bar) -
     where = logs / arm.replace(" ", "-")
     with loopback_cluster(where, model, env, machines, balance=balance, cache_template=cache) as cluster:
         bar.set_postfix_str(arm)
-        result = workload(cluster.proxy_url, tokens, picture, bar)
+        result = workload(cluster.proxy_url, tokens, bar)
         if arm == "affinity":
             result["loss"] = machine_loss(cluster, result["conversations"])
         if arm == "one machine":
@@ -259,13 +261,12 @@ def main(argv=None) -> int:
         if not (int4 / "config.json").exists():
             write_quantized(model, int4, bits=4)
         model = int4
-    picture = photo_url(seed=7)
     logs = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
     steps = len(ARMS) * 2 * len(KINDS) * CONVERSATIONS
     results = {}
     with tqdm(total=steps, desc="bench_cluster", unit="turn") as bar:
         for arm in ARMS:
-            results[arm] = run_arm(arm, model, logs, args.tokens, picture, bar)
+            results[arm] = run_arm(arm, model, logs, args.tokens, bar)
     one = statistics.mean(pooled(results["one machine"]["shares"]))
     rows = []
     for arm in ARMS:
