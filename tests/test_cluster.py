@@ -14,6 +14,7 @@ import time
 import uuid
 
 import anthropic
+import numpy as np
 import openai
 import pytest
 import requests
@@ -179,6 +180,42 @@ def test_a_follow_up_naming_an_id_lands_where_the_id_was_made(cluster):
         native(cluster.proxy_url, request_id=again, prompt="Still?", conversation_id=made["conversation_id"])
         assert cluster.served_by(again) is home
     assert metric(home.url, "qwen3vl_affinity_continuations_total", 'api="native"') == continued + 3
+
+
+def test_forms_and_bodies_past_a_mebibyte_keep_their_conversations_key(cluster):
+    """A native multipart form is keyed by its conversation_id field (else its prompt); a body over 1 MiB
+    (a large picture) is keyed as its smaller turns were, so a growing conversation stays home."""
+    url, topic = cluster.proxy_url, uuid.uuid4().hex[:6]
+    first, second = rid(), rid()
+    form = {"prompt": f"What is this {topic}?", "max_tokens": "4", "stream": "false"}
+    picture = encode(pattern(96, 64, seed=2), ".png")
+    made = requests.post(
+        url + "/v1/chat", data=form, files={"image": ("p.png", picture)}, headers={"X-Request-Id": first}
+    )
+    follow = {"prompt": "And?", "max_tokens": "4", "stream": "false", "conversation_id": made.json()["conversation_id"]}
+    again = requests.post(
+        url + "/v1/chat", data=follow, files={"image": ("p.png", picture)}, headers={"X-Request-Id": second}
+    )
+    assert again.status_code == 200 and cluster.served_by(first) is cluster.served_by(second)
+    noise = np.random.default_rng(3).integers(0, 255, (700, 700, 3), dtype=np.uint8)
+    large = data_url(encode(noise, ".png"))  # ~1.9 MB of base64: the body passes 1 MiB
+    history = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": f"Look {topic}."},
+                {"type": "image_url", "image_url": {"url": PICTURE}},
+            ],
+        }
+    ]
+    chat = openai_client(url).chat.completions.create
+    ids = [rid(), rid()]
+    one = chat(model="m", messages=history, max_tokens=4, extra_headers={"X-Request-Id": ids[0]})
+    history += [{"role": "assistant", "content": one.choices[0].message.content},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": large}}]}]  # fmt: skip
+    two = chat(model="m", messages=history, max_tokens=4, extra_headers={"X-Request-Id": ids[1]})
+    assert len(json.dumps(history)) > 2**20 and cluster.served_by(ids[0]) is cluster.served_by(ids[1])
+    assert two.usage.prompt_tokens_details.cached_tokens > 0
 
 
 # -- a machine lost mid-stream ------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Render nginx/nginx.conf.template for a set of instances, and start Nginx on it."""
+"""Render nginx/nginx.conf.template for a set of instances (beside it nginx/affinity.js, which routes each
+conversation to its instance), and start Nginx on it."""
 
 from __future__ import annotations
 
