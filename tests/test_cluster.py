@@ -182,6 +182,18 @@ def test_a_follow_up_naming_an_id_lands_where_the_id_was_made(cluster):
     assert metric(home.url, "qwen3vl_affinity_continuations_total", 'api="native"') == continued + 3
 
 
+def test_a_clients_user_or_prompt_cache_key_keeps_all_its_conversations_on_one_machine(cluster):
+    client = openai_client(cluster.proxy_url)
+    for field in ("user", "prompt_cache_key"):
+        value, homes = f"{field}-{uuid.uuid4().hex[:8]}", set()
+        for k in range(4):  # different first turns: alone, they would spread
+            request_id = rid()
+            ask = {"model": "m", "input": f"Question {k} {uuid.uuid4().hex[:6]}", "max_output_tokens": 2, field: value}
+            client.responses.create(**ask, extra_headers={"X-Request-Id": request_id})
+            homes.add(cluster.served_by(request_id).name)
+        assert len(homes) == 1, (field, homes)
+
+
 def test_forms_and_bodies_past_a_mebibyte_keep_their_conversations_key(cluster):
     """A native multipart form is keyed by its conversation_id field (else its prompt); a body over 1 MiB
     (a large picture) is keyed as its smaller turns were, so a growing conversation stays home."""
