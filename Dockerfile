@@ -5,10 +5,11 @@
 # Without MODEL_PATH it serves the embedded random test model (built once under /models/.cache).
 FROM python:3.11-slim-bookworm
 
-# Nginx in front; taskset (util-linux, part of every Debian image) pins the instances; gcc builds the
-# exact attention kernel for the CPU the container runs on (service/native/attention.c, once, into /models/.cache).
+# Nginx in front, with its njs module (nginx/affinity.js routes each conversation to its instance); taskset
+# (util-linux, part of every Debian image) pins the instances; gcc builds the exact attention kernel for
+# the CPU the container runs on (service/native/attention.c, once, into /models/.cache).
 RUN apt-get update \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nginx gcc libc6-dev \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nginx libnginx-mod-http-js gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

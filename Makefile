@@ -11,11 +11,13 @@ install:
 	$(PIP) install --disable-pip-version-check -q torch==2.13.0 $(TORCH_INDEX)
 	$(PIP) install --disable-pip-version-check -q -r requirements.txt
 
-# Nginx for `make run` and the deployment tests: installed with apt-get when missing (as root).
+# Nginx and its njs module (nginx/affinity.js routes each conversation to its instance) for `make run`
+# and the deployment tests: installed with apt-get when missing (as root).
+NJS_MODULE = /usr/lib/nginx/modules/ngx_http_js_module.so
 nginx:
-	@command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || { \
-	  [ "$$(id -u)" = 0 ] || { echo "nginx is missing: sudo apt-get install nginx" >&2; exit 1; }; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx >/dev/null; }
+	@{ command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; } && [ -f $(NJS_MODULE) ] || { \
+	  [ "$$(id -u)" = 0 ] || { echo "nginx or its njs module is missing: sudo apt-get install nginx libnginx-mod-http-js" >&2; exit 1; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx libnginx-mod-http-js >/dev/null; }
 
 # Debian's redis-server for the batch jobs' Redis store tests (JOB_STORE_URL=redis://; the fixture starts it), likewise.
 redis:

@@ -27,6 +27,7 @@ SCENARIOS = {
     "speculative": "exact speculative decoding on against off: JSON, tool calls, right and wrong guesses",
     "structured": "what a JSON-Schema constraint costs; llguidance against xgrammar",
     "deploy": "threads per instance, start-up, the memory budget, worker recovery, mapped weights",
+    "cluster": "three loopback machines: second turns' KV hits with affinity, round-robin, one; a machine lost",
     "int4": "4-bit weights: group size, zero point and kernel; --memory: served in a 2 GiB cgroup",
     "vision": "the vision encoder: torch against ONNX Runtime, fp32 and INT8",
     "video": "a 10-second clip: decoding and sampling, visual tokens, first token",

@@ -87,6 +87,13 @@ class StoreUnavailable(Unavailable):
     code = "job_store_unavailable"
 
 
+class SharedStateUnavailable(Unavailable):
+    """The shared store (service/shared/) cannot be used now, for what must not be done on one instance
+    alone (a delete, which the store would undo when it is back)."""
+
+    code = "shared_state_unavailable"
+
+
 class InternalError(ServiceError):
     """A bug: the client sees this (and the request id), the server log has the traceback."""
 

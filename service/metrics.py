@@ -113,6 +113,33 @@ JOB_STORE_USABLE = Gauge(
 )
 
 
+# Shared state (service/shared/): the Redis every machine's instances keep conversations in, and affinity
+SHARED_STATE_USABLE = Gauge(
+    "qwen3vl_shared_state_usable",
+    "1 while the shared store (Redis) answers; 0: conversations are served from this instance's own state "
+    "(a conversation of another instance starts afresh here), deletes answer 503",
+    multiprocess_mode="livemostrecent",
+)
+AFFINITY_CONTINUATIONS = Counter(
+    "qwen3vl_affinity_continuations_total",
+    "requests whose affinity key (what the proxy routes by) came before, by API",
+    ["api"],
+)
+AFFINITY_MISSES = Counter(
+    "qwen3vl_affinity_misses_total",
+    "of them, those whose key's previous request ran on another instance: its KV cache was computed elsewhere",
+    ["api"],
+)
+AFFINITY_APIS = ("chat", "responses", "messages", "native")
+
+
+def show_affinity() -> None:
+    """Every API's affinity series at zero from the start (for the dashboard's miss rate)."""
+    for api in AFFINITY_APIS:
+        AFFINITY_CONTINUATIONS.labels(api)
+        AFFINITY_MISSES.labels(api)
+
+
 def record_batch_lines(counts: dict[str, int]) -> None:
     for state in ("pending", "leased", "done", "skipped"):
         BATCH_LINES.labels(state).set(counts.get(state, 0))

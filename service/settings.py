@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -243,6 +244,20 @@ class Settings(BaseSettings):
         ge=1024,
         description="bytes one tenant's files and running batches' requests may hold in the job store",
     )
+    shared_state: bool = Field(
+        True,
+        description="where JOB_STORE_URL names Redis, native histories, stored responses and conversations live "
+        "there too (per tenant, within the bounds below), so any instance on any machine continues any "
+        "conversation; false, or without Redis: each instance keeps its own (and CACHE_DIR's disk copies)",
+    )
+    instance_name: str = Field(
+        default_factory=socket.gethostname,
+        min_length=1,
+        max_length=128,
+        description="this instance's name in the shared store, by which an affinity miss (a conversation whose "
+        "last turn ran on another instance) is counted; default the host name (a Kubernetes pod's name; "
+        "`python -m service.deploy` appends each instance's index)",
+    )
     conversation_history_max: int = Field(1024, ge=1, description="native-endpoint conversations remembered")
     conversation_history_ttl: float = Field(1800.0, gt=0, description="seconds an idle conversation is remembered")
     conversation_history_max_bytes: int = Field(512 * 1024**2, ge=0, description="bytes of remembered histories")
@@ -250,6 +265,15 @@ class Settings(BaseSettings):
     responses_ttl: float = Field(3600.0, gt=0, description="seconds an unused stored response is kept")
     responses_max_bytes: int = Field(
         256 * 1024**2, ge=0, description="bytes of stored responses and their conversations (pictures decoded)"
+    )
+    conversations_max: int = Field(
+        1024, ge=1, description="OpenAI Conversations (/v1/conversations) kept, least recently used dropped first"
+    )
+    conversations_ttl: float = Field(
+        30 * 86400.0, gt=0, description="seconds an unused conversation is kept (30 days, as OpenAI keeps batch files)"
+    )
+    conversations_max_bytes: int = Field(
+        256 * 1024**2, ge=0, description="bytes of conversations: their items and messages (pictures count)"
     )
 
     # Deployment (python -m service.deploy): Nginx in front of instances on HOST:PORT, PORT+1, ...

@@ -249,8 +249,9 @@ def test_turn_two_reuses_the_kv_cache_of_its_instance(stack):
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
 
 
-def test_requests_without_a_conversation_are_spread_over_the_instances(stack):
-    served = [instance_serving(stack, prompt="hi", max_tokens=1)[0] for _ in range(12)]
+def test_new_conversations_are_spread_over_the_instances(stack):
+    """Each new conversation's key (nginx/affinity.js: a hash of its first turn) picks its instance."""
+    served = [instance_serving(stack, prompt=f"hi {k}", max_tokens=1)[0] for k in range(12)]
     assert set(served) == set(range(len(stack.ports))), served
 
 

@@ -190,6 +190,40 @@ def test_a_restart_of_redis_loses_no_job_and_no_finished_result(tmp_path):
         store.close()
 
 
+def test_the_redis_lock_is_kept_while_a_change_runs_and_freed_soon_when_its_holder_is_gone(redis_url, monkeypatch):
+    """A live holder extends the lock past its timeout (a long change is never overtaken); one that is
+    gone — a machine killed mid-change, a Redis restarted under it — stops extending it, and the next
+    change waits LOCK_SECONDS at most, not the whole WAIT_SECONDS."""
+    from service.jobs import redis as redis_store
+
+    monkeypatch.setattr(redis_store, "LOCK_SECONDS", 0.6)
+    redis.Redis.from_url(redis_url).flushdb()
+    first, second = RedisStore(redis_url), RedisStore(redis_url)
+    order = []
+
+    def long_change():
+        with first.transaction():
+            order.append("long begins")
+            time.sleep(1.5)  # past the lock's timeout: kept by its holder
+            order.append("long ends")
+
+    runner = threading.Thread(target=long_change)
+    runner.start()
+    time.sleep(0.2)
+    with second.transaction():
+        order.append("next")
+    runner.join()
+    assert order == ["long begins", "long ends", "next"]
+    abandoned = redis.Redis.from_url(redis_url).lock("qwen3vl:lock", timeout=0.6)
+    assert abandoned.acquire()  # taken and never released: its holder is gone
+    started = time.monotonic()
+    with second.transaction():
+        pass
+    assert time.monotonic() - started < 1.5
+    first.close()
+    second.close()
+
+
 # -- fair turns, and a claim that stays a few index seeks ---------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """What ops/ ships — the Grafana dashboard, the Prometheus alert rules, the Kubernetes manifests —
 names only what exists: every metric on a real server's /metrics, every setting in the settings
-object, the ports and probe paths the container and the app serve, the Redis the jobs use."""
+object, the ports and probe paths the container and the app serve, the Redis the jobs use; and the
+manifests are what `python -m service.deploy.kubernetes` writes, valid against Kubernetes' schemas."""
 
 from __future__ import annotations
 
@@ -38,13 +39,20 @@ def alert_expressions() -> list[str]:
     return [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
 
 
-@pytest.fixture(scope="module")
-def exposed(shared_server) -> set[str]:
+def names_on(base: str) -> set[str]:
     """The metric names a server exposes once it has answered a request."""
-    answer = requests.post(shared_server + "/v1/chat", json={"prompt": "Hi.", "max_tokens": 2, "stream": False})
+    answer = requests.post(base + "/v1/chat", json={"prompt": "Hi.", "max_tokens": 2, "stream": False})
     answer.raise_for_status()
-    text = requests.get(shared_server + "/metrics").text
+    text = requests.get(base + "/metrics").text
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+@pytest.fixture(scope="module")
+def exposed(shared_server, serve, redis_url) -> set[str]:
+    """The metric names servers expose: the shared one, and one whose JOB_STORE_URL is Redis (the shared
+    state's and affinity's metrics are there)."""
+    with serve({"JOB_STORE_URL": redis_url}, "ops-redis") as (with_redis, _):
+        return names_on(shared_server) | names_on(with_redis)
 
 
 def test_every_metric_the_dashboard_and_alerts_name_is_on_metrics(exposed):
@@ -52,9 +60,6 @@ def test_every_metric_the_dashboard_and_alerts_name_is_on_metrics(exposed):
     assert len(expressions) >= 15
     names = {name for expr in expressions for name in METRIC.findall(expr)}
     assert names - exposed == set()
-    hpa = named("HorizontalPodAutoscaler", "qwen3vl")
-    scaled_on = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
-    assert scaled_on and scaled_on <= exposed
 
 
 def test_the_manifests_set_only_settings_that_exist_and_the_job_store_they_deploy():
@@ -68,17 +73,58 @@ def test_the_manifests_set_only_settings_that_exist_and_the_job_store_they_deplo
 
 
 def test_the_ports_and_probes_are_the_containers_and_the_apps(shared_server):
-    container = named("Deployment", "qwen3vl")["spec"]["template"]["spec"]["containers"][0]
+    container = named("StatefulSet", "qwen3vl")["spec"]["template"]["spec"]["containers"][0]
     [port] = container["ports"]
-    listen = named("ConfigMap", "qwen3vl-settings")["data"]["NGINX_LISTEN"]
-    assert int(listen.rsplit(":", 1)[1]) == port["containerPort"]
-    assert f"EXPOSE {port['containerPort']}" in (ROOT / "Dockerfile").read_text()
+    assert int(named("ConfigMap", "qwen3vl-settings")["data"]["PORT"]) == port["containerPort"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         path = container[probe]["httpGet"]["path"]
         assert container[probe]["httpGet"]["port"] == port["name"]
         assert requests.get(shared_server + path).status_code == 200, path
-    service = named("Service", "qwen3vl")
-    assert service["spec"]["ports"][0]["targetPort"] == port["name"]
+    pods = named("Service", "qwen3vl-pods")
+    assert pods["spec"]["clusterIP"] == "None" and pods["spec"]["ports"][0]["port"] == port["containerPort"]
+    assert named("StatefulSet", "qwen3vl")["spec"]["serviceName"] == "qwen3vl-pods"
+    # the proxy: Nginx listens where its container and the Dockerfile say, and lists each pod by name
+    proxy = named("Deployment", "qwen3vl-proxy")["spec"]["template"]["spec"]["containers"][0]
+    config = named("ConfigMap", "qwen3vl-proxy")["data"]["nginx.conf"]
+    [proxy_port] = proxy["ports"]
+    assert f"listen 0.0.0.0:{proxy_port['containerPort']};" in config
+    assert f"EXPOSE {proxy_port['containerPort']}" in (ROOT / "Dockerfile").read_text()
+    replicas = named("StatefulSet", "qwen3vl")["spec"]["replicas"]
+    for i in range(replicas):
+        assert f"server qwen3vl-{i}.qwen3vl-pods:{port['containerPort']} " in config
+    assert named("Service", "qwen3vl")["spec"]["selector"] == {"app": "qwen3vl-proxy"}
+
+
+def test_the_manifests_are_what_service_deploy_writes(tmp_path):
+    """One place: the files are the generator's output (its proxy configuration the deployment's
+    template rendered for the pods), so the proxy and the manifests cannot drift apart."""
+    from service.deploy.kubernetes import main
+
+    replicas = named("StatefulSet", "qwen3vl")["spec"]["replicas"]
+    assert main(["--replicas", str(replicas), "--out", str(tmp_path)]) == 0
+    for path in sorted((OPS / "kubernetes").glob("*.yaml")):
+        assert path.read_text() == (tmp_path / path.name).read_text(), (
+            f"{path.name}: run python -m service.deploy.kubernetes"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (OPS / "kubernetes").glob("*.yaml"))
+    script = named("ConfigMap", "qwen3vl-proxy")["data"]["affinity.js"]
+    assert script == (ROOT / "nginx" / "affinity.js").read_text()
+
+
+def test_the_manifests_are_valid_kubernetes_objects_strictly():
+    """Each object against the schemas of Kubernetes (kubernetes-validate, offline; strict: a key the
+    schema does not know is an error, not ignored)."""
+    import kubernetes_validate
+
+    version = kubernetes_validate.latest_version()
+    for doc in manifests():
+        kubernetes_validate.validate(doc, version, strict=True)
+    broken = {
+        **named("Service", "qwen3vl-pods"),
+        "spec": {**named("Service", "qwen3vl-pods")["spec"], "clusterIp": "None"},
+    }
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, version, strict=True)
 
 
 def test_the_usable_gauges_are_1_where_the_disk_tier_and_the_job_store_serve(exposed, shared_server):

@@ -97,6 +97,7 @@ LAYERS = [
     ("answer", ["service.answer"]),
     ("model", ["service.model"]),
     ("caches", ["service.caches"]),
+    ("shared", ["service.shared"]),
     ("contract", ["service.limits", "service.generation"]),
     ("engine", ["service.engine"]),
     ("entry points", ["service.api", "service.cli", "service.__main__", "service.deploy", "service"]),

@@ -18,6 +18,9 @@ from werkzeug.exceptions import HTTPException
 from .. import metrics
 from ..errors import InternalError, ServiceError
 from ..settings import Settings
+from ..shared.affinity import checked_key
+from ..shared.pictures import Pictures
+from ..shared.setup import shared_link
 from .access.auth import authenticate
 from .access.cors import allow_origin, preflight
 from .access.rates import TenantRates
@@ -27,6 +30,8 @@ from .batches.routes import batch_api
 from .batches.serving import Batches
 from .chat.routes import chat_api
 from .context import context_for
+from .conversations.routes import conversations_api
+from .conversations.store import ConversationStore
 from .error_shapes import validation_error
 from .http_io import error_response
 from .native.histories import HistoryStore
@@ -68,18 +73,22 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
     app.json.ensure_ascii = False
     tenants = Tenants(settings)
     batches = Batches(settings, tenants)
+    shared, pictures = shared_link(settings), Pictures()
     app_state = AppState(
         settings,
         tenants=tenants,
         rates=TenantRates(),
-        histories=HistoryStore.from_settings(settings),
-        stored_responses=ResponseStore.from_settings(settings),
+        histories=HistoryStore.from_settings(settings, shared, pictures),
+        stored_responses=ResponseStore.from_settings(settings, shared, pictures),
+        conversations=ConversationStore.from_settings(settings, shared, pictures),
         batches=batches,
+        shared=shared,
     )
     app_state.on_serving.append(batches.start_runner)
     app.extensions[EXTENSION] = app_state
     cors_origins = settings.cors_origin_list
-    for blueprint in (chat_api, responses_api, anthropic_api, native_api, search_api, batch_api, ops_api, web_api):
+    blueprints = (chat_api, responses_api, conversations_api, anthropic_api, native_api, search_api, batch_api)
+    for blueprint in (*blueprints, ops_api, web_api):
         app.register_blueprint(blueprint)
 
     @app.before_request
@@ -93,7 +102,8 @@ def create_app(settings: Settings, load: str = "background") -> Flask:
             return answer
         tenant = authenticate(tenants)
         if tenant is not None:  # None: an open path (/health, the page) when keys are required
-            g.context = context_for(tenants, tenant, g.request_id, received_at)
+            affinity = checked_key(request.headers.get("X-Affinity-Key"))
+            g.context = context_for(tenants, tenant, g.request_id, received_at, affinity_key=affinity)
 
     @app.after_request
     def _tag(response):

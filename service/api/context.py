@@ -15,14 +15,16 @@ from .access.tenants import Tenant, Tenants
 
 @dataclass(frozen=True)
 class RequestContext:
-    """A request's id, arrival (time.perf_counter), tenant and place in the engine's fair share, and the
-    caches' namespace its tenant may reuse (`cache_namespace`)."""
+    """A request's id, arrival (time.perf_counter), tenant and place in the engine's fair share, the
+    caches' namespace its tenant may reuse (`cache_namespace`), and the affinity key the proxy routed it
+    by (service/shared/affinity.py; None when it came another way), which the ids it makes begin with."""
 
     request_id: str
     received_at: float
     tenant: Tenant
     share: TenantShare
     namespace_of: Callable[[str | None], str] = field(repr=False, compare=False)  # cache_salt → namespace
+    affinity_key: str | None = None
 
     @property
     def owner(self) -> str:
@@ -35,9 +37,15 @@ class RequestContext:
 
 
 def context_for(
-    tenants: Tenants, tenant: Tenant, request_id: str, received_at: float, fair_share: bool = True
+    tenants: Tenants,
+    tenant: Tenant,
+    request_id: str,
+    received_at: float,
+    fair_share: bool = True,
+    affinity_key: str | None = None,
 ) -> RequestContext:
     """`tenant`'s request in the engine's fair share between tenants (Tenants.share), or, without
     `fair_share` (a batch line), ordered by its priority alone."""
     share = tenants.share(tenant) if fair_share else TenantShare(tenant.name)
-    return RequestContext(request_id, received_at, tenant, share, partial(tenants.cache_namespace, tenant))
+    namespace_of = partial(tenants.cache_namespace, tenant)
+    return RequestContext(request_id, received_at, tenant, share, namespace_of, affinity_key)

@@ -13,9 +13,13 @@ from .. import startup
 from ..engine.engine import Engine
 from ..errors import Unavailable
 from ..settings import Settings
+from ..shared.affinity import AffinityLedger
+from ..shared.link import SharedLink
 from .access.rates import TenantRates
 from .access.tenants import Tenants
 from .batches.serving import Batches
+from .context import RequestContext
+from .conversations.store import ConversationStore
 from .native.histories import HistoryStore
 from .responses.store import ResponseStore
 
@@ -27,7 +31,9 @@ class AppState:
     """The settings, the engine once loaded (`load`, `require_engine`), and the APIs' state: the tenants
     of the API keys and their rates (access/), the native endpoint's chat histories (native/histories.py),
     the Responses API's stored responses (responses/store.py; the engine holds their keys and values in
-    its conversation cache), the Batch API's job store and runner (batches/serving.py)."""
+    its conversation cache), OpenAI's Conversations (conversations/store.py), the Batch API's job store
+    and runner (batches/serving.py); and, where many machines share state (service/shared/), the link to
+    the shared store and the affinity ledger."""
 
     def __init__(
         self,
@@ -37,11 +43,18 @@ class AppState:
         rates: TenantRates,
         histories: HistoryStore,
         stored_responses: ResponseStore,
+        conversations: ConversationStore,
         batches: Batches,
+        shared: SharedLink | None = None,
     ):
         self.settings = settings
         self.tenants, self.rates = tenants, rates
         self.histories, self.stored_responses, self.batches = histories, stored_responses, batches
+        self.conversations = conversations
+        self.shared = shared
+        self.affinity = (
+            AffinityLedger(shared, settings.instance_name, settings.conversation_history_ttl) if shared else None
+        )
         self.engine: Engine | None = None
         self.load_error: str | None = None
         self.loaded = threading.Event()
@@ -73,6 +86,12 @@ class AppState:
         warm_up(self.engine.loaded)
         for hook in self.on_serving:
             hook(self.engine)
+
+    def note_affinity(self, context: RequestContext, api: str) -> None:
+        """This instance serves a request of `api` the proxy routed by an affinity key (counted as a miss
+        where the key's last request ran on another instance: shared/affinity.py)."""
+        if self.affinity is not None:
+            self.affinity.note(context.affinity_key, api)
 
     def require_engine(self) -> Engine:
         if self.engine is not None:

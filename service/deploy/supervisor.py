@@ -137,6 +137,7 @@ class Deployment:
             "MKL_NUM_THREADS": threads,
             "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
         }
+        env["INSTANCE_NAME"] = f"{self.settings.instance_name}-{inst.index}"  # its own, in the affinity ledger
         if self.settings.max_memory_mb is None:  # each instance its share of the machine's memory
             env["MAX_MEMORY_MB"] = str(instance_budget_mb(len(self.slots)))
         command = [

@@ -1,6 +1,7 @@
 """The job store in Redis (JOB_STORE_URL=redis://…), shared by every instance on every machine: the
 rules are service/jobs/book.py's, each change made while holding one Redis lock (redis-py's `Lock`:
-a token, a timeout, so a holder that dies frees it) — a batch's work is a few changes per line, far
+a token, a timeout of LOCK_SECONDS that its holder extends while it works, so a holder that dies —
+or a Redis restarted under it — frees it within seconds) — a batch's work is a few changes per line, far
 below what one lock serialises. With `appendonly yes` a restart of Redis loses no job and no result.
 
 Keys under `qwen3vl:`: `batch:<id>` (the record, JSON, with its creation `order`), `lines:<id>` (index
@@ -16,6 +17,7 @@ state, for /metrics); `version` (the layout's).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -27,7 +29,8 @@ from .book import Book, expired
 from .store import ENDED, IN_PROGRESS, LEASED, PENDING, SKIPPED, StoredFile, page
 
 PREFIX = "qwen3vl:"
-LOCK_SECONDS = 30  # a holder that dies (or stalls this long) frees the lock
+LOCK_SECONDS = 5  # a holder that dies frees the lock this soon; a live one extends it while it works
+WAIT_SECONDS = 60  # how long a change waits for the lock (behind another's long one: a batch of 50,000 lines)
 CHUNK = 2**20  # a file's content is written and read this many bytes at a time
 PIPELINED = 1000  # lines sent to Redis at once when a batch is made
 LAYOUT = "2"  # 2: files expire, owners take turns (1, unmarked: before)
@@ -58,12 +61,27 @@ class RedisStore(Book):
 
     @contextmanager
     def transaction(self):
-        lock = self.client.lock(PREFIX + "lock", timeout=LOCK_SECONDS, blocking_timeout=LOCK_SECONDS)
+        lock = self.client.lock(
+            PREFIX + "lock", timeout=LOCK_SECONDS, blocking_timeout=WAIT_SECONDS, thread_local=False
+        )  # its token seen by the thread that extends it
         if not lock.acquire():
-            raise TimeoutError(f"the job store's lock was held for more than {LOCK_SECONDS} s")
+            raise TimeoutError(f"the job store's lock was held for more than {WAIT_SECONDS} s")
+        done = threading.Event()
+
+        def keep_holding():  # a machine killed mid-change stops this too: its lock ends LOCK_SECONDS later
+            while not done.wait(LOCK_SECONDS / 3):
+                try:
+                    lock.extend(LOCK_SECONDS, replace_ttl=True)
+                except redis.RedisError:
+                    return
+
+        keeper = threading.Thread(target=keep_holding, name="job-store-lock", daemon=True)
+        keeper.start()
         try:
             yield _Tx(self.client)
         finally:
+            done.set()
+            keeper.join()
             lock.release()
 
     def close(self) -> None:

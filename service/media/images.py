@@ -15,7 +15,7 @@ import hashlib
 import math
 import struct
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import cv2
 import numpy as np
@@ -59,10 +59,19 @@ class DecodedImage:
     digest: str  # of the resized pixels: the vision-feature cache key
     decode_seconds: float = 0.0  # checking, decoding and resizing it
     oriented_size: tuple[int, int] | None = None  # (width, height) after EXIF orientation, before resizing
+    # The bytes as sent and the limits they were decoded with, kept where they are fewer than the pixels:
+    # decode_image(sent, limits) gives these pixels again (a shared store may keep them instead).
+    sent: bytes | None = field(default=None, repr=False, compare=False)
+    limits: ImageLimits | None = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> tuple[int, int]:
         return self.pixels.shape[1], self.pixels.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """What keeping it costs: its pixels, and the bytes as sent where they are kept."""
+        return self.pixels.nbytes + len(self.sent or b"")
 
     @property
     def sent_size(self) -> tuple[int, int]:
@@ -206,6 +215,11 @@ def checked_upload(data: bytes, kind: str, max_bytes: int, sniff, error, expecte
     return fmt
 
 
+def image_digest(pixels: np.ndarray) -> str:
+    """A picture's key in the vision-feature cache: a digest of the pixels the model sees."""
+    return hashlib.blake2b(pixels.tobytes(), digest_size=16, person=b"qwen3vl-img").hexdigest()
+
+
 def decode_image(data: bytes, limits: ImageLimits) -> DecodedImage:
     """Bytes of a JPEG/PNG/WebP/BMP → RGB image resized into the pixel budget.
 
@@ -232,14 +246,15 @@ def decode_image(data: bytes, limits: ImageLimits) -> DecodedImage:
     rgb = to_rgb8(img)
     oriented = rgb.shape[1], rgb.shape[0]  # its sides swapped by an EXIF orientation that turns it
     rgb = resize_to(rgb, fit_to_budget(*oriented, limits), limits.resample)
-    digest = hashlib.blake2b(rgb.tobytes(), digest_size=16, person=b"qwen3vl-img").hexdigest()
     return DecodedImage(
         pixels=rgb,
         source_format=fmt,
         source_size=(width, height),
-        digest=digest,
+        digest=image_digest(rgb),
         decode_seconds=time.perf_counter() - started,
         oriented_size=oriented,
+        sent=data if len(data) < rgb.nbytes else None,
+        limits=limits,
     )
 
 

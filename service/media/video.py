@@ -153,6 +153,12 @@ def frame_size(width: int, height: int, num_frames: int, limits: VideoLimits) ->
     return w, h
 
 
+def video_digest(frames: np.ndarray) -> str:
+    """A clip's key in the vision-feature cache: a digest of its frames as the model sees them."""
+    shape = repr(frames.shape).encode()
+    return hashlib.blake2b(shape + frames.tobytes(), digest_size=16, person=b"qwen3vl-vid").hexdigest()
+
+
 def decode_video(data: bytes, limits: VideoLimits) -> DecodedVideo:
     """Bytes of an MP4/MOV, WebM/MKV or AVI clip → sampled RGB frames sized into the token budget.
 
@@ -172,9 +178,6 @@ def decode_video(data: bytes, limits: VideoLimits) -> DecodedVideo:
     frames = _pad_to_temporal_patch(frames, limits.temporal_patch)
     indices += [indices[-1]] * (len(frames) - len(indices))
     stacked = np.ascontiguousarray(np.stack(frames))
-    digest = hashlib.blake2b(
-        repr(stacked.shape).encode() + stacked.tobytes(), digest_size=16, person=b"qwen3vl-vid"
-    ).hexdigest()
     return DecodedVideo(
         frames=stacked,
         frame_indices=tuple(indices),
@@ -183,7 +186,7 @@ def decode_video(data: bytes, limits: VideoLimits) -> DecodedVideo:
         source_size=meta["size"],
         source_frames=meta["frames"],
         decode_seconds=time.perf_counter() - start,
-        digest=digest,
+        digest=video_digest(stacked),
     )
 
 

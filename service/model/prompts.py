@@ -199,7 +199,7 @@ def rendered_chat(processor, messages: list[ChatMessage]) -> str:
 def messages_bytes(messages: list[ChatMessage]) -> int:
     """What remembering `messages` costs: decoded pictures and clips, texts, reasoning, token ids."""
     return (
-        sum(img.pixels.nbytes for m in messages for img in m.images)
+        sum(img.nbytes for m in messages for img in m.images)
         + sum(video.nbytes for m in messages for video in m.videos)
         + sum(len(getattr(p, "text", "")) for m in messages for p in m.parts)
         + sum(len(m.reasoning or "") for m in messages)

@@ -21,6 +21,7 @@ def messages():
     spend = app_state.rates.admit(context.tenant)
     body = MessagesRequest.model_validate(json_body())
     engine = app_state.require_engine()
+    app_state.note_affinity(context, "messages")
     gen_request, shape = messages_request(body, engine.limits, context)
     generation = engine.submit(gen_request)
     message_id, model = new_message_id(), engine.info.name

@@ -21,6 +21,7 @@ def chat_completions():
     spend = app_state.rates.admit(context.tenant)
     body = ChatCompletionRequest.model_validate(json_body())
     engine = app_state.require_engine()
+    app_state.note_affinity(context, "chat")
     gen_request, shape = chat_request(body, engine.limits, context, conversation_header() or body.user)
     generation = engine.submit(gen_request)
 

@@ -72,6 +72,7 @@ def chat():
         raise UnsupportedMediaType(
             "send application/json or multipart/form-data (curl -F prompt=... -F image=@file -F video=@file)"
         )
+    app_state.note_affinity(context, "native")
     histories = app_state.histories
     gen_request = native_request(body, new_messages, conversation_header(), histories, engine.limits, context)
     generation = engine.submit(gen_request)

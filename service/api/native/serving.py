@@ -101,7 +101,7 @@ def native_request(
     new conversation, which gets its id here), `header` the X-Conversation-Id header."""
     shape = answer_shape(body.response_format)
     given_id = _conversation_id(body, header)
-    conversation_id = given_id or histories.new_id()
+    conversation_id = given_id or histories.new_id(context.affinity_key)
     history = histories.history(conversation_id, context.owner) if given_id else []
     if history and new_messages[0].role == "system":
         raise BadRequest("a system message can only open a conversation", param="messages")

@@ -26,7 +26,8 @@ def health():
 def ready():
     """Ready to serve: the model is loaded (503 while loading or after a failed load), and which
     INT8 kernels serve it; `degraded` (still 200: the rest serves) names a part that cannot be used
-    now — the job store, as last seen (the Batch API then answers 503)."""
+    now — the job store, as last seen (the Batch API then answers 503), or the shared store (each
+    instance then serves conversations from its own state)."""
     app_state = state()
     try:
         engine = app_state.require_engine()
@@ -34,9 +35,12 @@ def ready():
         return error_response(exc)
     info = engine.info
     body = {"status": "ready", "model": info.name, "random_model": info.is_random, "thinking": info.thinking}
-    problem = app_state.batches.jobs.problem()
-    if problem is not None:
-        body["status"], body["degraded"] = "degraded", {"job_store": problem}
+    problems = {"job_store": app_state.batches.jobs.problem()}
+    if app_state.shared is not None:  # conversations served from this instance's own state meanwhile
+        problems["shared_state"] = app_state.shared.problem()
+    problems = {part: problem for part, problem in problems.items() if problem is not None}
+    if problems:
+        body["status"], body["degraded"] = "degraded", problems
     if info.int8_kernels is not None:  # which kernel serves; what each measured is on /metrics (behind a key)
         body["int8_kernel"] = {part: info.int8_kernels[part] for part in ("decoder", "vision")}
     body["startup"] = startup.timeline()  # where the start's seconds went (service/startup.py)

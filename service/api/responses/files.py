@@ -36,7 +36,8 @@ def _encode(messages: list[ChatMessage]) -> tuple[list[dict], dict[str, np.ndarr
             if isinstance(part, ImagePart):
                 key = f"image{len(arrays)}"
                 arrays[key] = part.image.pixels
-                parts.append({"image": key, **{k: v for k, v in asdict(part.image).items() if k != "pixels"}})
+                meta = {k: v for k, v in asdict(part.image).items() if k not in ("pixels", "sent", "limits")}
+                parts.append({"image": key, **meta})
             elif isinstance(part, VideoPart):
                 key = f"video{len(arrays)}"
                 arrays[key] = part.video.frames

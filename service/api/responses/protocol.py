@@ -15,6 +15,8 @@ Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
 _URL = Annotated[str, StringConstraints(max_length=64 * 1024 * 1024)]
 _ID = Annotated[str, StringConstraints(max_length=256)]
 RESPONSE_ID_PATTERN = r"^resp_[A-Za-z0-9]{1,64}$"
+CONVERSATION_ID_PATTERN = r"^conv_[A-Za-z0-9]{1,64}$"  # OpenAI's Conversations (service/api/conversations/)
+LOGPROBS = "message.output_text.logprobs"  # the `include` that reports each answer token's log-probability
 
 
 class InputTextPart(Lenient):
@@ -87,6 +89,22 @@ InputItem = Annotated[
 ]
 
 
+def typed_items(value):
+    """Input items as the API takes them: messages may come without their type (EasyInputMessage); an
+    unknown item or part type is named in a 400 (here, where the 400 names the field, not a union member)."""
+    if not isinstance(value, list):
+        return value
+    items = [{"type": "message", **v} if isinstance(v, dict) and "type" not in v else v for v in value]
+    for item in items:
+        if isinstance(item, dict) and item.get("type") == "message":
+            known_part_types(item.get("content"), PART_TYPES)
+    return known_part_types(items, ITEM_TYPES, "input item")
+
+
+class ConversationRef(Lenient):
+    id: Annotated[str, StringConstraints(pattern=CONVERSATION_ID_PATTERN)]
+
+
 class ResponseTextFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     name: FunctionName = "response"
@@ -143,26 +161,40 @@ class ResponsesRequest(Lenient):
     metadata: dict[str, Annotated[str, StringConstraints(max_length=512)]] | None = Field(None, max_length=16)
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
     background: bool | None = Field(None, description="not supported: false only")
-    conversation: Any = Field(None, description="OpenAI's Conversations API: not supported (previous_response_id is)")
+    conversation: Annotated[str, StringConstraints(pattern=CONVERSATION_ID_PATTERN)] | ConversationRef | None = Field(
+        None,
+        description="a conversation of /v1/conversations: its items come before the input, and the input and "
+        "output are added to it (not with previous_response_id)",
+    )
+    include: list[Annotated[str, StringConstraints(max_length=256)]] | None = Field(
+        None, max_length=16, description=f"{LOGPROBS}: each answer token's log-probability (others are ignored)"
+    )
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives reported with each token's logprob")
+    prompt_cache_key: Annotated[str, StringConstraints(max_length=256)] | None = Field(
+        None, description="what the proxy keeps a client's requests together by (nginx/affinity.js)"
+    )
 
     @field_validator("input", mode="before")
     @classmethod
     def _typed_items(cls, value):
-        """Messages may come without their type (EasyInputMessage); another type is named in a 400."""
-        if not isinstance(value, list):
-            return value
-        items = [{"type": "message", **v} if isinstance(v, dict) and "type" not in v else v for v in value]
-        for item in items:  # checked here, where the 400 names `input` (not a union member it tried)
-            if isinstance(item, dict) and item.get("type") == "message":
-                known_part_types(item.get("content"), PART_TYPES)
-        return known_part_types(items, ITEM_TYPES, "input item")
+        return typed_items(value)
 
-    @field_validator("background", "conversation")
+    @field_validator("background")
     @classmethod
     def _unsupported(cls, value, info):
         if value:
             raise ValueError(f"{info.field_name} is not supported here")
         return value
+
+    @property
+    def conversation_id(self) -> str | None:
+        """The conversation's id, whichever form it came in."""
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
+
+    @property
+    def logprobs(self) -> int | None:
+        """The alternatives to report with each answer token's logprob, or None: not asked (`include`)."""
+        return (self.top_logprobs or 0) if LOGPROBS in (self.include or ()) else None
 
     def thinking(self) -> dict:
         """reasoning.effort as the engine's thinking switches (as Chat Completions' reasoning_effort)."""
@@ -235,6 +267,10 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
 
+class ConversationOut(BaseModel):
+    id: str
+
+
 class Response(BaseModel):
     """A response: whole (`stream: false`, GET), or its snapshot in the lifecycle events."""
 
@@ -261,6 +297,7 @@ class Response(BaseModel):
     usage: ResponseUsage | None
     user: str | None = None
     metadata: dict[str, str]
+    conversation: ConversationOut | None = None
 
 
 class InputTextOut(BaseModel):

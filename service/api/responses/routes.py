@@ -8,8 +8,9 @@ from __future__ import annotations
 from flask import Blueprint, jsonify, request
 
 from ...answer.tools import ToolCall
-from ...errors import ServiceError
+from ...errors import BadRequest, ServiceError
 from ...generation import Completion
+from ..conversations import serving as conversations
 from ..error_shapes import params_renamed
 from ..http_io import json_body, request_context, stream_response
 from ..state import state
@@ -51,24 +52,36 @@ def create():
     body = rp.ResponsesRequest.model_validate(json_body())
     engine = app_state.require_engine()
     store, owner = app_state.stored_responses, context.owner
-    response_id = store.new_id()
+    response_id = store.new_id(context.affinity_key)
     history, chain, earlier = [], response_id, []
+    if body.previous_response_id is not None and body.conversation is not None:
+        raise BadRequest("send previous_response_id or conversation, not both", param="conversation")
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id, owner)
         if previous is None:
             raise _not_stored(body.previous_response_id, "previous_response_id")
         history, chain = previous.messages, previous.conversation_id
         earlier = previous.input_items + previous.body["output"]
+    elif body.conversation is not None:
+        ongoing = app_state.conversations.get(body.conversation_id, owner)
+        if ongoing is None:
+            raise conversations.not_found(body.conversation_id, "conversation")
+        history, chain, earlier = ongoing.messages, ongoing.id, ongoing.items
+    app_state.note_affinity(context, "responses")
     with params_renamed(responses_field):
         gen_request, shape, conversation = responses_request(body, engine.limits, history, chain, context)
         generation = engine.submit(gen_request)
     head = ResponseHead(response_id, engine.info.name, body)
 
     def remember(response: rp.Response, done: Completion, calls: list[ToolCall]) -> None:
+        answer = answer_message(done, calls, response.output)
+        items = input_items(earlier, body)
         if body.store:
-            answer = answer_message(done, calls, response.output)
-            items = input_items(earlier, body)
             store.save(StoredResponse(_json(response), conversation + [answer], chain, owner, items))
+        if body.conversation is not None:
+            turn = conversation[len(history) :] + [answer]
+            outputs = [item.model_dump(mode="json") for item in response.output]
+            app_state.conversations.add_turn(body.conversation_id, owner, items[len(earlier) :], outputs, turn)
 
     if not body.stream:
         done = collect(generation, gen_request, ENDPOINT, spend)

@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
+from ...answer.logprobs import TokenLogprob
 from ...answer.tools import ToolCall, ToolCallDelta, ToolCallParser
 from ...errors import BadRequest, ServiceError
 from ...generation import Completion, GenerationRequest, SamplingParams, TextDelta
@@ -18,7 +19,16 @@ from ..answer_shapes import AnswerShape, answer_shape
 from ..context import RequestContext
 from ..engine_requests import generation_request
 from ..inputs import checked_text, decode_data_url, detail_budget
-from ..schemas import FunctionDefinition, JSONSchemaFormat, NamedFunction, NamedToolChoice, ResponseFormat, Tool
+from ..schemas import (
+    FunctionDefinition,
+    JSONSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    dump,
+    logprob_entries,
+)
 from ..streaming import sse
 from . import protocol as rp
 
@@ -47,14 +57,20 @@ def _message(item: rp.InputMessageItem, limits: RequestLimits, param: str) -> Ch
 
 
 def input_messages(body: rp.ResponsesRequest, limits: RequestLimits) -> list[ChatMessage]:
-    """The request's input as messages: calls join the assistant message before them (or make one),
-    a call's output is a tool message, reasoning goes with the assistant message after it."""
+    """The request's input as messages (`item_messages`)."""
     if isinstance(body.input, str):
         return [ChatMessage("user", [TextPart(checked_text(body.input, "input"))])]
+    return item_messages(body.input, limits)
+
+
+def item_messages(items: list, limits: RequestLimits, field: str = "input") -> list[ChatMessage]:
+    """Input items as messages: calls join the assistant message before them (or make one), a call's
+    output is a tool message, reasoning goes with the assistant message after it. `field`: the items'
+    name in a 400."""
     out: list[ChatMessage] = []
     reasoning = None
-    for i, item in enumerate(body.input):
-        param = f"input[{i}]"
+    for i, item in enumerate(items):
+        param = f"{field}[{i}]"
         if isinstance(item, rp.ReasoningItem):
             reasoning = "".join(c.text for c in item.content or ())
         elif isinstance(item, rp.FunctionCallItem):
@@ -143,9 +159,14 @@ def _input_item(item) -> rp.InputItemOut:
 
 def input_items(earlier: list[dict], body: rp.ResponsesRequest) -> list[dict]:
     """What a response is made from, as GET …/input_items lists it: the `earlier` items of the stored
-    conversation it continues (inputs and outputs), then its own input, each with an id — the one sent,
-    or a new one where none was sent or it is taken (`after` finds one item)."""
+    conversation it continues (inputs and outputs), then its own input (`listed_items`)."""
     own = [rp.InputMessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    return listed_items(earlier, own)
+
+
+def listed_items(earlier: list[dict], own: list) -> list[dict]:
+    """The `earlier` items, then `own` input items as listed, each with an id — the one sent, or a new one
+    where none was sent or it is taken (`after` finds one item)."""
     items, taken = list(earlier), {item["id"] for item in earlier}
     for item in own:
         out = _input_item(item).model_dump(mode="json")
@@ -191,7 +212,9 @@ def responses_request(
     conversation = history + input_messages(body, limits)
     instructions = body.instructions
     prefix = [ChatMessage("system", [TextPart(checked_text(instructions, "instructions"))])] if instructions else []
-    params = SamplingParams(max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p)
+    params = SamplingParams(
+        max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, logprobs=body.logprobs
+    )
     request = generation_request(
         context,
         prefix + conversation,
@@ -242,8 +265,10 @@ class OutputItems:
         item.content[0].text += text
         return events + [_reasoning_delta(item.id, len(self.items) - 1, text)]
 
-    def text(self, text: str) -> list:
-        return self._pieces(self.parser.feed(text) if self.parser else [text])
+    def text(self, text: str, logprobs: list[dict] | None = None) -> list:
+        """Events of a piece of the answer; `logprobs` (its tokens', when asked) go with its text: on the
+        message's text and on its delta event (with a tool-call parser, on its first piece of text)."""
+        return self._pieces(self.parser.feed(text) if self.parser else [text], logprobs)
 
     def finish(self, status: str) -> list:
         events = self._pieces(self.parser.flush() if self.parser else [])
@@ -257,7 +282,7 @@ class OutputItems:
     def calls(self) -> list[ToolCall]:
         return self.parser.calls if self.parser else []
 
-    def _pieces(self, pieces: list) -> list:
+    def _pieces(self, pieces: list, logprobs: list[dict] | None = None) -> list:
         events = []
         for piece in pieces:
             if isinstance(piece, ToolCallDelta):
@@ -277,9 +302,11 @@ class OutputItems:
                 item = self.items[-1]
                 item.content[0].text += piece
                 index = len(self.items) - 1
-                events.append(
-                    rp.ResponseTextDeltaEvent(item_id=item.id, output_index=index, content_index=0, delta=piece)
-                )
+                delta = rp.ResponseTextDeltaEvent(item_id=item.id, output_index=index, content_index=0, delta=piece)
+                if logprobs:
+                    item.content[0].logprobs += logprobs
+                    delta.logprobs, logprobs = logprobs, None
+                events.append(delta)
         return events
 
     def _open_is(self, kind: str) -> bool:
@@ -347,7 +374,9 @@ class OutputItems:
             item.status = status
             part = item.content[0]
             events.append(
-                rp.ResponseTextDoneEvent(item_id=item.id, output_index=index, content_index=0, text=part.text)
+                rp.ResponseTextDoneEvent(
+                    item_id=item.id, output_index=index, content_index=0, text=part.text, logprobs=part.logprobs
+                )
             )
             events.append(
                 rp.ResponseContentPartEvent(
@@ -401,7 +430,14 @@ class ResponseHead:
             usage=usage(done) if done is not None else None,
             user=body.user,
             metadata=body.metadata or {},
+            conversation=rp.ConversationOut(id=body.conversation_id) if body.conversation_id else None,
         )
+
+
+def answer_logprobs(records: list[TokenLogprob] | None) -> list[dict] | None:
+    """The answer tokens' logprobs as an output_text lists them (its reasoning's apart), or None."""
+    entries = logprob_entries([r for r in records if not r.reasoning] if records is not None else None)
+    return [dump(e) for e in entries] if entries is not None else None
 
 
 def status_of(done: Completion) -> str:
@@ -413,7 +449,7 @@ def whole_response(head: ResponseHead, done: Completion, shape: AnswerShape) -> 
     output = OutputItems(shape.tool_call_parser())
     if done.reasoning is not None:
         output.reasoning(done.reasoning)
-    output.text(done.text)
+    output.text(done.text, answer_logprobs(done.logprobs))
     status = status_of(done)
     output.finish(status)
     return head.response(status, output.items, done), output.calls
@@ -443,7 +479,10 @@ class ResponsesEvents:
         )
 
     def delta(self, event: TextDelta) -> Iterator[bytes]:
-        yield from self._emit(self.output.reasoning(event.text) if event.reasoning else self.output.text(event.text))
+        if event.reasoning:
+            yield from self._emit(self.output.reasoning(event.text))
+        else:
+            yield from self._emit(self.output.text(event.text, answer_logprobs(event.logprobs or None)))
 
     def done(self, event: Completion) -> Iterator[bytes]:
         status = status_of(event)
