@@ -7,7 +7,8 @@ Qwen3-VL-Embedding-8B's config is untied yet its files hold no `lm_head.weight` 
 QwenLM/Qwen3-VL-Embedding#89) — an untied checkpoint without a head is an embedding model, its missing
 head tied to the embedding so that it loads (and quantizes) as a tied one; otherwise only the name says
 it (`…Embedding…`, `…Reranker…`): a reranker holds a chat model's every tensor, so a renamed one is
-told by MODEL_TASK alone.
+told by MODEL_TASK alone, as is a renamed `quantize` copy of either (its files are the service's own:
+an untied Qwen3.5 copy holds no `lm_head.weight` either, and is no embedding model).
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..quant.packing import quantized_marker
+
 TASKS = ("chat", "embedding", "rerank")
 
 
 def stored_tensor_names(path: Path) -> set[str] | None:
     """The tensor names of an ordinary safetensors checkpoint (from its index or its files' headers),
     None for another format (the service's quantized one: its own marker says what it holds)."""
+    if quantized_marker(path) is not None:
+        return None
     index = path / "model.safetensors.index.json"
     if index.exists():
         return set(json.loads(index.read_text())["weight_map"])
