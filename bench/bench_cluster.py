@@ -12,7 +12,9 @@ The mixed workload, the same in each arm: conversations on every API — Chat Co
 Messages resending their history, Responses by `previous_response_id` and by `conversation`, the native
 endpoint by `conversation_id` with a picture — two turns each, streamed; a stateless client resending
 its first turn; and a batch of lines running at batch priority the whole time. Per arm: the second
-turns' (and resends') cached share of their prompt tokens, and their first token (client-side, median).
+turns' (and resends') cached share of their prompt tokens, and their first token (client-side, median;
+those turns ask for one token, and a random model's token may render as no text, so it is the answer's
+whole wait).
 Then, in the affinity arm, a machine is killed (SIGKILL): the next turn of a conversation it held (it
 lands on another machine and recomputes its KV) against a warm next turn of one it did not.
 Throughput scaling cannot be measured on 2 cores: the per-machine figure (one instance alone on the
@@ -58,16 +60,21 @@ class Turns:
 
     def __init__(self, kind: str, url: str, answer_tokens: int, picture: str):
         self.kind, self.url, self.tokens, self.picture = kind, url, answer_tokens, picture
+        self.max_tokens = answer_tokens
         self.tag = uuid.uuid4().hex[:8]
         self.history: list[dict] = []
         self.last_id: str | None = None  # previous_response_id, conversation id, native conversation_id
         self.request_id = ""
 
-    def turn(self, text: str) -> tuple[float, int, int]:
+    def turn(self, text: str, answer_tokens: int | None = None) -> tuple[float, int, int]:
+        """(first token, client-side: the first visible text, else — a random model's tokens may render
+        as nothing — the whole answer's time; prompt tokens; cached ones). The measured turns ask for
+        one token, so the two are the same wait: what a client waits for its next answer to start."""
         self.request_id = "req-" + uuid.uuid4().hex[:20]
+        self.max_tokens = answer_tokens or self.tokens
         started = time.perf_counter()
         first, prompt, cached = getattr(self, "_" + self.kind.replace(" ", "_"))(text, started)
-        return first, prompt, cached
+        return first if first is not None else time.perf_counter() - started, prompt, cached
 
     def _headers(self) -> dict:
         return {"X-Request-Id": self.request_id}
@@ -77,7 +84,7 @@ class Turns:
             self.history = [{"role": "system", "content": f"({self.tag}) {SYSTEM}"}]
         self.history.append({"role": "user", "content": text})
         stream = _openai(self.url).chat.completions.create(
-            model="m", messages=self.history, max_tokens=self.tokens, stream=True,
+            model="m", messages=self.history, max_tokens=self.max_tokens, stream=True,
             stream_options={"include_usage": True}, extra_headers=self._headers(),
         )  # fmt: skip
         first, parts, usage = None, [], None
@@ -94,7 +101,7 @@ class Turns:
         client = anthropic.Anthropic(base_url=self.url, api_key="unused", max_retries=0, timeout=600)
         first = None
         with client.messages.stream(
-            model="m", max_tokens=self.tokens, system=f"({self.tag}) {SYSTEM}", messages=self.history,
+            model="m", max_tokens=self.max_tokens, system=f"({self.tag}) {SYSTEM}", messages=self.history,
             extra_headers=self._headers(),
         ) as stream:  # fmt: skip
             for _ in stream.text_stream:
@@ -118,7 +125,12 @@ class Turns:
                 extra["previous_response_id"] = self.last_id
         first, usage = None, None
         stream = client.responses.create(
-            model="m", input=text, max_output_tokens=self.tokens, stream=True, extra_headers=self._headers(), **extra
+            model="m",
+            input=text,
+            max_output_tokens=self.max_tokens,
+            stream=True,
+            extra_headers=self._headers(),
+            **extra,
         )
         for event in stream:
             if event.type == "response.output_text.delta":
@@ -133,7 +145,7 @@ class Turns:
         return self._responses(text, started, by_conversation=True)
 
     def _native(self, text: str, started: float):
-        body = {"prompt": text, "max_tokens": self.tokens}
+        body = {"prompt": text, "max_tokens": self.max_tokens}
         if self.last_id is None:
             body["images"] = [self.picture]
             body["prompt"] = f"({self.tag}) {text}"
@@ -181,7 +193,7 @@ def workload(url: str, tokens: int, bar) -> dict:
         bar.update()
     seconds, shares = {}, {}
     for c in conversations:
-        first, prompt, cached = c.turn("And what would change without it?")
+        first, prompt, cached = c.turn("And what would change without it?", answer_tokens=1)
         seconds.setdefault(c.kind, []).append(first)
         shares.setdefault(c.kind, []).append(cached / prompt)
         bar.update()
@@ -189,7 +201,7 @@ def workload(url: str, tokens: int, bar) -> dict:
     for c in conversations[:CONVERSATIONS]:
         resend = Turns("chat", url, tokens, c.picture)
         resend.tag, resend.history = c.tag, c.history[:2]
-        first, prompt, cached = resend.turn(c.history[1]["content"])
+        first, prompt, cached = resend.turn(c.history[1]["content"], answer_tokens=1)
         seconds.setdefault("resend", []).append(first)
         shares.setdefault("resend", []).append(cached / prompt)
     batch_state = _openai(url).batches.retrieve(batch)
@@ -204,8 +216,8 @@ def machine_loss(cluster, conversations: list[Turns]) -> dict:
     elsewhere = [c for c in conversations if c is not moved and cluster.served_by(c.request_id) is not home]
     warm = next((c for c in elsewhere if c.kind == moved.kind), elsewhere[0])
     home.kill()
-    moved_first, moved_prompt, moved_cached = moved.turn("Summarise it in one line.")
-    warm_first, warm_prompt, warm_cached = warm.turn("Summarise it in one line.")
+    moved_first, moved_prompt, moved_cached = moved.turn("Summarise it in one line.", answer_tokens=1)
+    warm_first, warm_prompt, warm_cached = warm.turn("Summarise it in one line.", answer_tokens=1)
     return {
         "moved": (moved_first, moved_cached / moved_prompt, cluster.served_by(moved.request_id).name),
         "warm": (warm_first, warm_cached / warm_prompt, cluster.served_by(warm.request_id).name),
