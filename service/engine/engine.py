@@ -134,7 +134,7 @@ class Engine:
             self.admission,
             self.scheduler,
             self.memory,
-            self.limits.prompt,
+            self.limits,
             kv_dtype,
             settings,
         )
