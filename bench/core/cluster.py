@@ -21,15 +21,7 @@ from pathlib import Path
 import requests
 
 from bench.core import ROOT
-from bench.core.servers import stop_process_group, wait_ready
-
-
-def free_port_on(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from bench.core.servers import free_port, stop_process_group, wait_ready
 
 
 @dataclass
@@ -91,6 +83,8 @@ class Redis:
     def start(self) -> None:
         import redis
 
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server is missing: `make redis` (apt-get install redis-server)")
         command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder)]
         command += ["--save", "", "--appendonly", "yes", "--protected-mode", "yes"]
         with open(self.log, "ab") as log:
@@ -173,7 +167,7 @@ def loopback_cluster(
     log_dir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="cluster-"))
     run_dir.chmod(0o755)  # workers of a root Nginx run as nobody
-    redis = Redis(free_port_on("127.0.0.1"), run_dir / "redis", log_dir / "redis.log")
+    redis = Redis(free_port("127.0.0.1"), run_dir / "redis", log_dir / "redis.log")
     redis.folder.mkdir()
     base_env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "PROMETHEUS_MULTIPROC_DIR")}
     base_env.update(
@@ -186,7 +180,7 @@ def loopback_cluster(
         cache = run_dir / f"machine-{i + 1}"
         _machine_cache(cache_template, cache)
         machine_env = {**base_env, "CACHE_DIR": str(cache), "INSTANCE_NAME": f"m{i + 1}"}
-        nodes.append(Machine(f"m{i + 1}", host, free_port_on(host), cache, log_dir / f"m{i + 1}.log", machine_env))
+        nodes.append(Machine(f"m{i + 1}", host, free_port(host), cache, log_dir / f"m{i + 1}.log", machine_env))
     proxy = None
     try:
         redis.start()
@@ -199,7 +193,7 @@ def loopback_cluster(
             wait.join()
         for node in nodes:
             node.wait_ready(1)  # raises if one did not come up
-        port = free_port_on("127.0.0.1")
+        port = free_port("127.0.0.1")
         access_log = log_dir / "proxy-access.log"
         settings = load_settings(nginx_listen=f"127.0.0.1:{port}", proxy_read_timeout=60)
         config = nginx_config(settings, [n.address for n in nodes], run_dir, str(access_log), balance=balance)
