@@ -42,7 +42,7 @@ from ..model.search_prompts import RERANK_TOKENS, SearchPrompt, head_ids
 from ..vision.features import VisionFeatures
 from .admission import Admission, Ticket
 from .prefill import Prefiller, PromptRows
-from .sequence import Status
+from .sequence import Preemptible, Status
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class _Done:
 
 
 @dataclass(eq=False)
-class SearchJob:
+class SearchJob(Preemptible):
     """A search request on the scheduler's thread: a record with the waiting-request interface the
     scheduler drives (service/engine/scheduler.py) — status, ticket, deadline, steps (`prefill`), pause,
     cancel — whose steps are all its work; their return value is its `result`."""
@@ -198,15 +198,6 @@ class SearchJob:
             metrics.PAUSED.labels(self.ticket.label).dec()
         if not self.status.finished:
             self.status = status
-
-    def pause(self) -> None:
-        self.paused_from, self.status = self.status, Status.PAUSED
-        metrics.PAUSED.labels(self.ticket.label).inc()
-
-    def resume(self) -> Status:
-        self.status, self.paused_from = self.paused_from, None
-        metrics.PAUSED.labels(self.ticket.label).dec()
-        return self.status
 
     @staticmethod
     def on_leave(_job) -> None:
