@@ -118,8 +118,9 @@ class Cluster:
     def machine_at(self, address: str) -> Machine:
         return next(m for m in self.machines if m.address == address)
 
-    def served_by(self, request_id: str) -> Machine | None:
-        """The machine the proxy sent the request with this X-Request-Id to (its access log)."""
+    def served_by(self, request_id: str) -> Machine:
+        """The machine the proxy sent the request with this X-Request-Id to (its access log); LookupError
+        if the log has no line for it — never None, which two lookups would find "the same machine"."""
         pattern = re.compile(rf"id={re.escape(request_id)} .*upstream=(.+?) upstream_status=")
         for _ in range(50):  # Nginx writes the line when the request ends
             for line in reversed(self.access_log.read_text().splitlines()):
@@ -127,7 +128,7 @@ class Cluster:
                 if found:
                     return self.machine_at(found.group(1).split(",")[-1].strip())
             time.sleep(0.02)
-        return None
+        raise LookupError(f"the proxy's access log has no line for request {request_id}")
 
     def restart(self, machine: Machine) -> None:
         machine.kill()
