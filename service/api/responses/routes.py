@@ -75,6 +75,8 @@ def create():
     head = ResponseHead(response_id, engine.info.name, body)
 
     def remember(response: rp.Response, done: Completion, calls: list[ToolCall]) -> None:
+        if not body.store and body.conversation is None:
+            return  # nothing keeps it
         answer = answer_message(done, calls, response.output)
         items = input_items(earlier, body)
         if body.store:
