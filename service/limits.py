@@ -21,6 +21,7 @@ class RequestLimits:
     default_max_tokens: int
     max_new_tokens: int  # the most a request's max_tokens may ask (HTTP: a 400 beyond); clipped to the context's room
     tool_form: ToolForm = JSON_FORM  # how the checkpoint's model writes a tool call (Qwen3-VL's JSON, Qwen3.5's XML)
+    max_search_items: int = 256  # inputs of an embeddings request, documents of a rerank or score (SEARCH_MAX_ITEMS)
 
     @classmethod
     def build(cls, settings: Settings, processor, thinking: bool = False) -> RequestLimits:
@@ -36,6 +37,7 @@ class RequestLimits:
             default_max_tokens=min(settings.default_max_tokens, cap),
             max_new_tokens=cap,
             tool_form=tool_call_form(processor),
+            max_search_items=settings.search_max_items,
         )
 
     def published(self) -> dict:
@@ -53,4 +55,5 @@ class RequestLimits:
             "image_max_pixels": self.image.max_pixels,
             "video_max_bytes": self.video.max_bytes,
             "video_max_seconds": self.video.max_seconds,
+            "max_search_items": self.max_search_items,
         }

@@ -19,6 +19,7 @@ import psutil
 import requests
 
 from bench.core import ROOT
+from bench.core.cluster import Redis
 from bench.core.servers import free_port, gunicorn_server, metric, stop_process_group, wait_ready
 
 __all__ = [
@@ -121,33 +122,16 @@ def nginx_proxy(addresses: list[str], log_path: Path, **settings):
 def redis_server(log_path: Path, folder: Path | None = None, port: int | None = None):
     """Yield the redis:// URL of Debian's redis-server on `port` (default: a free loopback port), its
     data in `folder` (default: a new one, removed afterwards) written as it changes (appendonly: a
-    restart of the server keeps every job), stopped afterwards."""
-    if shutil.which("redis-server") is None:
-        raise RuntimeError("redis-server is missing: `make redis` (apt-get install redis-server)")
-    import redis
-
+    restart of the server keeps every job), stopped afterwards (bench/core/cluster.py's `Redis`)."""
     own = folder is None
-    port, folder = port or free_port(), folder or tempfile.mkdtemp(prefix="test-redis-")
-    log = open(log_path, "ab")
-    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder), "--save", ""]
-    command += ["--appendonly", "yes", "--protected-mode", "yes"]
-    proc = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
-    url = f"redis://127.0.0.1:{port}/0"
+    server = Redis(port or free_port(), Path(folder or tempfile.mkdtemp(prefix="test-redis-")), log_path)
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis.from_url(url).ping()
-                break
-            except redis.ConnectionError:
-                assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-        yield url
+        server.start()
+        yield server.url
     finally:
-        stop_process_group(proc, timeout=10)
-        log.close()
+        server.stop()
         if own:
-            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(server.folder, ignore_errors=True)
 
 
 def openai_client(base: str, api_key: str = "unused", timeout: float = 120, **kwargs):

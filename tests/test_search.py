@@ -6,6 +6,7 @@ pooling — within float rounding; the releases' shapes; how a checkpoint's task
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -272,6 +273,33 @@ def test_the_comparison_sees_fp32_rows_round_by_their_neighbours(cache_dir, embe
     alone = [_embed(engine, [p], cache_namespace=f"control-{i}").vectors[0] for i, p in enumerate(prompts)]
     assert not all(torch.equal(a, b) for a, b in zip(alone, together))
     assert all(float(torch.dot(a, b)) > 1 - 1e-5 for a, b in zip(alone, together))
+
+
+def test_a_search_paused_for_a_more_urgent_one_resumes_with_the_same_bits(cache_dir, embedding_dir):
+    """One place in the batch: a background request of many inputs, a few rows a forward, gives its place
+    to an urgent one at its next forward and resumes: its vectors are the bits of a run never paused, and
+    the paused gauge is back where it was."""
+    from service.engine.search import SearchJob
+    from service.engine.sequence import Status
+    from service.generation import priority_class
+
+    engine = _engine(cache_dir, embedding_dir, "int8", max_batch_size=1, search_batch_tokens=16)
+    prompts = _inputs() + [embedding_prompt([TextPart(f"note {i}: " + "word " * 30)], None) for i in range(24)]
+    expected = _embed(engine, prompts, cache_namespace="never-paused").vectors
+    preemptions, paused = (m.labels(priority_class(5)) for m in (metrics.PREEMPTIONS, metrics.PAUSED))
+    before, gauge = preemptions._value.get(), paused._value.get()
+    out = {}
+    low = threading.Thread(target=lambda: out.update(low=_embed(engine, prompts, priority=5, cache_namespace="low")))
+    low.start()
+    deadline = time.monotonic() + 30
+    while not any(isinstance(j, SearchJob) and j.status is Status.PREFILLING for j in engine.scheduler._waiting):
+        assert time.monotonic() < deadline and low.is_alive(), "the background request never started"
+        time.sleep(0.001)
+    urgent = _embed(engine, prompts[:1], priority=-1, cache_namespace="urgent").vectors[0]
+    low.join()
+    assert preemptions._value.get() == before + 1 and paused._value.get() == gauge
+    assert all(torch.equal(a, b) for a, b in zip(out["low"].vectors, expected, strict=True))
+    assert torch.equal(urgent, expected[0])
 
 
 def test_pictures_go_through_the_vision_cache(cache_dir, embedding_dir):

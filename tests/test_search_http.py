@@ -120,6 +120,7 @@ def test_bad_embedding_requests_get_a_400_naming_the_field(embedding_server):
     refused({"input": []}, "input")
     refused({"input": ["ok", ""]}, "input[1]")
     refused({"input": ["x"] * 9}, "input")
+    refused({"input": ["x"] * 8 + [{"image": "data:image/png;base64,AAAA"}]}, "input")  # counted before decoding
     refused({"input": [{"image": "data:image/png;base64,AAAA"}]}, "input[0].image")
     refused({"input": ["x"], "dimensions": 65}, "dimensions")
     refused({"input": [{"image": "https://example.com/a.png"}]}, "input[0].image")
@@ -130,6 +131,23 @@ def test_bad_embedding_requests_get_a_400_naming_the_field(embedding_server):
     rerank = requests.post(embedding_server + "/v1/rerank", json={"query": "q", "documents": ["d"]}, timeout=60)
     assert rerank.status_code == 400 and "/v1/embeddings" in rerank.json()["error"]["message"]
     assert requests.get(embedding_server + "/health", timeout=10).status_code == 200
+
+
+def test_an_embedding_models_score_names_the_field_and_takes_as_many_texts_as_embeddings(embedding_server):
+    """text_1 and text_2 are embedded by a request each: a too-long text_1 is named as text_1, and one text_1
+    against SEARCH_MAX_ITEMS text_2 is within the limit; the cosines are those of the endpoint's vectors."""
+    url = embedding_server + "/v1/score"
+    too_long = requests.post(url, json={"text_1": "word " * 20000, "text_2": ["a", "b"]}, timeout=60)
+    assert too_long.status_code == 422 and too_long.json()["error"]["param"] == "text_1[0]", too_long.text
+    texts = [f"a picture of {n} cats" for n in range(8)]
+    scored = requests.post(url, json={"text_1": "cats", "text_2": texts}, timeout=120)
+    assert scored.status_code == 200, scored.text
+    vectors = openai_client(embedding_server).embeddings.create(model="m", input=["cats", *texts[:2]])
+    first, *others = (np.array(d.embedding, dtype=np.float64) for d in vectors.data)
+    for score, other in zip(scored.json()["data"][:2], others):
+        assert abs(score["score"] - float(first @ other)) < 1e-6
+    many = requests.post(url, json={"text_1": "cats", "text_2": texts + ["one more"]}, timeout=60)
+    assert many.status_code == 400 and many.json()["error"]["code"] == "too_many_items"
 
 
 def test_a_plain_requests_call_reranks_documents(reranker_server):

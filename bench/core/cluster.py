@@ -21,15 +21,7 @@ from pathlib import Path
 import requests
 
 from bench.core import ROOT
-from bench.core.servers import stop_process_group, wait_ready
-
-
-def free_port_on(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from bench.core.servers import free_port, stop_process_group, wait_ready
 
 
 @dataclass
@@ -91,6 +83,8 @@ class Redis:
     def start(self) -> None:
         import redis
 
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server is missing: `make redis` (apt-get install redis-server)")
         command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder)]
         command += ["--save", "", "--appendonly", "yes", "--protected-mode", "yes"]
         with open(self.log, "ab") as log:
@@ -124,8 +118,9 @@ class Cluster:
     def machine_at(self, address: str) -> Machine:
         return next(m for m in self.machines if m.address == address)
 
-    def served_by(self, request_id: str) -> Machine | None:
-        """The machine the proxy sent the request with this X-Request-Id to (its access log)."""
+    def served_by(self, request_id: str) -> Machine:
+        """The machine the proxy sent the request with this X-Request-Id to (its access log); LookupError
+        if the log has no line for it — never None, which two lookups would find "the same machine"."""
         pattern = re.compile(rf"id={re.escape(request_id)} .*upstream=(.+?) upstream_status=")
         for _ in range(50):  # Nginx writes the line when the request ends
             for line in reversed(self.access_log.read_text().splitlines()):
@@ -133,7 +128,7 @@ class Cluster:
                 if found:
                     return self.machine_at(found.group(1).split(",")[-1].strip())
             time.sleep(0.02)
-        return None
+        raise LookupError(f"the proxy's access log has no line for request {request_id}")
 
     def restart(self, machine: Machine) -> None:
         machine.kill()
@@ -173,7 +168,7 @@ def loopback_cluster(
     log_dir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="cluster-"))
     run_dir.chmod(0o755)  # workers of a root Nginx run as nobody
-    redis = Redis(free_port_on("127.0.0.1"), run_dir / "redis", log_dir / "redis.log")
+    redis = Redis(free_port("127.0.0.1"), run_dir / "redis", log_dir / "redis.log")
     redis.folder.mkdir()
     base_env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "PROMETHEUS_MULTIPROC_DIR")}
     base_env.update(
@@ -186,7 +181,7 @@ def loopback_cluster(
         cache = run_dir / f"machine-{i + 1}"
         _machine_cache(cache_template, cache)
         machine_env = {**base_env, "CACHE_DIR": str(cache), "INSTANCE_NAME": f"m{i + 1}"}
-        nodes.append(Machine(f"m{i + 1}", host, free_port_on(host), cache, log_dir / f"m{i + 1}.log", machine_env))
+        nodes.append(Machine(f"m{i + 1}", host, free_port(host), cache, log_dir / f"m{i + 1}.log", machine_env))
     proxy = None
     try:
         redis.start()
@@ -199,7 +194,7 @@ def loopback_cluster(
             wait.join()
         for node in nodes:
             node.wait_ready(1)  # raises if one did not come up
-        port = free_port_on("127.0.0.1")
+        port = free_port("127.0.0.1")
         access_log = log_dir / "proxy-access.log"
         settings = load_settings(nginx_listen=f"127.0.0.1:{port}", proxy_read_timeout=60)
         config = nginx_config(settings, [n.address for n in nodes], run_dir, str(access_log), balance=balance)

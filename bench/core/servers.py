@@ -21,9 +21,10 @@ from tqdm import tqdm
 from bench.core import ROOT
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on at `host` now (any loopback address: the loopback cluster's machines)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -8,8 +8,9 @@ cache lookup, vision encoder, prompt pieces), then decode steps shared with the 
 events on the request's own thread. The model is called with explicit M-RoPE positions per
 sequence, never through `generate`, so transformers' per-model `rope_deltas` state plays no part.
 
-The HTTP layer uses `submit`, `count_tokens`, `limits` and `info` only; what `submit` returns (`Generation`) is the
-caller's handle on the request: its events, `cancel`, and its live state.
+The HTTP layer uses `submit`, `count_tokens`, `run_search` (embeddings and relevance scores:
+service/engine/search.py), `limits` and `info` only; what `submit` returns (`Generation`) is the caller's
+handle on the request: its events, `cancel`, and its live state.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class Engine:
             self.admission,
             self.scheduler,
             self.memory,
-            self.limits.prompt,
+            self.limits,
             kv_dtype,
             settings,
         )

@@ -34,6 +34,7 @@ from .. import metrics
 from ..caches.prefixes import Head, PrefixCache, head_key
 from ..errors import BadRequest, ServiceError
 from ..generation import TenantShare
+from ..limits import RequestLimits
 from ..memory import MemoryGuard, kv_cache_bytes
 from ..model.forward import TextForward
 from ..model.prompts import PreparedPrompt, prepare_prompt
@@ -41,7 +42,7 @@ from ..model.search_prompts import RERANK_TOKENS, SearchPrompt, head_ids
 from ..vision.features import VisionFeatures
 from .admission import Admission, Ticket
 from .prefill import Prefiller, PromptRows
-from .sequence import Status
+from .sequence import Preemptible, Status
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,19 @@ def last_token_vector(hidden: torch.Tensor, dimensions: int | None) -> torch.Ten
 def yes_no_score(logits: torch.Tensor, yes: int, no: int) -> float:
     """sigmoid(logit(yes) − logit(no)) of one row, in float64."""
     return float(torch.sigmoid(logits[yes].double() - logits[no].double()))
+
+
+def check_count(count: int, max_items: int, param: str) -> None:
+    """400 naming `param` for no items, or more than `max_items` (SEARCH_MAX_ITEMS) — checked by the HTTP
+    layer before it decodes any item's pictures, and again here."""
+    if not count:
+        raise BadRequest(f"{param} must not be empty", param=param)
+    if count > max_items:
+        raise BadRequest(
+            f"{count} items; this server takes at most {max_items} a request (SEARCH_MAX_ITEMS)",
+            param=param,
+            code="too_many_items",
+        )
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -146,7 +160,7 @@ class _Done:
 
 
 @dataclass(eq=False)
-class SearchJob:
+class SearchJob(Preemptible):
     """A search request on the scheduler's thread: a record with the waiting-request interface the
     scheduler drives (service/engine/scheduler.py) — status, ticket, deadline, steps (`prefill`), pause,
     cancel — whose steps are all its work; their return value is its `result`."""
@@ -185,15 +199,6 @@ class SearchJob:
         if not self.status.finished:
             self.status = status
 
-    def pause(self) -> None:
-        self.paused_from, self.status = self.status, Status.PAUSED
-        metrics.PAUSED.labels(self.ticket.label).inc()
-
-    def resume(self) -> Status:
-        self.status, self.paused_from = self.paused_from, None
-        metrics.PAUSED.labels(self.ticket.label).dec()
-        return self.status
-
     @staticmethod
     def on_leave(_job) -> None:
         pass
@@ -210,7 +215,7 @@ class Searcher:
         admission: Admission,
         scheduler,
         memory: MemoryGuard,
-        prompt_limits,
+        limits: RequestLimits,
         kv_dtype: torch.dtype,
         settings,
     ):
@@ -218,8 +223,8 @@ class Searcher:
         self.model, self.processor = loaded.model, loaded.processor
         self.forward, self.prefiller = forward, prefiller
         self.admission, self.scheduler, self.memory = admission, scheduler, memory
-        self.prompt_limits, self.kv_dtype = prompt_limits, kv_dtype
-        self.max_items, self.batch_tokens = settings.search_max_items, settings.search_batch_tokens
+        self.prompt_limits, self.max_items, self.kv_dtype = limits.prompt, limits.max_search_items, kv_dtype
+        self.batch_tokens = settings.search_batch_tokens
         self.deadline = settings.request_deadline
         self.prefixes = PrefixCache()
         memory.evict_callbacks.append(self.prefixes.entries.shrink)
@@ -259,15 +264,7 @@ class Searcher:
                 param="dimensions",
                 code="invalid_dimensions",
             )
-        if not request.prompts:
-            raise BadRequest(f"{request.item_param} must not be empty", param=request.item_param)
-        if len(request.prompts) > self.max_items:
-            raise BadRequest(
-                f"{len(request.prompts)} items; this server takes at most {self.max_items} a request "
-                "(SEARCH_MAX_ITEMS)",
-                param=request.item_param,
-                code="too_many_items",
-            )
+        check_count(len(request.prompts), self.max_items, request.item_param)
         prompts = [self._prepared(p, f"{request.item_param}[{i}]") for i, p in enumerate(request.prompts)]
         groups = self._groups(request, prompts)
         longest = max(p.num_tokens for p in prompts)

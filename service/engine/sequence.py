@@ -83,8 +83,24 @@ class PrefillMarks:
     prefill_start: float | None = None  # perf_counter time the prompt's first piece began
 
 
+class Preemptible:
+    """Pausing and resuming a record the scheduler runs (a Sequence; a search job, service/engine/search.py),
+    which has a `status`, a `paused_from` and a `ticket`."""
+
+    def pause(self) -> None:
+        """Its place went to a more urgent request: out of the scheduler's steps, everything kept."""
+        self.paused_from, self.status = self.status, Status.PAUSED
+        metrics.PAUSED.labels(self.ticket.label).inc()
+
+    def resume(self) -> Status:
+        """Back where it was; returns that status (RUNNING: the decode batch; else its prefill)."""
+        self.status, self.paused_from = self.paused_from, None
+        metrics.PAUSED.labels(self.ticket.label).dec()
+        return self.status
+
+
 @dataclass(eq=False)
-class Sequence:
+class Sequence(Preemptible):
     """One admitted request inside the engine; see the module docstring. The engine fills the
     fields up to `marks`; the scheduler the rest, and calls `on_leave(sequence)` on its thread
     when the sequence leaves (its KV cache then in `cache`, or None if it never finished prefill),
@@ -157,17 +173,6 @@ class Sequence:
     def in_prefill(self) -> bool:
         """Its prefill has not finished (paused or not)."""
         return (self.paused_from or self.status) in (Status.WAITING, Status.READING, Status.PREFILLING)
-
-    def pause(self) -> None:
-        """Its place went to a more urgent request: out of the scheduler's steps, everything kept."""
-        self.paused_from, self.status = self.status, Status.PAUSED
-        metrics.PAUSED.labels(self.ticket.label).inc()
-
-    def resume(self) -> Status:
-        """Back where it was; returns that status (RUNNING: the decode batch; else its prefill)."""
-        self.status, self.paused_from = self.paused_from, None
-        metrics.PAUSED.labels(self.ticket.label).dec()
-        return self.status
 
     def ending(self, now: float) -> Status | None:
         """The status it ends with now, if it must: asked to end, or past its deadline."""

@@ -29,7 +29,7 @@ from ...settings import Settings
 from ..access.tenants import Tenants
 from ..chat.protocol import ChatCompletionRequest
 from ..chat.serving import chat_request, completion_body
-from ..context import context_for
+from ..context import RequestContext, context_for
 from ..error_shapes import validation_error
 from ..search.protocol import EmbeddingsRequest
 from ..search.serving import embedding_list, embeddings_request
@@ -126,17 +126,34 @@ class BatchRunner:
             return True
 
     def _answer(self, claim: Claim) -> tuple[bool, str | None]:
-        if claim.endpoint == "/v1/embeddings":
-            return self._embed(claim)
-        return self._chat(claim)
-
-    def _embed(self, claim: Claim) -> tuple[bool, str | None]:
-        """An embeddings line: run as the endpoint runs it, its lease renewed meanwhile (a line of many
-        inputs may take longer than a lease); cancelled at the next forward once it is no longer ours."""
+        """(ok, the line for the output or error file), or (False, None) when the line was given back
+        (the engine too busy, its batch cancelled, the instance stopping)."""
         request_id = new_id("batch_req_")
         context = context_for(
             self.tenants, self.tenants.by_owner(claim.owner), request_id, time.perf_counter(), fair_share=False
         )
+        if claim.endpoint == "/v1/embeddings":
+            return self._embed(claim, request_id, context)
+        return self._chat(claim, request_id, context)
+
+    def _not_run(self, claim: Claim, exc: Exception, request_id: str) -> tuple[bool, str | None]:
+        """A line its endpoint refused: given back when an interactive burst took the room first (later),
+        else (False, its error line)."""
+        if isinstance(exc, (QueueFull, Unavailable)):
+            self.store.release(claim)
+            return False, None
+        if isinstance(exc, ValidationError):
+            error = validation_error(exc)
+        elif isinstance(exc, ServiceError):
+            error = exc
+        else:
+            log.error("batch line %s/%s failed", claim.batch_id, claim.custom_id, exc_info=exc)
+            error = InternalError(request_id)
+        return False, result_line(claim.custom_id, error.status, error.to_dict())
+
+    def _embed(self, claim: Claim, request_id: str, context: RequestContext) -> tuple[bool, str | None]:
+        """An embeddings line: run as the endpoint runs it, its lease renewed meanwhile (a line of many
+        inputs may take longer than a lease); cancelled at the next forward once it is no longer ours."""
         cancelled, finished = threading.Event(), threading.Event()
 
         def renew():
@@ -152,49 +169,23 @@ class BatchRunner:
             search = embeddings_request(line, self.engine.limits, context)
             renewer.start()
             result = self.engine.run_search(dataclasses.replace(search, cancelled=cancelled))
-        except (QueueFull, Unavailable):  # an interactive burst took the room first, or the line was cancelled
-            self.store.release(claim)
-            return False, None
-        except ValidationError as exc:
-            error = validation_error(exc)
-            return False, result_line(claim.custom_id, error.status, error.to_dict())
-        except ServiceError as exc:
-            if cancelled.is_set():  # its batch cancelled, or its lease lost: no result of ours to write
+        except Exception as exc:
+            if cancelled.is_set() and isinstance(exc, ServiceError):  # its batch cancelled, or its lease lost
                 self.store.release(claim)
                 return False, None
-            return False, result_line(claim.custom_id, exc.status, exc.to_dict())
-        except Exception:
-            log.exception("batch line %s/%s failed", claim.batch_id, claim.custom_id)
-            error = InternalError(request_id)
-            return False, result_line(claim.custom_id, error.status, error.to_dict())
+            return self._not_run(claim, exc, request_id)
         finally:
             finished.set()
         return True, result_line(claim.custom_id, 200, embedding_list(line, self.engine.info.name, result))
 
-    def _chat(self, claim: Claim) -> tuple[bool, str | None]:
-        """(ok, the line for the output or error file), or (False, None) when the line was given back
-        (the engine too busy, its batch cancelled, the instance stopping)."""
-        request_id = new_id("batch_req_")
-        context = context_for(
-            self.tenants, self.tenants.by_owner(claim.owner), request_id, time.perf_counter(), fair_share=False
-        )
+    def _chat(self, claim: Claim, request_id: str, context: RequestContext) -> tuple[bool, str | None]:
         try:
             body = ChatCompletionRequest.model_validate(json.loads(claim.body))
             line = body.model_copy(update={"priority": self.settings.batch_priority})  # whatever the body asks
             gen_request, shape = chat_request(line, self.engine.limits, context, body.user)
             generation = self.engine.submit(gen_request)
-        except (QueueFull, Unavailable):  # an interactive burst took the room first: later
-            self.store.release(claim)
-            return False, None
-        except ValidationError as exc:
-            error = validation_error(exc)
-            return False, result_line(claim.custom_id, error.status, error.to_dict())
-        except ServiceError as exc:
-            return False, result_line(claim.custom_id, exc.status, exc.to_dict())
-        except Exception:
-            log.exception("batch line %s/%s failed", claim.batch_id, claim.custom_id)
-            error = InternalError(request_id)
-            return False, result_line(claim.custom_id, error.status, error.to_dict())
+        except Exception as exc:
+            return self._not_run(claim, exc, request_id)
         done, renewed = None, time.monotonic()
         try:
             for event in generation:

@@ -9,8 +9,7 @@ from dataclasses import replace
 from flask import Blueprint, jsonify, request
 
 from ..http_io import json_body, request_context
-from ..responses import protocol as rp
-from ..responses.serving import input_item_page
+from ..responses.serving import input_item_page, input_items_query
 from ..state import state
 from . import serving
 from .protocol import ConversationCreate, ConversationDeleted, ConversationUpdate, ItemsCreate
@@ -58,16 +57,9 @@ def delete(conversation_id: str):
     return jsonify(ConversationDeleted(id=conversation_id).model_dump(mode="json"))
 
 
-def _query() -> rp.InputItemsQuery:
-    args = request.args
-    given = {"after": args.get("after"), "limit": args.get("limit"), "order": args.get("order")}
-    include = args.getlist("include[]") + args.getlist("include")  # the official client sends include[]
-    return rp.InputItemsQuery.model_validate({k: v for k, v in given.items() if v is not None} | {"include": include})
-
-
 @conversations_api.get(ENDPOINT + "/<conversation_id>/items")
 def list_items(conversation_id: str):
-    query = _query()
+    query = input_items_query(request.args)
     page = input_item_page(_get(conversation_id).items, query)
     return jsonify(page.model_dump(mode="json", by_alias=True))
 
@@ -76,7 +68,7 @@ def list_items(conversation_id: str):
 def add_items(conversation_id: str):
     app_state = state()
     body = ItemsCreate.model_validate(json_body())
-    query = _query()
+    query = input_items_query(request.args)
     conversation, added = serving.with_items(_get(conversation_id), body.items, app_state.require_engine().limits)
     app_state.conversations.save(conversation)
     page = input_item_page(added, query.model_copy(update={"order": "asc", "limit": len(added), "after": None}))
@@ -86,7 +78,7 @@ def add_items(conversation_id: str):
 @conversations_api.get(ENDPOINT + "/<conversation_id>/items/<item_id>")
 def retrieve_item(conversation_id: str, item_id: str):
     item = serving.find_item(_get(conversation_id), item_id)
-    page = input_item_page([item], _query().model_copy(update={"after": None, "limit": 1}))
+    page = input_item_page([item], input_items_query(request.args).model_copy(update={"after": None, "limit": 1}))
     return jsonify(page.data[0].model_dump(mode="json", by_alias=True))
 
 

@@ -22,6 +22,7 @@ from .serving import (
     answer_message,
     input_item_page,
     input_items,
+    input_items_query,
     responses_field,
     responses_request,
     whole_response,
@@ -74,6 +75,8 @@ def create():
     head = ResponseHead(response_id, engine.info.name, body)
 
     def remember(response: rp.Response, done: Completion, calls: list[ToolCall]) -> None:
+        if not body.store and body.conversation is None:
+            return  # nothing keeps it
         answer = answer_message(done, calls, response.output)
         items = input_items(earlier, body)
         if body.store:
@@ -102,10 +105,7 @@ def retrieve(response_id: str):
 
 @responses_api.get(ENDPOINT + "/<response_id>/input_items")
 def list_input_items(response_id: str):
-    args = request.args
-    given = {"after": args.get("after"), "limit": args.get("limit"), "order": args.get("order")}
-    include = args.getlist("include[]") + args.getlist("include")  # the official client sends include[]
-    query = rp.InputItemsQuery.model_validate({k: v for k, v in given.items() if v is not None} | {"include": include})
+    query = input_items_query(request.args)
     stored = state().stored_responses.get(response_id, request_context().owner)
     if stored is None:
         raise _not_stored(response_id)

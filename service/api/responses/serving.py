@@ -184,6 +184,14 @@ def _without_image_urls(item: dict) -> dict:
     return {**item, "content": parts}
 
 
+def input_items_query(args) -> rp.InputItemsQuery:
+    """A list of input items' query string (`args`: its multi-valued arguments): `after`, `limit`,
+    `order`, and `include` — or `include[]`, as the official client sends it."""
+    given = {"after": args.get("after"), "limit": args.get("limit"), "order": args.get("order")}
+    include = args.getlist("include[]") + args.getlist("include")
+    return rp.InputItemsQuery.model_validate({k: v for k, v in given.items() if v is not None} | {"include": include})
+
+
 def input_item_page(items: list[dict], query: rp.InputItemsQuery) -> rp.InputItemList:
     """A page of a response's input items, as OpenAI's: in `order`, after the item `after` names, at most
     `limit`; the pictures' URLs only when `include` asks for them."""

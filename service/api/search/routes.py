@@ -78,31 +78,30 @@ def _rerank_files(body: dict) -> None:
         body["documents"] = [*body.get("documents", []), *documents]
 
 
-@search_api.post("/v1/embeddings")
-def embeddings():
+def _search(protocol, fields: dict[str, str], files, to_request, to_answer):
+    """A search endpoint: the body (JSON or a form) checked, run on the engine, its prompt tokens spent
+    from the tenant's rate, the answer as `to_answer` writes it."""
     app_state, context = state(), request_context()
     spend = app_state.rates.admit(context.tenant)
-    fields = {**_COMMON, "input": "list", "dimensions": "int", "encoding_format": "str"}
-    body = EmbeddingsRequest.model_validate(_body(fields, _embedding_files))
+    body = protocol.model_validate(_body({**_COMMON, **fields}, files))
     engine = app_state.require_engine()
-    result = engine.run_search(embeddings_request(body, engine.limits, context))
+    result = engine.run_search(to_request(body, engine.limits, context))
     if spend is not None:
         spend(result.prompt_tokens)
-    return jsonify(embedding_list(body, engine.info.name, result))
+    return jsonify(to_answer(body, engine.info.name, result))
+
+
+@search_api.post("/v1/embeddings")
+def embeddings():
+    fields = {"input": "list", "dimensions": "int", "encoding_format": "str"}
+    return _search(EmbeddingsRequest, fields, _embedding_files, embeddings_request, embedding_list)
 
 
 @search_api.post("/v1/rerank")
 @search_api.post("/v2/rerank")
 def rerank():
-    app_state, context = state(), request_context()
-    spend = app_state.rates.admit(context.tenant)
-    fields = {**_COMMON, "query": "str", "documents": "list", "top_n": "int", "return_documents": "bool"}
-    body = RerankRequest.model_validate(_body(fields, _rerank_files))
-    engine = app_state.require_engine()
-    result = engine.run_search(rerank_request(body, engine.limits, context))
-    if spend is not None:
-        spend(result.prompt_tokens)
-    return jsonify(rerank_response(body, engine.info.name, result))
+    fields = {"query": "str", "documents": "list", "top_n": "int", "return_documents": "bool"}
+    return _search(RerankRequest, fields, _rerank_files, rerank_request, rerank_response)
 
 
 @search_api.post("/v1/score")

@@ -9,7 +9,7 @@ import uuid
 import torch
 
 from ...engine.engine import Engine
-from ...engine.search import SearchRequest, SearchResult
+from ...engine.search import SearchRequest, SearchResult, check_count
 from ...errors import BadRequest
 from ...limits import RequestLimits
 from ...model.prompts import ImagePart, TextPart, VideoPart
@@ -95,11 +95,11 @@ def embeddings_request(body: EmbeddingsRequest, limits: RequestLimits, context: 
     items = body.input if isinstance(body.input, list) else [body.input]
     if not items:
         raise BadRequest("input must not be empty", param="input", code="empty_input")
-    prompts = []
-    for i, item in enumerate(items):
-        param = f"input[{i}]" if isinstance(body.input, list) else "input"
-        parts, own = item_parts(item, limits, param)
-        prompts.append(embedding_prompt(parts, own if own is not None else body.instruction))
+    check_count(len(items), limits.max_search_items, "input")  # before any picture is decoded
+    listed = isinstance(body.input, list)
+    prompts = [
+        _embedding(item_parts(item, limits, f"input[{i}]" if listed else "input"), body) for i, item in enumerate(items)
+    ]
     return _search_request("embedding", body, prompts, context, "input", dimensions=body.dimensions)
 
 
@@ -131,6 +131,7 @@ def embedding_list(body: EmbeddingsRequest, model: str, result: SearchResult) ->
 
 def rerank_request(body: RerankRequest, limits: RequestLimits, context: RequestContext) -> SearchRequest:
     """A rerank body as the engine's search request: one prompt per (query, document) pair."""
+    check_count(len(body.documents), limits.max_search_items, "documents")  # before any picture is decoded
     query, _ = item_parts(body.query, limits, "query")
     prompts = []
     for i, document in enumerate(body.documents):
@@ -163,49 +164,53 @@ def rerank_response(body: RerankRequest, model: str, result: SearchResult) -> di
     return response.model_dump(mode="json", exclude_none=True)
 
 
-def _pairs(body: ScoreRequest) -> tuple[list[Item], list[Item]]:
-    """vLLM's pairing: one against each, or pair by pair (lists of one length)."""
+def _pairs(body: ScoreRequest, limits: RequestLimits) -> tuple[list, list]:
+    """vLLM's pairing — one text_1 against each text_2, or pair by pair (lists of one length) — checked
+    and counted before anything is decoded; then each item's parts and own instruction, each decoded once."""
     first, second = _listed(body.text_1), _listed(body.text_2)
-    if len(first) == 1:
-        return first * len(second), second
-    if len(first) != len(second):
+    if len(first) != 1 and len(first) != len(second):
         raise BadRequest(
             f"text_1 has {len(first)} items and text_2 {len(second)}: give one text_1, or lists of one length",
             param="text_2",
         )
-    return first, second
+    if not second:
+        raise BadRequest("text_2 must not be empty", param="text_2", code="empty_input")
+    check_count(len(second), limits.max_search_items, "text_2")
+    return (
+        [item_parts(item, limits, f"text_1[{i}]") for i, item in enumerate(first)],
+        [item_parts(item, limits, f"text_2[{i}]") for i, item in enumerate(second)],
+    )
 
 
 def score(engine: Engine, body: ScoreRequest, context: RequestContext) -> tuple[dict, int]:
     """vLLM's score response (and the prompt tokens it took): a reranker scores each pair; an embedding
-    model gives each pair's cosine similarity (its vectors' dot product, summed in a fixed order)."""
-    limits = engine.limits
-    firsts, seconds = _pairs(body)
-    if not seconds:
-        raise BadRequest("text_2 must not be empty", param="text_2", code="empty_input")
+    model gives each pair's cosine similarity (its vectors' dot product, summed in a fixed order) — text_1's
+    vectors and text_2's made by a request each, so a 4xx names the field and each is within the item limit."""
+    firsts, seconds = _pairs(body, engine.limits)
     if engine.info.task == "embedding":
-        items = [("text_1", i, item) for i, item in enumerate(_listed(body.text_1))]
-        items += [("text_2", i, item) for i, item in enumerate(seconds)]
-        prompts = []
-        for name, i, item in items:
-            parts, own = item_parts(item, limits, f"{name}[{i}]")
-            prompts.append(embedding_prompt(parts, own if own is not None else body.instruction))
-        result = engine.run_search(_search_request("embedding", body, prompts, context, "text_2"))
-        ones = result.vectors[: len(_listed(body.text_1))]
-        vectors_1 = ones * len(seconds) if len(ones) == 1 else ones
-        scores = [_cosine(a, b) for a, b in zip(vectors_1, result.vectors[len(ones) :])]
+        results = [
+            engine.run_search(_search_request("embedding", body, [_embedding(i, body) for i in items], context, name))
+            for name, items in (("text_1", firsts), ("text_2", seconds))
+        ]
+        ones, twos = (r.vectors for r in results)
+        scores = [_cosine(a, b) for a, b in zip(ones * len(twos) if len(ones) == 1 else ones, twos)]
+        tokens = sum(r.prompt_tokens for r in results)
     else:
-        prompts = []
-        for i, (first, second) in enumerate(zip(firsts, seconds)):
-            query, _ = item_parts(first, limits, f"text_1[{i if len(_listed(body.text_1)) > 1 else 0}]")
-            document, _ = item_parts(second, limits, f"text_2[{i}]")
-            prompts.append(rerank_prompt(query, document, body.instruction))
+        queries = [parts for parts, _ in firsts]
+        pairs = zip(queries * len(seconds) if len(queries) == 1 else queries, seconds)
+        prompts = [rerank_prompt(query, document, body.instruction) for query, (document, _) in pairs]
         result = engine.run_search(_search_request("rerank", body, prompts, context, "text_2"))
-        scores = result.scores
+        scores, tokens = result.scores, result.prompt_tokens
     data = [ScoreData(index=i, score=s) for i, s in enumerate(scores)]
-    usage = RerankUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens)
+    usage = RerankUsage(prompt_tokens=tokens, total_tokens=tokens)
     response = ScoreResponse(id=f"score-{uuid.uuid4().hex}", model=engine.info.name, data=data, usage=usage)
-    return response.model_dump(mode="json"), result.prompt_tokens
+    return response.model_dump(mode="json"), tokens
+
+
+def _embedding(item: tuple[list[Part], str | None], body) -> SearchPrompt:
+    """An item's embedding prompt: its parts, under its own instruction or else the body's."""
+    parts, own = item
+    return embedding_prompt(parts, own if own is not None else body.instruction)
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
