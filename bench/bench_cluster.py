@@ -25,6 +25,7 @@ THREADS=1 (the one machine too, for comparison), and the section says so.
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -192,7 +193,9 @@ def workload(url: str, tokens: int, bar) -> dict:
         c.turn("Describe what a lighthouse does and why it matters.")
         bar.update()
     seconds, shares = {}, {}
-    for c in conversations:
+    # second turns in a shuffled order (the same in every arm): clients do not come back in lock-step,
+    # and in the first turns' order round-robin would send some back to their machine by the order alone
+    for c in random.Random(0).sample(conversations, len(conversations)):
         first, prompt, cached = c.turn("And what would change without it?", answer_tokens=1)
         seconds.setdefault(c.kind, []).append(first)
         shares.setdefault(c.kind, []).append(cached / prompt)
