@@ -155,6 +155,9 @@ def test_a_request_decodes_at_most_search_max_pictures_pictures_and_clip_frames(
     refused({"text_1": {"image": [picture] * 5}, "text_2": [{"image": [broken] * 5}]}, "text_2", "/v1/score")
     clip = base64.b64encode(write_clip(tmp_path / "clip.mp4", frames=20, fps=10.0)).decode("ascii")  # 4 frames
     refused({"input": [{"image": [picture] * 2}, {"video": clip}, {"video": clip}]}, "input[2].video")
+    clip_part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + clip}}
+    pictures = [{"type": "image_url", "image_url": {"url": picture}}] * 2
+    refused({"messages": [{"role": "user", "content": [*pictures, clip_part, clip_part]}]}, "messages[0].content[3]")
     at_limit = requests.post(url, json={"input": [{"image": [picture] * 5}, {"image": [picture] * 4}]}, timeout=120)
     assert at_limit.status_code == 200 and len(at_limit.json()["data"]) == 2, at_limit.text
     with_clip = requests.post(url, json={"input": [{"image": picture}, {"video": clip}, {"video": clip}]}, timeout=120)
