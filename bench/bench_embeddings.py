@@ -142,6 +142,7 @@ def ours(model_path: Path, threads: int, log: Path, task: str = "embedding"):
         "MODEL_TASK": task,
         "THREADS": str(threads),
         "SEARCH_MAX_ITEMS": "4096",
+        "SEARCH_MAX_PICTURES": "1024",  # a "many" row of --count up to 4096 sends count // 4 pictures at once
         "CONVERSATION_CACHE_MAX_BYTES": "0",
         "KV_DISK_MB": "0",
     }

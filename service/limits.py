@@ -22,6 +22,7 @@ class RequestLimits:
     max_new_tokens: int  # the most a request's max_tokens may ask (HTTP: a 400 beyond); clipped to the context's room
     tool_form: ToolForm = JSON_FORM  # how the checkpoint's model writes a tool call (Qwen3-VL's JSON, Qwen3.5's XML)
     max_search_items: int = 256  # inputs of an embeddings request, documents of a rerank or score (SEARCH_MAX_ITEMS)
+    max_search_pictures: int = 32  # pictures and clip frames one search request decodes (SEARCH_MAX_PICTURES)
 
     @classmethod
     def build(cls, settings: Settings, processor, thinking: bool = False) -> RequestLimits:
@@ -38,6 +39,7 @@ class RequestLimits:
             max_new_tokens=cap,
             tool_form=tool_call_form(processor),
             max_search_items=settings.search_max_items,
+            max_search_pictures=settings.search_max_pictures,
         )
 
     def published(self) -> dict:
@@ -56,4 +58,5 @@ class RequestLimits:
             "video_max_bytes": self.video.max_bytes,
             "video_max_seconds": self.video.max_seconds,
             "max_search_items": self.max_search_items,
+            "max_search_pictures": self.max_search_pictures,
         }

@@ -120,6 +120,12 @@ SHARED_STATE_USABLE = Gauge(
     "(a conversation of another instance starts afresh here), deletes answer 503",
     multiprocess_mode="livemostrecent",
 )
+SHARED_STATE_CONFLICTS = Counter(
+    "qwen3vl_shared_state_conflicts_total",
+    "records changed here while the shared store could not be reached, dropped when it was back because "
+    "another instance had changed (or deleted) them meanwhile: the store's version kept, by kind",
+    ["kind"],
+)
 AFFINITY_CONTINUATIONS = Counter(
     "qwen3vl_affinity_continuations_total",
     "requests whose affinity key (what the proxy routes by) came before, by API",

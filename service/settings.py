@@ -128,6 +128,13 @@ class Settings(BaseSettings):
         description="inputs one /v1/embeddings request may hold, documents one /v1/rerank or /v1/score request may "
         "score (more: 400 naming the field)",
     )
+    search_max_pictures: int = Field(
+        32,
+        ge=1,
+        le=4096,
+        description="pictures and clip frames one /v1/embeddings, /v1/rerank or /v1/score request may carry, counted "
+        "together: the pictures before any is decoded, a clip's frames before they are (more: 400 naming the field)",
+    )
     search_batch_tokens: int = Field(
         512,
         ge=16,

@@ -9,14 +9,22 @@ from __future__ import annotations
 import typing
 
 from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
-from openai.types import Model
+from openai.types import Batch, FileDeleted, FileObject, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.conversations import (
+    Conversation,
+    ConversationDeletedResource,
+    ConversationItem,
+    ConversationItemList,
+)
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 from pydantic import BaseModel, ValidationError
 
 __all__ = [
-    "ChatCompletion", "ChatCompletionChunk", "Message", "MessageTokensCount", "Model", "RawMessageStreamEvent",
-    "Response", "ResponseItemList", "ResponseStreamEvent", "conforms", "sdk_conforms",
+    "Batch", "ChatCompletion", "ChatCompletionChunk", "Conversation", "ConversationDeletedResource",
+    "ConversationItem", "ConversationItemList", "FileDeleted", "FileObject", "Message", "MessageTokensCount",
+    "Model", "RawMessageStreamEvent", "Response", "ResponseItemList", "ResponseStreamEvent", "conforms",
+    "sdk_conforms",
 ]  # fmt: skip
 
 

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from bench.core.servers import free_port, gunicorn_server, metric, stop_process_
 
 __all__ = [
     "deployment", "free_port", "gunicorn_server", "metric", "nginx_proxy",
-    "openai_client", "redis_server", "ROOT", "Stack",
+    "openai_client", "redis_server", "ROOT", "Stack", "TcpRelay",
 ]  # fmt: skip
 
 
@@ -132,6 +133,58 @@ def redis_server(log_path: Path, folder: Path | None = None, port: int | None = 
         server.stop()
         if own:
             shutil.rmtree(server.folder, ignore_errors=True)
+
+
+class TcpRelay:
+    """A loopback TCP relay to `target_port`: a client connected through it can be cut off (its
+    connections closed, new ones refused) and let back (`mend`) while others reach the server directly —
+    one machine losing its Redis while the rest keep it. Stop it with `cut`."""
+
+    def __init__(self, target_port: int):
+        self.target_port, self.port = target_port, free_port()
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._listener: socket.socket | None = None
+        self.mend()
+
+    def mend(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+
+    def cut(self) -> None:
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread accepting on it
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes the thread reading it
+                except OSError:
+                    pass
+                sock.close()
+            self._sockets.clear()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # cut
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self._sockets += [client, server]
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
 
 
 def openai_client(base: str, api_key: str = "unused", timeout: float = 120, **kwargs):

@@ -1,13 +1,17 @@
 """The published contract is the one kept: every answer of the chat APIs — OpenAI's Chat Completions and
-Responses, Anthropic's Messages, the native one — (whole, streamed, with tool calls and logprobs), their
-errors, and /v1/models validate against the schemas /openapi.json publishes — the routes build their
-bodies from the same pydantic models (each API's protocol module under service/api/) — and, strictly,
-against the official SDKs' own types (tests/sdk_types.py): what a client release parses them into.
-The app in-process on the embedded model (Flask's test client: the schemas, not the transport)."""
+Responses, Anthropic's Messages, the native one — (whole, streamed, with tool calls and logprobs), of
+the Conversations, Files and Batches APIs, their errors, and /v1/models validate against the schemas
+/openapi.json publishes — the routes build their bodies from the same pydantic models (each API's
+protocol module under service/api/) — and, strictly, against the official SDKs' own types
+(tests/sdk_types.py): what a client release parses them into. Every route the app serves is in the
+document, typed. The app in-process on the embedded model (Flask's test client: the schemas, not the
+transport)."""
 
 from __future__ import annotations
 
+import io
 import json
+import re
 
 import jsonschema
 import pytest
@@ -16,8 +20,15 @@ from referencing import Registry, Resource
 from conftest import app_on, make_settings
 from imaging import data_url, encode, pattern
 from sdk_types import (
+    Batch,
     ChatCompletion,
     ChatCompletionChunk,
+    Conversation,
+    ConversationDeletedResource,
+    ConversationItem,
+    ConversationItemList,
+    FileDeleted,
+    FileObject,
     Message,
     MessageTokensCount,
     Model,
@@ -209,6 +220,89 @@ def test_the_model_list_is_what_the_document_says(client, document):
         conforms(Model, model)
     card = response_schema(document, "/v1/models/{model_id}", "get", "application/json")
     validator(document, card).validate(client.get("/v1/models/" + models["data"][0]["id"]).json)
+
+
+NOT_IN_THE_DOCUMENT = {"/", "/static/{name}", "/openapi.json"}  # the web page, its files, the document itself
+
+
+def test_every_route_the_app_serves_is_in_the_document_and_typed(client, document):
+    """Each route and method of the app (Flask's url_map) is a path and operation of /openapi.json, and the
+    answer of each API operation names its schema: a route added untyped fails here."""
+    served = {
+        (re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule), method.lower())
+        for rule in client.application.url_map.iter_rules()
+        for method in rule.methods - {"HEAD", "OPTIONS"}
+    }
+    served = {(path, method) for path, method in served if path not in NOT_IN_THE_DOCUMENT}
+    documented = {(path, method) for path, item in document["paths"].items() for method in item}
+    assert served - documented == set(), "served, not in /openapi.json"
+    assert documented - served == set(), "in /openapi.json, not served"
+    for path, method in documented:
+        if path.startswith(("/v1/", "/v2/")):
+            content = document["paths"][path][method]["responses"]["200"]["content"]
+            assert content and all("schema" in media for media in content.values()), (path, method)
+
+
+def answer_of(document: dict, path: str, method: str):
+    return validator(document, response_schema(document, path, method, "application/json"))
+
+
+def test_a_conversation_and_its_items_are_what_the_document_says(client, document):
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello."}]}
+    made = client.post("/v1/conversations", json={"items": [item], "metadata": {"k": "v"}}).json
+    one, items = "/v1/conversations/{conversation_id}", "/v1/conversations/{conversation_id}/items"
+    for body, path, method in (
+        (made, "/v1/conversations", "post"),
+        (client.get(f"/v1/conversations/{made['id']}").json, one, "get"),
+        (client.post(f"/v1/conversations/{made['id']}", json={"metadata": {"k": "w"}}).json, one, "post"),
+    ):
+        answer_of(document, path, method).validate(body)
+        conforms(Conversation, body)
+    picture = {"role": "user", "content": [{"type": "input_image", "image_url": PICTURE}]}
+    added = client.post(f"/v1/conversations/{made['id']}/items", json={"items": [picture]})
+    answer_of(document, items, "post").validate(added.json)
+    listed = client.get(f"/v1/conversations/{made['id']}/items?include[]=message.input_image.image_url").json
+    answer_of(document, items, "get").validate(listed)
+    conforms(ConversationItemList, listed)
+    first = client.get(f"/v1/conversations/{made['id']}/items/{listed['data'][-1]['id']}").json
+    answer_of(document, items + "/{item_id}", "get").validate(first)
+    conforms(ConversationItem, first)
+    without = client.delete(f"/v1/conversations/{made['id']}/items/{first['id']}").json
+    answer_of(document, items + "/{item_id}", "delete").validate(without)
+    deleted = client.delete(f"/v1/conversations/{made['id']}").json
+    answer_of(document, one, "delete").validate(deleted)
+    conforms(ConversationDeletedResource, deleted)
+
+
+def test_files_and_batches_are_what_the_document_says(client, document):
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": openai_body(max_tokens=2)}
+    form = {"file": (io.BytesIO(json.dumps(line).encode() + b"\n"), "lines.jsonl"), "purpose": "batch"}
+    uploaded = client.post("/v1/files", data=form, content_type="multipart/form-data").json
+    files, one = "/v1/files", "/v1/files/{file_id}"
+    for body, path, method in ((uploaded, files, "post"), (client.get(f"/v1/files/{uploaded['id']}").json, one, "get")):
+        answer_of(document, path, method).validate(body)
+        conforms(FileObject, body)
+    answer_of(document, files, "get").validate(client.get("/v1/files?limit=2").json)
+    create = {"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    request_schema = document["paths"]["/v1/batches"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    validator(document, request_schema).validate(create)
+    assert not validator(document, request_schema).is_valid({**create, "endpoint": "/v1/messages"})
+    made = client.post("/v1/batches", json=create).json
+    batches, batch = "/v1/batches", "/v1/batches/{batch_id}"
+    for body, path, method in (
+        (made, batches, "post"),
+        (client.get(f"/v1/batches/{made['id']}").json, batch, "get"),
+        (client.post(f"/v1/batches/{made['id']}/cancel").json, batch + "/cancel", "post"),
+    ):
+        answer_of(document, path, method).validate(body)
+        conforms(Batch, body)
+    answer_of(document, batches, "get").validate(client.get("/v1/batches").json)
+    content = client.get(f"/v1/files/{uploaded['id']}/content")
+    media = document["paths"][one + "/content"]["get"]["responses"]["200"]["content"]
+    assert content.status_code == 200 and content.mimetype in media
+    deleted = client.delete(f"/v1/files/{uploaded['id']}").json
+    answer_of(document, one, "delete").validate(deleted)
+    conforms(FileDeleted, deleted)
 
 
 def test_a_schema_check_catches_a_body_that_breaks_the_contract(document):

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.server
 def embedding_server(serve, cache_dir, tmp_path_factory):
     path = built_preset(cache_dir, "tiny-embedding")
     store = f"sqlite:///{tmp_path_factory.mktemp('search-jobs') / 'jobs.sqlite3'}"
-    env = {"MODEL_PATH": str(path), "SEARCH_MAX_ITEMS": "8", "JOB_STORE_URL": store}
+    env = {"MODEL_PATH": str(path), "SEARCH_MAX_ITEMS": "8", "SEARCH_MAX_PICTURES": "9", "JOB_STORE_URL": store}
     with serve(env, "embedding") as (base, _):
         yield base
 
@@ -131,6 +131,50 @@ def test_bad_embedding_requests_get_a_400_naming_the_field(embedding_server):
     rerank = requests.post(embedding_server + "/v1/rerank", json={"query": "q", "documents": ["d"]}, timeout=60)
     assert rerank.status_code == 400 and "/v1/embeddings" in rerank.json()["error"]["message"]
     assert requests.get(embedding_server + "/health", timeout=10).status_code == 200
+
+
+def test_a_request_decodes_at_most_search_max_pictures_pictures_and_clip_frames(embedding_server, tmp_path):
+    """SEARCH_MAX_PICTURES (9 here) bounds what one request decodes whatever its item count: its pictures
+    are counted before any is decoded (a broken one among them is never reached), a clip's frames before
+    they are; past it a 400 names the field and the limit, at it the request is served."""
+    from clips import write_clip
+
+    url, picture, broken = embedding_server + "/v1/embeddings", _png(4), "data:image/png;base64,AAAA"
+
+    def refused(body: dict, param: str, path: str = "/v1/embeddings"):
+        response = requests.post(embedding_server + path, json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("too_many_pictures", param), response.text
+        assert "at most 9" in error["message"] and "SEARCH_MAX_PICTURES" in error["message"]
+
+    refused({"input": [{"image": [broken, *[picture] * 4]}, {"image": [picture] * 5}]}, "input")
+    parts = [{"type": "image_url", "image_url": {"url": broken}}] * 10
+    refused({"input": [{"content": parts}]}, "input")
+    refused({"messages": [{"role": "user", "content": parts}]}, "messages")
+    refused({"text_1": {"image": [picture] * 5}, "text_2": [{"image": [broken] * 5}]}, "text_2", "/v1/score")
+    clip = base64.b64encode(write_clip(tmp_path / "clip.mp4", frames=20, fps=10.0)).decode("ascii")  # 4 frames
+    refused({"input": [{"image": [picture] * 2}, {"video": clip}, {"video": clip}]}, "input[2].video")
+    clip_part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + clip}}
+    pictures = [{"type": "image_url", "image_url": {"url": picture}}] * 2
+    refused({"messages": [{"role": "user", "content": [*pictures, clip_part, clip_part]}]}, "messages[0].content[3]")
+    at_limit = requests.post(url, json={"input": [{"image": [picture] * 5}, {"image": [picture] * 4}]}, timeout=120)
+    assert at_limit.status_code == 200 and len(at_limit.json()["data"]) == 2, at_limit.text
+    with_clip = requests.post(url, json={"input": [{"image": picture}, {"video": clip}, {"video": clip}]}, timeout=120)
+    assert with_clip.status_code == 200, with_clip.text
+    limits = requests.get(embedding_server + "/openapi.json", timeout=10).json()["info"]["x-limits"]
+    assert limits["max_search_pictures"] == 9
+
+
+def test_a_rerank_counts_the_querys_picture_with_the_documents(reranker_server):
+    """SEARCH_MAX_PICTURES at its default (32): a picture query and 32 picture documents are refused before
+    any is decoded."""
+    documents = [{"image": "data:image/png;base64,AAAA"}] * 32
+    body = {"query": {"image": _png(5)}, "documents": documents}
+    response = requests.post(reranker_server + "/v1/rerank", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("too_many_pictures", "documents") and "at most 32" in error["message"]
 
 
 def test_an_embedding_models_score_names_the_field_and_takes_as_many_texts_as_embeddings(embedding_server):

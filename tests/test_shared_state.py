@@ -1,11 +1,14 @@
 """The shared store (service/shared/) on a real Redis: records bounded per tenant in count and bytes,
-expiring, each tenant's apart; pictures and clips kept in few bytes that give back the same bits (a PNG,
-or the bytes sent where fewer); a store that serves from its own copy while Redis is down, writes up
-what it kept meanwhile, never brings back what another instance deleted, and refuses a delete it could
-not make last; the affinity ledger counting a miss."""
+expiring, each tenant's apart, versioned; pictures and clips kept in few bytes that give back the same
+bits (a PNG, or the bytes sent where fewer); a store that serves from its own copy while Redis is down,
+writes up what it kept meanwhile unless another instance changed the record first, never brings back
+what another instance deleted, and refuses a delete it could not make last; turns added at once to one
+Conversation all kept, on one instance or two; the affinity ledger counting a miss."""
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 
 import cv2
@@ -14,6 +17,7 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
+from service.api.conversations.store import ConversationStore, StoredConversation
 from service.api.native.histories import HistoryStore
 from service.caches.lru import BudgetedLRU
 from service.errors import SharedStateUnavailable
@@ -25,7 +29,7 @@ from service.shared.affinity import AffinityLedger, checked_key, new_id
 from service.shared.layered import LayeredStore
 from service.shared.link import SharedLink, SharedUnavailable
 from service.shared.pictures import PictureMismatch, Pictures
-from service.shared.records import SharedRecords
+from service.shared.records import ABSENT, SharedRecords, VersionConflict
 
 LIMITS = ImageLimits(max_bytes=20 * 2**20, max_decoded_pixels=64_000_000, max_pixels=448 * 448)
 
@@ -96,6 +100,23 @@ def test_a_record_expires_its_ttl_after_its_last_use_and_a_delete_frees_its_byte
     records.put("", "b", b"123")
     assert records.delete("", "b") and not records.delete("", "b")
     assert int(shared.client.get("qwen3vl:s:test:-:bytes")) == 0
+
+
+def test_a_write_based_on_a_version_is_made_only_if_the_store_still_holds_it(shared):
+    records = SharedRecords(shared, "test", max_count=10, max_bytes=10**6, ttl=60)
+    first = records.put("", "a", b"one", based_on=ABSENT)
+    assert first >= 1 and records.read("", "a") == (b"one", first)
+    with pytest.raises(VersionConflict):
+        records.put("", "a", b"again", based_on=ABSENT)  # it is there now
+    second = records.put("", "a", b"two", based_on=first)
+    assert second > first
+    with pytest.raises(VersionConflict):
+        records.put("", "a", b"stale", based_on=first)  # made from what another write replaced
+    assert records.read("", "a") == (b"two", second)
+    records.delete("", "a")
+    with pytest.raises(VersionConflict):
+        records.put("", "a", b"back", based_on=second)  # deleted meanwhile: not brought back
+    assert records.get("", "a") is None and records.put("", "a", b"new") > second  # versions never repeat
 
 
 # -- pictures: few bytes, the same bits ---------------------------------------------------------------
@@ -185,6 +206,103 @@ def test_while_redis_is_down_each_instance_serves_its_own_and_writes_it_up_when_
             time.sleep(0.05)
         assert there.entries.delete("", "during")  # deleted by the other instance ...
         assert here.history("during") == []  # ... is not brought back by this one's copy
+
+
+def conversations(shared: SharedLink | None) -> ConversationStore:
+    return ConversationStore(100, 60, 10**8, shared)
+
+
+def add_turn(store: ConversationStore, conversation_id: str, text: str) -> None:
+    """A response's turn as /v1/responses adds it: its input item and message, and the answer's."""
+    said = {"id": f"msg_{text}", "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    answer = ChatMessage("assistant", [TextPart(f"re: {text}")], token_ids=(7, 8))
+    store.add_turn(conversation_id, "", [said], [], [ChatMessage("user", [TextPart(text)]), answer])
+
+
+def said(store: ConversationStore, conversation_id: str) -> list[str]:
+    return [m.text for m in store.get(conversation_id).messages if m.role == "user" and not m.images]
+
+
+def new_conversation(store: ConversationStore, conversation_id: str) -> None:
+    """A conversation whose first message holds a picture (its record takes a while to encode)."""
+    store.save(StoredConversation(conversation_id, 0, "", messages=conversation(encoded(photo(), ".png"))))
+
+
+@pytest.mark.parametrize("with_redis", [True, False], ids=["two instances, one Redis", "one instance, no Redis"])
+def test_turns_added_at_once_to_one_conversation_are_all_kept(redis_url, with_redis):
+    """Eight threads add six turns each to one Conversation at once — on two instances sharing a Redis, or
+    on one alone — and every turn is kept, each thread's in its order: none is written over by another
+    made from the same earlier state."""
+    if with_redis:
+        redis.Redis.from_url(redis_url).flushdb()
+    stores = [conversations(SharedLink(redis_url)) for _ in range(2)] if with_redis else [conversations(None)]
+    new_conversation(stores[0], "conv_busy")
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads interleave often: a lost turn shows in a short test
+    start = threading.Barrier(8)
+
+    def turns(n: int) -> None:
+        store = stores[n % len(stores)]
+        start.wait()
+        for k in range(6):
+            add_turn(store, "conv_busy", f"t{n}-{k}")
+
+    try:
+        threads = [threading.Thread(target=turns, args=(n,)) for n in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    for store in stores:
+        kept = said(store, "conv_busy")
+        assert sorted(kept) == sorted(f"t{n}-{k}" for n in range(8) for k in range(6)), len(kept)
+        for n in range(8):
+            assert [t for t in kept if t.startswith(f"t{n}-")] == [f"t{n}-{k}" for k in range(6)]
+        items = [item["id"] for item in store.get("conv_busy").items]
+        assert len(items) == len(set(items)) == 48
+
+
+def conflicts() -> float:
+    return REGISTRY.get_sample_value("qwen3vl_shared_state_conflicts_total", {"kind": "conversations"}) or 0.0
+
+
+def test_a_turn_kept_while_cut_off_from_redis_never_overwrites_one_added_elsewhere(redis_url, quick_retry):
+    """Instance `here` loses its Redis (a relay cut) while `there` keeps it. A turn `here` adds meanwhile is
+    made from the version it last saw; once `here` is back it goes up only if Redis still holds that version.
+    `there` added a turn meanwhile: Redis's conversation is kept, `here`'s turn dropped and counted. With no
+    turn elsewhere, what `here` kept alone goes up."""
+    from servers import TcpRelay
+
+    relay = TcpRelay(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+    try:
+        here = conversations(SharedLink(f"redis://127.0.0.1:{relay.port}/0"))
+        there = conversations(SharedLink(redis_url))
+        here.save(StoredConversation("conv_cut", 0, ""))
+        add_turn(here, "conv_cut", "first")
+        assert said(there, "conv_cut") == ["first"]
+        relay.cut()
+        add_turn(here, "conv_cut", "kept-here-alone")
+        assert said(here, "conv_cut") == ["first", "kept-here-alone"] and usable() == 0
+        add_turn(there, "conv_cut", "from-there")
+        before = conflicts()
+        relay.mend()
+        time.sleep(0.3)  # past the link's pause: `here` tries Redis again
+        assert said(here, "conv_cut") == ["first", "from-there"]  # Redis's word: its turn is not lost
+        assert said(there, "conv_cut") == ["first", "from-there"] and conflicts() == before + 1
+        relay.cut()
+        add_turn(here, "conv_cut", "second-here")
+        relay.mend()
+        time.sleep(0.3)
+        assert here.entries.shared.link.problem() is None  # what /ready asks: Redis is back, write up
+        deadline = time.monotonic() + 5
+        while said(there, "conv_cut") != ["first", "from-there", "second-here"]:  # written up: nothing newer
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert said(here, "conv_cut") == ["first", "from-there", "second-here"] and conflicts() == before + 1
+    finally:
+        relay.cut()
 
 
 def test_a_link_to_no_redis_fails_fast_and_says_why(quick_retry):

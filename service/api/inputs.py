@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from collections.abc import Callable
 
 from ..answer.tools import ToolCall
 from ..errors import BadRequest, ImageError, TooLarge, VideoError
@@ -23,9 +24,14 @@ def decode_data_url(url: str, limits: ImageLimits, param: str) -> DecodedImage:
     return decode_base64_image(_data_url_payload(url, "image", param), limits, param)
 
 
-def decode_video_data_url(url: str, limits: VideoLimits, param: str) -> DecodedVideo:
+FrameCount = Callable[[int], None]  # told a clip's sampled frames before they are decoded (media/video.py)
+
+
+def decode_video_data_url(
+    url: str, limits: VideoLimits, param: str, before_frames: FrameCount | None = None
+) -> DecodedVideo:
     """`data:video/...;base64,...` → DecodedVideo (sampled frames); anything else is refused."""
-    return decode_base64_video(_data_url_payload(url, "video", param), limits, param)
+    return decode_base64_video(_data_url_payload(url, "video", param), limits, param, before_frames)
 
 
 def _data_url_payload(url: str, kind: str, param: str) -> str:
@@ -71,8 +77,11 @@ def decode_base64_image(payload: str, limits: ImageLimits, param: str) -> Decode
     return decode_file(_base64_bytes(payload, limits.max_bytes, "image", param, ImageError), limits, param)
 
 
-def decode_base64_video(payload: str, limits: VideoLimits, param: str) -> DecodedVideo:
-    return decode_video_file(_base64_bytes(payload, limits.max_bytes, "video", param, VideoError), limits, param)
+def decode_base64_video(
+    payload: str, limits: VideoLimits, param: str, before_frames: FrameCount | None = None
+) -> DecodedVideo:
+    data = _base64_bytes(payload, limits.max_bytes, "video", param, VideoError)
+    return decode_video_file(data, limits, param, before_frames)
 
 
 def decode_inline_image(text: str, limits: ImageLimits, param: str) -> DecodedImage:
@@ -82,17 +91,19 @@ def decode_inline_image(text: str, limits: ImageLimits, param: str) -> DecodedIm
     return decode_base64_image(text, limits, param)
 
 
-def decode_inline_video(text: str, limits: VideoLimits, param: str) -> DecodedVideo:
+def decode_inline_video(
+    text: str, limits: VideoLimits, param: str, before_frames: FrameCount | None = None
+) -> DecodedVideo:
     """The native endpoint's `videos` items: a data: URL or bare base64."""
     if text[:5].lower() == "data:":
-        return decode_video_data_url(text, limits, param)
-    return decode_base64_video(text, limits, param)
+        return decode_video_data_url(text, limits, param, before_frames)
+    return decode_base64_video(text, limits, param, before_frames)
 
 
-def _naming_param(decode, data: bytes, limits, param: str):
-    """decode(data, limits), with `param` named in the client error it may raise."""
+def _naming_param(decode, data: bytes, limits, param: str, *more):
+    """decode(data, limits, *more), with `param` named in the client error it may raise."""
     try:
-        return decode(data, limits)
+        return decode(data, limits, *more)
     except (ImageError, VideoError, TooLarge) as exc:
         exc.param = param
         raise
@@ -102,8 +113,10 @@ def decode_file(data: bytes, limits: ImageLimits, param: str) -> DecodedImage:
     return _naming_param(decode_image, data, limits, param)
 
 
-def decode_video_file(data: bytes, limits: VideoLimits, param: str) -> DecodedVideo:
-    return _naming_param(decode_video, data, limits, param)
+def decode_video_file(
+    data: bytes, limits: VideoLimits, param: str, before_frames: FrameCount | None = None
+) -> DecodedVideo:
+    return _naming_param(decode_video, data, limits, param, before_frames)
 
 
 def checked_text(text: str, param: str) -> str:
@@ -184,10 +197,12 @@ def to_chat_messages(
     limits: RequestLimits,
     image_limits: ImageLimits | None = None,
     video_limits: VideoLimits | None = None,
+    before_frames: Callable[[str], FrameCount] | None = None,
 ) -> list[ChatMessage]:
     """OpenAI-format messages → ChatMessages (images and videos decoded, each with its decode time),
     pictures into `image_limits` (default: the server's) or their image_url.detail's budget, clips
-    sampled by `video_limits` (default: the server's)."""
+    sampled by `video_limits` (default: the server's); `before_frames(param)`, if given, is told each
+    clip's frames before they are decoded."""
     image_limits = image_limits or limits.image
     video_limits = video_limits or limits.video
     out: list[ChatMessage] = []
@@ -219,7 +234,9 @@ def to_chat_messages(
                 parts.append(ImagePart(decode_data_url(url, budget, param)))
             elif isinstance(part, VideoURLPart):
                 url = part.video_url if isinstance(part.video_url, str) else part.video_url.url
-                parts.append(VideoPart(decode_video_data_url(url, video_limits, f"messages[{i}].content[{j}]")))
+                where = f"messages[{i}].content[{j}]"
+                counted = before_frames(where) if before_frames is not None else None
+                parts.append(VideoPart(decode_video_data_url(url, video_limits, where, counted)))
             else:
                 parts.append(TextPart(checked_text(part.text, f"messages[{i}].content[{j}]")))
         out.append(ChatMessage(role, parts, tool_calls=calls, reasoning=reasoning))

@@ -5,9 +5,13 @@ from __future__ import annotations
 import copy
 from functools import lru_cache
 
+from pydantic import TypeAdapter
+
 from ..limits import RequestLimits
 from .anthropic import protocol as anthropic_protocol
+from .batches import protocol as batches_protocol
 from .chat.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
+from .conversations import protocol as conversations_protocol
 from .native.protocol import FORM_FIELDS, NativeAnswer, NativeChatRequest, NativeDelta, NativeDone, NativeHead
 from .ops.protocol import ModelCard, ModelList
 from .responses import protocol as responses_protocol
@@ -16,11 +20,23 @@ from .search import protocol as search_protocol
 _REF = "#/components/schemas/{model}"
 
 
-def _schema(model, components: dict) -> dict:
-    schema = model.model_json_schema(ref_template=_REF)
+def _schema(model, components: dict, name: str | None = None) -> dict:
+    """A pydantic model (or, `name`d, any type pydantic validates) among the components, and its $ref."""
+    name = name or model.__name__
+    adapter = TypeAdapter(model)
+    schema = adapter.json_schema(ref_template=_REF)
     components.update(schema.pop("$defs", {}))
-    components[model.__name__] = schema
-    return {"$ref": _REF.format(model=model.__name__)}
+    components[name] = schema
+    return {"$ref": _REF.format(model=name)}
+
+
+def _answer(schema: dict, description: str, *errors: int, media: str = "application/json") -> dict:
+    """An operation's responses: 200 with `schema` as `media`, and the errors' shape."""
+    return {"200": {"description": description, "content": {media: {"schema": schema}}}, **_errors(*errors)}
+
+
+def _in_path(*names: str) -> list[dict]:
+    return [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in names]
 
 
 _ERROR = {"description": "error", "content": {"application/json": {"schema": {"$ref": _REF.format(model="Error")}}}}
@@ -148,6 +164,172 @@ def _responses_paths(components: dict) -> dict:
                     "200": {"description": "the page", "content": {"application/json": {"schema": item_list}}},
                     **_errors(400, 401, 404),
                 },
+            }
+        },
+    }
+
+
+def _conversations_paths(components: dict) -> dict:
+    """OpenAI's Conversations API: a conversation made (with items, metadata), read, its metadata updated,
+    deleted; its items listed (paged as a response's input items), added, read and deleted."""
+    conversation = _schema(conversations_protocol.Conversation, components)
+    item_list = _schema(responses_protocol.InputItemList, components)
+    item = _schema(responses_protocol.InputItemOut, components, "ConversationItem")
+    query = responses_protocol.InputItemsQuery.model_json_schema()["properties"]
+    item_query = [{"name": name, "in": "query", "required": False, "schema": query[name]} for name in query]
+    include = [p for p in item_query if p["name"] == "include"]
+
+    def body(model) -> dict:
+        return {"required": True, "content": {"application/json": {"schema": _schema(model, components)}}}
+
+    by_id, by_item = _in_path("conversation_id"), _in_path("conversation_id", "item_id")
+    return {
+        "/v1/conversations": {
+            "post": {
+                "summary": "a conversation, with its first items (at most 20) and metadata",
+                "requestBody": body(conversations_protocol.ConversationCreate),
+                "responses": _answer(conversation, "the conversation", 400, 401, 413, 415, 503),
+            }
+        },
+        "/v1/conversations/{conversation_id}": {
+            "get": {
+                "summary": "a conversation",
+                "parameters": by_id,
+                "responses": _answer(conversation, "the conversation", 401, 404),
+            },
+            "post": {
+                "summary": "a conversation's metadata replaced",
+                "parameters": by_id,
+                "requestBody": body(conversations_protocol.ConversationUpdate),
+                "responses": _answer(conversation, "the conversation", 400, 401, 404, 415, 503),
+            },
+            "delete": {
+                "summary": "forget a conversation (503 while the shared store is down)",
+                "parameters": by_id,
+                "responses": _answer(
+                    _schema(conversations_protocol.ConversationDeleted, components), "deleted", 401, 404, 503
+                ),
+            },
+        },
+        "/v1/conversations/{conversation_id}/items": {
+            "get": {
+                "summary": "a page of a conversation's items (include[] as the official client sends it)",
+                "parameters": by_id + item_query,
+                "responses": _answer(item_list, "the page", 400, 401, 404),
+            },
+            "post": {
+                "summary": "items added after the conversation's own (at most 20 at once): the added items",
+                "parameters": by_id + include,
+                "requestBody": body(conversations_protocol.ItemsCreate),
+                "responses": _answer(item_list, "the added items", 400, 401, 404, 413, 415, 503),
+            },
+        },
+        "/v1/conversations/{conversation_id}/items/{item_id}": {
+            "get": {
+                "summary": "one item of a conversation",
+                "parameters": by_item + include,
+                "responses": _answer(item, "the item", 400, 401, 404),
+            },
+            "delete": {
+                "summary": "an item deleted from a conversation: the conversation",
+                "parameters": by_item,
+                "responses": _answer(conversation, "the conversation", 401, 404, 503),
+            },
+        },
+    }
+
+
+def _batches_paths(components: dict) -> dict:
+    """OpenAI's Files and Batches APIs: uploads (a batch's JSONL lines), batches of them, their results."""
+    bp = batches_protocol
+    file, batch = _schema(bp.FileObject, components), _schema(bp.Batch, components)
+    page = [
+        {
+            "name": "limit",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+        },
+        {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
+    ]
+    purpose = {"name": "purpose", "in": "query", "required": False, "schema": {"enum": list(bp.PURPOSES)}}
+    upload = {
+        "type": "object",
+        "required": ["file", "purpose"],
+        "properties": {
+            "file": {"type": "string", "format": "binary"},
+            "purpose": {"enum": list(bp.PURPOSES)},
+            "expires_after[anchor]": {"const": "created_at"},
+            "expires_after[seconds]": {"type": "integer", "minimum": bp.MIN_EXPIRY, "maximum": bp.MAX_EXPIRY},
+        },
+    }
+    content = {"type": "string", "format": "binary", "description": "the file's bytes (JSONL for .jsonl files)"}
+    batch_body = {"required": True, "content": {"application/json": {"schema": _schema(bp.BatchCreate, components)}}}
+    return {
+        "/v1/files": {
+            "post": {
+                "summary": "upload a file (a batch's JSONL lines: purpose batch)",
+                "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": upload}}},
+                "responses": _answer(file, "the file", 400, 401, 413, 429, 503),
+            },
+            "get": {
+                "summary": "the tenant's files, newest first",
+                "parameters": [purpose, *page],
+                "responses": _answer(_schema(bp.FileList, components), "a page of files", 400, 401, 503),
+            },
+        },
+        "/v1/files/{file_id}": {
+            "get": {
+                "summary": "a file",
+                "parameters": _in_path("file_id"),
+                "responses": _answer(file, "the file", 401, 404, 503),
+            },
+            "delete": {
+                "summary": "delete a file (a batch running from it is cancelled)",
+                "parameters": _in_path("file_id"),
+                "responses": _answer(_schema(bp.FileDeleted, components), "deleted", 401, 404, 503),
+            },
+        },
+        "/v1/files/{file_id}/content": {
+            "get": {
+                "summary": "a file's content (a batch's output and error files: its answers)",
+                "parameters": _in_path("file_id"),
+                "responses": {
+                    "200": {
+                        "description": "the bytes, named by Content-Disposition",
+                        "content": {
+                            "application/jsonl": {"schema": content},
+                            "application/octet-stream": {"schema": content},
+                        },
+                    },
+                    **_errors(401, 404, 503),
+                },
+            }
+        },
+        "/v1/batches": {
+            "post": {
+                "summary": "a batch of an uploaded file's lines, run beside the interactive requests",
+                "requestBody": batch_body,
+                "responses": _answer(batch, "the batch", 400, 401, 404, 415, 429, 503),
+            },
+            "get": {
+                "summary": "the tenant's batches, newest first",
+                "parameters": page,
+                "responses": _answer(_schema(bp.BatchList, components), "a page of batches", 400, 401, 503),
+            },
+        },
+        "/v1/batches/{batch_id}": {
+            "get": {
+                "summary": "a batch: its status and request_counts",
+                "parameters": _in_path("batch_id"),
+                "responses": _answer(batch, "the batch", 401, 404, 503),
+            }
+        },
+        "/v1/batches/{batch_id}/cancel": {
+            "post": {
+                "summary": "cancel a batch (its lines not yet run are skipped)",
+                "parameters": _in_path("batch_id"),
+                "responses": _answer(batch, "the batch", 401, 404, 503),
             }
         },
     }
@@ -285,15 +467,17 @@ def _document() -> dict:
     chat_errors = _errors(400, 401, 413, 415, 422, 429, 503)
     anthropic_paths = _anthropic_paths(components)
     responses_paths = _responses_paths(components)
+    conversations_paths = _conversations_paths(components)
     search_paths = _search_paths(components)
+    batches_paths = _batches_paths(components)
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "Qwen3-VL CPU service",
             "version": "1.0.0",
             "description": (
-                "OpenAI Chat Completions, Responses and Embeddings, Anthropic Messages, rerank and score, "
-                "a curl-first JSON-lines API."
+                "OpenAI Chat Completions, Responses, Conversations, Embeddings, Files and Batches, Anthropic "
+                "Messages, rerank and score, a curl-first JSON-lines API."
             ),
         },
         "paths": {
@@ -348,8 +532,10 @@ def _document() -> dict:
                 }
             },
             **responses_paths,
+            **conversations_paths,
             **anthropic_paths,
             **search_paths,
+            **batches_paths,
             "/v1/models": {
                 "get": {
                     "summary": "the loaded model",

@@ -28,6 +28,7 @@ import hashlib
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import cv2
@@ -159,11 +160,13 @@ def video_digest(frames: np.ndarray) -> str:
     return hashlib.blake2b(shape + frames.tobytes(), digest_size=16, person=b"qwen3vl-vid").hexdigest()
 
 
-def decode_video(data: bytes, limits: VideoLimits) -> DecodedVideo:
+def decode_video(data: bytes, limits: VideoLimits, before_frames: Callable[[int], None] | None = None) -> DecodedVideo:
     """Bytes of an MP4/MOV, WebM/MKV or AVI clip → sampled RGB frames sized into the token budget.
 
     Raises VideoError (400) for empty, unknown, corrupt or frameless data and TooLarge (413) for
     bytes, duration or frame size beyond the limits — the latter from the metadata, before decoding.
+    `before_frames` is called with the count of frames to be sampled once the container is read, before
+    any frame is decoded: a request's own budget of frames may refuse the clip there.
     """
     start = time.perf_counter()
     fmt = checked_upload(data, "video", limits.max_bytes, sniff_container, VideoError, "MP4/MOV, WebM/MKV or AVI")
@@ -172,7 +175,7 @@ def decode_video(data: bytes, limits: VideoLimits) -> DecodedVideo:
         tmp.flush()
         capture = cv2.VideoCapture(tmp.name, cv2.CAP_FFMPEG, [cv2.CAP_PROP_N_THREADS, 1])
         try:
-            frames, indices, meta = _read_frames(capture, fmt, limits)
+            frames, indices, meta = _read_frames(capture, fmt, limits, before_frames)
         finally:
             capture.release()
     frames = _pad_to_temporal_patch(frames, limits.temporal_patch)
@@ -215,11 +218,15 @@ def _metadata(capture: cv2.VideoCapture, fmt: str, limits: VideoLimits) -> dict:
     return {"fps": fps, "frames": frames, "size": (width, height)}
 
 
-def _read_frames(capture: cv2.VideoCapture, fmt: str, limits: VideoLimits) -> tuple[list[np.ndarray], list[int], dict]:
+def _read_frames(
+    capture: cv2.VideoCapture, fmt: str, limits: VideoLimits, before_frames: Callable[[int], None] | None
+) -> tuple[list[np.ndarray], list[int], dict]:
     """Decode in order up to the last sampled frame, keeping (resized) only the sampled ones."""
     meta = _metadata(capture, fmt, limits)
     wanted = sample_indices(meta["frames"], meta["fps"], limits)
     frame_size(*meta["size"], len(wanted), limits)  # refuse a clip that cannot fit before decoding it
+    if before_frames is not None:
+        before_frames(len(wanted))
     target = None  # from the first decoded frame: the decoder applies the clip's rotation
     frames, indices = [], []
     position, pending = 0, list(wanted)

@@ -21,14 +21,11 @@ from ...jobs import open_store
 from ...jobs.store import JobStore, Line, NewBatch, StoredFile, failed_line, new_id
 from ...settings import Settings
 from ..access.tenants import Tenants
+from .protocol import ENDPOINTS, MAX_EXPIRY, MAX_METADATA, MIN_EXPIRY, PURPOSES
 from .runner import BatchRunner
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")
-PURPOSES = ("batch", "user_data", "vision")  # what uploads may say; only `batch` files make batches
 WINDOW = re.compile(r"^([1-9][0-9]{0,2})h$")  # OpenAI's "24h"; up to a week
 MAX_WINDOW_HOURS = 168
-MAX_METADATA = 16
-MIN_EXPIRY, MAX_EXPIRY = 3600, 30 * 86400  # OpenAI's bounds on expires_after.seconds
 CHUNK = 2**20  # an upload is read this many bytes at a time
 LINE = re.compile(rb"^[ \t\f\v]*+\S[^\n]*", re.MULTILINE)  # a line holding more than whitespace (linear)
 TEXT = re.compile(rb"\S")

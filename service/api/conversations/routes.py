@@ -9,7 +9,7 @@ from dataclasses import replace
 from flask import Blueprint, jsonify, request
 
 from ..http_io import json_body, request_context
-from ..responses.serving import input_item_page, input_items_query
+from ..responses.serving import input_item_page, input_items_query, item_messages
 from ..state import state
 from . import serving
 from .protocol import ConversationCreate, ConversationDeleted, ConversationUpdate, ItemsCreate
@@ -41,12 +41,19 @@ def retrieve(conversation_id: str):
     return jsonify(serving.conversation_object(_get(conversation_id)))
 
 
+def _update(conversation_id: str, change):
+    """The conversation changed in one step (concurrent changes all kept: store.py), or a 404."""
+    changed = state().conversations.update(conversation_id, request_context().owner, change)
+    if changed is None:
+        raise serving.not_found(conversation_id)
+    return changed
+
+
 @conversations_api.post(ENDPOINT + "/<conversation_id>")
 def update(conversation_id: str):
     body = ConversationUpdate.model_validate(json_body())
-    conversation = _get(conversation_id)
-    conversation = replace(conversation, metadata=dict(body.metadata or {}))
-    state().conversations.save(conversation)
+    metadata = dict(body.metadata or {})
+    conversation = _update(conversation_id, lambda c: replace(c, metadata=metadata))
     return jsonify(serving.conversation_object(conversation))
 
 
@@ -66,11 +73,11 @@ def list_items(conversation_id: str):
 
 @conversations_api.post(ENDPOINT + "/<conversation_id>/items")
 def add_items(conversation_id: str):
-    app_state = state()
     body = ItemsCreate.model_validate(json_body())
     query = input_items_query(request.args)
-    conversation, added = serving.with_items(_get(conversation_id), body.items, app_state.require_engine().limits)
-    app_state.conversations.save(conversation)
+    messages = item_messages(body.items, state().require_engine().limits, "items")  # decoded once, outside
+    conversation = _update(conversation_id, lambda c: serving.with_items(c, body.items, messages))
+    added = conversation.segments[-1].items
     page = input_item_page(added, query.model_copy(update={"order": "asc", "limit": len(added), "after": None}))
     return jsonify(page.model_dump(mode="json", by_alias=True))
 
@@ -84,7 +91,6 @@ def retrieve_item(conversation_id: str, item_id: str):
 
 @conversations_api.delete(ENDPOINT + "/<conversation_id>/items/<item_id>")
 def delete_item(conversation_id: str, item_id: str):
-    app_state = state()
-    conversation = serving.without_item(_get(conversation_id), item_id, app_state.require_engine().limits)
-    app_state.conversations.save(conversation)
+    limits = state().require_engine().limits
+    conversation = _update(conversation_id, lambda c: serving.without_item(c, item_id, limits))
     return jsonify(serving.conversation_object(conversation))

@@ -40,16 +40,15 @@ def new_conversation(
     return StoredConversation(conversation_id, int(time.time()), owner, dict(body.metadata or {}), segments, messages)
 
 
-def with_items(conversation: StoredConversation, items: list, limits: RequestLimits) -> tuple[StoredConversation, list]:
-    """The conversation with `items` added after its own (one segment), and the added items as listed."""
-    messages = item_messages(items, limits, "items")
+def with_items(conversation: StoredConversation, items: list, messages: list) -> StoredConversation:
+    """The conversation with `items` added after its own as one segment (listed: each with an id, a new
+    one where the id sent is taken), `messages` what they are (item_messages)."""
     listed = listed_items(conversation.items, items)[len(conversation.items) :]
-    grown = replace(
+    return replace(
         conversation,
         segments=[*conversation.segments, Segment(listed, len(messages))],
         messages=conversation.messages + messages,
     )
-    return grown, listed
 
 
 def without_item(conversation: StoredConversation, item_id: str, limits: RequestLimits) -> StoredConversation:

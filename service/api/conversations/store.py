@@ -7,6 +7,7 @@ so any instance on any machine continues any conversation."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ...caches.lru import BudgetedLRU
@@ -91,20 +92,29 @@ class ConversationStore:
         return self.entries.get(owner, conversation_id)
 
     def save(self, conversation: StoredConversation) -> None:
+        """Keep a new conversation (a change to one is `update`)."""
         self.entries.put(conversation.owner, conversation.id, conversation)
+
+    def update(
+        self, conversation_id: str, owner: str, change: Callable[[StoredConversation], StoredConversation]
+    ) -> StoredConversation | None:
+        """Change `owner`'s conversation in one step — `change` is given it as it is now, and made again if
+        another request (on this instance or another) changed it meanwhile, so concurrent changes are all
+        kept — and return it changed; None (nothing changed) for a conversation not there."""
+        return self.entries.update(owner, conversation_id, change)
 
     def add_turn(
         self, conversation_id: str, owner: str, input_items: list[dict], output_items: list[dict], messages: list
     ) -> None:
-        """Add a response's turn (one segment) to the conversation as it is now: its input items (listed
-        after the conversation's), its output items, and the messages they are — the input's and the
-        answer, with its generated ids. A conversation deleted meanwhile stays deleted."""
-        conversation = self.get(conversation_id, owner)
-        if conversation is None:
-            return
+        """Add a response's turn (one segment) after the conversation's items as they are now: its input
+        items, its output items, and the messages they are — the input's and the answer, with its generated
+        ids. A conversation deleted meanwhile stays deleted."""
         segment = Segment(input_items + output_items, len(messages))
-        segments, all_messages = [*conversation.segments, segment], conversation.messages + messages
-        self.save(replace(conversation, segments=segments, messages=all_messages))
+        self.update(
+            conversation_id,
+            owner,
+            lambda c: replace(c, segments=[*c.segments, segment], messages=c.messages + messages),
+        )
 
     def delete(self, conversation_id: str, owner: str = "") -> bool:
         """Forget it; False if there was none. 503 while a shared store is down (shared/layered.py)."""

@@ -40,25 +40,63 @@ def _listed(value) -> list:
     return [] if value is None else value if isinstance(value, list) else [value]
 
 
-def item_parts(item: Item, limits: RequestLimits, param: str) -> tuple[list[Part], str | None]:
-    """An item's parts in reading order (pictures and clips decoded) and its own instruction, if any;
-    400 naming `param` for an item with nothing in it."""
+class PictureBudget:
+    """The pictures and clip frames one search request may decode (SEARCH_MAX_PICTURES), counted together:
+    the pictures of a field's items before any is decoded (`pictures`), a clip's frames once its container
+    is read and before they are decoded (`clip`) — so a request's decoded pixels stay bounded whatever its
+    item count."""
+
+    def __init__(self, limit: int):
+        self.limit, self.taken = limit, 0
+
+    def take(self, count: int, param: str) -> None:
+        """Count `count` more; a 400 naming `param` past the limit."""
+        self.taken += count
+        if self.taken > self.limit:
+            raise BadRequest(
+                f"{self.taken} pictures and clip frames so far; this server decodes at most {self.limit} in one "
+                "search request (SEARCH_MAX_PICTURES)",
+                param=param,
+                code="too_many_pictures",
+            )
+
+    def pictures(self, items: list, param: str) -> None:
+        """Count the pictures of `items` (official objects, vLLM's content parts, messages) as `param`'s."""
+        self.take(sum(_picture_count(item) for item in items), param)
+
+    def clip(self, param: str):
+        """What counts the clip at `param`'s sampled frames (media/video.py calls it before decoding them)."""
+        return lambda frames: self.take(frames, param)
+
+
+def _picture_count(item) -> int:
+    if isinstance(item, SearchInput):
+        return len(_listed(item.image))
+    content = getattr(item, "content", None)  # vLLM's {content: [...]} and a message
+    return sum(isinstance(part, ImageURLPart) for part in content) if isinstance(content, list) else 0
+
+
+def item_parts(item: Item, limits: RequestLimits, param: str, budget: PictureBudget) -> tuple[list[Part], str | None]:
+    """An item's parts in reading order (pictures and clips decoded, its clips' frames counted against
+    `budget` first) and its own instruction, if any; 400 naming `param` for an item with nothing in it."""
     if isinstance(item, str):
         parts: list[Part] = [TextPart(checked_text(item, param))] if item else []
         instruction = None
     elif isinstance(item, SearchInput):
         parts = [TextPart(checked_text(t, f"{param}.text")) for t in _listed(item.text) if t]
         parts += [ImagePart(decode_inline_image(i, limits.image, f"{param}.image")) for i in _listed(item.image)]
-        parts += [VideoPart(decode_inline_video(v, limits.video, f"{param}.video")) for v in _listed(item.video)]
+        clips = _listed(item.video)
+        where = f"{param}.video"
+        parts += [VideoPart(decode_inline_video(v, limits.video, where, budget.clip(where))) for v in clips]
         parts, instruction = official_order(parts), item.instruction
     else:
-        parts, instruction = _content_parts(item, limits, param), None
+        parts, instruction = _content_parts(item, limits, param, budget), None
     if not parts:
         raise BadRequest(f"{param} is empty: give a text, a picture or a clip", param=param, code="empty_input")
     return parts, instruction
 
 
-def _content_parts(item: ContentInput, limits: RequestLimits, param: str) -> list[Part]:
+def _content_parts(item: ContentInput, limits: RequestLimits, param: str, budget: PictureBudget) -> list[Part]:
     parts: list[Part] = []
     for j, part in enumerate(item.content):
         where = f"{param}.content[{j}]"
@@ -67,7 +105,7 @@ def _content_parts(item: ContentInput, limits: RequestLimits, param: str) -> lis
             parts.append(ImagePart(decode_inline_image(url, limits.image, where)))
         elif isinstance(part, VideoURLPart):
             url = part.video_url if isinstance(part.video_url, str) else part.video_url.url
-            parts.append(VideoPart(decode_inline_video(url, limits.video, where)))
+            parts.append(VideoPart(decode_inline_video(url, limits.video, where, budget.clip(where))))
         elif part.text:
             parts.append(TextPart(checked_text(part.text, where)))
     return parts
@@ -88,24 +126,27 @@ def _search_request(kind: str, body, prompts: list[SearchPrompt], context: Reque
 
 def embeddings_request(body: EmbeddingsRequest, limits: RequestLimits, context: RequestContext) -> SearchRequest:
     """An embeddings body as the engine's search request: one prompt per input (or one for `messages`)."""
+    budget = PictureBudget(limits.max_search_pictures)
     if body.messages is not None:
-        return _search_request(
-            "embedding", body, [_messages_prompt(body, limits)], context, "messages", dimensions=body.dimensions
-        )
+        budget.pictures(body.messages, "messages")
+        prompt = _messages_prompt(body, limits, budget)
+        return _search_request("embedding", body, [prompt], context, "messages", dimensions=body.dimensions)
     items = body.input if isinstance(body.input, list) else [body.input]
     if not items:
         raise BadRequest("input must not be empty", param="input", code="empty_input")
     check_count(len(items), limits.max_search_items, "input")  # before any picture is decoded
+    budget.pictures(items, "input")
     listed = isinstance(body.input, list)
     prompts = [
-        _embedding(item_parts(item, limits, f"input[{i}]" if listed else "input"), body) for i, item in enumerate(items)
+        _embedding(item_parts(item, limits, f"input[{i}]" if listed else "input", budget), body)
+        for i, item in enumerate(items)
     ]
     return _search_request("embedding", body, prompts, context, "input", dimensions=body.dimensions)
 
 
-def _messages_prompt(body: EmbeddingsRequest, limits: RequestLimits) -> SearchPrompt:
+def _messages_prompt(body: EmbeddingsRequest, limits: RequestLimits, budget: PictureBudget) -> SearchPrompt:
     """vLLM's chat-shaped embedding input: [system,] user — the system turn is the instruction."""
-    messages = to_chat_messages(body.messages, limits)
+    messages = to_chat_messages(body.messages, limits, before_frames=budget.clip)
     roles = [m.role for m in messages]
     if roles not in (["user"], ["system", "user"]):
         raise BadRequest("messages must be a user message, after at most one system message", param="messages")
@@ -132,10 +173,13 @@ def embedding_list(body: EmbeddingsRequest, model: str, result: SearchResult) ->
 def rerank_request(body: RerankRequest, limits: RequestLimits, context: RequestContext) -> SearchRequest:
     """A rerank body as the engine's search request: one prompt per (query, document) pair."""
     check_count(len(body.documents), limits.max_search_items, "documents")  # before any picture is decoded
-    query, _ = item_parts(body.query, limits, "query")
+    budget = PictureBudget(limits.max_search_pictures)
+    budget.pictures([body.query], "query")
+    budget.pictures(body.documents, "documents")
+    query, _ = item_parts(body.query, limits, "query", budget)
     prompts = []
     for i, document in enumerate(body.documents):
-        parts, _ = item_parts(document, limits, f"documents[{i}]")
+        parts, _ = item_parts(document, limits, f"documents[{i}]", budget)
         prompts.append(rerank_prompt(query, parts, body.instruction))
     return _search_request("rerank", body, prompts, context, "documents")
 
@@ -176,9 +220,12 @@ def _pairs(body: ScoreRequest, limits: RequestLimits) -> tuple[list, list]:
     if not second:
         raise BadRequest("text_2 must not be empty", param="text_2", code="empty_input")
     check_count(len(second), limits.max_search_items, "text_2")
+    budget = PictureBudget(limits.max_search_pictures)
+    budget.pictures(first, "text_1")
+    budget.pictures(second, "text_2")
     return (
-        [item_parts(item, limits, f"text_1[{i}]") for i, item in enumerate(first)],
-        [item_parts(item, limits, f"text_2[{i}]") for i, item in enumerate(second)],
+        [item_parts(item, limits, f"text_1[{i}]", budget) for i, item in enumerate(first)],
+        [item_parts(item, limits, f"text_2[{i}]", budget) for i, item in enumerate(second)],
     )
 
 
