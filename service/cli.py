@@ -114,6 +114,8 @@ def cmd_chat(args) -> int:
     except (ServiceError, ValidationError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        engine.close()
     t = done.timings
     print("\n")
     print(
@@ -359,6 +361,7 @@ def cmd_compare_search(args) -> int:
     else:
         prompts = [rerank_prompt([TextPart(COMPARE_TEXTS[0])], parts, None) for parts in items]
     result = engine.run_search(SearchRequest(task, prompts, time.perf_counter(), item_param="items"))
+    engine.close()
     reference = reference_model(engine.loaded.path)
     vocab = engine.processor.tokenizer.get_vocab()
     worst = 0.0

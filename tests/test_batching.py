@@ -276,6 +276,23 @@ def test_batch_size_one_runs_one_generation_at_a_time(cache_dir, loaded_model):
     assert a[-1] <= b[0]
 
 
+def test_a_closed_engine_leaves_no_scheduler_thread_and_ends_what_it_ran(cache_dir, loaded_model):
+    """The CLI closes its engine before exiting: a scheduler thread left inside torch when the
+    interpreter ends aborts the process ("terminate called without an active exception")."""
+    engine = Engine(loaded_model("fp32"), make_settings(cache_dir, quantization="fp32"))
+    before = {t for t in threading.enumerate() if t.name == "batch-scheduler"}
+    finished = list(engine.generate(request([TextPart("hello")], max_tokens=3)))
+    (scheduler,) = {t for t in threading.enumerate() if t.name == "batch-scheduler"} - before
+    ends = engine.processor.tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    endless = request([TextPart("hello")], max_tokens=1000, logit_bias={end: -100 for end in ends})
+    running = Stream(engine, endless).start()
+    while not running.arrivals:
+        time.sleep(0.01)
+    engine.close()
+    assert isinstance(finished[-1], Completion) and not scheduler.is_alive()
+    assert running.join().done.finish_reason == "cancelled"  # cut short by the close, not run to its end
+
+
 def test_vision_tower_in_steps_equals_transformers_own_encoder(engines, tiny_dir):
     engine = engines["fp32"]
     prompt = prepared(engine, request([ImagePart(picture(engine, 320)), TextPart("x")]))

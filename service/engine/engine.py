@@ -185,6 +185,12 @@ class Engine:
         """Stop every admitted generation at the scheduler's next step (graceful shutdown)."""
         self.scheduler.cancel_all()
 
+    def close(self, timeout: float = 10.0) -> None:
+        """Before a process that is not a server exits (CLI): generation ended, the scheduler's thread
+        returned and queued disk writes made, so no thread is inside torch when the interpreter ends."""
+        if not self.scheduler.stop(timeout):
+            log.warning("the scheduler did not stop within %.0f s", timeout)
+
     def _sequence(self, request: GenerationRequest, prepared: Prepared, ticket: Ticket, waited: float) -> Sequence:
         """The request as the scheduler runs it: its prefill steps, sampler, stream and limits."""
         marks, speculates = PrefillMarks(), self._speculates(request)

@@ -72,6 +72,7 @@ class Scheduler:
         self._running: list[Sequence] = []
         self._paused: list[Sequence] = []
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     @property
     def batch_size(self) -> int:
@@ -92,6 +93,20 @@ class Scheduler:
             for sequence in [*self._inbox, *self._waiting, *self._running, *self._paused]:
                 sequence.cancel()
             self._wake.notify()
+
+    def stop(self, timeout: float) -> bool:
+        """End every sequence and let the thread finish its step and return (at most `timeout`
+        seconds); whether it did. A process that exits while this thread is inside torch aborts
+        ("terminate called without an active exception"): the interpreter ends a daemon thread that
+        wants the GIL back by unwinding it through C++ frames that may not unwind."""
+        with self._wake:
+            self._stopping = True
+            thread = self._thread
+        self.cancel_all()
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
 
     def wake(self, _=None) -> None:
         """Look at the sequences now (a read finished; admission paused or resumed one)."""
@@ -126,6 +141,8 @@ class Scheduler:
             while True:
                 with self._wake:
                     while not (self._inbox or self._running or self._next_prefill() or self._resumable()):
+                        if self._stopping and not (self._waiting or self._paused):
+                            return
                         # Only parked reads left (a finished read wakes us), or nothing at all.
                         self._wake.wait(READ_WAIT if self._waiting else None)
                         if self._waiting:
