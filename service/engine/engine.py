@@ -29,7 +29,7 @@ from ..memory import MemoryGuard
 from ..model.attention import ExactAttention
 from ..model.deltanet import is_hybrid
 from ..model.forward import TextForward
-from ..model.identity import serving_fingerprint
+from ..model.identity import numerics_identity, serving_fingerprint
 from ..model.loading import LoadedModel
 from ..model.thinking import detect_thinking
 from ..settings import Settings
@@ -104,7 +104,10 @@ class Engine:
         )
         if thinking is not None:
             log.info("%s is a thinking checkpoint: its reasoning is reported apart from its answer", loaded.name)
-        self.outputs = OutputProcessor(self.processor.tokenizer, loaded.eos_token_ids)
+        numerics = numerics_identity(
+            loaded.path, loaded.quantization, settings.kv_dtype, self.vision_encoder.name, loaded.weights_mapped
+        )
+        self.outputs = OutputProcessor(self.processor.tokenizer, loaded.eos_token_ids, numerics)
         self.prefiller = Prefiller(
             loaded.model,
             self.forward,

@@ -261,6 +261,11 @@ class Response(BaseModel):
     usage: ResponseUsage | None
     user: str | None = None
     metadata: dict[str, str]
+    answer_digest: str | None = Field(
+        None,
+        description="an extension, once the answer is done: a digest of its token ids and logprob floats and the "
+        "checkpoint's identity — any instance, on any CPU, replaying the request gives the same",
+    )
 
 
 class InputTextOut(BaseModel):

@@ -401,6 +401,7 @@ class ResponseHead:
             usage=usage(done) if done is not None else None,
             user=body.user,
             metadata=body.metadata or {},
+            answer_digest=done.answer_digest if done is not None else None,
         )
 
 
