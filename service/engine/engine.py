@@ -205,8 +205,9 @@ class Engine:
 
     def _speculates(self, request: GenerationRequest) -> bool:
         """Guessed tokens for this request: SPECULATIVE on, the request not against, INT8 or 4-bit weights in
-        memory (fp32 GEMMs compute up to 4 rows one at a time here: verifying k guesses costs k steps;
-        mapped INT8 weights take another path past a few rows, so a verify pass would not be exact)."""
+        memory (fp32 is the reference numerics: its fixed-order GEMMs would verify exactly, but what that
+        costs was not measured; mapped INT8 weights take another path past a few rows, so a verify pass
+        would not be exact)."""
         return (
             self.settings.speculative == "on"
             and request.speculative

@@ -10,8 +10,8 @@ a kernel's functions their ctypes signatures and `linear_call` mirrors the Linea
 structure, for the modules that call them. `prebuild` starts the compiles in the background at the
 very start of a server (gcc runs while Python imports torch).
 
-This package imports nothing heavy (wsgi.py calls it before torch is imported) and nothing of the
-service but its settings.
+This package's __init__ imports nothing heavy (wsgi.py calls it before torch is imported) and nothing
+of the service but its settings; `float_ops` (imported by the rooms that use it) imports torch.
 """
 
 from __future__ import annotations
