@@ -365,7 +365,7 @@ def test_fp32_weights_agree_across_paths_within_float_rounding(engines, attentio
     assert float(difference) < 1e-5
 
 
-def test_fp32_weights_give_the_same_bits_on_every_path_now(engines, attentions):
+def test_fp32_weights_are_exact_on_every_path_now(engines, attentions):
     """A loaded fp32 model's Linears are float_ops' fixed-order GEMM (each output one chain of fused
     multiply-adds over its inputs, whatever the rows of the call): a token decoded alone and recomputed
     in a prefill piece are the same bits, keys and values too — as with INT8."""
