@@ -330,16 +330,46 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fixed-order fp32"
 
 
+class PackedEmbedding(nn.Module):
+    """A tied embedding read from its lm_head's packed weight (a `Linear`'s: token i's row is its output
+    column i), so the table is held once, as nn.Embedding and its nn.Linear shared one tensor."""
+
+    def __init__(self, lm_head: Linear, padding_idx: int | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = lm_head.out_features, lm_head.in_features
+        self.padding_idx = padding_idx
+        self.register_buffer("packed", lm_head.packed, persistent=False)  # the same tensor
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return unpack(self.packed, self.num_embeddings, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        panels = self.packed.view(-1, self.embedding_dim, 16)
+        return panels[ids // 16, :, ids % 16]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the packed lm_head"
+
+
 def fixed_order_linears(model: nn.Module) -> int:
     """Every nn.Linear of `model` as a `Linear` (fp32 weights: MKL's GEMMs round by the CPU and by the
-    number of rows); how many. Without a compiler the model keeps torch's."""
+    number of rows), a tied embedding read from its lm_head's packed weight; how many. Without a
+    compiler the model keeps torch's."""
     if library() is None:
         return 0
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = getattr(model, "lm_head", None)
+    tied = embedding is not None and type(head) is nn.Linear and head.weight is getattr(embedding, "weight", None)
     names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     for name in names:
         parent, _, attr = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         setattr(owner, attr, Linear.from_linear(getattr(owner, attr)))
+    if tied:
+        name = next(n for n, m in model.named_modules() if m is embedding)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, PackedEmbedding(model.lm_head, embedding.padding_idx))
     return len(names)
 
 
