@@ -18,6 +18,8 @@ bench.core.harness.tree_at does; both import this tree's bench.
 
 from __future__ import annotations
 
+import sys
+
 from bench.core.harness import interleaved, medians, parse, parser, preset_model_path, short_rev, tree_at
 from bench.core.results import markdown_table, report
 from bench.core.session import Session
@@ -38,7 +40,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="of A B B A")
     given = p.parse_args(argv)
     if given.model_path is None and not given.tiny:  # the 4-bit copy, not the INT8 one parse() picks
-        argv = [*(argv or []), "--model-path", str(preset_model_path("2b").with_name("qwen3vl-2b-random-int4"))]
+        int4 = preset_model_path("2b").with_name("qwen3vl-2b-random-int4")
+        argv = [*(sys.argv[1:] if argv is None else argv), "--model-path", str(int4)]
     args = parse(p, argv)
     kinds = ["before", "now"]
     kwargs = {kind: {"model_path": str(args.model_path), "threads": args.threads} for kind in kinds}

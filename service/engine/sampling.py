@@ -117,10 +117,13 @@ class Sampler:
         token = self._draw(scores)
         if self.adjustments is not None:
             self.adjustments.record(token)
-        distribution = float_ops.log_softmax(scores.float() / self.temperature)[0]
-        self.chosen.append(float(distribution[token]))
+        tempered = scores.float()[0] if self.temperature == 1.0 else scores.float()[0] / self.temperature
         if self.logprobs is not None:
+            distribution = float_ops.log_softmax(tempered)
+            self.chosen.append(float(distribution[token]))
             self.logprobs.append(token_logprob(distribution, token, self.top_logprobs))
+        else:  # the chosen token's alone: the same float, no vocabulary-sized result
+            self.chosen.append(float_ops.log_softmax_at(tempered, token))
         return token
 
     def _draw(self, scores: torch.Tensor) -> int:

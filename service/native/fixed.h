@@ -6,7 +6,8 @@
  * - fused multiply-adds only where a kernel writes `fmadd` (built with -ffp-contract=off: the compiler
  *   fuses nothing behind its back; AVX2 and AVX-512 both round a fused multiply-add once);
  * - one fixed tree for a vector's sum (`total`: lanes j and j + 8, then j + 4, j + 2, j + 1);
- * - one implementation of each transcendental: exp and log (Cephes' expf and logf), tanh (Cephes'
+ * - one implementation of each transcendental: exp and log (Cephes' expf — its polynomial in fused
+ *   multiply-adds — and logf), tanh (Cephes'
  *   tanhf), erf (Cephes' erff and erfcf), and sin and cos in double (fdlibm's kernels) — libm's and
  *   the vector libraries' take instruction-set-specific paths.
  */
@@ -82,21 +83,23 @@ static inline float max_lanes(vf a) {
 
 static inline float scalar(vf v) { return v[0]; }
 
-/* exp(x), clamped to [-87.3, 88.3] (0 below, float's largest finite scale above): Cephes' expf. */
+/* exp(x), clamped to [-87.3, 88.3] (0 below, float's largest finite scale above): Cephes' expf, its
+ * polynomial in fused multiply-adds. */
 static inline vf vexp(vf x) {
     vi tiny = x < splat(-87.3f);
     x = pick(x > splat(88.3f), splat(88.3f), x);
     x = pick(tiny, splat(-87.3f), x);
     const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    vf n = (x * splat(1.44269504088896341f) + magic) - magic;
-    vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+    vf n = fmadd(x, splat(1.44269504088896341f), magic) - magic;
+    vf r = fmadd(n, splat(-0.693359375f), x);
+    r = fmadd(n, splat(2.12194440e-4f), r);
     vf p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * (r * r) + r + splat(1.0f);
+    p = fmadd(p, r, splat(1.3981999507e-3f));
+    p = fmadd(p, r, splat(8.3334519073e-3f));
+    p = fmadd(p, r, splat(4.1665795894e-2f));
+    p = fmadd(p, r, splat(1.6666665459e-1f));
+    p = fmadd(p, r, splat(5.0000001201e-1f));
+    p = fmadd(p, r * r, r) + splat(1.0f);
     /* 2^n in two factors, so n = 128 (x near 88.3) stays finite */
     vi half = __builtin_convertvector(n, vi) / 2;
     vi bits0 = (half + 127) << 23, bits1 = (__builtin_convertvector(n, vi) - half + 127) << 23;
