@@ -4,8 +4,8 @@ with a picture, its vision encoding and prefill), this tree against the code bef
 Decision record: every float operation of an answer's path became the service's own, in one fixed
 order on every instruction set (service/native/float_ops.py, docs/engine.md "The same answer on
 every CPU"). Each engine runs in a fresh process, in the order A B B A per round, on the 2B-shaped
-4-bit checkpoint (its vision tower INT8) with the service's defaults but speculation off (a token a
-forward), caches off:
+4-bit checkpoint (its vision tower INT8; `--model-path` another, e.g. the INT8 one) with the service's
+defaults but speculation off (a token a forward), caches off:
 - W1: one 448×448 JPEG and a question: time to first token, its vision encoding and its prefill
   (medians of 3);
 - decode: 64 greedy tokens of a short text prompt, the engine's own decode tokens/s (median of 3).
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     )
     return report(
         args,
-        "The same answer on every CPU: the fixed-order float operations' cost",
+        f"The same answer on every CPU: the fixed-order float operations' cost, {args.model_path.name}",
         {
             "MODEL_PATH": args.model_path.name,
             "THREADS": args.threads,
