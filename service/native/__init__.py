@@ -47,21 +47,22 @@ class Kernel:
 
 HERE = Path(__file__).parent
 SIMD = HERE / "simd.h"
-FIXED = HERE / "fixed.h"  # what the float kernels share: 16-float vectors, fused multiply-adds, exp, log, tanh, erf
+# what the float kernels share: 16-float vectors, fused multiply-adds, exp, log, tanh, erf (fixed_math.h)
+FIXED, FIXED_MATH = HERE / "fixed.h", HERE / "fixed_math.h"
 # Every float kernel is built with -ffp-contract=off: it fuses the multiply-adds it writes, no others,
 # so its bits are the same whichever instruction set -march names.
 EXACT_FLOATS = ("-ffp-contract=off", "-Wno-psabi")
-ATTENTION = Kernel(HERE / "attention.c", EXACT_FLOATS, (FIXED,))
+ATTENTION = Kernel(HERE / "attention.c", EXACT_FLOATS, (FIXED, FIXED_MATH))
 # no fused multiply-adds: its float steps must round as FBGEMM's and oneDNN's do
 INT8_GEMM = Kernel(HERE / "int8_gemm.c", ("-ffp-contract=off",), (SIMD,))
 # its float steps are its own (nothing to match), fused where it says so: none may fuse behind its back
-INT4_GEMM = Kernel(HERE / "int4_gemm.c", EXACT_FLOATS, (SIMD, FIXED))
+INT4_GEMM = Kernel(HERE / "int4_gemm.c", EXACT_FLOATS, (SIMD, FIXED, FIXED_MATH))
 # a mixture of experts' router: float sums in one fixed order, so no fused multiply-adds it did not write
 ROUTER = Kernel(HERE / "router.c", ("-ffp-contract=off",))
 # Qwen3.5's linear attention: the same bits on every instruction set (16-float vectors, fixed.h's exp and log)
-DELTANET = Kernel(HERE / "deltanet.c", EXACT_FLOATS, (FIXED,))
+DELTANET = Kernel(HERE / "deltanet.c", EXACT_FLOATS, (FIXED, FIXED_MATH))
 # norms, activations, softmax, sin/cos, float GEMMs and the vision tower's attention (float_ops.py)
-FLOAT_OPS = Kernel(HERE / "float_ops.c", EXACT_FLOATS, (FIXED,))
+FLOAT_OPS = Kernel(HERE / "float_ops.c", EXACT_FLOATS, (FIXED, FIXED_MATH))
 KERNELS = (ATTENTION, INT8_GEMM, INT4_GEMM, ROUTER, DELTANET, FLOAT_OPS)
 
 

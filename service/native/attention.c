@@ -256,22 +256,11 @@ static void attend_tile(const Attention *a, int head, int r0, int r1, float *sco
             block_scores(q, block, dim, a->scale, scores + i * stride + j0);
         }
     }
-    /* softmax of each query's own keys, in key order; keys past its position weigh zero */
-    vi lane;
-    for (int t = 0; t < W; t++) lane[t] = t;
+    /* softmax of each query's own keys, in key order (fixed.h's row_max and exps) */
     for (int i = 0; i < rows; i++) {
-        const vi limit = (vi){0} + (a->start + r0 + i / group + 1);
+        const int limit = a->start + r0 + i / group + 1;
         float *s = scores + i * stride;
-        vf m = splat(-3.4e38f);
-        for (int j = 0; j < limit[0]; j += W) m = vmax(m, pick(lane + j < limit, load_f32(s + j), m));
-        const vf top = splat(max_lanes(m));
-        vf sum = splat(0.0f);
-        for (int j = 0; j < limit[0]; j += W) {
-            vf p = pick(lane + j < limit, vexp(load_f32(s + j) - top), splat(0.0f));
-            store_f32(s + j, p);
-            sum += p;
-        }
-        s[stride - 1] = 1.0f / total(sum); /* kept beside the row: the last float is never a key's */
+        s[stride - 1] = 1.0f / exps(s, limit, row_max(s, limit), s); /* kept beside the row: never a key's */
     }
     /* values: each query's weighted sum in key order, then scaled by 1 / sum */
     for (int i = 0; i < rows; i += 2) {

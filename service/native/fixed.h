@@ -6,8 +6,8 @@
  * - fused multiply-adds only where a kernel writes `fmadd` (built with -ffp-contract=off: the compiler
  *   fuses nothing behind its back; AVX2 and AVX-512 both round a fused multiply-add once);
  * - one fixed tree for a vector's sum (`total`: lanes j and j + 8, then j + 4, j + 2, j + 1);
- * - one implementation of each transcendental: exp and log (Cephes' expf — its polynomial in fused
- *   multiply-adds — and logf), tanh (Cephes'
+ * - one implementation of each transcendental (fixed_math.h): exp and log (Cephes' expf — its polynomial in
+ *   fused multiply-adds — and logf), tanh (Cephes'
  *   tanhf), erf (Cephes' erff and erfcf), and sin and cos in double (fdlibm's kernels) — libm's and
  *   the vector libraries' take instruction-set-specific paths.
  */
@@ -83,119 +83,163 @@ static inline float max_lanes(vf a) {
 
 static inline float scalar(vf v) { return v[0]; }
 
-/* exp(x), clamped to [-87.3, 88.3] (0 below, float's largest finite scale above): Cephes' expf, its
- * polynomial in fused multiply-adds. */
-static inline vf vexp(vf x) {
-    vi tiny = x < splat(-87.3f);
-    x = pick(x > splat(88.3f), splat(88.3f), x);
-    x = pick(tiny, splat(-87.3f), x);
-    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    vf n = fmadd(x, splat(1.44269504088896341f), magic) - magic;
-    vf r = fmadd(n, splat(-0.693359375f), x);
-    r = fmadd(n, splat(2.12194440e-4f), r);
-    vf p = splat(1.9875691500e-4f);
-    p = fmadd(p, r, splat(1.3981999507e-3f));
-    p = fmadd(p, r, splat(8.3334519073e-3f));
-    p = fmadd(p, r, splat(4.1665795894e-2f));
-    p = fmadd(p, r, splat(1.6666665459e-1f));
-    p = fmadd(p, r, splat(5.0000001201e-1f));
-    p = fmadd(p, r * r, r) + splat(1.0f);
-    /* 2^n in two factors, so n = 128 (x near 88.3) stays finite */
-    vi half = __builtin_convertvector(n, vi) / 2;
-    vi bits0 = (half + 127) << 23, bits1 = (__builtin_convertvector(n, vi) - half + 127) << 23;
-    vf scale0, scale1;
-    memcpy(&scale0, &bits0, sizeof scale0);
-    memcpy(&scale1, &bits1, sizeof scale1);
-    return pick(tiny, splat(0.0f), p * scale0 * scale1);
+#define V vf
+#define VI vi
+#define SPLAT splat
+#define PICK pick
+#define FMADD fmadd
+#define NAME(f) v##f
+#include "fixed_math.h"
+#undef V
+#undef VI
+#undef SPLAT
+#undef PICK
+#undef FMADD
+#undef NAME
+
+/* The CPU's own vectors (vn, NATIVE floats: 16 with AVX-512, 8 with AVX2), for the loops whose every
+ * element is alone or whose sums keep the 16 lanes apart: GCC keeps its 16-float vectors in memory inside
+ * AVX2 loops, many times slower. A 16-lane sum is HALVES native sums (lanes 0-7, then 8-15). */
+#if defined(__AVX512F__)
+#define NATIVE 16
+typedef vf vn;
+typedef vi vni;
+#define n_splat splat
+#define n_pick pick
+#define n_fmadd fmadd
+#define n_exp vexp
+#define n_log vlog
+#define n_sigmoid vsigmoid
+#define n_silu vsilu
+#define n_tanh vtanh
+#define n_erf verf
+#else
+#define NATIVE 8
+typedef float vn __attribute__((vector_size(NATIVE * sizeof(float))));
+typedef int32_t vni __attribute__((vector_size(NATIVE * sizeof(int32_t))));
+static inline vn n_splat(float x) { return (vn){x, x, x, x, x, x, x, x}; }
+static inline vn n_pick(vni mask, vn a, vn b) { return (vn)(((vni)a & mask) | ((vni)b & ~mask)); }
+static inline vn n_fmadd(vn a, vn b, vn c) { return (vn)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#define V vn
+#define VI vni
+#define SPLAT n_splat
+#define PICK n_pick
+#define FMADD n_fmadd
+#define NAME(f) n_##f
+#include "fixed_math.h"
+#undef V
+#undef VI
+#undef SPLAT
+#undef PICK
+#undef FMADD
+#undef NAME
+#endif
+#define HALVES (LANES / NATIVE)
+
+static inline vn n_load(const float *p) {
+    vn v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-/* log(x) for x > 0 normal: Cephes' logf. */
-static inline vf vlog(vf x) {
-    vi bits;
-    memcpy(&bits, &x, sizeof bits);
-    vi exponent = ((bits >> 23) & 0xff) - 126;
-    bits = (bits & 0x007fffff) | 0x3f000000; /* the mantissa in [0.5, 1) */
-    vf m;
-    memcpy(&m, &bits, sizeof m);
-    vi small = m < splat(0.707106781186547524f);
-    vf e = __builtin_convertvector(exponent, vf) - pick(small, splat(1.0f), splat(0.0f));
-    m = pick(small, m + m, m) - splat(1.0f);
-    vf z = m * m;
-    vf p = splat(7.0376836292e-2f);
-    p = p * m + splat(-1.1514610310e-1f);
-    p = p * m + splat(1.1676998740e-1f);
-    p = p * m + splat(-1.2420140846e-1f);
-    p = p * m + splat(1.4249322787e-1f);
-    p = p * m + splat(-1.6668057665e-1f);
-    p = p * m + splat(2.0000714765e-1f);
-    p = p * m + splat(-2.4999993993e-1f);
-    p = p * m + splat(3.3333331174e-1f);
-    vf y = p * m * z;
-    y = y + e * splat(-2.12194440e-4f);
-    y = y - z * splat(0.5f);
-    return m + y + e * splat(0.693359375f);
+static inline void n_store(float *p, vn v) { memcpy(p, &v, sizeof v); }
+
+static inline vn n_load_part(const float *p, int count) {
+    float lanes[NATIVE] = {0};
+    memcpy(lanes, p, sizeof(float) * count);
+    return n_load(lanes);
 }
 
-static inline vf vsigmoid(vf x) { return splat(1.0f) / (splat(1.0f) + vexp(-x)); }
-
-/* x·sigmoid(x) as torch writes it: x / (1 + e^-x). */
-static inline vf vsilu(vf x) { return x / (splat(1.0f) + vexp(-x)); }
-
-static inline vf vabs(vf x) { return (vf)((vi)x & 0x7fffffff); }
-
-static inline vf vcopysign(vf magnitude, vf sign) {
-    return (vf)(((vi)magnitude & 0x7fffffff) | ((vi)sign & (int32_t)0x80000000));
+static inline void n_store_part(float *p, vn v, int count) {
+    float lanes[NATIVE];
+    n_store(lanes, v);
+    memcpy(p, lanes, sizeof(float) * count);
 }
 
-/* tanh(x): Cephes' tanhf — an odd polynomial below 0.625, 1 - 2 / (e^2|x| + 1) above. */
-static inline vf vtanh(vf x) {
-    const vf a = vabs(x);
-    vf z = x * x;
-    vf p = splat(-5.70498872745e-3f);
-    p = p * z + splat(2.06390887954e-2f);
-    p = p * z + splat(-5.37397155531e-2f);
-    p = p * z + splat(1.33314422036e-1f);
-    p = p * z + splat(-3.33332819422e-1f);
-    const vf small = p * z * x + x;
-    const vf large = vcopysign(splat(1.0f) - splat(2.0f) / (vexp(a + a) + splat(1.0f)), x);
-    return pick(a < splat(0.625f), small, large);
+static inline vni n_lanes(void) {
+    vni lane;
+    for (int l = 0; l < NATIVE; l++) lane[l] = l;
+    return lane;
 }
 
-/* erf(x): Cephes' erff below |x| = 1, 1 - erfcf(|x|) (signed) above — erfcf from e^-x² and a
- * polynomial in 1/x² (one for |x| < 2, one beyond); 1 past |x| = 9 (erfc underflows). */
-static inline vf verf(vf x) {
-    const vf a = vabs(x);
-    const vf z = x * x;
-    vf t = splat(7.853861353153693e-5f);
-    t = t * z + splat(-8.010193625184903e-4f);
-    t = t * z + splat(5.188327685732524e-3f);
-    t = t * z + splat(-2.685381193529856e-2f);
-    t = t * z + splat(1.128358514861418e-1f);
-    t = t * z + splat(-3.761262582423300e-1f);
-    t = t * z + splat(1.128379165726710e0f);
-    const vf inner = x * t;
-    const vf q = splat(1.0f) / pick(a < splat(1.0f), splat(1.0f), a);
-    const vf y = q * q;
-    vf p = splat(2.326819970068386e-2f);
-    p = p * y + splat(-1.387039388740657e-1f);
-    p = p * y + splat(3.687424674597105e-1f);
-    p = p * y + splat(-5.824733027278666e-1f);
-    p = p * y + splat(6.210004621745983e-1f);
-    p = p * y + splat(-4.944515323274145e-1f);
-    p = p * y + splat(3.404879937665872e-1f);
-    p = p * y + splat(-2.741127028184656e-1f);
-    p = p * y + splat(5.638259427386472e-1f);
-    vf r = splat(-1.047766399936249e1f);
-    r = r * y + splat(1.297719955372516e1f);
-    r = r * y + splat(-7.495518717768503e0f);
-    r = r * y + splat(2.921019019210786e0f);
-    r = r * y + splat(-1.015265279202700e0f);
-    r = r * y + splat(4.218463358204948e-1f);
-    r = r * y + splat(-2.820767439740514e-1f);
-    r = r * y + splat(5.641895067754075e-1f);
-    const vf tail = vexp(-z) * q * pick(a < splat(2.0f), p, r);
-    const vf outer = vcopysign(pick(a < splat(9.0f), splat(1.0f) - tail, splat(1.0f)), x);
-    return pick(a < splat(1.0f), inner, outer);
+/* One 16-lane sum held as HALVES native ones, added by total's tree (lanes j and j + 8 first). */
+static inline float n_total(const vn *acc) {
+#if NATIVE == 16
+    return total(acc[0]);
+#else
+    const vn both = acc[0] + acc[1];
+    float p[NATIVE];
+    memcpy(p, &both, sizeof p);
+    for (int width = NATIVE / 2; width >= 1; width /= 2)
+        for (int j = 0; j < width; j++) p[j] = p[j] + p[j + width];
+    return p[0];
+#endif
+}
+
+/* Σ (x[i] - shift)² (squares) or Σ (x[i] - shift) over a row of n: input i in lane i mod 16, in order, then
+ * total's tree — an order fixed by n alone. */
+static inline float row_sum(const float *x, int n, float shift, int squares) {
+    vn acc[HALVES];
+    for (int h = 0; h < HALVES; h++) acc[h] = n_splat(0.0f);
+    const vn s = n_splat(shift), zero = n_splat(0.0f);
+    const vni lane = n_lanes();
+    for (int i = 0; i < n; i += LANES)
+        for (int h = 0; h < HALVES; h++) {
+            const int at = i + h * NATIVE, rest = n - at;
+            if (rest <= 0) break;
+            vn v = (rest >= NATIVE ? n_load(x + at) : n_load_part(x + at, rest)) - s;
+            v = n_pick(lane < rest, v, zero);
+            acc[h] = acc[h] + (squares ? v * v : v);
+        }
+    return n_total(acc);
+}
+
+/* The row's largest value (NaN if it holds one, as torch's max): lanes folded in order, exact. */
+static inline float row_max(const float *x, int n) {
+    vn top[HALVES];
+    vni nan = (vni){0};
+    for (int h = 0; h < HALVES; h++) top[h] = n_splat(x[0]);
+    int i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int h = 0; h < HALVES; h++) {
+            const vn v = n_load(x + i + h * NATIVE);
+            top[h] = n_pick(v > top[h], v, top[h]);
+            nan |= v != v;
+        }
+    float lanes[LANES], m;
+    for (int h = 0; h < HALVES; h++) n_store(lanes + h * NATIVE, top[h]);
+    m = lanes[0];
+    for (int l = 1; l < LANES; l++) m = lanes[l] > m ? lanes[l] : m;
+    for (; i < n; i++) {
+        m = x[i] > m ? x[i] : m;
+        nan[0] |= x[i] != x[i];
+    }
+    for (int l = 0; l < NATIVE; l++)
+        if (nan[l]) return x[0] - x[0] + __builtin_nanf("");
+    return m;
+}
+
+/* exp(x - top) of a row of n into y, and their sum as row_sum adds them. */
+static inline float exps(const float *x, int n, float top, float *y) {
+    vn acc[HALVES];
+    for (int h = 0; h < HALVES; h++) acc[h] = n_splat(0.0f);
+    const vn t = n_splat(top), zero = n_splat(0.0f);
+    const vni lane = n_lanes();
+    for (int i = 0; i < n; i += LANES)
+        for (int h = 0; h < HALVES; h++) {
+            const int at = i + h * NATIVE, rest = n - at;
+            if (rest <= 0) break;
+            if (rest >= NATIVE) {
+                const vn e = n_exp(n_load(x + at) - t);
+                n_store(y + at, e);
+                acc[h] = acc[h] + e;
+            } else {
+                const vn e = n_pick(lane < rest, n_exp(n_load_part(x + at, rest) - t), zero);
+                n_store_part(y + at, e, rest);
+                acc[h] = acc[h] + e;
+            }
+        }
+    return n_total(acc);
 }
 
 /* sin and cos of a double: the argument reduced by multiples of pi/2 (three parts, exact for

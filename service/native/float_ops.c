@@ -43,121 +43,64 @@ typedef struct {
 /* Spread the rows over the threads only when there is enough work to pay for it. */
 #define ENOUGH 32768
 
-/* Σ x[i]·x[i] (squares) or Σ x[i] over a vector of n, input i in lane i mod 16, in order. */
-static inline float sum_of(const float *x, int n, float shift, int squares) {
-    vf acc = splat(0.0f);
-    const vf s = splat(shift);
-    int i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        vf v = load(x + i) - s;
-        acc = acc + (squares ? v * v : v);
-    }
-    if (i < n) {
-        vf v = load_part(x + i, n - i) - s;
-        vi lane;
-        for (int t = 0; t < LANES; t++) lane[t] = t;
-        v = pick(lane < n - i, v, splat(0.0f));
-        acc = acc + (squares ? v * v : v);
-    }
-    return total(acc);
-}
-
-/* out = f(x) for a vector of n, whole vectors then a part of one: each element alone. */
+/* out = f(v) for each element v of a row of n (the CPU's own vectors, then a part of one): each alone. */
 #define ELEMENTWISE(out, x, n, expression)                                \
     do {                                                                  \
         int i_ = 0;                                                       \
-        for (; i_ + LANES <= (n); i_ += LANES) {                          \
-            const vf v = load((x) + i_);                                  \
-            store((out) + i_, (expression));                              \
+        for (; i_ + NATIVE <= (n); i_ += NATIVE) {                        \
+            const vn v = n_load((x) + i_);                                \
+            n_store((out) + i_, (expression));                            \
         }                                                                 \
         if (i_ < (n)) {                                                   \
-            const vf v = load_part((x) + i_, (n) - i_);                   \
-            store_part((out) + i_, (expression), (n) - i_);               \
+            const vn v = n_load_part((x) + i_, (n) - i_);                 \
+            n_store_part((out) + i_, (expression), (n) - i_);             \
         }                                                                 \
     } while (0)
 
-static inline vf weight_at(const float *w, int i, int count) {
-    return count >= LANES ? load(w + i) : load_part(w + i, count);
+/* The native vector of w (a weight or bias row, or none: `none`) at element i of a row of n. */
+static inline vn n_at(const float *w, int i, int n, float none) {
+    if (!w) return n_splat(none);
+    return n - i >= NATIVE ? n_load(w + i) : n_load_part(w + i, n - i);
 }
 
 /* x / sqrt(mean(x²) + eps) · weight (torch's F.rms_norm; no weight: 1). */
 static void rms_norm_one(const Rows *r, const float *x, float *y) {
     const int n = r->n;
-    const float inverse = 1.0f / __builtin_sqrtf(sum_of(x, n, 0.0f, 1) / (float)n + r->eps);
-    const vf s = splat(inverse);
-    for (int i = 0; i < n; i += LANES) {
-        const int count = n - i < LANES ? n - i : LANES;
-        vf v = (count == LANES ? load(x + i) : load_part(x + i, count)) * s;
-        if (r->weight) v = v * weight_at(r->weight, i, count);
-        if (count == LANES)
-            store(y + i, v);
+    const vn s = n_splat(1.0f / __builtin_sqrtf(row_sum(x, n, 0.0f, 1) / (float)n + r->eps));
+    if (!r->weight) {
+        ELEMENTWISE(y, x, n, v * s);
+        return;
+    }
+    for (int i = 0; i < n; i += NATIVE) {
+        const int count = n - i < NATIVE ? n - i : NATIVE;
+        const vn v = (count == NATIVE ? n_load(x + i) : n_load_part(x + i, count)) * s * n_at(r->weight, i, n, 1.0f);
+        if (count == NATIVE)
+            n_store(y + i, v);
         else
-            store_part(y + i, v, count);
+            n_store_part(y + i, v, count);
     }
 }
 
 /* (x - mean) / sqrt(var + eps) · weight + bias, the variance about the mean (torch's F.layer_norm). */
 static void layer_norm_one(const Rows *r, const float *x, float *y) {
     const int n = r->n;
-    const float mean = sum_of(x, n, 0.0f, 0) / (float)n;
-    const float inverse = 1.0f / __builtin_sqrtf(sum_of(x, n, mean, 1) / (float)n + r->eps);
-    const vf m = splat(mean), s = splat(inverse);
-    for (int i = 0; i < n; i += LANES) {
-        const int count = n - i < LANES ? n - i : LANES;
-        vf v = ((count == LANES ? load(x + i) : load_part(x + i, count)) - m) * s;
-        if (r->weight) v = v * weight_at(r->weight, i, count);
-        if (r->bias) v = v + weight_at(r->bias, i, count);
-        if (count == LANES)
-            store(y + i, v);
+    const float mean = row_sum(x, n, 0.0f, 0) / (float)n;
+    const vn m = n_splat(mean), s = n_splat(1.0f / __builtin_sqrtf(row_sum(x, n, mean, 1) / (float)n + r->eps));
+    for (int i = 0; i < n; i += NATIVE) {
+        const int count = n - i < NATIVE ? n - i : NATIVE;
+        vn v = ((count == NATIVE ? n_load(x + i) : n_load_part(x + i, count)) - m) * s;
+        if (r->weight) v = v * n_at(r->weight, i, n, 1.0f);
+        if (r->bias) v = v + n_at(r->bias, i, n, 0.0f);
+        if (count == NATIVE)
+            n_store(y + i, v);
         else
-            store_part(y + i, v, count);
+            n_store_part(y + i, v, count);
     }
-}
-
-/* The row's largest value (NaN if it holds one, as torch's max): exact in any order. */
-static float row_max(const float *x, int n) {
-    vf top = splat(x[0]);
-    vi nan = (vi){0};
-    int i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        const vf v = load(x + i);
-        top = vmax(top, v);
-        nan |= v != v;
-    }
-    float m = max_lanes(top);
-    for (; i < n; i++) {
-        m = x[i] > m ? x[i] : m;
-        nan[0] |= x[i] != x[i];
-    }
-    for (int t = 0; t < LANES; t++)
-        if (nan[t]) return x[0] - x[0] + __builtin_nanf("");
-    return m;
-}
-
-/* exp(x - max) in y, and their sum in fixed order (input i in lane i mod 16, as sum_of adds them). */
-static float exps(const float *x, int n, float top, float *y) {
-    const vf t = splat(top);
-    vf acc = splat(0.0f);
-    int i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        const vf e = vexp(load(x + i) - t);
-        store(y + i, e);
-        acc = acc + e;
-    }
-    if (i < n) {
-        vi lane;
-        for (int l = 0; l < LANES; l++) lane[l] = l;
-        const vf e = pick(lane < n - i, vexp(load_part(x + i, n - i) - t), splat(0.0f));
-        store_part(y + i, e, n - i);
-        acc = acc + e;
-    }
-    return total(acc);
 }
 
 static void softmax_one(const Rows *r, const float *x, float *y) {
     const int n = r->n;
-    const float sum = exps(x, n, row_max(x, n), y);
-    const vf s = splat(sum);
+    const vn s = n_splat(exps(x, n, row_max(x, n), y));
     ELEMENTWISE(y, y, n, v / s);
 }
 
@@ -166,18 +109,20 @@ static void log_softmax_one(const Rows *r, const float *x, float *y) {
     const int n = r->n;
     const float top = row_max(x, n);
     const float log_sum = scalar(vlog(splat(exps(x, n, top, y))));
-    const vf t = splat(top), l = splat(log_sum);
+    const vn t = n_splat(top), l = n_splat(log_sum);
     ELEMENTWISE(y, x, n, (v - t) - l);
 }
 
 enum { SILU = 0, SIGMOID = 1, GELU_TANH = 2, GELU_ERF = 3 };
 
-static inline vf gelu_tanh(vf x) {
-    const vf inner = splat(0.7978845608028654f) * (x + splat(0.044715f) * (x * x * x));
-    return splat(0.5f) * x * (splat(1.0f) + vtanh(inner));
+static inline vn gelu_tanh(vn x) {
+    const vn inner = n_splat(0.7978845608028654f) * (x + n_splat(0.044715f) * (x * x * x));
+    return n_splat(0.5f) * x * (n_splat(1.0f) + n_tanh(inner));
 }
 
-static inline vf gelu_erf(vf x) { return x * splat(0.5f) * (splat(1.0f) + verf(x * splat(0.7071067811865476f))); }
+static inline vn gelu_erf(vn x) {
+    return x * n_splat(0.5f) * (n_splat(1.0f) + n_erf(x * n_splat(0.7071067811865476f)));
+}
 
 typedef void (*row_fn)(const Rows *, const float *, float *);
 
@@ -229,8 +174,8 @@ void unary(int kind, const Rows *r, int threads) {
         const float *x = r->x + row * r->x_row + group * r->x_group;
         float *y = r->y + row * r->y_row + group * r->y_group;
         switch (kind) {
-        case SILU: ELEMENTWISE(y, x, r->n, vsilu(v)); break;
-        case SIGMOID: ELEMENTWISE(y, x, r->n, vsigmoid(v)); break;
+        case SILU: ELEMENTWISE(y, x, r->n, n_silu(v)); break;
+        case SIGMOID: ELEMENTWISE(y, x, r->n, n_sigmoid(v)); break;
         case GELU_TANH: ELEMENTWISE(y, x, r->n, gelu_tanh(v)); break;
         default: ELEMENTWISE(y, x, r->n, gelu_erf(v)); break;
         }
@@ -248,10 +193,10 @@ void silu_mul(const Rows *r, int threads) {
         const float *z = r->z + row * r->z_row + group * r->z_group;
         float *y = r->y + row * r->y_row + group * r->y_group;
         int i = 0;
-        for (; i + LANES <= r->n; i += LANES) store(y + i, vsilu(load(x + i)) * load(z + i));
+        for (; i + NATIVE <= r->n; i += NATIVE) n_store(y + i, n_silu(n_load(x + i)) * n_load(z + i));
         if (i < r->n) {
             const int rest = r->n - i;
-            store_part(y + i, vsilu(load_part(x + i, rest)) * load_part(z + i, rest), rest);
+            n_store_part(y + i, n_silu(n_load_part(x + i, rest)) * n_load_part(z + i, rest), rest);
         }
     }
 }
@@ -287,8 +232,7 @@ void float_pack(const float *w, int n, int k, float *packed) {
 /* The products' own vectors: one AVX-512 register holds a panel's 16 columns, two AVX2 ones hold them
  * (a column's chain of fused multiply-adds is the same either way: each lane is its own chain). */
 #if defined(__AVX512F__)
-#define NATIVE 16
-typedef __m512 vn;
+typedef __m512 vg;
 #define N_LOAD(p) _mm512_loadu_ps(p)
 #define N_STORE(p, v) _mm512_storeu_ps(p, v)
 #define N_SET(x) _mm512_set1_ps(x)
@@ -298,8 +242,7 @@ typedef __m512 vn;
 #define ROWS 8 /* 8 rows × 2 panels: 16 accumulators of the 32 registers */
 #define PANELS 2
 #else
-#define NATIVE 8
-typedef __m256 vn;
+typedef __m256 vg;
 #define N_LOAD(p) _mm256_loadu_ps(p)
 #define N_STORE(p, v) _mm256_storeu_ps(p, v)
 #define N_SET(x) _mm256_set1_ps(x)
@@ -309,7 +252,6 @@ typedef __m256 vn;
 #define ROWS 4 /* 4 rows × 1 panel: 8 accumulators of the 16 registers */
 #define PANELS 1
 #endif
-#define HALVES (LANES / NATIVE) /* native vectors per panel */
 
 /* R rows × P panels of outputs, inputs [k0, k1): acc = y (or 0 when `first`), acc = fma(x[r][j], w[j], acc)
  * for j in order; stored back to y, plus the bias when given (the last block). w: panel p at
@@ -318,14 +260,14 @@ typedef __m256 vn;
     static void micro_##R##_##P(const float *x, int64_t x_row, const float *w, int64_t panel, int64_t step, int k0, \
                                 int k1, float *y, int64_t y_row, int first, const float *bias) {                    \
         enum { V = P * HALVES };                                                                                  \
-        vn acc[R][V];                                                                                             \
+        vg acc[R][V];                                                                                             \
         for (int r = 0; r < R; r++)                                                                               \
             for (int v = 0; v < V; v++) acc[r][v] = first ? N_ZERO() : N_LOAD(y + r * y_row + v * NATIVE);        \
         for (int j = k0; j < k1; j++) {                                                                           \
-            vn b[V];                                                                                              \
+            vg b[V];                                                                                              \
             for (int v = 0; v < V; v++) b[v] = N_LOAD(w + (v / HALVES) * panel + (int64_t)j * step + v % HALVES * NATIVE); \
             for (int r = 0; r < R; r++) {                                                                         \
-                const vn a = N_SET(x[r * x_row + j]);                                                             \
+                const vg a = N_SET(x[r * x_row + j]);                                                             \
                 for (int v = 0; v < V; v++) acc[r][v] = N_FMA(a, b[v], acc[r][v]);                                \
             }                                                                                                     \
         }                                                                                                         \
@@ -560,7 +502,7 @@ int vision_attention(const VisionAttention *a, int threads) {
             }
             for (int r = 0; r < rows; r++) {
                 float *out = a->out + (int64_t)(start + q0 + r) * a->out_row + (int64_t)h * dim;
-                const vf w = splat(inverse[r]);
+                const vn w = n_splat(inverse[r]);
                 ELEMENTWISE(out, o + (int64_t)r * dpad, dim, v * w);
             }
         }

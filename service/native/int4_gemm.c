@@ -275,8 +275,11 @@ static void expert_item(const ExpertItem *it, const int8_t *a, const int32_t *su
  * float_ops.c's silu_mul, on every instruction set (libm's expf was not). */
 static void silu_times_up(float *g, int width) {
     int j = 0;
-    for (; j + LANES <= width; j += LANES) store(g + j, vsilu(load(g + j)) * load(g + width + j));
-    if (j < width) store_part(g + j, vsilu(load_part(g + j, width - j)) * load_part(g + width + j, width - j), width - j);
+    for (; j + NATIVE <= width; j += NATIVE) n_store(g + j, n_silu(n_load(g + j)) * n_load(g + width + j));
+    if (j < width) {
+        const int rest = width - j;
+        n_store_part(g + j, n_silu(n_load_part(g + j, rest)) * n_load_part(g + width + j, rest), rest);
+    }
 }
 
 int int4_experts(const Int4Experts *c, int experts, int threads) {
