@@ -175,6 +175,7 @@ class Completion:
     reasoning_tokens: int = 0  # of completion_tokens, those before the answer (tags and separator included)
     preempted: int = 0  # times it was paused for a more urgent request
     stop_string: str | None = None  # the request's stop string that ended the answer, if one did
+    answer_digest: str = ""  # its tokens and their logprob bits, digested (service/answer/digest.py)
 
 
 class Tracked(Protocol):

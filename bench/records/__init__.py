@@ -1,7 +1,8 @@
 """Decision records: benchmarks that measured a choice once — per-token INT8 against per-tensor
 (`bench_int8`), the KV cache growing in place against torch.cat (`bench_kv`), the lean decode step
 against transformers' forward (`bench_decode`), one computation per token against the code before
-it (`bench_exactness`), OpenCV against PIL (`image_decoding`).
+it (`bench_exactness`), the fixed-order float operations against torch's (`bench_every_cpu`), OpenCV
+against PIL (`image_decoding`).
 
 Each is frozen at the commit its bench/RESULTS.md section names: that section is the record, and
 rerunning it means running the benchmark as it was there, e.g.

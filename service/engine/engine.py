@@ -30,7 +30,7 @@ from ..memory import MemoryGuard
 from ..model.attention import ExactAttention
 from ..model.deltanet import is_hybrid
 from ..model.forward import TextForward
-from ..model.identity import serving_fingerprint
+from ..model.identity import numerics_identity, serving_fingerprint
 from ..model.loading import LoadedModel
 from ..model.mtp import MTPHead
 from ..model.thinking import detect_thinking
@@ -116,7 +116,10 @@ class Engine:
         )
         if thinking is not None:
             log.info("%s is a thinking checkpoint: its reasoning is reported apart from its answer", loaded.name)
-        self.outputs = OutputProcessor(self.processor.tokenizer, loaded.eos_token_ids)
+        numerics = numerics_identity(
+            loaded.path, loaded.quantization, settings.kv_dtype, self.vision_encoder.name, loaded.weights_mapped
+        )
+        self.outputs = OutputProcessor(self.processor.tokenizer, loaded.eos_token_ids, numerics)
         self.prefiller = Prefiller(
             loaded.model,
             self.forward,
@@ -249,9 +252,9 @@ class Engine:
 
     @staticmethod
     def _speculative_weights(loaded: LoadedModel, settings: Settings) -> bool:
-        """SPECULATIVE on and INT8 or 4-bit weights in memory (fp32 GEMMs compute up to 4 rows one at a
-        time here: verifying k guesses costs k steps; mapped INT8 weights take another path past a few
-        rows, so a verify pass would not be exact)."""
+        """SPECULATIVE on and INT8 or 4-bit weights in memory (fp32 is the reference numerics: its
+        fixed-order GEMMs would verify exactly, but what that costs was not measured; mapped INT8 weights
+        take another path past a few rows, so a verify pass would not be exact)."""
         return settings.speculative == "on" and loaded.quantization in ("int8", "int4") and not loaded.weights_mapped
 
     def _speculates(self, request: GenerationRequest) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+from ..answer.digest import answer_digest
 from ..answer.grounding import find_boxes
 from ..answer.logprobs import TokenLogprob, TokenText
 from ..answer.stops import StopStringMatcher
@@ -21,9 +22,10 @@ from .sequence import Sequence
 class OutputProcessor:
     """Shapes every sequence's answer for one tokenizer; `events` runs on the request's thread."""
 
-    def __init__(self, tokenizer, eos_token_ids: list[int]):
+    def __init__(self, tokenizer, eos_token_ids: list[int], numerics: str = ""):
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.numerics = numerics  # what the answers' numbers depend on (model/identity.py): part of their digest
         self.token_text = TokenText(tokenizer)  # logprobs' token strings and bytes
 
     def events(self, sequence: Sequence) -> Iterator[TextDelta | Completion]:
@@ -100,6 +102,7 @@ class OutputProcessor:
             video_tokens=video_tokens,
             preempted=sequence.ticket.preempted,
             stop_string=stop_string,
+            answer_digest=answer_digest(self.numerics, ids, sequence.sampler.chosen[: len(ids)]),
         )
 
     @staticmethod

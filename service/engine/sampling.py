@@ -1,22 +1,28 @@
 """Choosing a sequence's next token: generate's logits processors, OpenAI's penalties and
-logit_bias, a grammar's mask, then the argmax or a draw from the sequence's own generator."""
+logit_bias, a grammar's mask, then the argmax or a draw from the sequence's own generator.
+
+The same choice on every CPU: softmax and log-softmax are service/native/float_ops.py's (torch's sum
+in an order that follows the instruction set), top-p sorts stably and adds the probabilities in one
+order, and the draw is torch's multinomial (its exponential variates come from the generator's doubles
+through libm's log1p: the same on every x86-64 CPU)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
-    TopPLogitsWarper,
 )
 
 from ..answer.logprobs import TokenLogprob, token_logprob
 from ..generation import SamplingParams
+from ..native import float_ops
 
 
 @dataclass(frozen=True)
@@ -71,9 +77,10 @@ class Sampler:
     of the distribution otherwise: a point-mass draft's exact rule, and the generator consumed as
     without guesses, so a seeded answer is the same with speculation on and off.
 
-    With `top_logprobs` set (0-20) it records each chosen token's log-probability (and that many
-    alternatives') in `logprobs`, from the distribution it drew from: penalties, bias, mask and temperature
-    applied (greedy: temperature 1), top-k/top-p truncation not (so no alternative shows -inf)."""
+    It keeps each chosen token's log-probability (float32) in `chosen` — from the distribution it drew
+    from: penalties, bias, mask and temperature applied (greedy: temperature 1), top-k/top-p truncation
+    not — for the answer's digest (service/answer/digest.py); with `top_logprobs` set (0-20) it also
+    records it (and that many alternatives') in `logprobs` (so no alternative shows -inf)."""
 
     def __init__(self, sampling: Sampling, vocab_size: int):
         self.do_sample = not sampling.greedy
@@ -86,11 +93,12 @@ class Sampler:
             if sampling.top_k:
                 self.warpers.append(TopKLogitsWarper(sampling.top_k))
             if sampling.top_p < 1.0:
-                self.warpers.append(TopPLogitsWarper(sampling.top_p))
+                self.warpers.append(TopP(sampling.top_p))
         self.generator = torch.Generator().manual_seed(sampling.seed)
         self.temperature = sampling.temperature if self.do_sample else 1.0
         self.top_logprobs = sampling.top_logprobs
         self.logprobs: list[TokenLogprob] | None = [] if sampling.top_logprobs is not None else None
+        self.chosen: list[float] = []  # every chosen token's log-probability
         adjusted = sampling.presence_penalty or sampling.frequency_penalty or sampling.logit_bias
         self.adjustments = (
             ScoreAdjustments(vocab_size, sampling.presence_penalty, sampling.frequency_penalty, sampling.logit_bias)
@@ -109,19 +117,41 @@ class Sampler:
         token = self._draw(scores)
         if self.adjustments is not None:
             self.adjustments.record(token)
+        tempered = scores.float()[0] if self.temperature == 1.0 else scores.float()[0] / self.temperature
         if self.logprobs is not None:
-            distribution = (scores.float() / self.temperature).log_softmax(-1)[0]
+            distribution = float_ops.log_softmax(tempered)
+            self.chosen.append(float(distribution[token]))
             self.logprobs.append(token_logprob(distribution, token, self.top_logprobs))
+        else:  # the chosen token's alone: the same float, no vocabulary-sized result
+            self.chosen.append(float_ops.log_softmax_at(tempered, token))
         return token
 
     def _draw(self, scores: torch.Tensor) -> int:
         if self.do_sample:
-            probs = (self.warpers(None, scores) if self.warpers else scores).softmax(-1)
+            probs = float_ops.softmax(self.warpers(None, scores) if self.warpers else scores)
             if torch.isfinite(probs).all():
                 return int(torch.multinomial(probs, 1, generator=self.generator))
             # A temperature (or penalty) so extreme that the scores overflowed: the distribution's
             # limit is all its mass on the most likely token.
         return int(scores.nan_to_num(nan=float("-inf")).argmax(-1))
+
+
+class TopP:
+    """transformers' TopPLogitsWarper (the smallest set of most likely tokens whose probability reaches
+    top_p; the most likely always kept), on every CPU alike: a stable sort (ties in token order, where
+    an unstable one may order them by the instruction set), float_ops' softmax, and the probabilities
+    added one after another in float64, each sum rounded to float32 as torch's cumsum rounds it."""
+
+    def __init__(self, top_p: float):
+        self.top_p = top_p
+
+    def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
+        sorted_scores, order = torch.sort(scores, descending=False, stable=True)
+        probabilities = float_ops.softmax(sorted_scores.float()).numpy()
+        cumulative = torch.from_numpy(np.cumsum(probabilities.astype(np.float64), axis=-1).astype(np.float32))
+        remove = cumulative <= (1 - self.top_p)
+        remove[..., -1:] = False
+        return scores.masked_fill(remove.scatter(1, order, remove), -float("inf"))
 
 
 class ScoreAdjustments:

@@ -23,6 +23,7 @@ round by the number of rows).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Generator
@@ -91,8 +92,13 @@ def last_token_vector(hidden: torch.Tensor, dimensions: int | None) -> torch.Ten
 
 
 def yes_no_score(logits: torch.Tensor, yes: int, no: int) -> float:
-    """sigmoid(logit(yes) − logit(no)) of one row, in float64."""
-    return float(torch.sigmoid(logits[yes].double() - logits[no].double()))
+    """sigmoid(logit(yes) − logit(no)) of one row, in float64 with libm's exp (torch's takes the CPU's
+    own vector path: another instruction set could round it otherwise)."""
+    gap = float(logits[yes]) - float(logits[no])
+    if gap >= 0:
+        return 1.0 / (1.0 + math.exp(-gap))
+    small = math.exp(gap)  # never overflows
+    return small / (1.0 + small)
 
 
 def check_count(count: int, max_items: int, param: str) -> None:

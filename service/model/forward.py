@@ -7,8 +7,10 @@ rotary and the MLP's activation are row-wise; every INT8 Linear quantizes its in
 (service/quant/int8_linear.py) and accumulates in integers; attention (service/model/attention.py) computes
 each query from its own keys in an order fixed by its position. So a token computed as one of a
 128-row prefill piece, alone in a decode step, or beside three other sequences gets the same
-bits, and a cached prefix is the prefix a fresh prefill computes. (fp32 weights use float GEMMs,
-whose rounding changes with the number of rows: that mode is exact only for equal pieces.)
+bits, and a cached prefix is the prefix a fresh prefill computes. And the same bits on every CPU:
+the float operations around the kernels — norms, rotary sin/cos, SiLU, sigmoid, fp32 Linears — are
+service/native/float_ops.py's, in one fixed order with one exp on every instruction set (torch's
+take the CPU's own paths).
 
 The layer math is transformers' Qwen3-VL text decoder, read from the loaded model: the same
 weights and config, without its per-layer Python machinery (no masks: each sequence attends to
@@ -25,9 +27,9 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..native import float_ops
 from ..quant.fusion import is_moe_block
 from ..vision.features import VisionFeatures
 from .attention import TorchAttention
@@ -92,7 +94,7 @@ class TextForward:
             log.warning("the attention kernel cannot take heads of %d: one SDPA call per prompt token", self.head_dim)
             attention = TorchAttention()
         self.attention = attention
-        self.inv_freq = lm.rotary_emb.inv_freq.float()
+        self.inv_freq = rotary_frequencies(config)
         self.rope_scaling = lm.rotary_emb.attention_scaling
         self.axis_of_frequency = _mrope_axes(lm.rotary_emb.mrope_section, len(self.inv_freq))
         self.rotated = 2 * len(self.inv_freq)  # Qwen3.5 rotates the first quarter of each head only
@@ -111,7 +113,7 @@ class TextForward:
 
     def norm(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each row of `x` (hidden wide), times `scale` (norm_scale's)."""
-        return F.rms_norm(x, (self.hidden,), scale, self.eps)
+        return float_ops.rms_norm(x, scale, self.eps)
 
     def layer_of(self, layer: nn.Module) -> _Layer:
         """A decoder layer's weights as the forward computes them (a multi-token prediction head's
@@ -158,7 +160,8 @@ class TextForward:
         height, width), as transformers computes them: each frequency takes its axis's position
         (interleaved M-RoPE); the sign of sin's first half folds rotate_half's negation in."""
         freqs = positions[self.axis_of_frequency, torch.arange(positions.shape[1])[:, None]].float() * self.inv_freq
-        cos, sin = freqs.cos() * self.rope_scaling, freqs.sin() * self.rope_scaling
+        cos, sin = float_ops.cos_sin(freqs)
+        cos, sin = cos * self.rope_scaling, sin * self.rope_scaling
         return torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None]
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -240,7 +243,7 @@ class TextForward:
         if layer.experts is not None:
             return x + layer.experts(h)
         gate, up = layer.gate_up(h).chunk(2, dim=-1)
-        return x + layer.down(layer.act(gate) * up)
+        return x + layer.down(float_ops.silu_mul(gate, up))  # the bits of layer.act(gate) * up
 
     def _attend(self, layer, h, cos, sin, caches, counts) -> torch.Tensor:
         """Full attention of one layer for the call's rows: each sequence's queries over its own keys."""
@@ -255,7 +258,7 @@ class TextForward:
         else:  # q and k heads side by side already: normed and rotated in one call each
             qk = qkv[:, : self._qk_width].view(rows, self.heads + self.kv_heads, self.head_dim)
             v = qkv[:, self._qk_width :].view(rows, self.kv_heads, self.head_dim)
-        qk = self._rotate(F.rms_norm(qk, (self.head_dim,), eps=self.eps) * layer.qk_norm, cos, sin)
+        qk = self._rotate(float_ops.rms_norm(qk, None, self.eps) * layer.qk_norm, cos, sin)
         attended = torch.empty(rows, self.heads, self.head_dim)
         lo = 0
         for cache, count in zip(caches, counts):
@@ -265,15 +268,26 @@ class TextForward:
             lo = hi
         out = attended.view(rows, -1)
         if self.gated:
-            out = out * torch.sigmoid(query_gate[:, :, 1].reshape(rows, -1))
+            out = out * float_ops.sigmoid(query_gate[:, :, 1].reshape(rows, -1))
         return out
 
 
 def _mlp(mlp: nn.Module) -> dict:
-    """A layer's MLP as `_Layer` holds it: a dense one's fused Linears, or a mixture of experts."""
+    """A layer's MLP as `_Layer` holds it: a dense one's fused Linears (and SiLU, the only activation of
+    these checkpoints, in fixed order), or a mixture of experts."""
     if is_moe_block(mlp):
         return dict(gate_up=None, down=None, act=None, experts=MixtureOfExperts(mlp))
-    return dict(gate_up=mlp.gate_up_proj, down=mlp.down_proj, act=mlp.act_fn)
+    return dict(gate_up=mlp.gate_up_proj, down=mlp.down_proj, act=float_ops.Activation(float_ops.SILU))
+
+
+def rotary_frequencies(config) -> torch.Tensor:
+    """M-RoPE's inverse frequencies, 1 / theta^(2i/d) for the rotated dimensions d, computed in double
+    and rounded: transformers computes them with torch's float pow, whose bits follow the CPU."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(dim * rope.get("partial_rotary_factor", 1.0))
+    theta = float(rope["rope_theta"])
+    return torch.tensor([1.0 / theta ** (i / dim) for i in range(0, dim, 2)], dtype=torch.float32)
 
 
 def _centred(weight: torch.Tensor) -> torch.Tensor:

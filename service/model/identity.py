@@ -33,3 +33,12 @@ def serving_fingerprint(path: Path, *computed_with) -> str:
     computes with it (quantization, kernels, KV dtype): instances serving the same bits show the same."""
     parts = json.dumps([checkpoint_identity(path), *computed_with], sort_keys=True, default=str)
     return "fp_" + hashlib.blake2b(parts.encode(), digest_size=6).hexdigest()
+
+
+def numerics_identity(path: Path, quantization: str, kv_dtype: str, vision_backend: str, weights_mapped: bool) -> str:
+    """What an answer's numbers depend on besides the request (service/answer/digest.py): the checkpoint's
+    identity and the settings that change them — QUANTIZATION, KV_DTYPE, VISION_BACKEND and whether the
+    weights are memory-mapped (bf16 activations). Not the CPU, its instruction set or the INT8 kernel
+    that serves: those give the same bits."""
+    weights = "mapped" if weights_mapped else "resident"
+    return json.dumps([checkpoint_identity(path), quantization, kv_dtype, vision_backend, weights])

@@ -18,6 +18,7 @@ from .. import startup
 from ..footprint import check_fits
 from ..media.images import fit_processor
 from ..memory import MemoryGuard
+from ..native import float_ops
 from ..quant.conversion import current_format, published_checkpoint
 from ..quant.in_place import quantize_in_place
 from ..quant.loader import load_quantized
@@ -128,6 +129,9 @@ def _load(settings: Settings) -> LoadedModel:
                 quantize_in_place(model, kernel=kernels)
             model.float()  # embeddings, norms, patch embedding: fp32 compute (bf16 is slow on these CPUs)
     model.requires_grad_(False)
+    # fp32 weights: every Linear a fixed-order GEMM (MKL's rounding follows the CPU and the number of rows)
+    if float_ops.fixed_order_linears(model):
+        log.info("fp32 Linears computed in fixed order (service/native/float_ops.py)")
     startup.mark("weights")
     is_random = is_random_test_model(model.config)
     if is_random:

@@ -8,7 +8,8 @@ on the other rows of the call (a decode batch, a prefill piece, a verify pass):
 - the router's logits come from `service/native/router.c`, whose float sums run in one order fixed
   by the hidden size alone (a float GEMM's rounding changes with the number of rows, and a near tie
   between two experts would then choose others); without a C compiler, one row at a time;
-- softmax, top-k and the renormalisation work on each row alone;
+- softmax (service/native/float_ops.py: the same bits on every CPU), top-k and the renormalisation
+  (the k probabilities added in rank order) work on each row alone;
 - the call's rows are grouped by expert — one call of an expert's gate/up and down Linears over
   all the rows routed to it (service/quant/fusion.py's `ExpertLinears`; INT8 and 4-bit quantize
   their input per row, so a row's output does not depend on the rows beside it);
@@ -27,10 +28,10 @@ import functools
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import native
+from ..native import float_ops
 from ..quant.int4_linear import Int4Experts, Int4Linear
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class MixtureOfExperts:
         self.top_k = block.gate.top_k
         self.gate_up = list(block.experts.gate_up)
         self.down = list(block.experts.down)
-        self.act = block.experts.act_fn
+        self.act = float_ops.Activation(float_ops.SILU)  # the experts' act_fn (SiLU), in fixed order
         self.experts = len(self.gate_up)  # routed ones
         # 4-bit experts: all of them in one native call per layer (int4_gemm.c's `int4_experts`)
         self.int4 = Int4Experts(self.gate_up, self.down) if all_int4(self.gate_up, self.down) else None
@@ -90,9 +91,12 @@ class MixtureOfExperts:
         expert's gate logit per row (None without a shared expert)."""
         logits = router_logits(h, self.router)
         shared = logits[:, self.experts :] if self.shared is not None else None
-        probabilities = F.softmax(logits[:, : self.experts], dim=-1, dtype=torch.float32)
+        probabilities = float_ops.softmax(logits[:, : self.experts])
         weights, chosen = torch.topk(probabilities, self.top_k, dim=-1)
-        return weights / weights.sum(dim=-1, keepdim=True), chosen, shared
+        total = weights[:, :1].clone()
+        for rank in range(1, self.top_k):  # the sum in rank order (a reduction's order follows the CPU)
+            total += weights[:, rank : rank + 1]
+        return weights / total, chosen, shared
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         weights, chosen, shared = self.route(h)
@@ -100,7 +104,7 @@ class MixtureOfExperts:
         if shared is None:
             return routed
         gate, up = self.shared.gate_up_proj(h).chunk(2, dim=-1)
-        return routed + torch.sigmoid(shared) * self.shared.down_proj(self.shared.act_fn(gate) * up)
+        return routed + float_ops.sigmoid(shared) * self.shared.down_proj(float_ops.silu_mul(gate, up))
 
     def _routed(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         rows, hidden = h.shape
@@ -117,7 +121,7 @@ class MixtureOfExperts:
             mine = order[at : at + count]
             at += count
             gate, up = self.gate_up[expert](h[mine // self.top_k]).chunk(2, dim=-1)
-            outputs[mine] = self.down[expert](self.act(gate) * up)
+            outputs[mine] = self.down[expert](float_ops.silu_mul(gate, up))
         outputs = outputs.view(rows, self.top_k, hidden)
         total = outputs[:, 0] * weights[:, :1]
         for rank in range(1, self.top_k):  # each row's experts in its own rank order

@@ -1,4 +1,6 @@
-"""The service's C kernels (service/native/*.c), compiled once per machine with its own instruction set.
+"""The service's C kernels (service/native/*.c), compiled once per machine with its own instruction set,
+and `float_ops` (their float operations: norms, activations, softmax, sin/cos, float Linears, the vision
+tower's attention — the same bits on every CPU).
 
 `library(kernel)` compiles the kernel's source with gcc into CACHE_DIR/kernels (named by a digest of
 the source, the flags, the compiler and the CPU, so another CPU or a changed source builds anew;
@@ -8,8 +10,8 @@ a kernel's functions their ctypes signatures and `linear_call` mirrors the Linea
 structure, for the modules that call them. `prebuild` starts the compiles in the background at the
 very start of a server (gcc runs while Python imports torch).
 
-This package imports nothing heavy (wsgi.py calls it before torch is imported) and nothing of the
-service but its settings.
+This package's __init__ imports nothing heavy (wsgi.py calls it before torch is imported) and nothing
+of the service but its settings; `float_ops` (imported by the rooms that use it) imports torch.
 """
 
 from __future__ import annotations
@@ -44,17 +46,24 @@ class Kernel:
 
 
 HERE = Path(__file__).parent
-ATTENTION = Kernel(HERE / "attention.c")
 SIMD = HERE / "simd.h"
+# what the float kernels share: 16-float vectors, fused multiply-adds, exp, log, tanh, erf (fixed_math.h)
+FIXED, FIXED_MATH = HERE / "fixed.h", HERE / "fixed_math.h"
+# Every float kernel is built with -ffp-contract=off: it fuses the multiply-adds it writes, no others,
+# so its bits are the same whichever instruction set -march names.
+EXACT_FLOATS = ("-ffp-contract=off", "-Wno-psabi")
+ATTENTION = Kernel(HERE / "attention.c", EXACT_FLOATS, (FIXED, FIXED_MATH))
 # no fused multiply-adds: its float steps must round as FBGEMM's and oneDNN's do
 INT8_GEMM = Kernel(HERE / "int8_gemm.c", ("-ffp-contract=off",), (SIMD,))
 # its float steps are its own (nothing to match), fused where it says so: none may fuse behind its back
-INT4_GEMM = Kernel(HERE / "int4_gemm.c", ("-ffp-contract=off",), (SIMD,))
+INT4_GEMM = Kernel(HERE / "int4_gemm.c", EXACT_FLOATS, (SIMD, FIXED, FIXED_MATH))
 # a mixture of experts' router: float sums in one fixed order, so no fused multiply-adds it did not write
 ROUTER = Kernel(HERE / "router.c", ("-ffp-contract=off",))
-# Qwen3.5's linear attention: the same bits on every instruction set (16-float vectors, its own exp and log)
-DELTANET = Kernel(HERE / "deltanet.c", ("-ffp-contract=off", "-Wno-psabi"))
-KERNELS = (ATTENTION, INT8_GEMM, INT4_GEMM, ROUTER, DELTANET)
+# Qwen3.5's linear attention: the same bits on every instruction set (16-float vectors, fixed.h's exp and log)
+DELTANET = Kernel(HERE / "deltanet.c", EXACT_FLOATS, (FIXED, FIXED_MATH))
+# norms, activations, softmax, sin/cos, float GEMMs and the vision tower's attention (float_ops.py)
+FLOAT_OPS = Kernel(HERE / "float_ops.c", EXACT_FLOATS, (FIXED, FIXED_MATH))
+KERNELS = (ATTENTION, INT8_GEMM, INT4_GEMM, ROUTER, DELTANET, FLOAT_OPS)
 
 
 @functools.cache

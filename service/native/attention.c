@@ -11,36 +11,25 @@
  *
  * Built by service/native/__init__.py for service/model/attention.py with the machine's own flags
  * (-march=native): the same binary computes every path of one server. All loops run on whole
- * vectors (padded blocks, zeroed tails), so one instruction sequence — one choice of fused
- * multiply-adds — computes every element.
+ * vectors (padded blocks, zeroed tails), so one instruction sequence computes every element. And
+ * the same on every instruction set: blocks of 16 keys and 16-float vectors everywhere (fixed.h: one
+ * AVX-512 register or two AVX2 ones, summed by the same tree), fused multiply-adds only where this
+ * file writes `fmadd` (built with -ffp-contract=off), fixed.h's exp.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <xmmintrin.h>
 
-#if defined(__AVX512F__)
-#define W 16
-#else
-#define W 8
-#endif
+#include "fixed.h"
 
-typedef float vf __attribute__((vector_size(W * 4)));
-typedef int32_t vi __attribute__((vector_size(W * 4)));
+#define W LANES /* keys per block, lanes per vector: 16 on every instruction set (two registers on AVX2) */
+
 typedef uint32_t vu __attribute__((vector_size(W * 4)));
 typedef uint16_t vh __attribute__((vector_size(W * 2)));
 
 int attention_lanes(void) { return W; }
 
-static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf load_f32(const float *p) { return load(p); }
 
-static inline vf load_f32(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline void store_f32(float *p, vf v) { store(p, v); }
 
 static inline vf load_bf16(const uint16_t *p) {
     vh h;
@@ -51,14 +40,9 @@ static inline vf load_bf16(const uint16_t *p) {
     return f;
 }
 
-static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
-
-static inline vf vmax(vf a, vf b) { return pick(a > b, a, b); }
-
 /* The W dot products of one block, each a W-lane partial vector, summed lane-wise by the same
  * tree for every key (halves added at distance W/2, W/4, ... 1): lane t of the result is key t. */
 static inline vf reduce_block(vf *a) {
-#if W == 16
     vf b[8], c[4], d[2];
     for (int t = 0; t < 8; t++)
         b[t] = __builtin_shuffle(a[t], a[t + 8], (vi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
@@ -71,54 +55,6 @@ static inline vf reduce_block(vf *a) {
                __builtin_shuffle(c[t], c[t + 2], (vi){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
     return __builtin_shuffle(d[0], d[1], (vi){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}) +
            __builtin_shuffle(d[0], d[1], (vi){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
-#else
-    vf b[4], c[2];
-    for (int t = 0; t < 4; t++)
-        b[t] = __builtin_shuffle(a[t], a[t + 4], (vi){0, 1, 2, 3, 8, 9, 10, 11}) +
-               __builtin_shuffle(a[t], a[t + 4], (vi){4, 5, 6, 7, 12, 13, 14, 15});
-    for (int t = 0; t < 2; t++)
-        c[t] = __builtin_shuffle(b[t], b[t + 2], (vi){0, 1, 8, 9, 4, 5, 12, 13}) +
-               __builtin_shuffle(b[t], b[t + 2], (vi){2, 3, 10, 11, 6, 7, 14, 15});
-    return __builtin_shuffle(c[0], c[1], (vi){0, 8, 2, 10, 4, 12, 6, 14}) +
-           __builtin_shuffle(c[0], c[1], (vi){1, 9, 3, 11, 5, 13, 7, 15});
-#endif
-}
-
-/* The sum of one vector's lanes: the same tree as reduce_block's, for one key. */
-static inline float reduce_lanes(vf a) {
-    float x[W];
-    store_f32(x, a);
-    for (int half = W / 2; half >= 1; half /= 2)
-        for (int i = 0; i < half; i++) x[i] = x[i] + x[i + half];
-    return x[0];
-}
-
-static inline float max_lanes(vf a) {
-    float x[W];
-    store_f32(x, a);
-    float m = x[0];
-    for (int i = 1; i < W; i++) m = x[i] > m ? x[i] : m;
-    return m;
-}
-
-/* exp(x) for x <= 0 (a score minus its row's maximum); 0 below -87. Cephes' expf polynomial. */
-static inline vf vexp(vf x) {
-    vi tiny = x < splat(-87.0f);
-    x = vmax(x, splat(-87.0f));
-    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    vf n = (x * splat(1.44269504088896341f) + magic) - magic;
-    vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * (r * r) + r + splat(1.0f);
-    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    vf scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return pick(tiny, splat(0.0f), p * scale);
 }
 
 typedef struct {
@@ -138,6 +74,15 @@ static inline vf load_kv(const Attention *a, const void *base, int64_t offset) {
     return a->bf16 ? load_bf16((const uint16_t *)base + offset) : load_f32((const float *)base + offset);
 }
 
+#if !defined(__AVX512F__)
+/* 8 keys' or values' floats as one AVX2 register (GCC keeps its 16-float vectors in memory there). */
+static inline __m256 load8_kv(int bf16, const void *base, int64_t offset) {
+    if (!bf16) return _mm256_loadu_ps((const float *)base + offset);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + offset));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
 /* Keys j0..j0+W-1 of one head as float32 rows in `block` (W × dim); rows past `avail` are zeros. */
 static void load_block(const Attention *a, const void *head, int j0, int avail, float *block) {
     for (int t = 0; t < W; t++) {
@@ -147,9 +92,92 @@ static void load_block(const Attention *a, const void *head, int j0, int avail, 
             continue;
         }
         int64_t at = (int64_t)(j0 + t) * a->kv_token;
+#if defined(__AVX512F__)
         for (int c = 0; c < a->dim; c += W) store_f32(row + c, load_kv(a, head, at + c));
+#else
+        for (int c = 0; c < a->dim; c += 8) _mm256_storeu_ps(row + c, load8_kv(a->bf16, head, at + c));
+#endif
     }
 }
+
+#if defined(__AVX512F__)
+/* One query against a block of W keys (W × dim floats): lane t of `out` is key t's score. */
+static inline void block_scores(const float *q, const float *block, int dim, float scale, float *out) {
+    vf dots[W];
+    for (int t = 0; t < W; t++) dots[t] = splat(0.0f);
+    for (int c = 0; c < dim / W; c++) {
+        vf qc = load_f32(q + c * W);
+        for (int t = 0; t < W; t++) dots[t] = fmadd(qc, load_f32(block + t * dim + c * W), dots[t]);
+    }
+    store_f32(out, reduce_block(dots) * splat(scale));
+}
+#else
+/* AVX2 computes the same sums on its own 8-float registers (GCC keeps its 16-float vectors in memory
+ * inside such loops): a 16-lane vector is two registers, lanes 0-7 and 8-15. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* The tree's levels after its first (lanes j and j + 8), for 8 keys: h[t] holds key t's 8 half sums;
+ * lane t of the result is key t's total (lanes j and j + 4, then j + 2, then j + 1, as reduce_block). */
+static inline v8 reduce_halves(const v8 *h) {
+    v8 b[4], c[2];
+    for (int t = 0; t < 4; t++)
+        b[t] = __builtin_shuffle(h[t], h[t + 4], (v8i){0, 1, 2, 3, 8, 9, 10, 11}) +
+               __builtin_shuffle(h[t], h[t + 4], (v8i){4, 5, 6, 7, 12, 13, 14, 15});
+    for (int t = 0; t < 2; t++)
+        c[t] = __builtin_shuffle(b[t], b[t + 2], (v8i){0, 1, 8, 9, 4, 5, 12, 13}) +
+               __builtin_shuffle(b[t], b[t + 2], (v8i){2, 3, 10, 11, 6, 7, 14, 15});
+    return __builtin_shuffle(c[0], c[1], (v8i){0, 8, 2, 10, 4, 12, 6, 14}) +
+           __builtin_shuffle(c[0], c[1], (v8i){1, 9, 3, 11, 5, 13, 7, 15});
+}
+
+/* reduce_block's sums, 4 keys at a time: each key's lanes j and j + 8 added once its chains are done. */
+static inline void block_scores(const float *q, const float *block, int dim, float scale, float *out) {
+    v8 halves[W];
+    for (int t0 = 0; t0 < W; t0 += 4) {
+        __m256 lo[4], hi[4];
+        for (int t = 0; t < 4; t++) lo[t] = hi[t] = _mm256_setzero_ps();
+        for (int c = 0; c < dim; c += W) {
+            const __m256 qlo = _mm256_loadu_ps(q + c), qhi = _mm256_loadu_ps(q + c + 8);
+            for (int t = 0; t < 4; t++) {
+                const float *k = block + (t0 + t) * dim + c;
+                lo[t] = _mm256_fmadd_ps(qlo, _mm256_loadu_ps(k), lo[t]);
+                hi[t] = _mm256_fmadd_ps(qhi, _mm256_loadu_ps(k + 8), hi[t]);
+            }
+        }
+        for (int t = 0; t < 4; t++) halves[t0 + t] = (v8)_mm256_add_ps(lo[t], hi[t]);
+    }
+    const v8 factor = (v8){scale, scale, scale, scale, scale, scale, scale, scale};
+    v8 first = reduce_halves(halves) * factor, second = reduce_halves(halves + 8) * factor;
+    memcpy(out, &first, sizeof first);
+    memcpy(out + 8, &second, sizeof second);
+}
+
+/* Σ_j p[j] · values[j] for two queries, 32 of the head's dimensions at a time (then 16): the same chains
+ * in key order as the 16-lane loops, on 8 registers of sums. */
+static void weighted_values_avx2(const Attention *a, const void *values, const float *p0, const float *p1, int limit,
+                                 float *o0, float *o1) {
+    for (int c0 = 0; c0 < a->dim; c0 += 32) {
+        const int n = a->dim - c0 >= 32 ? 4 : 2; /* registers per query */
+        __m256 x[4], y[4];
+        for (int v = 0; v < 4; v++) x[v] = y[v] = _mm256_setzero_ps();
+        for (int j = 0; j < limit; j++) {
+            const int64_t at = (int64_t)j * a->kv_token + c0;
+            const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
+            for (int v = 0; v < 4; v++) {
+                if (v >= n) break;
+                const __m256 value = load8_kv(a->bf16, values, at + v * 8);
+                x[v] = _mm256_fmadd_ps(w0, value, x[v]);
+                y[v] = _mm256_fmadd_ps(w1, value, y[v]);
+            }
+        }
+        for (int v = 0; v < n; v++) {
+            _mm256_storeu_ps(o0 + c0 + v * 8, x[v]);
+            _mm256_storeu_ps(o1 + c0 + v * 8, y[v]);
+        }
+    }
+}
+#endif
 
 /* Σ_j p[j] · values[j] over j < limit, in key order, for two queries at once (they share each
  * value load): `CHUNKS` vectors per query kept in registers where the head size is one of these. */
@@ -163,8 +191,8 @@ static void load_block(const Attention *a, const void *head, int j0, int avail, 
             const vf w0 = splat(p0[j]), w1 = splat(p1[j]);                                                        \
             for (int c = 0; c < CHUNKS; c++) {                                                                    \
                 vf value = load_kv(a, values, at + c * W);                                                        \
-                x[c] += w0 * value;                                                                               \
-                y[c] += w1 * value;                                                                               \
+                x[c] = fmadd(w0, value, x[c]);                                                                    \
+                y[c] = fmadd(w1, value, y[c]);                                                                    \
             }                                                                                                     \
         }                                                                                                         \
         for (int c = 0; c < CHUNKS; c++) {                                                                        \
@@ -188,14 +216,18 @@ static void weighted_values_any(const Attention *a, const void *values, const fl
         const vf w0 = splat(p0[j]), w1 = splat(p1[j]);
         for (int c = 0; c < chunks; c++) {
             vf value = load_kv(a, values, at + c * W);
-            store_f32(o0 + c * W, load_f32(o0 + c * W) + w0 * value);
-            store_f32(o1 + c * W, load_f32(o1 + c * W) + w1 * value);
+            store_f32(o0 + c * W, fmadd(w0, value, load_f32(o0 + c * W)));
+            store_f32(o1 + c * W, fmadd(w1, value, load_f32(o1 + c * W)));
         }
     }
 }
 
 static void weighted_values(const Attention *a, const void *values, const float *p0, const float *p1, int limit,
                             float *o0, float *o1) {
+#if !defined(__AVX512F__)
+    weighted_values_avx2(a, values, p0, p1, limit, o0, o1);
+    return;
+#endif
     switch (a->dim / W) {
     case 1: weighted_values_1(a, values, p0, p1, limit, o0, o1); break;
     case 2: weighted_values_2(a, values, p0, p1, limit, o0, o1); break;
@@ -221,31 +253,14 @@ static void attend_tile(const Attention *a, int head, int r0, int r1, float *sco
             int r = r0 + i / group;
             if (j0 > a->start + r) continue;
             const float *q = a->q + r * a->q_row + (head * group + i % group) * dim;
-            vf dots[W];
-            for (int t = 0; t < W; t++) dots[t] = splat(0.0f);
-            for (int c = 0; c < chunks; c++) {
-                vf qc = load_f32(q + c * W);
-                for (int t = 0; t < W; t++) dots[t] += qc * load_f32(block + t * dim + c * W);
-            }
-            store_f32(scores + i * stride + j0, reduce_block(dots) * splat(a->scale));
+            block_scores(q, block, dim, a->scale, scores + i * stride + j0);
         }
     }
-    /* softmax of each query's own keys, in key order; keys past its position weigh zero */
-    vi lane;
-    for (int t = 0; t < W; t++) lane[t] = t;
+    /* softmax of each query's own keys, in key order (fixed.h's row_max and exps) */
     for (int i = 0; i < rows; i++) {
-        const vi limit = (vi){0} + (a->start + r0 + i / group + 1);
+        const int limit = a->start + r0 + i / group + 1;
         float *s = scores + i * stride;
-        vf m = splat(-3.4e38f);
-        for (int j = 0; j < limit[0]; j += W) m = vmax(m, pick(lane + j < limit, load_f32(s + j), m));
-        const vf top = splat(max_lanes(m));
-        vf sum = splat(0.0f);
-        for (int j = 0; j < limit[0]; j += W) {
-            vf p = pick(lane + j < limit, vexp(load_f32(s + j) - top), splat(0.0f));
-            store_f32(s + j, p);
-            sum += p;
-        }
-        s[stride - 1] = 1.0f / reduce_lanes(sum); /* kept beside the row: the last float is never a key's */
+        s[stride - 1] = 1.0f / exps(s, limit, row_max(s, limit), s); /* kept beside the row: never a key's */
     }
     /* values: each query's weighted sum in key order, then scaled by 1 / sum */
     for (int i = 0; i < rows; i += 2) {

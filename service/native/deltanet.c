@@ -10,93 +10,12 @@
  * a pause or a cache hit gets the same bits. The same holds across instruction sets: every vector is
  * GCC's 16-float vector (one AVX-512 register or two AVX2 ones: the same lanes either way), every
  * sum over lanes is one fixed tree, no multiply-add is fused (-ffp-contract=off), and exp and log are
- * this file's own polynomials (libm's may take instruction-set-specific paths).
+ * fixed.h's polynomials (libm's may take instruction-set-specific paths).
  *
  * Built by service/native/__init__.py; called by service/model/deltanet.py. */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <xmmintrin.h>
 
-#define LANES 16
-typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-static inline vf splat(float x) { return (vf){0} + x; }
-
-static inline vf load(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
-
-/* The fixed tree: lanes j and j + 8, then j and j + 4, j and j + 2, then the last two. */
-static inline float total(vf acc) {
-    float p[LANES];
-    memcpy(p, &acc, sizeof p);
-    for (int width = LANES / 2; width >= 1; width /= 2)
-        for (int j = 0; j < width; j++) p[j] = p[j] + p[j + width];
-    return p[0];
-}
-
-/* exp(x), clamped to [-87.3, 88.3] (0 and float's largest finite scale beyond): Cephes' expf. */
-static inline vf vexp(vf x) {
-    vi tiny = x < splat(-87.3f);
-    x = pick(x > splat(88.3f), splat(88.3f), x);
-    x = pick(tiny, splat(-87.3f), x);
-    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    vf n = (x * splat(1.44269504088896341f) + magic) - magic;
-    vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * (r * r) + r + splat(1.0f);
-    /* 2^n in two factors, so n = 128 (x near 88.3) stays finite */
-    vi half = __builtin_convertvector(n, vi) / 2;
-    vi bits0 = (half + 127) << 23, bits1 = (__builtin_convertvector(n, vi) - half + 127) << 23;
-    vf scale0, scale1;
-    memcpy(&scale0, &bits0, sizeof scale0);
-    memcpy(&scale1, &bits1, sizeof scale1);
-    return pick(tiny, splat(0.0f), p * scale0 * scale1);
-}
-
-/* log(x) for x > 0 normal: Cephes' logf. */
-static inline vf vlog(vf x) {
-    vi bits;
-    memcpy(&bits, &x, sizeof bits);
-    vi exponent = ((bits >> 23) & 0xff) - 126;
-    bits = (bits & 0x007fffff) | 0x3f000000; /* the mantissa in [0.5, 1) */
-    vf m;
-    memcpy(&m, &bits, sizeof m);
-    vi small = m < splat(0.707106781186547524f);
-    vf e = __builtin_convertvector(exponent, vf) - pick(small, splat(1.0f), splat(0.0f));
-    m = pick(small, m + m, m) - splat(1.0f);
-    vf z = m * m;
-    vf p = splat(7.0376836292e-2f);
-    p = p * m + splat(-1.1514610310e-1f);
-    p = p * m + splat(1.1676998740e-1f);
-    p = p * m + splat(-1.2420140846e-1f);
-    p = p * m + splat(1.4249322787e-1f);
-    p = p * m + splat(-1.6668057665e-1f);
-    p = p * m + splat(2.0000714765e-1f);
-    p = p * m + splat(-2.4999993993e-1f);
-    p = p * m + splat(3.3333331174e-1f);
-    vf y = p * m * z;
-    y = y + e * splat(-2.12194440e-4f);
-    y = y - z * splat(0.5f);
-    return m + y + e * splat(0.693359375f);
-}
-
-static inline vf vsilu(vf x) { return x / (splat(1.0f) + vexp(-x)); }
-
-static inline float scalar(vf v) { return v[0]; }
+#include "fixed.h"
 
 /* softplus(x) = log(1 + e^x) (x itself above 20, as torch's), with log1p's correction for small e^x. */
 static inline float softplus(float x) {

@@ -19,6 +19,7 @@
  * (u8) and scales (fp16) are stored per channel group and input group, 64 of each side by side.
  */
 #include "simd.h"
+#include "fixed.h"
 
 /* DOT_AT(acc, u, p): acc += u (unsigned bytes) · the 4 signed bytes at p, broadcast. With AVX-512
  * VNNI the broadcast is the instruction's own memory operand ({1to16}): no register holds it. */
@@ -270,6 +271,17 @@ static void expert_item(const ExpertItem *it, const int8_t *a, const int32_t *su
     }
 }
 
+/* silu(gate)·up in place over a slot's gate half: fixed.h's exp, each element alone — the bits of
+ * float_ops.c's silu_mul, on every instruction set (libm's expf was not). */
+static void silu_times_up(float *g, int width) {
+    int j = 0;
+    for (; j + NATIVE <= width; j += NATIVE) n_store(g + j, n_silu(n_load(g + j)) * n_load(g + width + j));
+    if (j < width) {
+        const int rest = width - j;
+        n_store_part(g + j, n_silu(n_load_part(g + j, rest)) * n_load_part(g + width + j, rest), rest);
+    }
+}
+
 int int4_experts(const Int4Experts *c, int experts, int threads) {
     const int m = c->m, slots = c->m * c->top_k, hidden = c->hidden, width = c->width;
     const int up_slices = (int)(round_up(2 * width, CHANNELS) / SLICE_CHANNELS);
@@ -326,7 +338,7 @@ int int4_experts(const Int4Experts *c, int experts, int threads) {
 #pragma omp for schedule(static)
         for (int p = 0; p < slots; p++) {
             float *g = up + (int64_t)p * 2 * width;
-            for (int j = 0; j < width; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * g[width + j];
+            silu_times_up(g, width);
             peaks[p] = signed_row(g, width, c->down_group, scratch + (int64_t)p * width, a + (int64_t)p * width,
                                   sums + p * down_groups);
         }

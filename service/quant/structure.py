@@ -11,6 +11,7 @@ import logging
 import torch
 from torch import nn
 
+from ..native import float_ops
 from .fusion import model_class
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,8 @@ def drop_absent_head(model: nn.Module) -> None:
 
 # Linears kept as float matrices: Qwen3.5's shared-expert gate, one row the router's kernel computes beside its own
 FLOAT_LINEARS = ("shared_expert_gate",)
+# What quantizing takes as a Linear: torch's, or a loaded fp32 model's fixed-order one (its weight unpacked)
+LINEARS = (nn.Linear, float_ops.Linear)
 
 
 def linear_names(name: str, block: nn.Module) -> list[str]:
@@ -52,7 +55,7 @@ def linear_names(name: str, block: nn.Module) -> list[str]:
     return [
         f"{name}.{n}" if n else name
         for n, m in block.named_modules()
-        if isinstance(m, nn.Linear) and not n.endswith(FLOAT_LINEARS)
+        if isinstance(m, LINEARS) and not n.endswith(FLOAT_LINEARS)
     ]
 
 

@@ -72,7 +72,10 @@ def _tower_steps(visual, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> 
     position_ids = get_vision_position_ids(grid_thw, visual.spatial_merge_size, kwargs=kwargs)
     cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid_thw, visual.config, kwargs=kwargs)
     hidden = visual.patch_embed(hidden)
-    pos_embeds = (visual.pos_embed(interp_indices) * interp_weights[:, :, None]).sum(1)
+    taps = visual.pos_embed(interp_indices) * interp_weights[:, :, None]
+    pos_embeds = taps[:, 0]
+    for tap in range(1, taps.shape[1]):  # the taps added in order (a reduction's order follows the CPU)
+        pos_embeds = pos_embeds + taps[:, tap]
     hidden = hidden + pos_embeds.to(hidden.dtype)
     position_embeddings = visual.rotary_pos_emb(hidden, position_ids)
     hidden = hidden.reshape(hidden.shape[0], -1)

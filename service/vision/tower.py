@@ -3,8 +3,11 @@
 It mirrors transformers' `Qwen3VLVisionModel` (and `Qwen3VLMoeVisionModel`, the same tower) without
 importing transformers' modeling code (~5 s of every start): the same submodule, parameter and buffer
 names and shapes (a checkpoint's `model.visual.*` tensors load 1:1, strict), and the same operations in
-the same order and dtypes as transformers computes with `attn_implementation="sdpa"` on the CPU, so
-the features are bit-identical. tests/test_vision_tower.py checks both against transformers.
+the same order as transformers computes with `attn_implementation="sdpa"` on the CPU — each of them in
+one fixed order on every CPU (service/native/float_ops.py: the patch embedding as a fixed-order matrix
+product, the LayerNorms, GELUs, rotary sin/cos, fp32 Linears and the attention), so the features are
+the same bits on every instruction set and within float rounding of transformers'.
+tests/test_vision_tower.py checks both.
 
 The forward itself is service/vision/steps.py's `_tower_steps` (one block per scheduler step); this
 module holds the modules it calls. Linears are called as `linear(x)`, never through their weights,
@@ -17,11 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..native import float_ops
 from .features import VisionFeatures
 from .steps import _tower_steps, run_to_end
 
-# transformers' ACT2FN for the names Qwen3-VL's vision configs use; both are F.gelu, parameter-free.
-ACTIVATIONS = {"gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"), "gelu": nn.GELU}
+# transformers' ACT2FN for the names Qwen3-VL's vision configs use: F.gelu, parameter-free, in fixed order here.
+ACTIVATIONS = {
+    "gelu_pytorch_tanh": lambda: float_ops.Activation(float_ops.GELU_TANH),
+    "gelu": lambda: float_ops.Activation(float_ops.GELU_ERF),
+}
 
 
 def activation(name: str) -> nn.Module:
@@ -31,7 +38,9 @@ def activation(name: str) -> nn.Module:
 
 
 class PatchEmbed(nn.Module):
-    """Each flattened temporal × spatial patch through a Conv3d whose kernel is the patch."""
+    """Each flattened temporal × spatial patch through a Conv3d whose kernel is the patch: a matrix
+    product of the flattened patches with the flattened kernel (float_ops' fixed-order GEMM, its
+    weight packed on first use)."""
 
     def __init__(self, config):
         super().__init__()
@@ -41,8 +50,18 @@ class PatchEmbed(nn.Module):
         self.embed_dim = config.hidden_size
         kernel = [self.temporal_patch_size, self.patch_size, self.patch_size]
         self.proj = nn.Conv3d(self.in_channels, self.embed_dim, kernel_size=kernel, stride=kernel, bias=True)
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (the weight packed, the weight it was of)
+
+    def packed(self) -> torch.Tensor:
+        weight = self.proj.weight
+        if self._packed is None or self._packed[1] is not weight:
+            self._packed = (float_ops.pack(weight.reshape(self.embed_dim, -1)), weight)
+        return self._packed[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.proj.weight.dtype == torch.float32 and float_ops.available():
+            flat = x.reshape(-1, self.proj.weight[0].numel()).float()
+            return float_ops.gemm(flat, self.packed(), self.embed_dim, self.proj.bias)
         x = x.view(-1, self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size)
         return self.proj(x.to(dtype=self.proj.weight.dtype)).view(-1, self.embed_dim)
 
@@ -77,8 +96,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # position_ids: tokens × 2 (row, column)
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-        cos = freqs.cos() * self.attention_scaling
-        sin = freqs.sin() * self.attention_scaling
+        cos, sin = float_ops.cos_sin(freqs)  # in double: torch's sin and cos round by the CPU
+        cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return self.recomposition_frequencies(cos), self.recomposition_frequencies(sin)
 
     @staticmethod
@@ -116,12 +135,17 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, position_embeddings) -> torch.Tensor:
         seq_length = hidden.shape[0]
-        q, k, v = self.qkv(hidden).reshape(seq_length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        qkv = self.qkv(hidden)
         cos, sin = position_embeddings
+        # Each image (each frame of a video) attends within itself: float_ops' kernel, rotary included
+        # (one chain per score and per output, the same bits on every CPU), or else torch's SDPA below.
+        out = float_ops.vision_attention(qkv, cos, sin, cu_seqlens.tolist(), self.num_heads, self.scaling)
+        if out is not None:
+            return self.proj(out)
+        q, k, v = qkv.reshape(seq_length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         q, k = apply_rotary(q, k, cos, sin)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # 1 × heads × tokens × head_dim
-        # Each image (each frame of a video) attends within itself: transformers' non-flash path, one
-        # SDPA call per segment, as its sdpa_attention_forward makes it (no mask, not causal, no dropout).
+        # transformers' non-flash path: one SDPA call per segment (no mask, not causal, no dropout).
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         segments = zip(*(torch.split(t, lengths, dim=2) for t in (q, k, v)))
         outputs = [
@@ -155,8 +179,9 @@ class Block(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, position_embeddings, max_seqlen=None):
         # max_seqlen only matters to flash attention's kernels, which the CPU does not run.
-        hidden = hidden + self.attn(self.norm1(hidden), cu_seqlens=cu_seqlens, position_embeddings=position_embeddings)
-        return hidden + self.mlp(self.norm2(hidden))
+        attended = self.attn(_norm(self.norm1, hidden), cu_seqlens=cu_seqlens, position_embeddings=position_embeddings)
+        hidden = hidden + attended
+        return hidden + self.mlp(_norm(self.norm2, hidden))
 
 
 class PatchMerger(nn.Module):
@@ -169,12 +194,18 @@ class PatchMerger(nn.Module):
         self.use_postshuffle_norm = use_postshuffle_norm
         self.norm = nn.LayerNorm(self.hidden_size if use_postshuffle_norm else config.hidden_size, eps=1e-6)
         self.linear_fc1 = nn.Linear(self.hidden_size, self.hidden_size)
-        self.act_fn = nn.GELU()
+        self.act_fn = float_ops.Activation(float_ops.GELU_ERF)  # nn.GELU(), in fixed order
         self.linear_fc2 = nn.Linear(self.hidden_size, config.out_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x.view(-1, self.hidden_size) if self.use_postshuffle_norm else x).view(-1, self.hidden_size)
+        x = _norm(self.norm, x.view(-1, self.hidden_size) if self.use_postshuffle_norm else x)
+        x = x.view(-1, self.hidden_size)
         return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
+
+
+def _norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """A LayerNorm module's computation in fixed order (float_ops)."""
+    return float_ops.layer_norm(x, norm.weight, norm.bias, norm.eps)
 
 
 class VisionTower(nn.Module):

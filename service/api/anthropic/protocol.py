@@ -193,6 +193,11 @@ class MessageOut(BaseModel):
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: MessagesUsage
+    answer_digest: str | None = Field(
+        None,
+        description="an extension, once the answer is done: a digest of its token ids and logprob floats and the "
+        "checkpoint's identity — any instance, on any CPU, replaying the request gives the same",
+    )
 
 
 class CountTokensOut(BaseModel):
@@ -247,6 +252,11 @@ class MessageDelta(BaseModel):
     type: Literal["message_delta"] = "message_delta"
     delta: StopDelta
     usage: MessagesUsage
+    answer_digest: str | None = Field(
+        None,
+        description="an extension, once the answer is done: a digest of its token ids and logprob floats and the "
+        "checkpoint's identity — any instance, on any CPU, replaying the request gives the same",
+    )
 
 
 class MessageStop(BaseModel):

@@ -202,6 +202,7 @@ def message_body(message_id: str, model: str, done: Completion, shape: AnswerSha
         stop_reason=_stop_reason(done, calls),
         stop_sequence=done.stop_string,
         usage=_usage(done),
+        answer_digest=done.answer_digest,
     )
     return message.model_dump(mode="json")
 
@@ -241,7 +242,7 @@ class AnthropicEvents:
         yield from self._close()
         calls = self.parser.calls if self.parser else []
         stop = ap.StopDelta(stop_reason=_stop_reason(event, calls), stop_sequence=event.stop_string)
-        yield _event(ap.MessageDelta(delta=stop, usage=_usage(event)))
+        yield _event(ap.MessageDelta(delta=stop, usage=_usage(event), answer_digest=event.answer_digest))
         yield _event(ap.MessageStop())
 
     def error(self, exc: ServiceError) -> Iterator[bytes]:

@@ -149,6 +149,11 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str = Field(description="the checkpoint, quantization and kernels that computed it")
     choices: list[Choice]
     usage: Usage
+    answer_digest: str | None = Field(
+        None,
+        description="an extension: a digest of the answer's token ids and logprob floats and the checkpoint's "
+        "identity — any instance, on any CPU, replaying the request gives the same (on the last chunks when streamed)",
+    )
 
 
 class Delta(BaseModel):
@@ -179,3 +184,8 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str = Field(description="the checkpoint, quantization and kernels that computed it")
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    answer_digest: str | None = Field(
+        None,
+        description="an extension: a digest of the answer's token ids and logprob floats and the checkpoint's "
+        "identity — any instance, on any CPU, replaying the request gives the same (on the last chunks when streamed)",
+    )

@@ -149,6 +149,7 @@ def chat_completion(
         system_fingerprint=fingerprint,
         choices=[choice],
         usage=usage(done),
+        answer_digest=done.answer_digest,
     )
     return dump(completion)
 
@@ -162,8 +163,9 @@ def chat_chunk(
     finish_reason: FinishReason | None = None,
     usage_: Usage | None = None,
     logprobs: list[LogprobEntry] | None = None,
+    answer_digest: str | None = None,
 ) -> dict:
-    """A chunk with `delta` (None: the usage chunk, no choices)."""
+    """A chunk with `delta` (None: the usage chunk, no choices); the finishing chunks carry the answer's digest."""
     choices = []
     if delta is not None:
         choices = [ChunkChoice(index=0, delta=delta, logprobs=_choice_logprobs(logprobs), finish_reason=finish_reason)]
@@ -177,6 +179,8 @@ def chat_chunk(
     )
     if usage_ is not None:
         chunk.usage = usage_
+    if answer_digest is not None:
+        chunk.answer_digest = answer_digest
     return dump(chunk)
 
 
@@ -212,9 +216,10 @@ class OpenAIChunks:
         last = Delta()
         if event.boxes:
             last.boxes = [box_out(b) for b in event.boxes]
-        yield self._chunk(last, finish_reason=finish, logprobs=self._held_logprobs())  # e.g. a call's closing tag
+        held = self._held_logprobs()  # e.g. a call's closing tag
+        yield self._chunk(last, finish_reason=finish, logprobs=held, answer_digest=event.answer_digest)
         if self.include_usage:
-            yield self._chunk(None, usage_=usage(event))
+            yield self._chunk(None, usage_=usage(event), answer_digest=event.answer_digest)
         yield _END
 
     def error(self, exc: ServiceError) -> Iterator[bytes]:

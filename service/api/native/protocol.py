@@ -139,6 +139,10 @@ class NativeDone(BaseModel):
     preempted: int = Field(0, description="times it was paused for a more urgent request (`priority`)")
     boxes: list[BoxOut] = Field(description="boxes and points the answer names, in the client's pixels (grounding)")
     logprobs: list[LogprobEntry] | None = None
+    answer_digest: str = Field(
+        description="a digest of the answer's token ids and logprob floats and the checkpoint's identity: any "
+        "instance, on any CPU, replaying the request gives the same"
+    )
 
 
 class NativeAnswer(NativeDone):

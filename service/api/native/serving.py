@@ -162,6 +162,7 @@ def native_done(done: Completion, head: NativeHead) -> NativeDone:
         timings=NativeTimings(**{k: round(v, 4) for k, v in asdict(done.timings).items()}),
         preempted=done.preempted,
         boxes=[box_out(b) for b in done.boxes],
+        answer_digest=done.answer_digest,
     )
     if done.reasoning is not None:
         line.reasoning = done.reasoning

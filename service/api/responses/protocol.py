@@ -298,6 +298,11 @@ class Response(BaseModel):
     user: str | None = None
     metadata: dict[str, str]
     conversation: ConversationOut | None = None
+    answer_digest: str | None = Field(
+        None,
+        description="an extension, once the answer is done: a digest of its token ids and logprob floats and the "
+        "checkpoint's identity — any instance, on any CPU, replaying the request gives the same",
+    )
 
 
 class InputTextOut(BaseModel):

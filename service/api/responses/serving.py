@@ -439,6 +439,7 @@ class ResponseHead:
             user=body.user,
             metadata=body.metadata or {},
             conversation=rp.ConversationOut(id=body.conversation_id) if body.conversation_id else None,
+            answer_digest=done.answer_digest if done is not None else None,
         )
 
 
