@@ -68,7 +68,7 @@ from tqdm import tqdm
 
 from bench.core.ceiling import checkpoint_active_bytes, gguf_active_bytes, model_experts, read_bandwidth
 from bench.core.client import chat, openai_chat
-from bench.core.harness import concurrently, parse, parser, preset_model_path, tree_memory
+from bench.core.harness import concurrently, parse, parser, preset_model_path, serve_with_speculation, tree_memory
 from bench.core.inputs import DECODE_PROMPT, QUESTION, message, photo_url, text_of_tokens
 from bench.core.llama_cpp import LLAMA_CPP_PYTHON, gguf_weights, llama_cpp
 from bench.core.results import cpu_model, markdown_table, plot_file, plot_link, report
@@ -149,6 +149,8 @@ class Client:
         would not be what its row says."""
         if usage["drafted_tokens"] and not speculative:
             raise RuntimeError(f"asked with speculation off, the server guessed {usage['drafted_tokens']} tokens")
+        if speculative and not usage["drafted_tokens"]:  # the row would be raw decode under another name
+            raise RuntimeError("asked with speculation on, the server guessed nothing: was it served with it off?")
         return {"drafted": usage["drafted_tokens"], "accepted": usage["accepted_tokens"]}
 
 
@@ -195,6 +197,7 @@ def main(argv=None) -> int:
     _served_preset(given.model)
     argv = _ours_only_checkpoint(given, argv)
     args = parse(p, argv, source=True)
+    serve_with_speculation("on")  # our servers may speculate; each request says whether it does
     from service.model.loading import load_processor
     from service.quant.writer import write_quantized
     from service.settings import load_settings
