@@ -154,7 +154,7 @@ class Settings(BaseSettings):
         ge=0,
         description="a hybrid model's (Qwen3.5) recurrent state is kept every this many prompt tokens, as well "
         "as where each turn starts and where the prompt ends, so that a later request sharing the prefix "
-        "resumes there instead of recomputing it (each copy holds the state's bytes: 18.6 MiB on Qwen3.5-2B); "
+        "resumes there instead of recomputing it (each copy holds the state's bytes: 19.3 MiB on Qwen3.5-2B); "
         "0: turn starts and prompt ends only",
     )
     speculative: Literal["on", "off"] = Field(

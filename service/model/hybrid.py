@@ -9,7 +9,7 @@ one, or back over the guesses of the last decode step (their state recomputed wi
 other length raises `StateUnavailable`, and a caller reusing a prefix asks `resumable(length)`
 first: the longest snapshot at or below it.
 
-A snapshot costs its state's bytes (`HybridCache.state_bytes`: 18.6 MiB for Qwen3.5-2B's 18 linear
+A snapshot costs its state's bytes (`HybridCache.state_bytes`: 19.3 MiB for Qwen3.5-2B's 18 linear
 layers), counted with the keys and values wherever the cache is kept.
 
 A sequence that drafts with the checkpoint's multi-token prediction head carries the head's part too
