@@ -40,11 +40,9 @@ def test_the_headline_figures_cite_sections_that_bench_results_holds():
         assert len(matching) == 1, f"README cites “{title}”: {len(matching)} sections of bench/RESULTS.md"
 
 
-# A decode figure (tok/s, tokens/s) and what says how it was measured; the rows whose bench/RESULTS.md
-# sections do not say (runs from before issue 58), until the 2B rerun replaces them.
+# A decode figure (tok/s, tokens/s) and what says how it was measured.
 DECODE_FIGURE = re.compile(r"\btok(?:ens)?/s\b")
 SPECULATION_SETTING = re.compile(r"\bspeculation (?:off|on)\b")
-UNSTATED_UNTIL_THE_RERUN = {"one stream's decode, short / ~1,000-token context", "4 concurrent streams, aggregate"}
 
 
 def measured_rows(text: str) -> list[list[str]]:
@@ -59,9 +57,9 @@ def test_every_decode_figure_of_the_readme_says_whether_speculation_was_on():
     decode_rows = [row for row in measured_rows(README.read_text()) if DECODE_FIGURE.search(" ".join(row[:2]))]
     assert decode_rows, "the README's measured table gives decode figures"
     unstated = {row[0] for row in decode_rows if not SPECULATION_SETTING.search(" ".join(row[:2]))}
-    assert unstated == UNSTATED_UNTIL_THE_RERUN, (
-        "a README row with a decode figure must say “speculation off” or “speculation on” (as its section of "
-        "bench/RESULTS.md does); UNSTATED_UNTIL_THE_RERUN lists only the rows still waiting for their rerun"
+    assert not unstated, (
+        f"README rows with a decode figure and no “speculation off” or “speculation on” (as its section of "
+        f"bench/RESULTS.md says): {sorted(unstated)}"
     )
 
 
