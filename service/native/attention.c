@@ -278,18 +278,10 @@ static void attend_tile(const Attention *a, int head, int r0, int r1, float *sco
     }
 }
 
-/* This thread's scratch memory, kept between calls (allocating it per call cost tens of microseconds
- * in a decode step); grown when a call needs more. */
+/* This thread's scratch memory (fixed.h's scratch_of). */
 static float *thread_scratch(size_t bytes) {
-    static __thread float *buffer;
-    static __thread size_t size;
-    if (bytes > size) {
-        free(buffer);
-        size = (bytes + 65535) / 65536 * 65536;
-        buffer = aligned_alloc(64, size);
-        if (!buffer) size = 0;
-    }
-    return buffer;
+    static __thread struct scratch mine;
+    return scratch_of(&mine, bytes, 65536);
 }
 
 /* Rows per work item: enough queries to reuse each block of keys, few enough to keep them in cache. */

@@ -14,6 +14,7 @@
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define LANES 16
@@ -269,4 +270,21 @@ static inline void sin_cos(double x, double *s, double *c) {
     case 2: *s = -sine, *c = -cosine; break;
     default: *s = -cosine, *c = sine; break;
     }
+}
+
+/* A thread's scratch memory, kept between calls (allocating it per call cost tens of microseconds in a
+ * decode step), grown in steps of `step` bytes when a call needs more; NULL when it cannot be. */
+struct scratch {
+    float *buffer;
+    size_t size;
+};
+
+static inline float *scratch_of(struct scratch *s, size_t bytes, size_t step) {
+    if (bytes > s->size) {
+        free(s->buffer);
+        s->size = (bytes + step - 1) / step * step;
+        s->buffer = aligned_alloc(64, s->size);
+        if (!s->buffer) s->size = 0;
+    }
+    return s->buffer;
 }

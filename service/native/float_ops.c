@@ -381,27 +381,13 @@ static void rotate(const float *x, const float *cos, const float *sin, int dim, 
 }
 
 static float *call_scratch(size_t bytes) {
-    static __thread float *buffer;
-    static __thread size_t size;
-    if (bytes > size) {
-        free(buffer);
-        size = (bytes + (1 << 20) - 1) / (1 << 20) * (1 << 20);
-        buffer = aligned_alloc(64, size);
-        if (!buffer) size = 0;
-    }
-    return buffer;
+    static __thread struct scratch mine;
+    return scratch_of(&mine, bytes, 1 << 20);
 }
 
 static float *item_scratch(size_t bytes) {
-    static __thread float *buffer;
-    static __thread size_t size;
-    if (bytes > size) {
-        free(buffer);
-        size = (bytes + 65535) / 65536 * 65536;
-        buffer = aligned_alloc(64, size);
-        if (!buffer) size = 0;
-    }
-    return buffer;
+    static __thread struct scratch mine;
+    return scratch_of(&mine, bytes, 65536);
 }
 
 static inline int64_t up16(int64_t x) { return (x + LANES - 1) / LANES * LANES; }
