@@ -167,7 +167,7 @@ def test_the_answer_streams_in_and_the_timings_are_shown(page):
     expect(page.locator(".preview .size")).to_contain_text("480×360")
     set_options(page, max_tokens=300, temperature=0)
     record_answer_lengths(page)
-    ask(page, "What is in this picture?")
+    ask(page, "Describe this picture in detail.")  # the random model answers it for all 300 tokens
     turn = finished_turn(page, 1)
     assert usage_numbers(turn)["completion"] >= 50  # a long answer (the random model may end it early)
     while_streaming = {length for length, done in page.evaluate("window.answerLengths") if length and not done}

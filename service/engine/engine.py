@@ -189,8 +189,8 @@ class Engine:
         self.scheduler.cancel_all()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Before a process that is not a server exits (CLI): generation ended, the scheduler's thread
-        returned and queued disk writes made, so no thread is inside torch when the interpreter ends."""
+        """Before a process that is not a server exits (CLI): generation ended and the scheduler's thread
+        returned, so it is not inside torch when the interpreter ends (queued disk writes flush at exit)."""
         if not self.scheduler.stop(timeout):
             log.warning("the scheduler did not stop within %.0f s", timeout)
 
