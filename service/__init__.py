@@ -12,3 +12,11 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 # scheduler does for long; another team of threads would make libgomp sleep its threads between the
 # decode step's parallel regions, halving decode speed on 2 cores). Also before torch is imported.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The scheduler's team is not the process's first thread's, so libgomp counts one thread more than the
+# cores (2 + the idle main thread on 2 cores) and spins only 100 rounds before sleeping between two
+# parallel regions: every one of a decode step's ~300 paid a wake-up (84 µs for a 2048 → 32 Linear
+# against 12). OMP_WAIT_POLICY=active makes that 1,000 rounds (~20 µs) and GOMP_SPINCOUNT keeps the
+# unthrottled spin at libgomp's own default (~3 ms): an idle server still sleeps. Measured in process,
+# Qwen3.5-2B 4-bit: 23.7 → 31.3 tok/s. Scheduling only: the same bits.
+os.environ.setdefault("OMP_WAIT_POLICY", "active")
+os.environ.setdefault("GOMP_SPINCOUNT", "300000")
