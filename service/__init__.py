@@ -14,9 +14,9 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The scheduler's team is not the process's first thread's, so libgomp counts one thread more than the
 # cores (2 + the idle main thread on 2 cores) and spins only 100 rounds before sleeping between two
-# parallel regions: every one of a decode step's ~300 paid a wake-up (84 µs for a 2048 → 32 Linear
-# against 12). OMP_WAIT_POLICY=active makes that 1,000 rounds (~20 µs) and GOMP_SPINCOUNT keeps the
-# unthrottled spin at libgomp's own default (~3 ms): an idle server still sleeps. Measured in process,
-# Qwen3.5-2B 4-bit: 23.7 → 31.3 tok/s. Scheduling only: the same bits.
+# parallel regions: every one of a decode step's ~300 paid a wake-up. OMP_WAIT_POLICY=active makes that
+# 1,000 rounds (~20 µs) and GOMP_SPINCOUNT keeps the unthrottled spin at libgomp's own default (~3 ms):
+# an idle server still sleeps. Scheduling only: the same bits. What it changed: `bench_peer --model
+# qwen3.5-2b` read 4-bit decode 32.3 tok/s at 2da4d48 and 40.0 after (bench/RESULTS.md and its history).
 os.environ.setdefault("OMP_WAIT_POLICY", "active")
 os.environ.setdefault("GOMP_SPINCOUNT", "300000")

@@ -3,6 +3,7 @@ KV disk tier) are only valid for the weights that made them."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 SAMPLE_BYTES = 64 * 1024
 
 
+@functools.lru_cache(maxsize=8)  # one reading a process: the fingerprint, the digest and the disk tier ask
 def checkpoint_identity(path: Path) -> str:
     """A digest of the checkpoint folder's config and of each weight file's name, size and bytes at its
     start, middle and end: copies of one checkpoint agree wherever they live, while a fine-tune, a
