@@ -58,7 +58,7 @@ INT8_GEMM = Kernel(HERE / "int8_gemm.c", ("-ffp-contract=off",), (SIMD,))
 # its float steps are its own (nothing to match), fused where it says so: none may fuse behind its back
 INT4_GEMM = Kernel(HERE / "int4_gemm.c", EXACT_FLOATS, (SIMD, FIXED, FIXED_MATH))
 # a mixture of experts' router: float sums in one fixed order, so no fused multiply-adds it did not write
-ROUTER = Kernel(HERE / "router.c", ("-ffp-contract=off",))
+ROUTER = Kernel(HERE / "router.c", EXACT_FLOATS, (FIXED, FIXED_MATH))
 # Qwen3.5's linear attention: the same bits on every instruction set (16-float vectors, fixed.h's exp and log)
 DELTANET = Kernel(HERE / "deltanet.c", EXACT_FLOATS, (FIXED, FIXED_MATH))
 # norms, activations, softmax, sin/cos, float GEMMs and the vision tower's attention (float_ops.py)

@@ -7,35 +7,17 @@
  * a near tie between two experts turn into another choice of experts.
  *
  * GCC's 16-float vectors are one AVX-512 register or two AVX2 ones: the same lanes either way. */
-#include <stdint.h>
-#include <string.h>
+#include "fixed.h" /* 16-float vectors (vf), load, and the fixed tree that adds a vector's lanes (total) */
 
-#define LANES 16
 #define ROWS 4 /* rows sharing each load of the router's weights */
-typedef float v16 __attribute__((vector_size(LANES * sizeof(float))));
-
-static inline v16 load(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* The fixed tree: lanes j and j + 8, then j and j + 4, j and j + 2, then the last two. */
-static inline float total(v16 acc) {
-    float p[LANES];
-    memcpy(p, &acc, sizeof p);
-    for (int width = LANES / 2; width >= 1; width /= 2)
-        for (int j = 0; j < width; j++) p[j] = p[j] + p[j + width];
-    return p[0];
-}
 
 /* `count` (1..ROWS) rows of x (row stride x_row floats) against expert e's weights (k floats). */
 static void rows_against(const float *x, int64_t x_row, int count, const float *w, int k, float *y, int64_t y_row) {
-    v16 acc[ROWS];
-    for (int r = 0; r < count; r++) acc[r] = (v16){0};
+    vf acc[ROWS];
+    for (int r = 0; r < count; r++) acc[r] = (vf){0};
     int whole = k / LANES * LANES;
     for (int i = 0; i < whole; i += LANES) {
-        v16 wv = load(w + i);
+        vf wv = load(w + i);
         for (int r = 0; r < count; r++) acc[r] = acc[r] + load(x + r * x_row + i) * wv;
     }
     for (int r = 0; r < count; r++) {
