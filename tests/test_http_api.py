@@ -314,9 +314,11 @@ def test_wrong_method_is_405_json(server):
 # -- admission, disconnects, metrics --------------------------------------------------------------
 
 
-def _open_stream(server, max_tokens=400):
-    """A raw socket streaming a long answer; returns the socket after the headers and two chunks."""
-    body = json.dumps({"prompt": "Go on and on.", "max_tokens": max_tokens, "temperature": 0}).encode()
+def _open_stream(server, no_end_of_turn, max_tokens=600):
+    """A raw socket streaming a long answer (end tokens barred, so it runs until max_tokens or the
+    socket closes); returns the socket after the headers and two chunks."""
+    body = {"prompt": "Go on and on.", "max_tokens": max_tokens, "temperature": 0, "logit_bias": no_end_of_turn}
+    body = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1])))
     sock.sendall(
         b"POST /v1/chat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -328,10 +330,10 @@ def _open_stream(server, max_tokens=400):
     return sock
 
 
-def test_client_disconnect_stops_generation_and_frees_the_model(server):
+def test_client_disconnect_stops_generation_and_frees_the_model(server, no_end_of_turn):
     cancelled_before = metric(server, "qwen3vl_generations_total", 'finish_reason="cancelled"')
     tokens_before = metric(server, "qwen3vl_generated_tokens_total")
-    sock = _open_stream(server, max_tokens=600)
+    sock = _open_stream(server, no_end_of_turn)
     sock.close()
     deadline = time.monotonic() + 10
     while metric(server, "qwen3vl_generations_total", 'finish_reason="cancelled"') == cancelled_before:
@@ -344,9 +346,9 @@ def test_client_disconnect_stops_generation_and_frees_the_model(server):
     assert time.perf_counter() - t0 < 5
 
 
-def test_requests_beyond_the_queue_get_429_with_retry_after(server):
+def test_requests_beyond_the_queue_get_429_with_retry_after(server, no_end_of_turn):
     cancelled_before = metric(server, "qwen3vl_generations_total", 'finish_reason="cancelled"')
-    running = [_open_stream(server, max_tokens=600) for _ in range(2)]  # fill the batch (MAX_BATCH_SIZE 2)
+    running = [_open_stream(server, no_end_of_turn) for _ in range(2)]  # fill the batch (MAX_BATCH_SIZE 2)
     waiter_result = {}
 
     def wait_in_queue():
