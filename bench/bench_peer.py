@@ -82,7 +82,8 @@ from bench.core.servers import (
 
 # make-model presets (bf16 checkpoints, but OURS_ONLY's); Qwen3.5's need a service that has them
 MODELS = ("2b", "4b", "8b", "30b-a3b-e32", "30b-a3b")
-MODELS += ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-35b-a3b-e32", "qwen3.5-35b-a3b")
+MODELS += ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-35b-a3b-e32", "qwen3.5-35b-a3b-e16")
+MODELS += ("qwen3.5-35b-a3b",)
 OURS_ONLY = ("30b-a3b", "qwen3.5-35b-a3b")  # no bf16 checkpoint for llama.cpp's converter to read: ours alone, 4-bit
 OURS_4BIT = "this service 4-bit"
 KINDS = ("this service", OURS_4BIT, "llama.cpp Q8_0", "llama.cpp Q4_0")

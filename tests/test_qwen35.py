@@ -236,8 +236,8 @@ def test_a_second_turn_from_the_cache_answers_the_bits_of_a_fresh_computation(en
 
 
 # The releases' parameter counts (Hugging Face's safetensors totals: vision, text and the MTP head;
-# docs/models.md names the sources). 35B-A3B-e32: 224 of each sparse layer's 256 experts left out —
-# each 3 × 2048 × 512 weights and its router row of 2048 — in its 40 layers and the MTP layer.
+# docs/models.md names the sources). 35B-A3B-e32 and -e16: 224 or 240 of each sparse layer's 256 experts
+# left out — each 3 × 2048 × 512 weights and its router row of 2048 — in its 40 layers and the MTP layer.
 PUBLISHED_PARAMETERS = {
     "qwen3.5-0.8b": 873_438_784,
     "qwen3.5-2b": 2_274_069_824,
@@ -245,9 +245,9 @@ PUBLISHED_PARAMETERS = {
     "qwen3.5-9b": 9_653_104_368,
     "qwen3.5-35b-a3b": 35_951_822_704,
 }
-PUBLISHED_PARAMETERS["qwen3.5-35b-a3b-e32"] = PUBLISHED_PARAMETERS["qwen3.5-35b-a3b"] - 41 * 224 * (
-    3 * 2048 * 512 + 2048
-)
+for _experts in (32, 16):
+    _left_out = 41 * (256 - _experts) * (3 * 2048 * 512 + 2048)
+    PUBLISHED_PARAMETERS[f"qwen3.5-35b-a3b-e{_experts}"] = PUBLISHED_PARAMETERS["qwen3.5-35b-a3b"] - _left_out
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMETERS))

@@ -231,6 +231,8 @@ PRESETS = {
     # ~72 GB in bf16: written straight into the 4-bit format
     "qwen3.5-35b-a3b": _release((2048, 0, 40, 16, 2, 32), _VISION_L, tied=False, experts=256, quantized_only=True),
     "qwen3.5-35b-a3b-e32": _release((2048, 0, 40, 16, 2, 32), _VISION_L, tied=False, experts=32),
+    # the same with 16 experts: its bf16 checkpoint (~10 GB), ours and the GGUFs fit a machine with ~35 GB free
+    "qwen3.5-35b-a3b-e16": _release((2048, 0, 40, 16, 2, 32), _VISION_L, tied=False, experts=16),
 }
 
 
