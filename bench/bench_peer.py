@@ -47,8 +47,10 @@ real model's answers would allow — not what a user would see. Per server start
   Gunicorn's master and worker share the weights copy-on-write, which summed RSS would count twice; our
   conversation cache may keep that conversation's keys and values, llama.cpp allocates its cache at start);
 - decode's bandwidth ceiling (bench/core/ceiling.py): the weight bytes a token reads (its experts only,
-  in a mixture of experts) ÷ this machine's read bandwidth, probed before the servers start; each
-  run's decode after the short prompt, speculation off, as a share of its own weights' ceiling.
+  in a mixture of experts) ÷ this machine's read bandwidth — probed before every server start, the best
+  probe of the run taken (a shared VM's bandwidth moves by half within minutes: one probe before the
+  runs read 45 GB/s where a decode had just streamed 57) —; each run's decode after the short prompt,
+  speculation off, as a share of its own weights' ceiling.
 Each figure is the median of the runs, with their spread (min–max) and their count. A llama.cpp server
 that crashes is started again with `-nr` (no weight repacking, which segfaulted on a Xeon with AMX), and
 the table says so. It writes its section in bench/RESULTS.md and its plot (each figure against llama.cpp
@@ -234,7 +236,7 @@ def main(argv=None) -> int:
             weights = gguf_weights(source, llama, peer_dir / f"gguf-{source.name}", log, q4=not args.no_q4)
         bar.update()
         bar.set_postfix_str("probing the read bandwidth")
-        bandwidth = read_bandwidth(args.threads)
+        probes = [read_bandwidth(args.threads)]
         experts = model_experts(source)
         active = {"this service": checkpoint_active_bytes(ours_path), OURS_4BIT: checkpoint_active_bytes(int4)}
         for kind in (k for k in kinds if k.startswith("llama.cpp")):
@@ -249,9 +251,11 @@ def main(argv=None) -> int:
         for round_ in range(args.rounds):
             for kind in kinds if round_ % 2 == 0 else list(reversed(kinds)):
                 bar.set_postfix_str(f"{kind}, round {round_ + 1}")
+                probes.append(read_bandwidth(args.threads))
                 results[kind].append(serve_and_measure(kind, args, ours_path, int4, llama, weights, peer_dir,
                                                        end_of_turn, prompts, round_, no_repack))  # fmt: skip
                 bar.update(2)
+    bandwidth = max(probes)
     ceiling = {kind: bandwidth / active[kind] for kind in kinds}
     for kind, runs in results.items():
         for run in runs:  # a token a forward: what the ceiling bounds
@@ -280,7 +284,8 @@ def main(argv=None) -> int:
                 + (f"; -nr (no repacking: the default crashed) for {', '.join(sorted(no_repack))}" if no_repack else "")
             ),
             "GGUF": ", ".join(p.name for p in weights.values()) or "—",
-            "read bandwidth": f"{bandwidth / 1e9:.1f} GB/s ({args.threads} threads summing 2 GiB, best of 5)",
+            "read bandwidth": f"{bandwidth / 1e9:.1f} GB/s ({args.threads} threads summing 2 GiB, best of 5, "
+            f"probed {len(probes)} times, the best taken; the least {min(probes) / 1e9:.1f})",
             "CPU": cpu_model(),
         },
         table(med, results, kinds, ceiling, ours_path, weights, int4, active, plot_path),
