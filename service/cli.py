@@ -159,6 +159,7 @@ def _write_boxes(out: str, images: list[str], boxes) -> int:
 def cmd_make_model(args) -> int:
     from .random_checkpoints.make import make_checkpoint
     from .random_checkpoints.marker import RANDOM_MODEL_WARNING
+    from .random_checkpoints.presets import PRESETS
 
     t0 = time.perf_counter()
     try:
@@ -167,8 +168,9 @@ def cmd_make_model(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     kind = {None: "", 8: " INT8", 4: " 4-bit"}[args.bits]
+    family = "Qwen3.5" if PRESETS[args.preset].family == "qwen3_5" else "Qwen3-VL"
     print(
-        f"wrote the {args.preset} random-weight Qwen3-VL{kind} checkpoint to {out} in {time.perf_counter() - t0:.1f} s "
+        f"wrote the {args.preset} random-weight {family}{kind} checkpoint to {out} in {time.perf_counter() - t0:.1f} s "
         f"(peak RSS {_peak_rss_gib():.2f} GiB)" + (f"; serve it with MODEL_PATH={out}" if args.bits else "")
     )
     print(f"note: {RANDOM_MODEL_WARNING}")
