@@ -34,7 +34,7 @@ ACTIVATION_SCALE = 2.0**-6
 ACTIVATION_ZERO_POINT = 64
 ACTIVATIONS = ("per_token", "per_tensor")
 KERNELS = ("fbgemm", "onednn", "native")
-ROWS_PER_CHUNK = 16384  # per-row quantization is exact in chunks: the 151936-row embedding never goes fp32 whole
+CHUNK_ELEMENTS = 1 << 21  # per-row quantization is exact in chunks: rows of 8 MiB in fp32 at a time
 GEMV_ROWS = 4  # MappedInt8Linear, fp32: up to this many tokens use the int8 GEMV kernel (decode)
 MAPPED_GEMV_ROWS = 16  # MappedInt8Linear, bf16: likewise (its vectorized path stays fast up to about here)
 MAPPED_SLICE = 4096  # MappedInt8Linear: output rows dequantized at once for prefill (bounded scratch memory)
@@ -53,8 +53,9 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from torch.ao.nn.quantized.modules.utils import _quantize_weight
 
     rows, scales = [], []
-    for start in range(0, weight.shape[0], ROWS_PER_CHUNK):
-        chunk = weight[start : start + ROWS_PER_CHUNK].float()
+    step = max(1, CHUNK_ELEMENTS // max(1, weight[0].numel()))
+    for start in range(0, weight.shape[0], step):
+        chunk = weight[start : start + step].float()
         observer = int8_qconfig().weight()
         observer(chunk)
         q = _quantize_weight(chunk, observer)
@@ -135,7 +136,9 @@ def pack_native(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         padded = torch.zeros(n_pad, k_pad, dtype=torch.int8)
         padded[:n, :k] = rows
     packed = padded.view(n_pad // NATIVE_GROUP, NATIVE_GROUP, k_pad // 4, 4).permute(0, 2, 1, 3).reshape(-1)
-    return packed, rows.sum(1, dtype=torch.int32)
+    # In chunks: sum(dtype=int32) widens its whole input first (4× the int8 rows: 85 MB for 4608²).
+    step = max(1, CHUNK_ELEMENTS // max(1, k))
+    return packed, torch.cat([rows[i : i + step].sum(1, dtype=torch.int32) for i in range(0, n, step)])
 
 
 def native_view(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
 from datetime import UTC, datetime
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..memory import MIB, release_memory
+from ..memory import MIB, release_memory, unmapped_large_blocks
 from . import packing, published
 from .fusion import is_moe_block
 from .int4_linear import GROUP_SIZES, dequantize, group_for, pack, quantize_groups
@@ -66,15 +67,17 @@ class ShardWriter:
             release_memory()
 
 
-READ_ROWS = 16384  # rows of a Linear read at once (the 151936 × 2048 embedding: 64 MB of bf16 at a time)
+READ_ELEMENTS = 1 << 21  # a Linear's rows read at once: 4 MiB of bf16 (8 MiB once quantization makes it fp32)
 
 
 def _in_row_chunks(source, name: str, quantize):
     """`quantize` (a per-row quantization: each row's result depends on that row alone) applied to
-    READ_ROWS rows of the tensor `name` at a time, its outputs concatenated: the same tensors as
-    quantizing the whole, with only a chunk of the source in memory."""
-    rows = source.shape(name)[0]
-    pieces = [quantize(source.read_rows(name, start, start + READ_ROWS)) for start in range(0, rows, READ_ROWS)]
+    about READ_ELEMENTS of the tensor `name` at a time, whole rows, its outputs concatenated: the same
+    tensors as quantizing the whole, with only a chunk of the source in memory — bounded in bytes, not
+    rows, so a wide Linear (a vision merger's 4608 columns) is no more than the embedding's 2048."""
+    shape = source.shape(name)
+    step = max(1, READ_ELEMENTS // math.prod(shape[1:]))
+    pieces = [quantize(source.read_rows(name, start, start + step)) for start in range(0, shape[0], step)]
     return pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts) for parts in zip(*pieces))
 
 
@@ -312,6 +315,7 @@ class _Counted:
         return out
 
 
+@unmapped_large_blocks()  # its tensors freed back to the OS as they go: see that function
 def write_quantized_tensors(
     source,
     config,
