@@ -40,6 +40,9 @@ real model's answers would allow — not what a user would see. Per server start
   after a ~1,000-token one and after a ~8,000-token one (a long conversation: a fixed recurrent state,
   Qwen3.5's, against a growing KV cache; both servers get 16,384 tokens of context for it); ours once
   more after the short prompt with speculation on, its guesses drafted and accepted from the done line;
+- decode after ~8,000 tokens as a share of decode after the short prompt, that one decoded again just
+  before and just after it (their mean): a ratio of the same minutes, where the two rows above may be
+  minutes apart on a machine whose speed drifts by a third in ten;
 - second turn (client-side): a picture and a question (32 tokens), then the whole history resent
   with a follow-up, max_tokens 1: what a chat client waits for its next answer to start;
 - 4 concurrent text streams of 64 tokens (client-side): all tokens over the wall time;
@@ -47,10 +50,11 @@ real model's answers would allow — not what a user would see. Per server start
   Gunicorn's master and worker share the weights copy-on-write, which summed RSS would count twice; our
   conversation cache may keep that conversation's keys and values, llama.cpp allocates its cache at start);
 - decode's bandwidth ceiling (bench/core/ceiling.py): the weight bytes a token reads (its experts only,
-  in a mixture of experts) ÷ this machine's read bandwidth — probed before every server start, the best
-  probe of the run taken (a shared VM's bandwidth moves by half within minutes: one probe before the
-  runs read 45 GB/s where a decode had just streamed 57) —; each run's decode after the short prompt,
-  speculation off, as a share of its own weights' ceiling.
+  in a mixture of experts) ÷ this machine's read bandwidth, probed just before and just after the short
+  prompt's decode, the higher of the two taken (a shared VM's bandwidth moves by half within minutes: one
+  probe before the runs read 45 GB/s where a decode had just streamed 57, and the best of a run's probes
+  came from other minutes than most decodes); each run's decode after the short prompt, speculation off,
+  as a share of its own weights' ceiling at that run's bandwidth.
 Each figure is the median of the runs, with their spread (min–max) and their count. A llama.cpp server
 that crashes is started again with `-nr` (no weight repacking, which segfaulted on a Xeon with AMX), and
 the table says so. It writes its section in bench/RESULTS.md and its plot (each figure against llama.cpp
@@ -157,9 +161,10 @@ class Client:
         return {"drafted": usage["drafted_tokens"], "accepted": usage["accepted_tokens"]}
 
 
-def measure(client: Client, prompts: dict[str, str], round_: int, memory) -> dict:
+def measure(client: Client, prompts: dict[str, str], round_: int, memory, probe) -> dict:
     """Every row of one server; `memory()` its PSS, read before the ~8,000-token conversation (whose keys and
-    values our conversation cache may keep afterwards, where llama.cpp's cache is allocated from the start)."""
+    values our conversation cache may keep afterwards, where llama.cpp's cache is allocated from the start);
+    `probe()` the machine's read bandwidth, just before and after the short prompt's decode (its ceiling)."""
     # a new picture each time: nothing cached can help
     first = [client.chat([message("user", photo_url(100 * round_ + i), QUESTION)], 1).total for i in range(3)]
     turn1 = [message("user", photo_url(1000 + round_), "Describe the picture.")]
@@ -174,9 +179,18 @@ def measure(client: Client, prompts: dict[str, str], round_: int, memory) -> dic
         "streams_tok_s": sum(r.done["usage"]["completion_tokens"] for r in streams) / wall,
     }
     for name, prompt in prompts.items():
+        if name == "short":  # the higher probe: a slow minute may not make the ceiling look closer
+            before = probe()
+            result["decode_short"] = client.decode(prompt, 128)["rate"]
+            result["bandwidth"] = max(before, probe())
+            continue
         if name == "conversation":
             result["memory_gib"] = memory()
+            around = [client.decode(prompts["short"], 128)["rate"]]
         result[f"decode_{name}"] = client.decode(prompt, 128)["rate"]
+        if name == "conversation":  # against a short prompt's decode of the same minutes: a shared VM's
+            around.append(client.decode(prompts["short"], 128)["rate"])  # speed drifts by a third in ten
+            result["conversation_share"] = result["decode_conversation"] / statistics.mean(around)
     result.setdefault("memory_gib", memory())
     if client.ours:  # the same short-prompt request with its guesses: what speculation adds on these weights
         on = client.decode(prompts["short"], 128, speculative=True)
@@ -235,8 +249,7 @@ def main(argv=None) -> int:
             bar.set_postfix_str("converting the checkpoint to GGUF (once)")
             weights = gguf_weights(source, llama, peer_dir / f"gguf-{source.name}", log, q4=not args.no_q4)
         bar.update()
-        bar.set_postfix_str("probing the read bandwidth")
-        probes = [read_bandwidth(args.threads)]
+        bar.set_postfix_str("the weight bytes a token reads")
         experts = model_experts(source)
         active = {"this service": checkpoint_active_bytes(ours_path), OURS_4BIT: checkpoint_active_bytes(int4)}
         for kind in (k for k in kinds if k.startswith("llama.cpp")):
@@ -251,15 +264,14 @@ def main(argv=None) -> int:
         for round_ in range(args.rounds):
             for kind in kinds if round_ % 2 == 0 else list(reversed(kinds)):
                 bar.set_postfix_str(f"{kind}, round {round_ + 1}")
-                probes.append(read_bandwidth(args.threads))
                 results[kind].append(serve_and_measure(kind, args, ours_path, int4, llama, weights, peer_dir,
                                                        end_of_turn, prompts, round_, no_repack))  # fmt: skip
                 bar.update(2)
-    bandwidth = max(probes)
-    ceiling = {kind: bandwidth / active[kind] for kind in kinds}
     for kind, runs in results.items():
-        for run in runs:  # a token a forward: what the ceiling bounds
-            run["ceiling_share"] = run["decode_short"] / ceiling[kind]
+        for run in runs:  # a token a forward: what the ceiling bounds, at the bandwidth of its minutes
+            run["ceiling_share"] = run["decode_short"] * active[kind] / run["bandwidth"]
+    probes = [run["bandwidth"] for runs in results.values() for run in runs]
+    ceiling = {kind: statistics.median(run["bandwidth"] for run in results[kind]) / active[kind] for kind in kinds}
     med = {k: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for k, runs in results.items()}
     plot_path = None if ours_only else plot_file(f"peer-{args.model}")
     if not args.no_save and plot_path is not None:
@@ -284,8 +296,9 @@ def main(argv=None) -> int:
                 + (f"; -nr (no repacking: the default crashed) for {', '.join(sorted(no_repack))}" if no_repack else "")
             ),
             "GGUF": ", ".join(p.name for p in weights.values()) or "—",
-            "read bandwidth": f"{bandwidth / 1e9:.1f} GB/s ({args.threads} threads summing 2 GiB, best of 5, "
-            f"probed {len(probes)} times, the best taken; the least {min(probes) / 1e9:.1f})",
+            "read bandwidth": f"{statistics.median(probes) / 1e9:.1f} GB/s, median of the runs ({args.threads} "
+            f"threads summing 2 GiB, best of 5, just before and after each short-prompt decode, the higher taken; "
+            f"{min(probes) / 1e9:.1f}–{max(probes) / 1e9:.1f} over the runs)",
             "CPU": cpu_model(),
         },
         table(med, results, kinds, ceiling, ours_path, weights, int4, active, plot_path),
@@ -329,7 +342,8 @@ def serve_and_measure(kind, args, ours_path, int4, llama, weights, peer_dir, end
         with server as (base, process, ready_s):
             client = Client(base, kind.startswith("this service"), end_of_turn)
             client.chat([message("user", photo_url(99999), "Hi.")], 2)  # first-call costs, not measured
-            result = measure(client, prompts, round_, lambda: tree_memory(process) / 1024**3)
+            result = measure(client, prompts, round_, lambda: tree_memory(process) / 1024**3,
+                             lambda: read_bandwidth(args.threads))  # fmt: skip
             result["ready_s"] = ready_s
             return result
 
@@ -344,6 +358,8 @@ ROWS = [  # (label, key, unit, better, side): one figure a run (server start), t
     ("decode after a short prompt, speculation off", "decode_short", "tok/s", "higher", "server"),
     ("decode after ~1,000 prompt tokens, speculation off", "decode_long", "tok/s", "higher", "server"),
     ("decode after ~8,000 tokens of conversation, speculation off", "decode_conversation", "tok/s", "higher", "server"),
+    ("decode after ~8,000 tokens ÷ a short prompt's just before and after it", "conversation_share", "", "higher",
+     "server"),
     ("decode after a short prompt, exact speculation on", "decode_speculative", "tok/s", "higher", "server"),
     ("second turn (history resent), first token", "second_turn_s", "s", "lower", "client"),
     ("4 concurrent streams, aggregate, speculation off", "streams_tok_s", "tok/s", "higher", "client"),
@@ -351,7 +367,7 @@ ROWS = [  # (label, key, unit, better, side): one figure a run (server start), t
     ("decode after a short prompt, speculation off, share of its ceiling", "ceiling_share", "", "higher", "—"),
 ]
 # What the plot compares with llama.cpp: the measured figures both sides have (not what its weights bound).
-PLOTTED = [row for row in ROWS if row[1] not in ("decode_speculative", "ceiling_share")]
+PLOTTED = [row for row in ROWS if row[1] not in ("decode_speculative", "ceiling_share", "conversation_share")]
 
 
 def table(
@@ -384,10 +400,10 @@ def table(
         has = [k for k in kinds if key in med[k]]
         if not has:
             continue  # a row this run left out
-        form = "{:.0%}" if key == "ceiling_share" else "{:.3g}"
+        form = {"ceiling_share": "{:.0%}", "conversation_share": "{:.2f}"}.get(key, "{:.3g}")
         cells = [spread([r[key] for r in results[k]], form) if k in has else "—" for k in kinds]
         if key == "ceiling_share":  # the ceiling first: what the weights bound, whatever the run
-            rows.append(["decode ceiling: read bandwidth ÷ weight bytes a token reads (tok/s)", "—", "—",
+            rows.append(["decode ceiling: read bandwidth (its runs' median) ÷ weight bytes a token reads (tok/s)", "—", "—",
                          *[f"{ceiling[k]:.3g}" for k in kinds], *ratio_cells(ceiling)])  # fmt: skip
         name = f"{label} ({unit})" if unit else label
         rows.append([name, side, runs, *cells, *ratio_cells({k: med[k][key] for k in has})])
