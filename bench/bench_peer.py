@@ -358,14 +358,20 @@ ROWS = [  # (label, key, unit, better, side): one figure a run (server start), t
     ("decode after a short prompt, speculation off", "decode_short", "tok/s", "higher", "server"),
     ("decode after ~1,000 prompt tokens, speculation off", "decode_long", "tok/s", "higher", "server"),
     ("decode after ~8,000 tokens of conversation, speculation off", "decode_conversation", "tok/s", "higher", "server"),
-    ("decode after ~8,000 tokens ÷ a short prompt's just before and after it", "conversation_share", "", "higher",
-     "server"),
+    (
+        "decode after ~8,000 tokens ÷ a short prompt's just before and after it",
+        "conversation_share",
+        "",
+        "higher",
+        "server",
+    ),
     ("decode after a short prompt, exact speculation on", "decode_speculative", "tok/s", "higher", "server"),
     ("second turn (history resent), first token", "second_turn_s", "s", "lower", "client"),
     ("4 concurrent streams, aggregate, speculation off", "streams_tok_s", "tok/s", "higher", "client"),
     ("resident memory after the runs but the ~8,000-token one (PSS)", "memory_gib", "GiB", "lower", "—"),
     ("decode after a short prompt, speculation off, share of its ceiling", "ceiling_share", "", "higher", "—"),
 ]
+CEILING_ROW = "decode ceiling: read bandwidth (its runs' median) ÷ weight bytes a token reads (tok/s)"
 # What the plot compares with llama.cpp: the measured figures both sides have (not what its weights bound).
 PLOTTED = [row for row in ROWS if row[1] not in ("decode_speculative", "ceiling_share", "conversation_share")]
 
@@ -403,8 +409,7 @@ def table(
         form = {"ceiling_share": "{:.0%}", "conversation_share": "{:.2f}"}.get(key, "{:.3g}")
         cells = [spread([r[key] for r in results[k]], form) if k in has else "—" for k in kinds]
         if key == "ceiling_share":  # the ceiling first: what the weights bound, whatever the run
-            rows.append(["decode ceiling: read bandwidth (its runs' median) ÷ weight bytes a token reads (tok/s)", "—", "—",
-                         *[f"{ceiling[k]:.3g}" for k in kinds], *ratio_cells(ceiling)])  # fmt: skip
+            rows.append([CEILING_ROW, "—", "—", *[f"{ceiling[k]:.3g}" for k in kinds], *ratio_cells(ceiling)])
         name = f"{label} ({unit})" if unit else label
         rows.append([name, side, runs, *cells, *ratio_cells({k: med[k][key] for k in has})])
         if key == "decode_speculative":
