@@ -53,7 +53,7 @@ def _malloc_trim() -> Callable[[], None]:
 
 _trim = _malloc_trim()
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc's malloc header)
 # glibc raises its mmap threshold to each large block freed, up to 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX):
 # a torch process's steady state, and what `unmapped_large_blocks` leaves behind it.
 GLIBC_MAX_MMAP_THRESHOLD = 32 * MIB
