@@ -243,4 +243,5 @@ def test_writing_a_mixture_of_experts_4bit_takes_memory_for_a_tensor_not_the_mod
     # model: measured ~0.11 GB against 0.65 GB in bf16 (1.3 GB in fp32). Before the writer mapped its
     # large blocks apart (service/memory.py's unmapped_large_blocks), glibc's heap fragments held
     # 0.19–0.26 GB; a chunk read whole, or a widening sum over a whole Linear, adds 40–80 MB.
+    assert growth < SHARD + 3 * m["largest_bf16"]
     assert growth < m["bf16"] / 4

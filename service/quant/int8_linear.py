@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -48,12 +49,19 @@ def int8_qconfig():
     return per_channel_dynamic_qconfig
 
 
+def rows_per_chunk(shape) -> int:
+    """Whole rows (along the first dimension of `shape`) that make about CHUNK_ELEMENTS: what per-row
+    work (quantization, row sums, a checkpoint writer's reads) takes at once — bounded in bytes, not
+    rows, so a wide Linear (a vision merger's 4608 columns) holds no more than the embedding's 2048."""
+    return max(1, CHUNK_ELEMENTS // max(1, math.prod(shape[1:])))
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 rows and fp32 per-row scales (torch's per-channel observer and rounding)."""
     from torch.ao.nn.quantized.modules.utils import _quantize_weight
 
     rows, scales = [], []
-    step = max(1, CHUNK_ELEMENTS // max(1, weight[0].numel()))
+    step = rows_per_chunk(weight.shape)
     for start in range(0, weight.shape[0], step):
         chunk = weight[start : start + step].float()
         observer = int8_qconfig().weight()
@@ -137,7 +145,7 @@ def pack_native(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         padded[:n, :k] = rows
     packed = padded.view(n_pad // NATIVE_GROUP, NATIVE_GROUP, k_pad // 4, 4).permute(0, 2, 1, 3).reshape(-1)
     # In chunks: sum(dtype=int32) widens its whole input first (4× the int8 rows: 85 MB for 4608²).
-    step = max(1, CHUNK_ELEMENTS // max(1, k))
+    step = rows_per_chunk(rows.shape)
     return packed, torch.cat([rows[i : i + step].sum(1, dtype=torch.int32) for i in range(0, n, step)])
 
 

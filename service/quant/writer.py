@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import time
 from datetime import UTC, datetime
@@ -33,7 +32,7 @@ from ..memory import MIB, release_memory, unmapped_large_blocks
 from . import packing, published
 from .fusion import is_moe_block
 from .int4_linear import GROUP_SIZES, dequantize, group_for, pack, quantize_groups
-from .int8_linear import quantize_rows
+from .int8_linear import quantize_rows, rows_per_chunk
 from .packing import FORMAT, FORMAT_INT4, FORMAT_VERSION, INT4_SHAPE, QUANTIZED_MARKER, SCALE, linear_groups
 from .source_tensors import SourceTensors
 from .structure import embedding_name, linear_names, quantization_blocks, skeleton
@@ -67,16 +66,12 @@ class ShardWriter:
             release_memory()
 
 
-READ_ELEMENTS = 1 << 21  # a Linear's rows read at once: 4 MiB of bf16 (8 MiB once quantization makes it fp32)
-
-
 def _in_row_chunks(source, name: str, quantize):
     """`quantize` (a per-row quantization: each row's result depends on that row alone) applied to
-    about READ_ELEMENTS of the tensor `name` at a time, whole rows, its outputs concatenated: the same
-    tensors as quantizing the whole, with only a chunk of the source in memory — bounded in bytes, not
-    rows, so a wide Linear (a vision merger's 4608 columns) is no more than the embedding's 2048."""
+    `rows_per_chunk` rows of the tensor `name` at a time, its outputs concatenated: the same tensors as
+    quantizing the whole, with only a chunk of the source in memory."""
     shape = source.shape(name)
-    step = max(1, READ_ELEMENTS // math.prod(shape[1:]))
+    step = rows_per_chunk(shape)
     pieces = [quantize(source.read_rows(name, start, start + step)) for start in range(0, shape[0], step)]
     return pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts) for parts in zip(*pieces))
 
