@@ -183,6 +183,7 @@ class DeltaNetMixer:
         self.norm_weight = attention_module.norm.weight.detach().float().contiguous()
         self.eps = eps
         self.kernel = kernel or DeltaNetKernel.load()
+        self.native = None  # deltanet.c's view of these weights: made once, by its first call
 
     def __call__(
         self,
@@ -200,8 +201,10 @@ class DeltaNetMixer:
         out = torch.empty(len(qkvz), self.shape.values)
         calls, at = [], 0
         for layer, count, may_undo in zip(layers, counts, undoable):
-            inputs = tuple(p[at : at + count] for p in parts)
-            calls.append((layer, inputs, layer.targets(may_undo, inputs), out[at : at + count]))
+            # one sequence (a decode step's usual call): its rows are the call's, no views to make
+            inputs = parts if count == len(qkvz) else tuple(p[at : at + count] for p in parts)
+            rows = out if count == len(qkvz) else out[at : at + count]
+            calls.append((layer, inputs, layer.targets(may_undo, inputs), rows))
             layer.length += count
             at += count
         self.kernel(self, calls)
@@ -237,33 +240,35 @@ class DeltaNetKernel:
 
     def __call__(self, mixer: DeltaNetMixer, calls: list) -> None:
         s = mixer.shape
-        layer = _Layer(
-            s.key_heads,
-            s.value_heads,
-            s.key_dim,
-            s.value_dim,
-            s.kernel,
-            mixer.conv_weight.data_ptr(),
-            mixer.a_log.data_ptr(),
-            mixer.dt_bias.data_ptr(),
-            mixer.norm_weight.data_ptr(),
-            mixer.eps,
-        )
+        if mixer.native is None:
+            mixer.native = _Layer(
+                s.key_heads,
+                s.value_heads,
+                s.key_dim,
+                s.value_dim,
+                s.kernel,
+                mixer.conv_weight.data_ptr(),
+                mixer.a_log.data_ptr(),
+                mixer.dt_bias.data_ptr(),
+                mixer.norm_weight.data_ptr(),
+                mixer.eps,
+            )
         sequences = (_Sequence * len(calls))()
-        scratch = []
+        width = s.conv_channels + 2 * s.value_heads
+        scratch = torch.empty(sum(len(inputs[0]) for _, inputs, _, _ in calls), width)  # every sequence's, in turn
+        mixed = scratch.data_ptr()
         for slot, (_, (qkv, z, b, a), (conv_before, state_before, conv, state), out) in zip(sequences, calls):
             for t in (qkv, z, b, a, out):
                 if t.dtype != torch.float32 or t.stride(-1) != 1:
                     raise ValueError("the mixer takes float32 rows")
-            mixed = torch.empty(len(qkv), s.conv_channels + 2 * s.value_heads)
-            scratch.append(mixed)
             slot.n = len(qkv)
             slot.qkv, slot.z, slot.b, slot.a = qkv.data_ptr(), z.data_ptr(), b.data_ptr(), a.data_ptr()
             slot.qkv_row, slot.z_row, slot.b_row, slot.a_row = qkv.stride(0), z.stride(0), b.stride(0), a.stride(0)
             slot.conv_before, slot.state_before = conv_before.data_ptr(), state_before.data_ptr()
             slot.conv_state, slot.state = conv.data_ptr(), state.data_ptr()
-            slot.mixed, slot.out, slot.out_row = mixed.data_ptr(), out.data_ptr(), out.stride(0)
-        failed = self._lib.deltanet(ctypes.byref(layer), sequences, len(calls), torch.get_num_threads())
+            slot.mixed, slot.out, slot.out_row = mixed, out.data_ptr(), out.stride(0)
+            mixed += 4 * slot.n * width
+        failed = self._lib.deltanet(ctypes.byref(mixer.native), sequences, len(calls), torch.get_num_threads())
         if failed:
             raise ValueError(f"the DeltaNet kernel refused the call (code {failed}): sizes must be multiples of 16")
 

@@ -83,32 +83,49 @@ static void unit(float *x, int d, float scale) {
     for (int i = 0; i < d; i += LANES) store(x + i, load(x + i) * splat(inverse) * splat(scale));
 }
 
-/* Value head h of one sequence, columns [c, c + 16) of its state, token by token: the state decays,
- * learns the token's key → value (the delta rule), and is read by the token's query. Each column of
- * the state evolves on its own, so a slab of 16 columns (dk × 16 floats: 8 KiB at dk = 128) stays in
- * the L1 cache over a whole prefill piece — and its bits are those of any other tiling. */
-static void recur(const Layer *l, const Sequence *s, int h, int c) {
-    const int dim = conv_dim(l), dk = l->dk, dv = l->dv, kh = h / (l->nv / l->nk);
-    float *state = s->state + (int64_t)h * dk * dv + c;
-    const float *before = s->state_before + (int64_t)h * dk * dv + c; /* the first token's state */
-    const float *gates = s->mixed + (int64_t)s->n * dim; /* [n, nv, 2]: decay, beta */
-    for (int t = 0; t < s->n; t++) {
-        const float *row = s->mixed + (int64_t)t * dim;
-        const float *q = row + kh * dk, *k = row + l->nk * dk + kh * dk;
-        const vf e = splat(gates[(t * l->nv + h) * 2]), beta = splat(gates[(t * l->nv + h) * 2 + 1]);
-        const float *from = t == 0 ? before : state;
-        vf kv = splat(0.0f);
-        for (int i = 0; i < dk; i++) kv = kv + load(from + i * dv) * e * splat(k[i]);
-        const vf delta = (load(row + 2 * l->nk * dk + h * dv + c) - kv) * beta;
-        vf out = splat(0.0f);
-        for (int i = 0; i < dk; i++) {
-            vf updated = load(from + i * dv) * e + splat(k[i]) * delta;
-            store(state + i * dv, updated);
-            out = out + updated * splat(q[i]);
-        }
-        store(s->out + t * s->out_row + h * dv + c, out);
+/* Value head h of one sequence, columns [c, c + VECS·16) of its state, token by token: the state
+ * decays, learns the token's key → value (the delta rule), and is read by the token's query. Each
+ * column evolves on its own, in one fixed order of rows, so the bits are those of any tiling; a
+ * block's rows are read in address order (whole 512-byte rows at dv = 128 with AVX-512), which the
+ * hardware's prefetch follows, and its dk × VECS·16 floats (32 KiB at most) stay in cache between
+ * the two passes of a token and over a prefill piece. */
+#define RECUR(VECS)                                                                                        \
+    static void recur_##VECS(const Layer *l, const Sequence *s, int h, int c) {                            \
+        const int dim = conv_dim(l), dk = l->dk, dv = l->dv, kh = h / (l->nv / l->nk);                     \
+        float *state = s->state + (int64_t)h * dk * dv + c;                                                \
+        const float *before = s->state_before + (int64_t)h * dk * dv + c;                                  \
+        const float *gates = s->mixed + (int64_t)s->n * dim; /* [n, nv, 2]: decay, beta */                 \
+        for (int t = 0; t < s->n; t++) {                                                                   \
+            const float *row = s->mixed + (int64_t)t * dim;                                                \
+            const float *q = row + kh * dk, *k = row + l->nk * dk + kh * dk;                               \
+            const vf e = splat(gates[(t * l->nv + h) * 2]), beta = splat(gates[(t * l->nv + h) * 2 + 1]);  \
+            const float *from = t == 0 ? before : state;                                                   \
+            vf kv[VECS], delta[VECS], out[VECS];                                                           \
+            for (int v = 0; v < VECS; v++) kv[v] = splat(0.0f);                                            \
+            for (int i = 0; i < dk; i++)                                                                   \
+                for (int v = 0; v < VECS; v++) kv[v] = kv[v] + load(from + i * dv + v * LANES) * e * splat(k[i]); \
+            for (int v = 0; v < VECS; v++) {                                                               \
+                delta[v] = (load(row + 2 * l->nk * dk + h * dv + c + v * LANES) - kv[v]) * beta;           \
+                out[v] = splat(0.0f);                                                                      \
+            }                                                                                              \
+            for (int i = 0; i < dk; i++)                                                                   \
+                for (int v = 0; v < VECS; v++) {                                                           \
+                    vf updated = load(from + i * dv + v * LANES) * e + splat(k[i]) * delta[v];             \
+                    store(state + i * dv + v * LANES, updated);                                            \
+                    out[v] = out[v] + updated * splat(q[i]);                                               \
+                }                                                                                          \
+            for (int v = 0; v < VECS; v++) store(s->out + t * s->out_row + h * dv + c + v * LANES, out[v]); \
+        }                                                                                                  \
     }
-}
+/* Columns a work item takes: a whole 128-wide row of the state in AVX-512's 32 registers, half of
+ * one in AVX2's 16 (the bits are the same either way: each column's sums run in the same order) */
+#if defined(__AVX512F__)
+#define WIDE 8
+#else
+#define WIDE 4
+#endif
+RECUR(1)
+RECUR(WIDE)
 
 /* Token t's value head h: its decay and its write strength beta, once for every column slab. */
 static void gate(const Layer *l, const Sequence *s, int t, int h, float *gates) {
@@ -168,10 +185,13 @@ int deltanet(const Layer *l, const Sequence *seqs, int count, int threads) {
             float *gates = s->mixed + (int64_t)s->n * dim;
             for (int t = 0; t < s->n; t++) gate(l, s, t, item % l->nv, gates + (t * l->nv + item % l->nv) * 2);
         }
-        const int slabs = l->dv / LANES;
+        const int vecs = l->dv % (WIDE * LANES) == 0 ? WIDE : 1, blocks = l->dv / (vecs * LANES);
 #pragma omp for schedule(static)
-        for (int item = 0; item < count * l->nv * slabs; item++)
-            recur(l, seqs + item / (l->nv * slabs), item / slabs % l->nv, item % slabs * LANES);
+        for (int item = 0; item < count * l->nv * blocks; item++) {
+            const Sequence *s = seqs + item / (l->nv * blocks);
+            const int h = item / blocks % l->nv, c = item % blocks * vecs * LANES;
+            if (vecs == WIDE) recur_WIDE(l, s, h, c); else recur_1(l, s, h, c);
+        }
 #pragma omp for schedule(static)
         for (int item = 0; item < count * l->nv; item++) {
             const Sequence *s = seqs + item / l->nv;
