@@ -10,10 +10,15 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+# before torch: the service's thread settings must be in place when torch loads (service/__init__.py)
+import service  # noqa: E402,F401
+
+# isort: split
+import torch  # noqa: E402
 
 from service.engine.engine import Engine  # noqa: E402
 from service.model.loading import load_model  # noqa: E402

@@ -4,6 +4,8 @@ the arguments given; bench/RESULTS.md one section per scenario and machine, the 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -104,3 +106,15 @@ def test_the_benchmarks_decode_with_speculation_off_unless_asked(monkeypatch, ti
     assert os.environ["SPECULATIVE"] == "off"  # what every Session and server the benchmark starts reads
     assert parse(parser("A benchmark."), ["--model-path", str(tiny_dir), "--speculative", "on"]).speculative == "on"
     assert os.environ["SPECULATIVE"] == "on"
+
+
+def test_llama_cpp_runs_without_the_thread_settings_the_service_gave_the_benchmark():
+    """bench imports the service first (its settings before torch): the peer must not inherit them."""
+    settings = ("GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    shell = {name: value for name, value in os.environ.items() if name not in settings}
+    code = (
+        "import os\nfrom bench.core.servers import peer_environment\n"
+        "peer = peer_environment()\nprint(sorted(set(os.environ) - set(peer)), peer['PATH'] == os.environ['PATH'])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=shell, capture_output=True, text=True, timeout=99)
+    assert done.stdout.split("\n")[0] == f"{sorted(settings)} True", done.stderr

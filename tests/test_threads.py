@@ -66,3 +66,29 @@ def test_a_thread_that_asks_for_cores_gets_them_and_the_others_keep_one():
     assert threads == 2 and gained >= 2  # itself and its team (the control: a team shows in the count)
     _, threads, gained = on_a_thread_that_stays(big_op)
     assert threads == 1 and gained == 1
+
+
+def _import_warnings(code: str) -> str:
+    """What `code` run in a fresh interpreter (the repository's root on its path) warns on stderr."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    settings = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    env = {name: value for name, value in os.environ.items() if name not in settings}  # as a user's shell has it
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+def test_a_program_that_loads_torch_before_the_service_is_told_its_thread_settings_came_too_late():
+    warned = _import_warnings("import torch\nimport service")
+    assert "torch was imported before the service" in warned
+    assert "OMP_WAIT_POLICY" in warned and "GOMP_SPINCOUNT" in warned
+
+
+def test_the_service_and_the_benchmarks_load_their_settings_before_torch():
+    assert "torch was imported" not in _import_warnings("import service\nimport torch")
+    # a benchmark module that imports torch at its top (the ceiling's bandwidth probe) comes after them
+    assert "torch was imported" not in _import_warnings("import bench.core.ceiling\nimport service")

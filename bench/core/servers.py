@@ -120,6 +120,14 @@ def llama_settings(threads: int) -> str:
     return " ".join(["llama-server", *llama_options(threads)])
 
 
+def peer_environment() -> dict[str, str]:
+    """This process's environment without the thread settings the service's package gave it (bench imports
+    the service first): llama.cpp runs with its own defaults, as its users run it."""
+    import service
+
+    return {name: value for name, value in os.environ.items() if name not in service.DEFAULTED}
+
+
 @contextmanager
 def llama_server(llama: Path, text: Path, mmproj: Path, threads: int, log_path: Path, no_repack: bool = False):
     """Yield (base_url, process) of a llama.cpp `llama-server` built in `llama` (build/bin) on the GGUF
@@ -130,7 +138,7 @@ def llama_server(llama: Path, text: Path, mmproj: Path, threads: int, log_path: 
         *llama_options(threads), "--jinja",
         "--host", "127.0.0.1", "--port", "{port}", "--no-webui", *(["-nr"] if no_repack else []),
     ]  # fmt: skip
-    with _serving(command, log_path, "/health", 900, 0.05) as up:
+    with _serving(command, log_path, "/health", 900, 0.05, env=peer_environment()) as up:
         yield up
 
 
@@ -144,7 +152,7 @@ def llama_embedding_server(llama: Path, text: Path, threads: int, log_path: Path
         "-t", str(threads), "-tb", str(threads), "-c", "16384", "-b", "4096", "-ub", "4096", "-np", "8", "-kvu",
         "--host", "127.0.0.1", "--port", "{port}", "--no-webui", *(["-nr"] if no_repack else []),
     ]  # fmt: skip
-    with _serving(command, log_path, "/health", 900, 0.05) as up:
+    with _serving(command, log_path, "/health", 900, 0.05, env=peer_environment()) as up:
         yield up
 
 
