@@ -105,9 +105,9 @@ void int4_pack(const uint8_t *values, const uint8_t *zeros, const uint16_t *scal
 /* Rows [0, MB) of a (signed activations, k each; `sums`: Σ a per input group) against one slice of
  * a channel group: float sums over the groups into f (MB × SLICE_CHANNELS). ONCE: no other call
  * reads this slice's weights (PREFETCH). */
-#define MICRO(NAME, MB, ONCE)                                                                                        \
-    static void NAME(const int8_t *a, const int32_t *sums, int64_t k, int group, const uint8_t *w,              \
-                           const uint8_t *zeros, const uint16_t *scales, float *f) {                                 \
+#define MICRO(NAME, MB, ONCE)                                                                                       \
+    static void NAME(const int8_t *a, const int32_t *sums, int64_t k, int group, const uint8_t *w,                  \
+                     const uint8_t *zeros, const uint16_t *scales, float *f) {                                      \
         const int groups = (int)(k / group);                                                                        \
         const vec low = SET8(15);                                                                                   \
         for (int i = 0; i < MB * SLICE_CHANNELS; i++) f[i] = 0.0f;                                                  \
@@ -115,9 +115,9 @@ void int4_pack(const uint8_t *values, const uint8_t *zeros, const uint16_t *scal
             vec s[MB][SLICE];                                                                                       \
             for (int i = 0; i < MB; i++)                                                                            \
                 for (int v = 0; v < SLICE; v++) s[i][v] = ZERO();                                                   \
-            for (int64_t step = (int64_t)g * group / 8; step < (int64_t)(g + 1) * group / 8; step++) {            \
+            for (int64_t step = (int64_t)g * group / 8; step < (int64_t)(g + 1) * group / 8; step++) {              \
                 const uint8_t *at = w + step * STEP_BYTES;                                                          \
-                PREFETCH(at, ONCE);                                                         \
+                PREFETCH(at, ONCE);                                                                                 \
                 const int8_t *inputs = a + step * 8;                                                                \
                 for (int v = 0; v < SLICE; v++) {                                                                   \
                     const vec raw = LOAD(at + v * L * 4);                                                           \

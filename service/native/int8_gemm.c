@@ -63,7 +63,7 @@ static inline void stream_ahead(const int8_t *p) {
 /* Rows [0, MB) of q against COLUMNS output channels: the first TILES_PER_GROUP tiles in the group at
  * `first`, the rest (AVX-512) in the group at `second`; each 4 inputs on are STEP bytes on. int32
  * sums into acc (MB × COLUMNS). ONCE: no other call reads these weights (stream_ahead). */
-#define MICRO(NAME, MB, ONCE)                                                                                      \
+#define MICRO(NAME, MB, ONCE)                                                                                     \
     static void NAME(const uint8_t *q, int64_t kp, const int8_t *first, const int8_t *second, int32_t *acc) {     \
         vec s[MB][TILES];                                                                                         \
         for (int i = 0; i < MB; i++)                                                                              \
