@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from service.caches.conversation import kv_bytes
-from service.model.kv import HEADROOM, GrowingCache, GrowingLayer, compacted
+from service.model.kv import HEADROOM, MAX_HEADROOM, GrowingCache, GrowingLayer, compacted, headroom
 
 
 def _append_both(growing, plain, layers, tokens):
@@ -54,6 +54,20 @@ def test_decode_steps_write_into_spare_room_instead_of_copying_the_cache(fp32_en
     # One copy per HEADROOM steps (DynamicCache copies 500+ tokens at each one).
     assert grows == [500 + 1 + HEADROOM, 500 + HEADROOM + 2 + HEADROOM, 500 + 2 * HEADROOM + 3 + HEADROOM]
     assert cache.get_seq_length() == 500 + 3 * HEADROOM
+
+
+def test_a_long_context_grows_by_a_sixteenth_of_itself_so_it_copies_less_often(fp32_engine, monkeypatch):
+    """Each growth copies the whole cache: at 4,096 tokens it leaves 256 spare positions, not 128."""
+    config = fp32_engine.model.config
+    layers = config.text_config.num_hidden_layers
+    long = (torch.randn(1, 2, 4096, 8), torch.randn(1, 2, 4096, 8))
+    cache = GrowingCache(ddp_cache_data=[long] * layers, config=config)
+    grows = recorded_grows(monkeypatch)
+    for _ in range(531):
+        cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), 0)
+    assert grows == [4097 + 256, 4354 + 272, 4627 + 289]
+    assert cache.get_seq_length() == 4096 + 531
+    assert headroom(2047) == HEADROOM and headroom(100_000) == MAX_HEADROOM == 512  # spare room: 1/16 at most
 
 
 def test_a_reserved_prompt_fills_one_buffer_in_pieces(fp32_engine, monkeypatch):

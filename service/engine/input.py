@@ -11,7 +11,7 @@ from ..errors import BadRequest, PromptTooLong
 from ..generation import GenerationRequest
 from ..limits import RequestLimits
 from ..memory import MemoryGuard, kv_cache_bytes
-from ..model.kv import HEADROOM
+from ..model.kv import headroom
 from ..model.prompts import PreparedPrompt, prepare_prompt, renders_tools, tool_call_form
 from ..model.thinking import SWITCH, Opening, ThinkingTokens
 
@@ -103,5 +103,6 @@ class InputProcessor:
 
     def _check_memory(self, prompt: PreparedPrompt, max_new_tokens: int) -> None:
         """Unavailable (503) if this request's KV cache would not fit the memory budget, caches evicted first."""
-        tokens = prompt.num_tokens + max_new_tokens + HEADROOM  # GrowingCache's room
+        tokens = prompt.num_tokens + max_new_tokens
+        tokens += headroom(tokens)  # GrowingCache's room
         self.memory.check(kv_cache_bytes(self.config, tokens, self.kv_itemsize, self.head_layers))

@@ -13,7 +13,7 @@ import torch
 from ..caches.tiers import ConversationTiers
 from ..caches.vision_features import VisionFeatureCache
 from ..model.forward import Rows, TextForward, VisionRows
-from ..model.kv import HEADROOM
+from ..model.kv import headroom
 from ..model.prompts import PreparedPrompt
 from ..vision.features import VisionFeatures
 from ..vision.steps import image_steps, video_steps
@@ -173,7 +173,7 @@ class Prefiller:
         entries for every prompt position (a reused cache that holds none: it guesses otherwise)."""
         t0 = time.perf_counter()
         media = prompt.spans["image"] + prompt.spans["video"]  # what the KV cache matches: the same for both
-        capacity = prompt.num_tokens + HEADROOM
+        capacity = prompt.num_tokens + headroom(prompt.num_tokens)
         rope = prompt_positions(
             self.model, prompt
         )  # the disk tier's blocks are checked against them, and rows use them

@@ -3,9 +3,10 @@
 transformers' `DynamicLayer` appends with `torch.cat`, which copies the whole cache at every
 decode step: at 3,000 tokens of context that is 0.64 GiB read and written per token on the 2B
 model (224 KiB of fp32 keys and values per token). `GrowingLayer` keeps `HEADROOM` spare
-positions behind the cached ones and writes new keys and values there; only when the room is used
-up does it copy, once per `HEADROOM` steps. What attention sees — `keys`/`values`, views of the first positions — is the
-same tensors' values as before, so answers do not change.
+positions behind the cached ones (more for a long context: `headroom`) and writes new keys and
+values there; only when the room is used up does it copy, once per `HEADROOM` steps or more. What
+attention sees — `keys`/`values`, views of the first positions — is the same tensors' values as
+before, so answers do not change.
 """
 
 from __future__ import annotations
@@ -16,9 +17,18 @@ from transformers.cache_utils import DynamicLayer
 
 from ..native import huge_pages
 
-# Spare positions kept when a layer has to grow (per layer: 2 × heads × head_dim × 4 bytes each,
-# 8 KiB on Qwen3-VL-2B, so 128 cost 28 MiB per sequence over its 28 layers).
+# Spare positions kept when a layer has to grow (per layer: 2 × heads × head_dim × 2 bytes each in
+# bf16, 4 KiB on Qwen3-VL-2B, so 128 cost 14 MiB per sequence over its 28 layers) — or, past 2,048
+# tokens, a sixteenth of the context, up to MAX_HEADROOM: a growth copies the whole cache into new
+# memory (at 8,000 tokens of Qwen3.5-2B, 100 MB allocated, faulted in and copied), so a long context
+# copies every 512 tokens instead of every 128, its spare room never over 1/16 of it.
 HEADROOM = 128
+MAX_HEADROOM = 512
+
+
+def headroom(length: int) -> int:
+    """Spare positions a layer that must hold `length` keeps when it grows."""
+    return max(HEADROOM, min(length // 16, MAX_HEADROOM))
 
 
 class GrowingLayer(DynamicLayer):
@@ -43,7 +53,7 @@ class GrowingLayer(DynamicLayer):
             )
             return self.keys, self.values
         if not self._has_room(length + new):
-            self._grow(max(length + new + HEADROOM, self.reserved), key_states)
+            self._grow(max(length + new + headroom(length + new), self.reserved), key_states)
         self._keys_buffer[:, :, length : length + new].copy_(key_states)
         self._values_buffer[:, :, length : length + new].copy_(value_states)
         self.keys = self._keys_buffer[:, :, : length + new]
