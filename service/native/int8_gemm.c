@@ -57,7 +57,8 @@ void int8_pack(const int8_t *rows, int n, int k, int8_t *out, int32_t *sums) {
  * L2 and ask for nothing. */
 #define STREAM_STEPS 32
 static inline void stream_ahead(const int8_t *p) {
-    for (int line = 0; line < STEP; line += 64) _mm_prefetch((const char *)p + STREAM_STEPS * STEP + line, _MM_HINT_NTA);
+    for (int line = 0; line < STEP; line += 64)
+        _mm_prefetch((const char *)p + STREAM_STEPS * STEP + line, _MM_HINT_NTA);
 }
 
 /* Rows [0, MB) of q against COLUMNS output channels: the first TILES_PER_GROUP tiles in the group at
