@@ -67,8 +67,7 @@ static inline __m512i dot_at(__m512i acc, __m512i u, const void *p) {
 #define PREFETCH(p, once)                                                                                      \
     do {                                                                                                       \
         if (once)                                                                                              \
-            for (int line = 0; line < SLICE_CHANNELS * 4; line += 64)                                          \
-                _mm_prefetch((const char *)(p) + STREAM_STEPS * STEP_BYTES + line, _MM_HINT_NTA);              \
+            stream_lines((p) + STREAM_STEPS * STEP_BYTES, SLICE_CHANNELS * 4);                                 \
         else                                                                                                   \
             for (int line = 0; line < SLICE_CHANNELS * 4; line += 64)                                          \
                 _mm_prefetch((const char *)(p) + PREFETCH_STEPS * STEP_BYTES + line, _MM_HINT_T0);             \
@@ -114,11 +113,10 @@ void int4_pack(const uint8_t *values, const uint8_t *zeros, const uint16_t *scal
         for (int i = 0; i < MB * SLICE_CHANNELS; i++) f[i] = 0.0f;                                                  \
         for (int g = 0; g < groups; g++) {                                                                          \
             vec s[MB][SLICE];                                                                                       \
-            if (ONCE) /* the zero points and scales of the group after next: streams of their own */               \
-                for (int line = 0; line < 3 * 64; line += 64)                                                       \
-                    _mm_prefetch((line ? (const char *)(scales + (g + 2) * CHANNELS) + line - 64                    \
-                                       : (const char *)(zeros + (g + 2) * CHANNELS)),                               \
-                                 _MM_HINT_NTA);                                                                     \
+            if (ONCE) { /* the zero points and scales of the group after next: streams of their own */             \
+                stream_lines(zeros + (g + 2) * CHANNELS, 64);                                                       \
+                stream_lines(scales + (g + 2) * CHANNELS, 128);                                                     \
+            }                                                                                                       \
             for (int i = 0; i < MB; i++)                                                                            \
                 for (int v = 0; v < SLICE; v++) s[i][v] = ZERO();                                                   \
             for (int64_t step = (int64_t)g * group / 8; step < (int64_t)(g + 1) * group / 8; step++) {              \

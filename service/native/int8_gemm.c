@@ -56,10 +56,7 @@ void int8_pack(const int8_t *rows, int n, int k, int8_t *out, int32_t *sums) {
  * against 93 % on the hardware's prefetch alone. Prefill's row blocks read their weights again from
  * L2 and ask for nothing. */
 #define STREAM_STEPS 32
-static inline void stream_ahead(const int8_t *p) {
-    for (int line = 0; line < STEP; line += 64)
-        _mm_prefetch((const char *)p + STREAM_STEPS * STEP + line, _MM_HINT_NTA);
-}
+static inline void stream_ahead(const int8_t *p) { stream_lines(p + STREAM_STEPS * STEP, STEP); }
 
 /* Rows [0, MB) of q against COLUMNS output channels: the first TILES_PER_GROUP tiles in the group at
  * `first`, the rest (AVX-512) in the group at `second`; each 4 inputs on are STEP bytes on. int32

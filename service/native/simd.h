@@ -107,3 +107,8 @@ static float quantize_row(const float *x, int k, int kp, uint8_t *q) {
     return peak;
 }
 
+/* Ask for the `bytes` (a multiple of 64) at p non-temporally: weights a decode step reads once, brought
+ * into L1 without displacing the caches' other lines (both kernels' decode path; see int4_gemm.c). */
+static inline void stream_lines(const void *p, int bytes) {
+    for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)p + line, _MM_HINT_NTA);
+}
