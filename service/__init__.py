@@ -6,11 +6,8 @@ import warnings
 
 # The settings below this process's environment did not make: set here (a launcher of other programs,
 # bench's llama.cpp, leaves them out of theirs)
-DEFAULTED = [
-    name
-    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-    if name not in os.environ
-]
+SETTINGS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+DEFAULTED = [name for name in SETTINGS if name not in os.environ]
 
 # oneDNN keeps every kernel it builds for a new shape, up to 1,024 by default: prompt pieces and
 # pictures of ever new lengths made that tens of MiB of a long-running worker's memory, growing for

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import service
 from bench.__main__ import SCENARIOS, main
 from bench.core import results
 
@@ -110,11 +111,10 @@ def test_the_benchmarks_decode_with_speculation_off_unless_asked(monkeypatch, ti
 
 def test_llama_cpp_runs_without_the_thread_settings_the_service_gave_the_benchmark():
     """bench imports the service first (its settings before torch): the peer must not inherit them."""
-    settings = ("GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
-    shell = {name: value for name, value in os.environ.items() if name not in settings}
+    shell = {name: value for name, value in os.environ.items() if name not in service.SETTINGS}
     code = (
         "import os\nfrom bench.core.servers import peer_environment\n"
         "peer = peer_environment()\nprint(sorted(set(os.environ) - set(peer)), peer['PATH'] == os.environ['PATH'])"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=shell, capture_output=True, text=True, timeout=99)
-    assert done.stdout.split("\n")[0] == f"{sorted(settings)} True", done.stderr
+    assert done.stdout.split("\n")[0] == f"{sorted(service.SETTINGS)} True", done.stderr

@@ -6,12 +6,16 @@ decode step's parallel regions (a decode step measured 2x slower on 2 cores)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 from test_caches import image
 
+import service
 from service.engine.engine import GenerationRequest, SamplingParams
 from service.model.prompts import ChatMessage, ImagePart, TextPart
 from service.threads import compute_on
@@ -70,12 +74,7 @@ def test_a_thread_that_asks_for_cores_gets_them_and_the_others_keep_one():
 
 def _import_warnings(code: str) -> str:
     """What `code` run in a fresh interpreter (the repository's root on its path) warns on stderr."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    settings = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-    env = {name: value for name, value in os.environ.items() if name not in settings}  # as a user's shell has it
+    env = {name: value for name, value in os.environ.items() if name not in service.SETTINGS}  # a user's shell
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
